@@ -1,0 +1,75 @@
+"""Arguments the command line adds to a trainer config: where the data and the model come from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ScriptArguments:
+    dataset_name: str | None = field(
+        default=None,
+        metadata={"help": "Hub dataset name, local folder, or json/jsonl/parquet/csv file (comma-separate several)."},
+    )
+    dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
+    dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
+    dataset_test_split: str = field(default="test", metadata={"help": "Split to evaluate on, when eval is enabled."})
+
+
+@dataclass
+class ModelConfig:
+    model_name_or_path: str | None = field(default=None, metadata={"help": "Model id on the Hub or a local folder."})
+    model_revision: str = field(default="main", metadata={"help": "Model revision (branch, tag or commit)."})
+    dtype: str | None = field(default=None, metadata={"help": "auto, float32, bfloat16 or float16."})
+    trust_remote_code: bool = field(default=False, metadata={"help": "Allow custom model code from the Hub."})
+    attn_implementation: str | None = field(default=None, metadata={"help": "eager, sdpa, flash_attention_2, ..."})
+    use_peft: bool = field(default=False, metadata={"help": "Train a LoRA adapter instead of all weights."})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha."})
+    lora_dropout: float = field(default=0.05, metadata={"help": "LoRA dropout."})
+    lora_target_modules: list[str] | None = field(default=None, metadata={"help": "Modules to adapt (default: PEFT's)."})
+    lora_modules_to_save: list[str] | None = field(default=None, metadata={"help": "Modules trained in full."})
+    lora_task_type: str = field(default="CAUSAL_LM", metadata={"help": "PEFT task type."})
+    use_rslora: bool = field(default=False, metadata={"help": "Rank-stabilised LoRA scaling."})
+    load_in_8bit: bool = field(default=False, metadata={"help": "8-bit weights (bitsandbytes, CUDA)."})
+    load_in_4bit: bool = field(default=False, metadata={"help": "4-bit weights (bitsandbytes, CUDA)."})
+    bnb_4bit_quant_type: str = field(default="nf4", metadata={"help": "fp4 or nf4."})
+    use_bnb_nested_quant: bool = field(default=False, metadata={"help": "Quantise the quantisation constants too."})
+
+    def __post_init__(self):
+        if self.load_in_8bit and self.load_in_4bit:
+            raise ValueError("Choose one of load_in_8bit and load_in_4bit.")
+        if (self.load_in_8bit or self.load_in_4bit) and not self.use_peft:
+            raise ValueError("A 4/8-bit model can only be trained through an adapter: add --use_peft.")
+
+
+def model_init_kwargs_from(model_args: ModelConfig) -> dict:
+    kwargs = {"revision": model_args.model_revision, "trust_remote_code": model_args.trust_remote_code}
+    if model_args.dtype:
+        kwargs["dtype"] = model_args.dtype
+    if model_args.attn_implementation:
+        kwargs["attn_implementation"] = model_args.attn_implementation
+    if model_args.load_in_4bit or model_args.load_in_8bit:
+        kwargs["quantization_config"] = {
+            "load_in_4bit": model_args.load_in_4bit,
+            "load_in_8bit": model_args.load_in_8bit,
+            "bnb_4bit_quant_type": model_args.bnb_4bit_quant_type,
+            "bnb_4bit_use_double_quant": model_args.use_bnb_nested_quant,
+        }
+    return kwargs
+
+
+def peft_config_from(model_args: ModelConfig):
+    if not model_args.use_peft:
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=model_args.lora_r,
+        lora_alpha=model_args.lora_alpha,
+        lora_dropout=model_args.lora_dropout,
+        target_modules=model_args.lora_target_modules,
+        modules_to_save=model_args.lora_modules_to_save,
+        task_type=model_args.lora_task_type,
+        use_rslora=model_args.use_rslora,
+    )

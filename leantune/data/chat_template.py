@@ -1,0 +1,45 @@
+"""Chat-template checks and loading, shared by every trainer that reads conversations."""
+
+from __future__ import annotations
+
+import os
+import re
+
+GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+def has_generation_markers(template: str | None) -> bool:
+    return bool(template) and bool(GENERATION_BLOCK.search(template))
+
+
+def require_chat_template(tokenizer, purpose: str = "conversational data") -> None:
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"{purpose} needs a chat template, and the tokenizer ({type(tokenizer).__name__}, "
+            f"{getattr(tokenizer, 'name_or_path', '?')!r}) has none. Pass `chat_template_path=` (a .jinja file or a "
+            "tokenizer folder that has one), or set `tokenizer.chat_template`."
+        )
+
+
+def require_generation_markers(tokenizer) -> None:
+    require_chat_template(tokenizer, "assistant_only_loss")
+    if not has_generation_markers(tokenizer.chat_template):
+        raise ValueError(
+            "assistant_only_loss=True needs a chat template that wraps assistant turns in "
+            "{% generation %} ... {% endgeneration %}, so the tokenizer can mark assistant tokens; "
+            "this tokenizer's template has no such markers. Use a template that has them (chat_template_path=)."
+        )
+
+
+def load_chat_template(tokenizer, path: str) -> None:
+    """Set tokenizer.chat_template from a .jinja file or from a tokenizer folder."""
+    if os.path.isdir(path):
+        from transformers import AutoTokenizer
+
+        template = AutoTokenizer.from_pretrained(path).chat_template
+        if not template:
+            raise ValueError(f"The tokenizer in {path!r} has no chat template.")
+    else:
+        with open(path, encoding="utf-8") as handle:
+            template = handle.read()
+    tokenizer.chat_template = template

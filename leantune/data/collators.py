@@ -1,0 +1,95 @@
+"""Batch layouts for causal-LM training: padded, padding-free (one flat row) and packed rows.
+
+Every layout carries the same loss tokens: a token is a target when its loss masks allow it and it is not the
+first token of its sequence, so that no prediction crosses from one sequence into the next.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+IGNORE_INDEX = -100
+
+
+def round_up(n: int, multiple: int | None) -> int:
+    return n if not multiple else -(-n // multiple) * multiple
+
+
+def segment_positions(seq_lengths) -> np.ndarray:
+    """Position ids restarting at 0 for every segment."""
+    seq_lengths = np.asarray(seq_lengths, dtype=np.int64)
+    starts = np.repeat(np.cumsum(seq_lengths) - seq_lengths, seq_lengths)
+    return np.arange(int(seq_lengths.sum()), dtype=np.int64) - starts
+
+
+@dataclass
+class CausalLMCollator:
+    """Collate tokenised examples (or packed rows carrying `seq_lengths`).
+
+    padded: input_ids, attention_mask, labels of shape [batch, longest].
+    padding_free: all examples of the batch in one row, with restarting position_ids and no attention mask.
+    packed rows (examples with `seq_lengths`): one row each, restarting position_ids, no attention mask.
+    """
+
+    pad_token_id: int
+    loss_mask_columns: tuple[str, ...] = ()
+    padding_free: bool = False
+    pad_to_multiple_of: int | None = None
+    return_tensors: str = field(default="pt")
+
+    def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
+        if "seq_lengths" in examples[0]:
+            rows = [self._row(ex, ex["seq_lengths"]) for ex in examples]
+            return self._stack_segmented(rows)
+        rows = [self._row(ex, [len(ex["input_ids"])]) for ex in examples]
+        if self.padding_free:
+            flat = tuple(np.concatenate(parts) for parts in zip(*rows))
+            return self._stack_segmented([flat])
+        return self._stack_padded(rows)
+
+    def _row(self, example: dict, seq_lengths) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        ids = np.asarray(example["input_ids"], dtype=np.int64)
+        positions = segment_positions(seq_lengths)
+        if len(positions) != len(ids):
+            raise ValueError(f"seq_lengths sum to {len(positions)} but the row has {len(ids)} tokens.")
+        target = positions > 0
+        for name in self.loss_mask_columns:
+            target &= np.asarray(example[name], dtype=bool)
+        labels = np.where(target, ids, IGNORE_INDEX)
+        return ids, labels, positions
+
+    def _stack_padded(self, rows) -> dict[str, torch.Tensor]:
+        width = round_up(max(len(ids) for ids, _, _ in rows), self.pad_to_multiple_of)
+        input_ids = np.full((len(rows), width), self.pad_token_id, dtype=np.int64)
+        labels = np.full((len(rows), width), IGNORE_INDEX, dtype=np.int64)
+        attention_mask = np.zeros((len(rows), width), dtype=np.int64)
+        for i, (ids, lab, _) in enumerate(rows):
+            input_ids[i, : len(ids)], labels[i, : len(ids)], attention_mask[i, : len(ids)] = ids, lab, 1
+        return {
+            "input_ids": torch.from_numpy(input_ids),
+            "attention_mask": torch.from_numpy(attention_mask),
+            "labels": torch.from_numpy(labels),
+            "num_real_tokens": torch.tensor(int(attention_mask.sum())),
+        }
+
+    def _stack_segmented(self, rows) -> dict[str, torch.Tensor]:
+        """Rows of restarting segments; padding forms its own segment so it never joins a real sequence."""
+        width = round_up(max(len(ids) for ids, _, _ in rows), self.pad_to_multiple_of)
+        input_ids = np.full((len(rows), width), self.pad_token_id, dtype=np.int64)
+        labels = np.full((len(rows), width), IGNORE_INDEX, dtype=np.int64)
+        position_ids = np.zeros((len(rows), width), dtype=np.int64)
+        real = 0
+        for i, (ids, lab, pos) in enumerate(rows):
+            n = len(ids)
+            input_ids[i, :n], labels[i, :n], position_ids[i, :n] = ids, lab, pos
+            position_ids[i, n:] = np.arange(width - n)
+            real += n
+        return {
+            "input_ids": torch.from_numpy(input_ids),
+            "position_ids": torch.from_numpy(position_ids),
+            "labels": torch.from_numpy(labels),
+            "num_real_tokens": torch.tensor(real),
+        }

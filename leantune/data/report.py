@@ -1,0 +1,38 @@
+"""What data preparation changed or dropped, counted so that nothing is lost silently."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+
+logger = logging.getLogger("leantune.data")
+
+
+@dataclass
+class PreparationReport:
+    split: str = "train"
+    num_examples_in: int = 0
+    num_empty_dropped: int = 0
+    num_truncated: int = 0
+    tokens_dropped: int = 0
+    num_without_targets_dropped: int = 0
+    num_examples_out: int = 0
+    num_rows_out: int = 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def log(self) -> None:
+        if self.num_empty_dropped:
+            logger.warning("%s: dropped %d empty example(s) of %d.", self.split, self.num_empty_dropped, self.num_examples_in)
+        if self.num_truncated:
+            logger.warning(
+                "%s: truncated %d example(s) to max_length, dropping %d token(s).",
+                self.split, self.num_truncated, self.tokens_dropped,
+            )
+        if self.num_without_targets_dropped:
+            logger.warning(
+                "%s: dropped %d example(s) left with no loss tokens (e.g. the prompt fills max_length).",
+                self.split, self.num_without_targets_dropped,
+            )
+        logger.info("%s data: %s", self.split, self.as_dict())

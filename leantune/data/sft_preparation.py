@@ -1,0 +1,129 @@
+"""The SFT data recipe: format check, empty-row filter, tokenisation, truncation, packing; every drop counted."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .chat_template import require_chat_template, require_generation_markers
+from .formats import SFTFormat, detect_sft_format
+from .report import PreparationReport
+from .sft_tokenization import SFTTokenizer, is_empty_example
+from .truncation import truncate_dataset
+
+LOSS_MASK_COLUMNS = ("completion_mask", "assistant_masks")
+
+
+def prepare_sft_dataset(dataset, tokenizer, args, split: str = "train", formatting_func=None, packing: bool = False):
+    """Return (tokenised dataset, PreparationReport) ready for the SFT collator."""
+    if dataset is None:
+        return None, None
+    if type(dataset).__name__ in ("DatasetDict", "IterableDatasetDict"):
+        raise ValueError(f"Pass one split as the {split} dataset, not a DatasetDict with {list(dataset)}.")
+    report = PreparationReport(split=split, num_examples_in=len(dataset))
+    if report.num_examples_in == 0:
+        raise ValueError(f"The {split} dataset is empty.")
+    num_proc = args.dataset_num_proc
+    if formatting_func is not None:
+        dataset = dataset.map(lambda ex: {"text": formatting_func(ex)}, remove_columns=dataset.column_names, num_proc=num_proc)
+        text_field = "text"
+    else:
+        text_field = args.dataset_text_field
+    fmt = detect_sft_format(dataset, text_field)
+    _check_format_against_args(fmt, tokenizer, args, dataset)
+
+    if fmt is not SFTFormat.TOKENIZED:
+        def not_empty(batch):
+            size = len(next(iter(batch.values())))
+            return {"__keep__": [not is_empty_example({k: batch[k][i] for k in batch}, fmt, text_field) for i in range(size)]}
+
+        keep = dataset.map(
+            not_empty, batched=True, remove_columns=dataset.column_names, num_proc=num_proc, desc="Checking rows"
+        )["__keep__"]
+        dataset = dataset.select(np.flatnonzero(keep)) if not all(keep) else dataset
+        report.num_empty_dropped = report.num_examples_in - len(dataset)
+        if len(dataset) == 0:
+            raise ValueError(f"Every example of the {split} dataset is empty.")
+        eos_id = tokenizer.convert_tokens_to_ids(args.eos_token) if args.eos_token else tokenizer.eos_token_id
+        encode = SFTTokenizer(tokenizer, fmt, text_field, args.assistant_only_loss, eos_id)
+        dataset = dataset.map(
+            encode, batched=True, remove_columns=dataset.column_names, num_proc=num_proc, desc=f"Tokenising {split}"
+        )
+    else:
+        non_empty = [i for i, ids in enumerate(dataset["input_ids"]) if ids]
+        report.num_empty_dropped = len(dataset) - len(non_empty)
+        if report.num_empty_dropped:
+            dataset = dataset.select(non_empty)
+
+    splits_long = packing and args.packing_strategy in ("bfd_split", "wrapped")
+    if args.max_length is not None and not splits_long:
+        dataset, report.num_truncated, report.tokens_dropped = truncate_dataset(
+            dataset, args.max_length, args.truncation_mode, num_proc
+        )
+    dataset, report.num_without_targets_dropped = drop_examples_without_targets(dataset, args, num_proc)
+    report.num_examples_out = len(dataset)
+    if len(dataset) == 0:
+        raise ValueError(f"No {split} example has a token to learn from after preparation: {report.as_dict()}.")
+    if args.shuffle_dataset and split == "train":
+        dataset = dataset.shuffle(seed=args.seed)
+    if packing:
+        from .packing import pack_dataset
+
+        dataset = pack_dataset(dataset, args.max_length, strategy=args.packing_strategy)
+    report.num_rows_out = len(dataset)
+    report.log()
+    return dataset, report
+
+
+def _check_format_against_args(fmt: SFTFormat, tokenizer, args, dataset) -> None:
+    conversational = fmt in (SFTFormat.CONVERSATIONAL, SFTFormat.CONVERSATIONAL_PROMPT_COMPLETION)
+    if conversational:
+        require_chat_template(tokenizer)
+    if args.assistant_only_loss:
+        if fmt is SFTFormat.TOKENIZED:
+            if "assistant_masks" not in dataset.column_names:
+                raise ValueError("assistant_only_loss=True with pre-tokenised data needs an 'assistant_masks' column.")
+        elif not conversational:
+            raise ValueError(
+                f"assistant_only_loss=True needs conversational data (messages); this dataset is {fmt.value}."
+            )
+        else:
+            require_generation_markers(tokenizer)
+    has_completion = fmt in (SFTFormat.PROMPT_COMPLETION, SFTFormat.CONVERSATIONAL_PROMPT_COMPLETION) or (
+        fmt is SFTFormat.TOKENIZED and "completion_mask" in dataset.column_names
+    )
+    if args.completion_only_loss and not has_completion:
+        raise ValueError(
+            f"completion_only_loss=True needs prompt-completion data (or a 'completion_mask' column); "
+            f"this dataset is {fmt.value}. Set completion_only_loss=None or False."
+        )
+
+
+def loss_mask_columns(dataset, args) -> list[str]:
+    """The mask columns that select loss tokens under the current settings."""
+    names = []
+    if args.completion_only_loss is not False and "completion_mask" in dataset.column_names:
+        names.append("completion_mask")
+    if args.assistant_only_loss and "assistant_masks" in dataset.column_names:
+        names.append("assistant_masks")
+    return names
+
+
+def drop_examples_without_targets(dataset, args, num_proc=None):
+    """An example whose loss mask selects no predicted token (position >= 1) would add nothing: drop, count."""
+    masks = loss_mask_columns(dataset, args)
+
+    def has_target(batch):
+        keep = []
+        for i, ids in enumerate(batch["input_ids"]):
+            selected = np.ones(len(ids), dtype=bool)
+            for name in masks:
+                selected &= np.asarray(batch[name][i], dtype=bool)
+            keep.append(bool(selected[1:].any()))
+        return {"__keep__": keep}
+
+    keep = dataset.map(
+        has_target, batched=True, remove_columns=dataset.column_names, num_proc=num_proc, desc="Checking targets"
+    )["__keep__"]
+    if all(keep):
+        return dataset, 0
+    return dataset.select(np.flatnonzero(keep)), len(keep) - int(np.sum(keep))

@@ -1,0 +1,122 @@
+"""SFTConfig: TRL's field names and meanings on top of transformers' TrainingArguments."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import TrainingArguments
+
+from .config_utils import resolve_checkpointing
+
+PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")
+TRUNCATION_MODES = ("keep_start", "keep_end")
+SFT_LOSS_TYPES = ("nll",)
+
+
+def _bf16_supported() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
+@dataclass
+class SFTConfig(TrainingArguments):
+    """Configuration of supervised fine-tuning. Defaults match TRL's, except where noted."""
+
+    # Overridden TrainingArguments defaults (TRL's choices).
+    learning_rate: float = field(default=2e-5, metadata={"help": "Initial AdamW learning rate."})
+    logging_steps: float = field(default=10, metadata={"help": "Log every N optimizer steps."})
+    gradient_checkpointing: bool | None = field(
+        default=None,
+        metadata={"help": "Recompute activations in the backward pass to save memory (default: on, non-reentrant)."},
+    )
+    bf16: bool | None = field(
+        default=None,
+        metadata={"help": "bf16 mixed precision. Default: on when a bf16-capable GPU is used and fp16 is off."},
+    )
+
+    # Model
+    model_init_kwargs: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={"help": "Keyword arguments for from_pretrained when `model` is a string (dtype, attn_implementation, ...)."},
+    )
+    chat_template_path: str | None = field(
+        default=None, metadata={"help": "A Jinja chat-template file (or tokenizer dir) to use instead of the tokenizer's."}
+    )
+
+    # Data preparation
+    dataset_text_field: str = field(default="text", metadata={"help": "Column holding text for language-modelling data."})
+    dataset_kwargs: dict[str, Any] | str | None = field(
+        default=None, metadata={"help": "Extra dataset options; {'skip_prepare_dataset': True} uses the data as given."}
+    )
+    dataset_num_proc: int | None = field(default=None, metadata={"help": "Processes for dataset tokenisation."})
+    eos_token: str | None = field(default=None, metadata={"help": "EOS token appended to each example (default: tokenizer's)."})
+    pad_token: str | None = field(default=None, metadata={"help": "Padding token (default: tokenizer's, else its EOS)."})
+    max_length: int | None = field(
+        default=1024, metadata={"help": "Truncate tokenised examples to this many tokens (None: no truncation)."}
+    )
+    max_seq_length: int | None = field(
+        default=None, metadata={"help": "Deprecated alias of max_length."}
+    )
+    truncation_mode: str = field(default="keep_start", metadata={"help": "keep_start or keep_end."})
+    shuffle_dataset: bool = field(default=False, metadata={"help": "Shuffle the training set before packing."})
+
+    # Packing and padding
+    packing: bool = field(default=False, metadata={"help": "Pack examples into rows of max_length tokens."})
+    packing_strategy: str = field(default="bfd", metadata={"help": "bfd, bfd_split or wrapped."})
+    padding_free: bool = field(
+        default=False, metadata={"help": "Flatten each batch into one row with restarting position_ids (no padding)."}
+    )
+    pad_to_multiple_of: int | None = field(default=None, metadata={"help": "Pad each batch to a multiple of this."})
+    eval_packing: bool | None = field(default=None, metadata={"help": "Pack the eval set (default: same as packing)."})
+
+    # Loss
+    completion_only_loss: bool | None = field(
+        default=None, metadata={"help": "Loss on completion tokens only (default: on for prompt-completion data)."}
+    )
+    assistant_only_loss: bool = field(
+        default=False, metadata={"help": "Loss on assistant turns only (needs {% generation %} in the chat template)."}
+    )
+    loss_type: str = field(default="nll", metadata={"help": "nll (token-mean cross-entropy)."})
+
+    # Memory
+    activation_offloading: bool = field(default=False, metadata={"help": "Offload saved activations to CPU memory."})
+
+    def __post_init__(self):
+        if self.max_seq_length is not None:
+            warnings.warn(
+                "`max_seq_length` is deprecated; use `max_length` (same meaning). Using max_length="
+                f"{self.max_seq_length}.",
+                FutureWarning,
+                stacklevel=3,
+            )
+            self.max_length = self.max_seq_length
+            self.max_seq_length = None
+        if self.bf16 is None:
+            self.bf16 = not self.fp16 and not self.use_cpu and _bf16_supported()
+        resolve_checkpointing(self)
+        validate_sft_config(self)
+        super().__post_init__()
+
+
+def _positive_or_none(value, name: str) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+        raise ValueError(f"`{name}` must be a positive integer or None, got {value!r}.")
+
+
+def validate_sft_config(args: SFTConfig) -> None:
+    """Reject settings that cannot work, with the reason, before any data is touched."""
+    _positive_or_none(args.max_length, "max_length")
+    _positive_or_none(args.pad_to_multiple_of, "pad_to_multiple_of")
+    _positive_or_none(args.dataset_num_proc, "dataset_num_proc")
+    if args.packing_strategy not in PACKING_STRATEGIES:
+        raise ValueError(f"`packing_strategy` must be one of {PACKING_STRATEGIES}, got {args.packing_strategy!r}.")
+    if args.truncation_mode not in TRUNCATION_MODES:
+        raise ValueError(f"`truncation_mode` must be one of {TRUNCATION_MODES}, got {args.truncation_mode!r}.")
+    if args.loss_type not in SFT_LOSS_TYPES:
+        raise ValueError(f"`loss_type` must be one of {SFT_LOSS_TYPES}, got {args.loss_type!r}.")
+    if (args.packing or args.eval_packing) and args.max_length is None:
+        raise ValueError("`packing=True` needs `max_length`: it is the length of the packed rows.")
+    if args.per_device_train_batch_size <= 0 or args.gradient_accumulation_steps <= 0:
+        raise ValueError("Batch size and gradient accumulation steps must be positive.")

@@ -1,0 +1,115 @@
+"""SFTTrainer: supervised fine-tuning, as a recipe over leantune's shared data, loss and memory pieces."""
+
+from __future__ import annotations
+
+import logging
+
+from ..data.chat_template import load_chat_template
+from ..data.collators import CausalLMCollator
+from ..data.sft_preparation import loss_mask_columns, prepare_sft_dataset
+from ..losses.causal_lm import nll_sum
+from ..models.loading import apply_peft, ensure_pad_token, liger_usable, load_causal_lm, load_tokenizer, parse_kwargs
+from .base import LeantuneTrainer
+from .sft_config import SFTConfig
+
+logger = logging.getLogger("leantune.sft")
+
+
+class SFTTrainer(LeantuneTrainer):
+    """Train a causal LM on text, prompt-completion or conversational data."""
+
+    dataset_columns = ("input_ids", "completion_mask", "assistant_masks", "seq_lengths")
+
+    def __init__(
+        self,
+        model,
+        args: SFTConfig | None = None,
+        data_collator=None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        compute_loss_func=None,
+        compute_metrics=None,
+        callbacks=None,
+        optimizers=(None, None),
+        optimizer_cls_and_kwargs=None,
+        preprocess_logits_for_metrics=None,
+        peft_config=None,
+        formatting_func=None,
+    ):
+        if args is None:
+            name = model if isinstance(model, str) else type(model).__name__
+            args = SFTConfig(output_dir=f"{str(name).split('/')[-1]}-SFT")
+        _check_unsupported(args)
+
+        # 1. model and tokenizer
+        model_source = model
+        model = load_causal_lm(model, args.model_init_kwargs)
+        tokenizer = load_tokenizer(model_source, processing_class)
+        if args.chat_template_path:
+            load_chat_template(tokenizer, args.chat_template_path)
+        ensure_pad_token(tokenizer, args.pad_token)
+        if args.gradient_checkpointing:
+            model.config.use_cache = False
+        model = apply_peft(model, peft_config, args)
+
+        # 2. data: tokenise, truncate, pack (each step counted and logged)
+        dataset_kwargs = parse_kwargs(args.dataset_kwargs)
+        eval_packing = args.packing if args.eval_packing is None else args.eval_packing
+        reports = {}
+        if not dataset_kwargs.get("skip_prepare_dataset", False):
+            train_dataset, reports["train"] = prepare_sft_dataset(
+                train_dataset, tokenizer, args, "train", formatting_func, packing=args.packing
+            )
+            if isinstance(eval_dataset, dict):
+                eval_dataset = {
+                    name: prepare_sft_dataset(ds, tokenizer, args, f"eval/{name}", formatting_func, eval_packing)[0]
+                    for name, ds in eval_dataset.items()
+                }
+            elif eval_dataset is not None:
+                eval_dataset, reports["eval"] = prepare_sft_dataset(
+                    eval_dataset, tokenizer, args, "eval", formatting_func, packing=eval_packing
+                )
+
+        # 3. batches: padded, padding-free or packed rows, all with the same loss tokens
+        if data_collator is None:
+            data_collator = CausalLMCollator(
+                pad_token_id=tokenizer.pad_token_id,
+                loss_mask_columns=tuple(loss_mask_columns(train_dataset, args)) if train_dataset is not None else (),
+                padding_free=args.padding_free,
+                pad_to_multiple_of=args.pad_to_multiple_of,
+            )
+        super().__init__(
+            model=model,
+            args=args,
+            data_collator=data_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=tokenizer,
+            compute_loss_func=compute_loss_func,
+            compute_metrics=compute_metrics,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
+            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+        )
+        self.data_reports = reports
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        inputs = dict(inputs)
+        labels = inputs.pop("labels")
+        self.count_tokens(model, inputs)
+        outputs = model(**inputs, use_cache=False)
+        loss = self.normalise(nll_sum(outputs.logits, labels), labels, num_items_in_batch)
+        return (loss, outputs) if return_outputs else loss
+
+
+def _check_unsupported(args: SFTConfig) -> None:
+    if args.use_liger_kernel and not liger_usable():
+        logger.warning(
+            "use_liger_kernel=True: liger-kernel needs CUDA and the 'liger' extra; neither path is available here, "
+            "so the standard loss is used."
+        )
+        args.use_liger_kernel = False
+    if args.activation_offloading:
+        raise NotImplementedError("activation_offloading is not available in this version of leantune yet.")

@@ -1,0 +1,66 @@
+"""Shared fixtures: the real tokenizer and datasets from ../shared, and tiny models built from configs."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("LEANTUNE_SHARED", REPO.parent / "shared"))
+TOKENIZER_DIR = SHARED / "tokenizers" / "mistral-7b-v0.1"
+GSM8K_TRAIN = SHARED / "data" / "gsm8k" / "train.jsonl"
+HH_PAIRS = SHARED / "data" / "hh-rlhf-harmless" / "test.jsonl.gz"
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+def _require(path: Path) -> Path:
+    if not path.exists():
+        pytest.skip(f"shared test data not found at {path} (set LEANTUNE_SHARED)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir() -> Path:
+    return _require(TOKENIZER_DIR)
+
+
+@pytest.fixture
+def tokenizer(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tokenizer_dir))
+
+
+@pytest.fixture(scope="session")
+def gsm8k_rows() -> list[dict]:
+    with open(_require(GSM8K_TRAIN), encoding="utf-8") as handle:
+        return [json.loads(line) for _, line in zip(range(400), handle)]
+
+
+def gsm8k_prompt_completion(rows, n):
+    from datasets import Dataset
+
+    return Dataset.from_list([{"prompt": r["question"], "completion": " " + r["answer"]} for r in rows[:n]])
+
+
+def tiny_model(arch: str = "llama", vocab_size: int = 32000, attn_implementation: str = "sdpa", seed: int = 0):
+    """A 2-layer model of a real architecture, random weights, fp32."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    common = dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2048, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    torch.manual_seed(seed)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common, attn_implementation=attn_implementation))
+    elif arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common, attn_implementation=attn_implementation))
+    else:
+        raise ValueError(arch)
+    return model.float()

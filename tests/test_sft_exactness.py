@@ -1,0 +1,156 @@
+"""Padded, padding-free and packed batches must give the same per-token losses and gradients.
+
+Tolerance: relative difference <= 1e-5 in fp32 (max abs difference over max magnitude, per tensor).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import TrainerCallback
+
+from leantune import SFTConfig, SFTTrainer
+from leantune.losses.causal_lm import count_targets, token_nll
+
+from .conftest import gsm8k_prompt_completion, tiny_model
+
+RTOL = 1e-5
+MAX_LENGTH = 256
+
+
+def rel_diff(a, b) -> float:
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
+
+
+def make_trainer(model, tokenizer, dataset, tmp_path, **overrides):
+    settings = dict(output_dir=str(tmp_path), max_length=MAX_LENGTH, report_to=[], save_strategy="no", use_cpu=True,
+                    per_device_train_batch_size=4, max_steps=1, max_grad_norm=0.0, seed=0, logging_steps=1)
+    settings.update(overrides)
+    return SFTTrainer(model=model, args=SFTConfig(**settings), train_dataset=dataset, processing_class=tokenizer)
+
+
+def whole_dataset_batch(trainer):
+    rows = [trainer.train_dataset[i] for i in range(len(trainer.train_dataset))]
+    return trainer.data_collator(rows)
+
+
+def sequence_losses(model, batch) -> dict[tuple, np.ndarray]:
+    """Per-token next-token NLL of every real sequence in the batch, keyed by its token ids."""
+    inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "position_ids")}
+    with torch.no_grad():
+        nll = token_nll(model(**inputs).logits, batch["labels"])
+    out = {}
+    for row in range(batch["input_ids"].shape[0]):
+        ids, losses = batch["input_ids"][row], nll[row]
+        if "attention_mask" in batch:
+            n = int(batch["attention_mask"][row].sum())
+            out[tuple(ids[:n].tolist())] = losses[:n].numpy()
+            continue
+        starts = torch.nonzero(batch["position_ids"][row] == 0).flatten().tolist() + [len(ids)]
+        for a, b in zip(starts[:-1], starts[1:]):
+            out[tuple(ids[a:b].tolist())] = losses[a:b].numpy()
+    return out
+
+
+def step_gradients(model, batch) -> dict[str, torch.Tensor]:
+    model.zero_grad()
+    inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "position_ids")}
+    loss = token_nll(model(**inputs).logits, batch["labels"]).sum() / count_targets(batch["labels"])
+    loss.backward()
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+LAYOUTS = {
+    "padded": {},
+    "padding_free": {"padding_free": True},
+    "packed_bfd": {"packing": True, "packing_strategy": "bfd"},
+}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_padded_padding_free_and_packed_agree_per_token_and_in_gradients(arch, attn, tokenizer, gsm8k_rows, tmp_path):
+    dataset = gsm8k_prompt_completion(gsm8k_rows, 24)
+    model = tiny_model(arch, attn_implementation=attn)
+    model.config.use_cache = False
+    results = {}
+    for name, overrides in LAYOUTS.items():
+        trainer = make_trainer(model, tokenizer, dataset, tmp_path / name, **overrides)
+        batch = whole_dataset_batch(trainer)
+        results[name] = (sequence_losses(model, batch), step_gradients(model, batch), count_targets(batch["labels"]))
+    padded_losses, padded_grads, padded_count = results["padded"]
+    assert len(padded_losses) == 24
+    for name in ("padding_free", "packed_bfd"):
+        losses, grads, count = results[name]
+        assert int(count) == int(padded_count), f"{name}: different number of loss tokens"
+        assert set(losses) >= set(padded_losses), f"{name}: sequences missing"
+        for key, reference in padded_losses.items():
+            assert rel_diff(losses[key], reference) <= RTOL, f"{name}: per-token losses differ"
+        assert grads.keys() == padded_grads.keys()
+        for param, reference in padded_grads.items():
+            assert rel_diff(grads[param], reference) <= RTOL, f"{name}: gradient of {param} differs"
+    packed_rows = results["packed_bfd"]
+    assert packed_rows  # packing produced fewer rows than examples:
+    trainer = make_trainer(model, tokenizer, dataset, tmp_path / "rows", packing=True)
+    assert len(trainer.train_dataset) < len(dataset)
+
+
+def test_attention_does_not_cross_packed_sequences(tokenizer, gsm8k_rows, tmp_path):
+    """Changing one sequence of a packed row must not change the losses of the others."""
+    dataset = gsm8k_prompt_completion(gsm8k_rows, 8)
+    model = tiny_model("llama")
+    trainer = make_trainer(model, tokenizer, dataset, tmp_path, padding_free=True)
+    rows = [trainer.train_dataset[i] for i in range(4)]
+    base = sequence_losses(model, trainer.data_collator(rows))
+    altered = [dict(r) for r in rows]
+    altered[0]["input_ids"] = [altered[0]["input_ids"][0]] + [5] * (len(altered[0]["input_ids"]) - 1)
+    changed = sequence_losses(model, trainer.data_collator(altered))
+    for row in rows[1:]:
+        key = tuple(row["input_ids"])
+        assert rel_diff(changed[key], base[key]) <= RTOL
+
+
+class GradientRecorder(TrainerCallback):
+    def __init__(self, model):
+        self.model, self.grads = model, None
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if self.grads is None:
+            self.grads = {n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None}
+
+
+def first_step(tokenizer, dataset, tmp_path, **overrides):
+    model = tiny_model("llama")
+    recorder = GradientRecorder(model)
+    trainer = make_trainer(model, tokenizer, dataset, tmp_path, **overrides)
+    trainer.add_callback(recorder)
+    trainer.train()
+    return recorder.grads, trainer.state.log_history[0]["loss"]
+
+
+@pytest.mark.parametrize("layout", ["padded", "padding_free"])
+def test_batch_8_equals_batch_2_with_accumulation_4(layout, tokenizer, gsm8k_rows, tmp_path):
+    dataset = gsm8k_prompt_completion(gsm8k_rows, 16)
+    extra = LAYOUTS[layout]
+    grads_8, loss_8 = first_step(tokenizer, dataset, tmp_path / "b8", per_device_train_batch_size=8, **extra)
+    grads_2x4, loss_2x4 = first_step(
+        tokenizer, dataset, tmp_path / "b2", per_device_train_batch_size=2, gradient_accumulation_steps=4, **extra
+    )
+    assert abs(loss_8 - loss_2x4) <= RTOL * abs(loss_8)
+    for name, reference in grads_8.items():
+        assert rel_diff(grads_2x4[name], reference) <= RTOL, name
+
+
+def test_logged_loss_is_token_mean_of_the_step(tokenizer, gsm8k_rows, tmp_path):
+    dataset = gsm8k_prompt_completion(gsm8k_rows, 8)
+    model = tiny_model("llama")
+    trainer = make_trainer(model, tokenizer, dataset, tmp_path, per_device_train_batch_size=8,
+                           learning_rate=0.0)
+    batch = whole_dataset_batch(trainer)
+    inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask")}
+    with torch.no_grad():
+        expected = float(token_nll(model(**inputs).logits, batch["labels"]).sum() / count_targets(batch["labels"]))
+    trainer.train()
+    assert trainer.state.log_history[0]["loss"] == pytest.approx(expected, rel=1e-5)
