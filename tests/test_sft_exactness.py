@@ -36,9 +36,13 @@ def whole_dataset_batch(trainer):
     return trainer.data_collator(rows)
 
 
+def model_inputs(batch) -> dict:
+    return {k: v for k, v in batch.items() if k not in ("labels", "num_real_tokens")}
+
+
 def sequence_losses(model, batch) -> dict[tuple, np.ndarray]:
     """Per-token next-token NLL of every real sequence in the batch, keyed by its token ids."""
-    inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "position_ids")}
+    inputs = model_inputs(batch)
     with torch.no_grad():
         nll = token_nll(model(**inputs).logits, batch["labels"])
     out = {}
@@ -56,7 +60,7 @@ def sequence_losses(model, batch) -> dict[tuple, np.ndarray]:
 
 def step_gradients(model, batch) -> dict[str, torch.Tensor]:
     model.zero_grad()
-    inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "position_ids")}
+    inputs = model_inputs(batch)
     loss = token_nll(model(**inputs).logits, batch["labels"]).sum() / count_targets(batch["labels"])
     loss.backward()
     return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
@@ -154,3 +158,53 @@ def test_logged_loss_is_token_mean_of_the_step(tokenizer, gsm8k_rows, tmp_path):
         expected = float(token_nll(model(**inputs).logits, batch["labels"]).sum() / count_targets(batch["labels"]))
     trainer.train()
     assert trainer.state.log_history[0]["loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_bfd_split_keeps_every_token(tokenizer, gsm8k_rows, tmp_path):
+    dataset = gsm8k_prompt_completion(gsm8k_rows, 24)
+    full = make_trainer(tiny_model(), tokenizer, dataset, tmp_path / "full", max_length=None).train_dataset
+    split = make_trainer(tiny_model(), tokenizer, dataset, tmp_path / "split", max_length=96, packing=True,
+                         packing_strategy="bfd_split")
+    assert split.data_reports["train"].num_truncated == 0
+    rows = split.train_dataset
+    assert max(len(r) for r in rows["input_ids"]) <= 96
+    assert sum(len(r) for r in rows["input_ids"]) == sum(len(r) for r in full["input_ids"])
+    assert sorted(t for r in rows["input_ids"] for t in r) == sorted(t for r in full["input_ids"] for t in r)
+
+
+def test_wrapped_differs_from_padded_only_at_the_cuts(tokenizer, gsm8k_rows, tmp_path):
+    """Pieces that start an example match padded per token; only continuations after a cut (no context) differ."""
+    dataset = gsm8k_prompt_completion(gsm8k_rows, 16)
+    model = tiny_model("llama")
+    padded = make_trainer(model, tokenizer, dataset, tmp_path / "padded", max_length=None)
+    examples = [padded.train_dataset[i]["input_ids"] for i in range(len(padded.train_dataset))]
+    reference = sequence_losses(model, whole_dataset_batch(padded))
+    wrapped = make_trainer(model, tokenizer, dataset, tmp_path / "wrapped", max_length=200, packing=True,
+                           packing_strategy="wrapped")
+    batch = whole_dataset_batch(wrapped)
+    with torch.no_grad():
+        nll = token_nll(model(**model_inputs(batch)).logits, batch["labels"])
+    # Walk the rows in order: wrapped keeps dataset order, so pieces map back to (example, offset).
+    example, offset, cuts, checked = 0, 0, 0, 0
+    for row in range(batch["input_ids"].shape[0]):
+        positions = batch["position_ids"][row]
+        starts = torch.nonzero(positions == 0).flatten().tolist() + [positions.numel()]
+        for a, b in zip(starts[:-1], starts[1:]):
+            if example == len(examples):
+                break  # trailing padding segment
+            piece = batch["input_ids"][row, a:b].tolist()
+            source = examples[example]
+            assert piece == source[offset: offset + len(piece)]
+            expected = reference[tuple(source)][offset: offset + len(piece)]
+            got = nll[row, a:b].numpy()
+            if offset == 0:
+                # Same tokens with the same context; the last in-piece position has no target when cut.
+                last = len(piece) - (1 if len(piece) < len(source) else 0)
+                assert rel_diff(got[:last], expected[:last]) <= RTOL
+                checked += 1
+            else:
+                cuts += 1
+            offset += len(piece)
+            if offset == len(source):
+                example, offset = example + 1, 0
+    assert example == len(examples) and checked == len(examples) and cuts >= 1

@@ -87,9 +87,17 @@ class CausalLMCollator:
             input_ids[i, :n], labels[i, :n], position_ids[i, :n] = ids, lab, pos
             position_ids[i, n:] = np.arange(width - n)
             real += n
+        starts = np.flatnonzero(position_ids.reshape(-1) == 0)
+        cu_seq_lens = torch.from_numpy(np.append(starts, position_ids.size).astype(np.int32))
+        max_length = int(np.diff(cu_seq_lens.numpy()).max())
         return {
             "input_ids": torch.from_numpy(input_ids),
             "position_ids": torch.from_numpy(position_ids),
             "labels": torch.from_numpy(labels),
+            # Sequence offsets over the flattened rows: FlashAttention varlen and leantune's segment attention.
+            "cu_seq_lens_q": cu_seq_lens,
+            "cu_seq_lens_k": cu_seq_lens,
+            "max_length_q": max_length,
+            "max_length_k": max_length,
             "num_real_tokens": torch.tensor(real),
         }

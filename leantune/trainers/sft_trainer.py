@@ -9,6 +9,7 @@ from ..data.collators import CausalLMCollator
 from ..data.sft_preparation import loss_mask_columns, prepare_sft_dataset
 from ..losses.causal_lm import nll_sum
 from ..models.loading import apply_peft, ensure_pad_token, liger_usable, load_causal_lm, load_tokenizer, parse_kwargs
+from ..models.segment_attention import SEGMENT_SDPA, use_segment_attention
 from .base import LeantuneTrainer
 from .sft_config import SFTConfig
 
@@ -51,6 +52,8 @@ class SFTTrainer(LeantuneTrainer):
         ensure_pad_token(tokenizer, args.pad_token)
         if args.gradient_checkpointing:
             model.config.use_cache = False
+        if (args.packing or args.padding_free) and use_segment_attention(model):
+            logger.info("Packed/padding-free rows: attention runs per sequence (%s).", SEGMENT_SDPA)
         model = apply_peft(model, peft_config, args)
 
         # 2. data: tokenise, truncate, pack (each step counted and logged)
