@@ -76,7 +76,7 @@ class SFTConfig(TrainingArguments):
         default=None, metadata={"help": "Loss on completion tokens only (default: on for prompt-completion data)."}
     )
     assistant_only_loss: bool = field(
-        default=False, metadata={"help": "Loss on assistant turns only (needs {% generation %} in the chat template)."}
+        default=False, metadata={"help": "Loss on assistant turns only (needs {%% generation %%} in the chat template)."}
     )
     loss_type: str = field(default="nll", metadata={"help": "nll (token-mean cross-entropy)."})
 
