@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 
@@ -65,7 +66,10 @@ def run_demo(sft_args, model_args, explicit: set[str]) -> int:
     from transformers import AutoModelForCausalLM
 
     print("leantune sft: no model or dataset given, so running the built-in demo (bundled data, small model).")
-    torch.manual_seed(sft_args.seed)
+    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
+        # A model this small gains little from a second thread, and OpenMP threads that spin-wait on cores
+        # shared with other work can make a step ten times slower.
+        torch.set_num_threads(1)
     settings = dict(DEFAULT_TRAINING)
     num_train, num_eval = settings.pop("num_train"), settings.pop("num_eval")
     settings.setdefault("output_dir", DEMO_OUTPUT_DIR)
@@ -75,6 +79,7 @@ def run_demo(sft_args, model_args, explicit: set[str]) -> int:
         if name not in explicit:
             setattr(sft_args, name, value)
     sft_args.__post_init__()  # re-derive settings that depend on the fields set above
+    torch.manual_seed(sft_args.seed)
 
     tokenizer = build_default_tokenizer()
     data = build_default_dataset(num_train, num_eval, seed=sft_args.seed)
