@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -23,9 +21,7 @@ from leantune.data.packing import (
     refill_loose_bins,
 )
 
-SHARED = Path(os.environ.get("LEANTUNE_SHARED", Path(__file__).resolve().parents[2] / "shared"))
-GSM8K_TRAIN = SHARED / "data" / "gsm8k" / "train.jsonl"
-TOKENIZER_DIR = SHARED / "tokenizers" / "mistral-7b-v0.1"
+from .conftest import GSM8K_TRAIN, TOKENIZER_DIR
 
 
 # ------------------------------------------------------------------------------------------------
