@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import (  # noqa: E402
+from bench.common import (
     MIB,
     BatchLog,
     CountingCollator,
@@ -46,7 +46,6 @@ from bench.common import (  # noqa: E402
     library_versions,
     load_tokenizer,
     machine_description,
-    source_state,
     make_step_timer,
     markdown_table,
     peak_rss_bytes,
@@ -54,6 +53,7 @@ from bench.common import (  # noqa: E402
     release_memory,
     reset_peak_rss,
     rss_bytes,
+    source_state,
     tiny_llama,
 )
 
@@ -79,29 +79,29 @@ def lora_config():
 
 
 def make_config(library: str, name: str, opts, output_dir: str):
-    common = dict(
-        output_dir=output_dir,
-        per_device_train_batch_size=opts.batch_size,
-        gradient_accumulation_steps=1,
-        max_length=opts.max_length,
-        learning_rate=opts.lr,
-        lr_scheduler_type="linear",
-        warmup_steps=0,
-        weight_decay=0.0,
-        seed=opts.seed,
-        max_steps=opts.steps,
-        gradient_checkpointing=True,
-        gradient_checkpointing_kwargs={"use_reentrant": False},
-        bf16=False,
-        fp16=False,
-        logging_strategy="no",
-        save_strategy="no",
-        eval_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        disable_tqdm=True,
-        shuffle_dataset=False,
-    )
+    common = {
+        "output_dir": output_dir,
+        "per_device_train_batch_size": opts.batch_size,
+        "gradient_accumulation_steps": 1,
+        "max_length": opts.max_length,
+        "learning_rate": opts.lr,
+        "lr_scheduler_type": "linear",
+        "warmup_steps": 0,
+        "weight_decay": 0.0,
+        "seed": opts.seed,
+        "max_steps": opts.steps,
+        "gradient_checkpointing": True,
+        "gradient_checkpointing_kwargs": {"use_reentrant": False},
+        "bf16": False,
+        "fp16": False,
+        "logging_strategy": "no",
+        "save_strategy": "no",
+        "eval_strategy": "no",
+        "report_to": [],
+        "use_cpu": True,
+        "disable_tqdm": True,
+        "shuffle_dataset": False,
+    }
     if name == "packed_bfd":
         common.update(packing=True, packing_strategy="bfd")
     elif name == "padding_free":
@@ -168,7 +168,7 @@ def run_one(library: str, name: str, opts, dataset, tokenizer) -> dict:
             reset_peak_rss()
             trainer.train()
             peak = peak_rss_bytes()
-        except Exception as error:  # keep going: one broken configuration must not hide the others
+        except Exception as error:  # noqa: BLE001 - one broken configuration must not hide the others
             result["error"] = f"{type(error).__name__}: {error}"
             if opts.verbose:
                 traceback.print_exc()
