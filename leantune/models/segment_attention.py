@@ -22,24 +22,22 @@ def segment_sdpa_attention(module, query, key, value, attention_mask, dropout=0.
     cu_seq_lens = kwargs.get("cu_seq_lens_q")
     if cu_seq_lens is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    batch, heads, length, _ = query.shape
-    bounds = cu_seq_lens.tolist()
+    batch, heads, length, dim = query.shape
+    # Segments never cross rows, so the rows can be laid end to end and cut once with split(): one view per
+    # sequence, and a backward that writes each piece's gradient into the shared buffer.
+    lengths = torch.diff(cu_seq_lens).tolist()
+
+    def flat(states):
+        return states.transpose(0, 1).reshape(1, states.shape[1], batch * length, dim).split(lengths, dim=2)
+
     gqa = key.shape[1] != heads
-    rows = []
-    for row in range(batch):
-        pieces = []
-        for start, end in zip(bounds[:-1], bounds[1:]):
-            if start < row * length or end > (row + 1) * length:
-                continue
-            a, b = start - row * length, end - row * length
-            pieces.append(
-                F.scaled_dot_product_attention(
-                    query[row : row + 1, :, a:b], key[row : row + 1, :, a:b], value[row : row + 1, :, a:b],
-                    is_causal=True, dropout_p=dropout if module.training else 0.0, scale=scaling, enable_gqa=gqa,
-                )
-            )
-        rows.append(torch.cat(pieces, dim=2))
-    output = torch.cat(rows, dim=0)
+    pieces = [
+        F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=dropout if module.training else 0.0, scale=scaling, enable_gqa=gqa
+        )
+        for q, k, v in zip(flat(query), flat(key), flat(value))
+    ]
+    output = torch.cat(pieces, dim=2).reshape(heads, batch, length, dim).transpose(0, 1)
     return output.transpose(1, 2).contiguous(), None
 
 
