@@ -8,7 +8,7 @@ import warnings
 
 import torch
 
-from ..utils.imports import is_available, require, require_cuda
+from ..utils.imports import require, require_cuda
 
 logger = logging.getLogger("leantune.models")
 
@@ -108,7 +108,3 @@ def apply_peft(model, peft_config, args):
         # Checkpointed blocks need an input that requires grad when the embeddings are frozen.
         model.enable_input_require_grads()
     return get_peft_model(model, peft_config)
-
-
-def liger_usable() -> bool:
-    return is_available("liger_kernel") and torch.cuda.is_available()

@@ -3,7 +3,11 @@
 - The loss of an optimizer step is the mean over the real target tokens of that whole step (all micro-batches of
   gradient accumulation and, with `average_tokens_across_devices`, all processes), so micro-batch size,
   accumulation, padding and packing do not change it.
-- Real tokens/s, padding fraction and peak memory are logged with the loss and reported at the end of training.
+- Real tokens/s, padding fraction and peak memory are logged with the loss and reported at the end of training;
+  one step's memory is broken down into its parts (parameters, gradients, optimizer states, activations, ...).
+- The memory engine is composed here once for every trainer: target log-probabilities come from the full logits,
+  the chunked head or Liger (`target_logprobs`, `target_nll_sum`), and the forward pass runs inside the
+  activation-offloading scope when asked for.
 """
 
 from __future__ import annotations
@@ -14,8 +18,19 @@ import torch
 from transformers import Trainer
 
 from ..losses.causal_lm import count_targets
+from ..losses.dispatch import LogProbPath, choose_logprob_path
+from ..losses.liger import liger_can_run, liger_nll_sum
+from ..losses.token_logprobs import (
+    Targets,
+    chunked_logprobs,
+    logprobs_from_logits,
+    select_targets,
+)
 from ..metrics.memory import memory_kind, peak_memory_bytes, reset_peak_memory
+from ..metrics.memory_breakdown import MemoryBreakdown, MemoryBreakdownCallback
 from ..metrics.throughput import TokenThroughput
+from ..models.output_head import OutputHead
+from .memory_options import validate_memory_options
 
 logger = logging.getLogger("leantune.trainer")
 
@@ -27,11 +42,28 @@ class LeantuneTrainer(Trainer):
     loss_is_scaled_for_ga = True
     # Dataset columns the collators read; everything else is removed by Trainer.
     dataset_columns: tuple[str, ...] = ()
+    # The config flag that asks for fused/chunked losses (TRL: use_liger_kernel for SFT, use_liger_loss elsewhere).
+    fused_loss_flag = "use_liger_loss"
 
     def __init__(self, *args, **kwargs):
         self.throughput = TokenThroughput()
         self.data_reports: dict = {}
+        self.memory_breakdown: MemoryBreakdown | None = None
+        config = kwargs["args"]
+        validate_memory_options(config)
+        self.logprob_path = choose_logprob_path(
+            bool(getattr(config, self.fused_loss_flag, False)), config.device.type, self.fused_loss_flag
+        )
+        if self.logprob_path is not LogProbPath.LIGER and getattr(config, "use_liger_kernel", False):
+            config.use_liger_kernel = False  # transformers would try to patch the model with liger's kernels
+        if config.activation_offloading:
+            logger.info(
+                "activation_offloading=True: saved activations of the model's forward pass are offloaded; the "
+                "loss head runs outside that scope, so fused losses that write gradients in place stay correct."
+            )
         super().__init__(*args, **kwargs)
+        if config.memory_breakdown:
+            self.add_callback(MemoryBreakdownCallback(self.args.device, self._record_memory_breakdown))
 
     def _set_signature_columns_if_needed(self):
         if self._signature_columns is None:
@@ -61,6 +93,58 @@ class LeantuneTrainer(Trainer):
         if model.training and real is not None:
             self.throughput.add(int(real), int(inputs["input_ids"].numel()))
 
+    # --- the memory engine: where log-probabilities come from, and offloading around the forward pass ----------
+
+    def offloading_scope(self, model):
+        from ..memory.offloading import offloading_context
+
+        args = self.args
+        return offloading_context(
+            args.activation_offloading and model.training and torch.is_grad_enabled(),
+            model,
+            min_offload_bytes=args.activation_offloading_min_bytes,
+            use_streams=args.activation_offloading_use_streams,
+        )
+
+    def _needs_full_logits(self, model) -> bool:
+        if self.logprob_path is LogProbPath.FULL:
+            return True
+        evaluating_with_metrics = self.compute_metrics is not None or self.preprocess_logits_for_metrics is not None
+        return not model.training and evaluating_with_metrics
+
+    def _forward_hidden(self, model, inputs: dict, head: OutputHead):
+        with self.offloading_scope(model), head.capture_hidden_states() as captured:
+            outputs = model(**inputs, use_cache=False)
+        outputs.logits = None
+        return captured["hidden"], outputs
+
+    def target_logprobs(self, model, inputs: dict, labels: torch.Tensor, temperature: float = 1.0,
+                        with_entropy: bool = False):
+        """(per-target fp32 log-probs[, entropies], Targets, model outputs), by the configured path."""
+        targets = select_targets(labels)
+        if self._needs_full_logits(model):
+            with self.offloading_scope(model):
+                outputs = model(**inputs, use_cache=False)
+            logps = logprobs_from_logits(outputs.logits, targets, temperature)
+            if with_entropy:
+                return logps, _entropy_from_logits(outputs.logits, targets, temperature), targets, outputs
+            return logps, targets, outputs
+        head = OutputHead.of(model, temperature)
+        hidden, outputs = self._forward_hidden(model, inputs, head)
+        result = chunked_logprobs(hidden, head, targets, self.args.loss_chunk_size, with_entropy)
+        return (*result, targets, outputs) if with_entropy else (result, targets, outputs)
+
+    def target_nll_sum(self, model, inputs: dict, labels: torch.Tensor) -> tuple[torch.Tensor, Targets, object]:
+        """Summed next-token NLL of the targets: Liger's fused kernel where it runs, else -sum(target_logprobs)."""
+        if self.logprob_path is LogProbPath.LIGER and not self._needs_full_logits(model):
+            head = OutputHead.of(model)
+            if liger_can_run(head):
+                targets = select_targets(labels)
+                hidden, outputs = self._forward_hidden(model, inputs, head)
+                return liger_nll_sum(hidden, head, targets), targets, outputs
+        logps, targets, outputs = self.target_logprobs(model, inputs, labels)
+        return -logps.sum(), targets, outputs
+
     # --- metrics ------------------------------------------------------------------------------------------------
 
     def train(self, *args, **kwargs):
@@ -72,14 +156,22 @@ class LeantuneTrainer(Trainer):
         self.log_metrics("train", summary)
         return output
 
+    def _record_memory_breakdown(self, breakdown: MemoryBreakdown) -> None:
+        self.memory_breakdown = breakdown
+        if self.is_world_process_zero():
+            logger.info(breakdown.line())
+
     def training_summary(self) -> dict:
-        return {
+        summary = {
             "real_tokens": self.throughput.real_tokens,
             "real_tokens_per_second": round(self.throughput.overall_rate(), 2),
             "padding_fraction": round(self.throughput.padding_fraction, 4),
             "peak_memory_mb": round(peak_memory_bytes(self.args.device) / MIB, 1),
             "peak_memory_kind": memory_kind(self.args.device),
         }
+        if self.memory_breakdown is not None:
+            summary.update(self.memory_breakdown.as_metrics())
+        return summary
 
     def log(self, logs: dict, start_time: float | None = None) -> None:
         if self.model is not None and self.model.training and "loss" in logs:
@@ -87,3 +179,9 @@ class LeantuneTrainer(Trainer):
             logs["padding_fraction"] = round(self.throughput.padding_fraction, 4)
             logs["peak_memory_mb"] = round(peak_memory_bytes(self.args.device) / MIB, 1)
         super().log(logs, start_time)
+
+
+def _entropy_from_logits(logits: torch.Tensor, targets: Targets, temperature: float) -> torch.Tensor:
+    with torch.no_grad():
+        flat = logits.reshape(-1, logits.shape[-1]).index_select(0, targets.index).float() / temperature
+        return torch.logsumexp(flat, -1) - (torch.softmax(flat, -1) * flat).sum(-1)

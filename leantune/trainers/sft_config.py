@@ -10,6 +10,7 @@ import torch
 from transformers import TrainingArguments
 
 from .config_utils import resolve_checkpointing
+from .memory_options import MemoryOptions
 
 PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")
 TRUNCATION_MODES = ("keep_start", "keep_end")
@@ -21,7 +22,7 @@ def _bf16_supported() -> bool:
 
 
 @dataclass
-class SFTConfig(TrainingArguments):
+class SFTConfig(MemoryOptions, TrainingArguments):
     """Configuration of supervised fine-tuning. Defaults match TRL's, except where noted."""
 
     # Overridden TrainingArguments defaults (TRL's choices).
@@ -79,9 +80,10 @@ class SFTConfig(TrainingArguments):
         default=False, metadata={"help": "Loss on assistant turns only (needs {%% generation %%} in the chat template)."}
     )
     loss_type: str = field(default="nll", metadata={"help": "nll (token-mean cross-entropy)."})
-
-    # Memory
-    activation_offloading: bool = field(default=False, metadata={"help": "Offload saved activations to CPU memory."})
+    use_liger_kernel: bool = field(
+        default=False,
+        metadata={"help": "Never hold the full logits: liger-kernel's fused kernels on CUDA, else leantune's chunked loss."},
+    )
 
     def __post_init__(self):
         if self.max_seq_length is not None:

@@ -7,8 +7,13 @@ import logging
 from ..data.chat_template import load_chat_template
 from ..data.collators import CausalLMCollator
 from ..data.sft_preparation import loss_mask_columns, prepare_sft_dataset
-from ..losses.causal_lm import nll_sum
-from ..models.loading import apply_peft, ensure_pad_token, liger_usable, load_causal_lm, load_tokenizer, parse_kwargs
+from ..models.loading import (
+    apply_peft,
+    ensure_pad_token,
+    load_causal_lm,
+    load_tokenizer,
+    parse_kwargs,
+)
 from ..models.segment_attention import SEGMENT_SDPA, use_segment_attention
 from .base import LeantuneTrainer
 from .sft_config import SFTConfig
@@ -20,6 +25,7 @@ class SFTTrainer(LeantuneTrainer):
     """Train a causal LM on text, prompt-completion or conversational data."""
 
     dataset_columns = ("input_ids", "completion_mask", "assistant_masks", "seq_lengths")
+    fused_loss_flag = "use_liger_kernel"
 
     def __init__(
         self,
@@ -41,7 +47,6 @@ class SFTTrainer(LeantuneTrainer):
         if args is None:
             name = model if isinstance(model, str) else type(model).__name__
             args = SFTConfig(output_dir=f"{str(name).split('/')[-1]}-SFT")
-        _check_unsupported(args)
 
         # 1. model and tokenizer
         model_source = model
@@ -102,17 +107,6 @@ class SFTTrainer(LeantuneTrainer):
         inputs = dict(inputs)
         labels = inputs.pop("labels")
         self.count_tokens(model, inputs)
-        outputs = model(**inputs, use_cache=False)
-        loss = self.normalise(nll_sum(outputs.logits, labels), labels, num_items_in_batch)
+        nll_sum, _, outputs = self.target_nll_sum(model, inputs, labels)
+        loss = self.normalise(nll_sum, labels, num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
-
-
-def _check_unsupported(args: SFTConfig) -> None:
-    if args.use_liger_kernel and not liger_usable():
-        logger.warning(
-            "use_liger_kernel=True: liger-kernel needs CUDA and the 'liger' extra; neither path is available here, "
-            "so the standard loss is used."
-        )
-        args.use_liger_kernel = False
-    if args.activation_offloading:
-        raise NotImplementedError("activation_offloading is not available in this version of leantune yet.")

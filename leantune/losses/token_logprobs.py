@@ -1,0 +1,155 @@
+"""Log-probabilities of the target tokens, from full logits or from hidden states chunk by chunk.
+
+Every loss in leantune is written once over per-target log-probabilities. They come either from the model's
+logits (the plain path) or from `chunked_logprobs`, which selects the target positions first, then applies the
+output head to `chunk_size` of them at a time, in fp32, and never keeps more than one chunk of logits: the forward
+pass keeps only the hidden states it was given, and the backward pass recomputes each chunk's logits to form its
+gradients (one extra head matmul for the memory of one chunk instead of tokens x vocabulary).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..models.output_head import OutputHead
+from .causal_lm import IGNORE_INDEX, shifted_targets
+
+# One chunk of fp32 logits is at most this large (x3 while its gradient is formed); vocabulary-independent.
+CHUNK_BYTES = 64 * 1024 * 1024
+
+
+@dataclass
+class Targets:
+    """The positions whose next token is learned, flattened over [batch, time], and those next tokens."""
+
+    index: torch.Tensor
+    tokens: torch.Tensor
+    shape: torch.Size
+
+    def __len__(self) -> int:
+        return int(self.index.numel())
+
+    def scatter(self, values: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+        """Per-target values back on the [batch, time] grid (positions without a target get `fill`)."""
+        grid = values.new_full((self.shape.numel(),), fill)
+        return grid.index_copy(0, self.index, values).view(self.shape)
+
+
+def select_targets(labels: torch.Tensor) -> Targets:
+    shifted = shifted_targets(labels).reshape(-1)
+    index = (shifted != IGNORE_INDEX).nonzero().squeeze(-1)
+    return Targets(index, shifted.index_select(0, index), labels.shape)
+
+
+def logprobs_from_logits(logits: torch.Tensor, targets: Targets, temperature: float = 1.0) -> torch.Tensor:
+    """Plain path: fp32 log-probabilities of the targets from the model's full logits."""
+    flat = logits.reshape(-1, logits.shape[-1]).index_select(0, targets.index).float()
+    if temperature != 1.0:
+        flat = flat / temperature
+    return -F.cross_entropy(flat, targets.tokens, reduction="none")
+
+
+def chunk_tokens_for(vocab_size: int, budget_bytes: int = CHUNK_BYTES) -> int:
+    return max(16, budget_bytes // (4 * max(1, vocab_size)))
+
+
+def chunked_logprobs(
+    hidden: torch.Tensor,
+    head: OutputHead,
+    targets: Targets,
+    chunk_size: int | None = None,
+    with_entropy: bool = False,
+):
+    """Log-probabilities (and, without gradient, entropies) of the targets from the last hidden states.
+
+    `hidden` is [batch, time, hidden] (or already flat); returns fp32 [num_targets] (and [num_targets]).
+    """
+    flat = hidden.reshape(-1, hidden.shape[-1]).index_select(0, targets.index)
+    if chunk_size is None:
+        chunk_size = chunk_tokens_for(_vocab_size(head))
+    logps, entropy = _ChunkedHeadLogProbs.apply(
+        flat, targets.tokens, head, int(chunk_size), with_entropy, *head.trainable_parameters
+    )
+    return (logps, entropy) if with_entropy else logps
+
+
+def _vocab_size(head: OutputHead) -> int:
+    for name in ("out_features", "num_embeddings"):
+        if hasattr(head.module, name):
+            return int(getattr(head.module, name))
+    weight = getattr(head.module, "weight", None)
+    return int(weight.shape[0]) if weight is not None else 32768
+
+
+def _target_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    log_norm = torch.logsumexp(logits, dim=-1)
+    return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - log_norm, log_norm
+
+
+def _projection_gradient(raw: torch.Tensor, tokens: torch.Tensor, grad_logps: torch.Tensor, head: OutputHead):
+    """d(sum grad_logps * logp)/d raw, written out so one chunk needs two [chunk, vocabulary] buffers at most.
+
+    logp = L[y] - logsumexp(L) with L = softcap(raw * scale) / temperature, so
+    dlogp/draw = (onehot(y) - softmax(L)) * scale / temperature * (1 - tanh^2), tanh = L * temperature / softcap.
+    """
+    logits = head.transform(raw)
+    log_norm = torch.logsumexp(logits, dim=-1, keepdim=True)
+    capped = None
+    if head.softcap is not None:
+        capped = 1.0 - (logits * (head.temperature / head.softcap)).square()
+    grad = logits.sub_(log_norm).exp_().neg_()  # -softmax, in place
+    grad[torch.arange(grad.shape[0], device=grad.device), tokens] += 1.0
+    grad.mul_((grad_logps.float() * (head.scale / head.temperature)).unsqueeze(-1))
+    if capped is not None:
+        grad.mul_(capped)
+    return grad.to(raw.dtype)
+
+
+class _ChunkedHeadLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, tokens, head, chunk_size, with_entropy, *params):
+        logps = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        entropy = torch.empty_like(logps) if with_entropy else logps.new_empty(0)
+        for start in range(0, hidden.shape[0], chunk_size):
+            end = start + chunk_size
+            logits = head.logits(hidden[start:end])
+            logps[start:end], log_norm = _target_logprobs(logits, tokens[start:end])
+            if with_entropy:
+                entropy[start:end] = log_norm - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+            del logits
+        ctx.save_for_backward(hidden, tokens)
+        ctx.head, ctx.chunk_size, ctx.params = head, chunk_size, params
+        device_type = hidden.device.type
+        ctx.autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+        ctx.mark_non_differentiable(entropy)
+        return logps, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logps, _grad_entropy):
+        hidden, tokens = ctx.saved_tensors
+        want_hidden = ctx.needs_input_grad[0]
+        wanted = [p for p, need in zip(ctx.params, ctx.needs_input_grad[5:]) if need]
+        grad_hidden = torch.zeros_like(hidden) if want_hidden else None
+        param_grads = [None] * len(wanted)
+        device_type, autocast_on, autocast_dtype = ctx.autocast
+        for start in range(0, hidden.shape[0], ctx.chunk_size):
+            end = start + ctx.chunk_size
+            piece = hidden[start:end].detach().requires_grad_(want_hidden)
+            inputs = ([piece] if want_hidden else []) + wanted
+            if not inputs:
+                break
+            with torch.enable_grad(), torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_on):
+                raw = ctx.head.project(piece)
+            grad_raw = _projection_gradient(raw.detach(), tokens[start:end], grad_logps[start:end], ctx.head)
+            grads = torch.autograd.grad(raw, inputs, grad_raw)
+            del raw, grad_raw
+            if want_hidden:
+                grad_hidden[start:end] = grads[0]
+                grads = grads[1:]
+            param_grads = [g if acc is None else acc.add_(g) for acc, g in zip(param_grads, grads)]
+        grads_in = iter(param_grads)
+        per_param = [next(grads_in) if need else None for need in ctx.needs_input_grad[5:]]
+        return (grad_hidden, None, None, None, None, *per_param)

@@ -1,0 +1,131 @@
+"""Peak memory of one training step and what it is made of, on any device.
+
+The step is watched by PyTorch's dispatch-based `MemTracker`, which sees every tensor allocation and files it
+under parameters, buffers, gradients, optimizer states, activations (saved for backward) or temporaries; on CUDA
+the allocator's own peak for the step is reported beside it. Watching costs time, so one step is measured.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from transformers import TrainerCallback
+
+logger = logging.getLogger("leantune.memory")
+
+MIB = 1024 * 1024
+PARTS = ("parameters", "buffers", "gradients", "optimizer_states", "activations", "temporaries", "other")
+_TRACKER_NAMES = {"PARAM": "parameters", "BUFFER": "buffers", "GRAD": "gradients", "OPT": "optimizer_states",
+                  "ACT": "activations", "TEMP": "temporaries", "OTH": "other"}
+
+
+@dataclass
+class MemoryBreakdown:
+    step: int
+    device: str
+    peak_bytes: int
+    parts: dict[str, int] = field(default_factory=dict)
+    allocator_peak_bytes: int | None = None
+    other_devices: dict[str, int] = field(default_factory=dict)  # e.g. pinned CPU memory holding offloaded tensors
+
+    def as_metrics(self) -> dict[str, float]:
+        metrics = {"memory_step_peak_mb": round(self.peak_bytes / MIB, 1)}
+        metrics.update({f"memory_{name}_mb": round(self.parts.get(name, 0) / MIB, 1) for name in PARTS})
+        if self.allocator_peak_bytes is not None:
+            metrics["memory_allocator_peak_mb"] = round(self.allocator_peak_bytes / MIB, 1)
+        for device, size in self.other_devices.items():
+            metrics[f"memory_{device.replace(':', '')}_peak_mb"] = round(size / MIB, 1)
+        return metrics
+
+    def line(self) -> str:
+        parts = ", ".join(f"{name.replace('_', ' ')} {self.parts[name] / MIB:.1f}" for name in PARTS if self.parts.get(name))
+        text = f"Memory of training step {self.step} on {self.device}: peak {self.peak_bytes / MIB:.1f} MiB = {parts}"
+        if self.allocator_peak_bytes is not None:
+            text += f" (CUDA allocator peak {self.allocator_peak_bytes / MIB:.1f} MiB)"
+        for device, size in self.other_devices.items():
+            text += f"; {device} peak {size / MIB:.1f} MiB"
+        return text + "."
+
+
+class StepMemoryMeter:
+    """`start(model, optimizer)` before a step, `stop(step)` after its optimizer update."""
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self._tracker = None
+
+    @property
+    def running(self) -> bool:
+        return self._tracker is not None
+
+    def start(self, model: torch.nn.Module, optimizer=None) -> None:
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        tracker = MemTracker()
+        tracker.track_external(*(obj for obj in (model, optimizer) if obj is not None))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        tracker.__enter__()
+        self._tracker = tracker
+
+    def stop(self, step: int) -> MemoryBreakdown | None:
+        tracker, self._tracker = self._tracker, None
+        if tracker is None:
+            return None
+        tracker.__exit__(None, None, None)
+        snapshot = tracker.get_tracker_snapshot("peak")
+        by_device = {str(device): stats for device, stats in snapshot.items()}
+        main = _device_key(self.device, by_device)
+        stats = by_device.get(main, {})
+        parts = {_TRACKER_NAMES.get(_kind_name(kind), "other"): int(size) for kind, size in stats.items()
+                 if _kind_name(kind) != "Total"}
+        allocator = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            allocator = int(torch.cuda.max_memory_allocated(self.device))
+        others = {name: int(s.get("Total", 0)) for name, s in by_device.items() if name != main and s.get("Total")}
+        return MemoryBreakdown(step, main, int(stats.get("Total", sum(parts.values()))), parts, allocator, others)
+
+
+def _kind_name(kind) -> str:
+    return getattr(kind, "name", str(kind))
+
+
+def _device_key(device: torch.device, by_device: dict) -> str:
+    if str(device) in by_device:
+        return str(device)
+    for name in by_device:
+        if name.split(":")[0] == device.type:
+            return name
+    return str(device)
+
+
+class MemoryBreakdownCallback(TrainerCallback):
+    """Measure one optimizer step of any transformers Trainer: by default the second (the first that holds
+    optimizer states), or the only one. `on_result(MemoryBreakdown)` receives the measurement."""
+
+    def __init__(self, device, on_result, step: int | None = None):
+        self.meter = StepMemoryMeter(device)
+        self.on_result = on_result
+        self.step = step
+
+    def _measured_step(self, state) -> int:
+        if self.step is not None:
+            return self.step
+        return 1 if state.max_steps > 1 else 0
+
+    def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if state.global_step == self._measured_step(state) and not self.meter.running:
+            self.meter.start(model, optimizer)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.meter.running:
+            breakdown = self.meter.stop(state.global_step)
+            if breakdown is not None:
+                self.on_result(breakdown)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.meter.stop(state.global_step)

@@ -1,0 +1,98 @@
+"""The model's output projection, taken apart from the model so losses can apply it chunk by chunk.
+
+A causal LM's forward ends in `lm_head(hidden)` followed, for some architectures, by a fixed transform of the
+logits (Gemma's soft-capping, Cohere's `logit_scale`, Granite's `logits_scaling`). `OutputHead` reproduces that
+last step for any slice of hidden states, in fp32, so the full [tokens, vocabulary] logits never need to exist.
+
+`OutputHead.capture_hidden_states()` runs the model's own forward (through DDP/FSDP/PEFT wrappers and every
+hook) with the head short-circuited: the head receives the final hidden states, keeps them, and returns an empty
+slice, so no logits are computed and the model's post-processing costs nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+
+def unwrap_model(model):
+    """The transformers model under accelerate/DDP and PEFT wrappers."""
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()
+    return model
+
+
+@dataclass
+class OutputHead:
+    module: torch.nn.Module
+    softcap: float | None = None
+    scale: float = 1.0
+    temperature: float = 1.0
+
+    @classmethod
+    def of(cls, model, temperature: float = 1.0) -> OutputHead:
+        base = unwrap_model(model)
+        module = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+        if module is None:
+            raise ValueError(f"{type(base).__name__} has no output embeddings (lm_head) to compute log-probs from.")
+        config = getattr(base, "config", None)
+        config = getattr(config, "get_text_config", lambda: config)() if config is not None else None
+        scale = 1.0
+        if getattr(config, "logit_scale", None) is not None:  # Cohere
+            scale *= float(config.logit_scale)
+        if getattr(config, "logits_scaling", None):  # Granite
+            scale /= float(config.logits_scaling)
+        return cls(module, getattr(config, "final_logit_softcapping", None), scale, float(temperature))
+
+    @property
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head's own forward (an instance-level forward set by accelerate hooks is honoured)."""
+        own = self.module.__dict__.get("forward")
+        if own is not None and not getattr(own, "_leantune_capture", False):
+            return own(hidden)
+        return type(self.module).forward(self.module, hidden)
+
+    def transform(self, raw: torch.Tensor) -> torch.Tensor:
+        """fp32 logits from the projection's output: the model's fixed transform, then the temperature.
+
+        Aliases `raw` when it is already fp32 and nothing is applied (callers may then overwrite it).
+        """
+        logits = raw.float()
+        if self.scale != 1.0:
+            logits = logits * self.scale
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        return logits
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of `hidden` exactly as the model (and the sampling temperature) would produce them."""
+        return self.transform(self.project(hidden))
+
+    @contextlib.contextmanager
+    def capture_hidden_states(self):
+        """Within the block, calling the model stores the head's input in `self.hidden` and computes no logits."""
+        module, captured = self.module, {}
+
+        def keep_hidden(hidden, *args, **kwargs):
+            captured["hidden"] = hidden
+            return hidden[..., :0]
+
+        keep_hidden._leantune_capture = True
+        previous = module.__dict__.get("forward")
+        module.forward = keep_hidden
+        try:
+            yield captured
+        finally:
+            if previous is None:
+                del module.forward
+            else:
+                module.forward = previous

@@ -1,0 +1,34 @@
+"""Config fields of the memory engine, shared by every leantune config (TRL's names where TRL has them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class MemoryOptions:
+    activation_offloading: bool = field(
+        default=False,
+        metadata={"help": "Move saved activations to (pinned) CPU memory in the forward pass, back for the backward."},
+    )
+    activation_offloading_use_streams: bool = field(
+        default=True, metadata={"help": "Overlap offloading copies with compute on separate CUDA streams."}
+    )
+    activation_offloading_min_bytes: int = field(
+        default=1 << 20, metadata={"help": "Saved tensors smaller than this stay on the device."}
+    )
+    loss_chunk_size: int | None = field(
+        default=None,
+        metadata={"help": "Tokens per chunk of the chunked loss (default: a 64 MiB fp32 chunk of logits)."},
+    )
+    memory_breakdown: bool = field(
+        default=True,
+        metadata={"help": "Measure one training step's peak memory and its parts (parameters, gradients, ...) and log them."},
+    )
+
+
+def validate_memory_options(args) -> None:
+    if args.loss_chunk_size is not None and args.loss_chunk_size <= 0:
+        raise ValueError(f"`loss_chunk_size` must be a positive integer or None, got {args.loss_chunk_size!r}.")
+    if args.activation_offloading_min_bytes < 0:
+        raise ValueError("`activation_offloading_min_bytes` must be >= 0.")

@@ -1,0 +1,187 @@
+"""The chunked head (log-probs from hidden states, chunk by chunk) equals the plain full-logits computation.
+
+Tolerance: relative difference <= 1e-5 in fp32 (max abs difference over max magnitude), forward and gradients.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from leantune.losses.token_logprobs import chunked_logprobs, logprobs_from_logits, select_targets
+from leantune.metrics.memory_breakdown import StepMemoryMeter
+from leantune.models.output_head import OutputHead
+
+from .conftest import tiny_model
+
+RTOL = 1e-5
+VOCAB = 1000
+
+
+def rel_diff(a, b) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
+
+
+def small_config_model(kind: str):
+    """Architectures whose heads differ: tied embeddings, soft-capping, a logit scale."""
+    from transformers import CohereConfig, CohereForCausalLM, Gemma2Config, Gemma2ForCausalLM
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    if kind == "gemma2_softcap":
+        model = Gemma2ForCausalLM(Gemma2Config(**common, head_dim=8, final_logit_softcapping=3.0,
+                                               attn_implementation="eager"))
+    elif kind == "cohere_scale":
+        model = CohereForCausalLM(CohereConfig(**common, logit_scale=0.37))
+    elif kind == "qwen2_tied":
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        model = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=True))
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    elif kind == "llama":
+        model = tiny_model("llama", vocab_size=VOCAB)
+    else:
+        raise ValueError(kind)
+    return model.float()
+
+
+def batch(seed: int = 0, rows: int = 3, length: int = 37):
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(3, VOCAB, (rows, length), generator=generator)
+    labels = input_ids.clone()
+    labels[0, :11] = -100  # a prompt
+    labels[-1, length - 9:] = -100  # padding at the end
+    return input_ids, labels
+
+
+def full_path(model, input_ids, labels, temperature=1.0):
+    model.zero_grad()
+    targets = select_targets(labels)
+    logps = logprobs_from_logits(model(input_ids=input_ids).logits, targets, temperature)
+    (logps * torch.linspace(0.5, 1.5, len(targets))).sum().backward()  # non-uniform weights, like DPO/GRPO
+    return logps.detach(), grads(model)
+
+
+def chunked_path(model, input_ids, labels, temperature=1.0, chunk_size=7):
+    model.zero_grad()
+    targets = select_targets(labels)
+    head = OutputHead.of(model, temperature)
+    with head.capture_hidden_states() as captured:
+        outputs = model(input_ids=input_ids)
+    assert outputs.logits.shape[-1] == 0  # the model computed no logits
+    logps = chunked_logprobs(captured["hidden"], head, targets, chunk_size=chunk_size)
+    (logps * torch.linspace(0.5, 1.5, len(targets))).sum().backward()
+    return logps.detach(), grads(model)
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same(full, chunked):
+    (logps_full, grads_full), (logps_chunked, grads_chunked) = full, chunked
+    assert rel_diff(logps_chunked, logps_full) <= RTOL
+    assert grads_full.keys() == grads_chunked.keys()
+    for name in grads_full:
+        assert rel_diff(grads_chunked[name], grads_full[name]) <= RTOL, name
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2_tied", "gemma2_softcap", "cohere_scale"])
+def test_chunked_equals_full_forward_and_gradients(kind):
+    model = small_config_model(kind)
+    input_ids, labels = batch()
+    assert_same(full_path(model, input_ids, labels), chunked_path(model, input_ids, labels))
+
+
+def test_temperature_and_chunk_sizes():
+    model = small_config_model("llama")
+    input_ids, labels = batch(seed=1)
+    full = full_path(model, input_ids, labels, temperature=0.7)
+    for chunk_size in (1, 16, 10_000):
+        assert_same(full, chunked_path(model, input_ids, labels, temperature=0.7, chunk_size=chunk_size))
+
+
+def test_peft_wrapped_head_gets_the_same_gradients():
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(
+        small_config_model("llama"),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "lm_head"], lora_dropout=0.0,
+                   init_lora_weights=False),
+    )
+    head = OutputHead.of(model)
+    assert type(head.module) is not torch.nn.Linear and head.trainable_parameters  # LoRA on the head itself
+    input_ids, labels = batch(seed=2)
+    full, chunked = full_path(model, input_ids, labels), chunked_path(model, input_ids, labels)
+    assert any("lm_head" in name for name in chunked[1])
+    assert_same(full, chunked)
+
+
+def test_entropy_matches_full_logits():
+    model = small_config_model("gemma2_softcap")
+    input_ids, labels = batch(seed=3)
+    targets = select_targets(labels)
+    with torch.no_grad():
+        logits = model(input_ids=input_ids).logits.reshape(-1, VOCAB).index_select(0, targets.index).float()
+        expected = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
+        head = OutputHead.of(model)
+        with head.capture_hidden_states() as captured:
+            model(input_ids=input_ids)
+        _, entropy = chunked_logprobs(captured["hidden"], head, targets, chunk_size=5, with_entropy=True)
+    assert rel_diff(entropy, expected) <= RTOL
+
+
+def test_no_targets_gives_zero_loss_and_gradients():
+    model = small_config_model("llama")
+    input_ids, _ = batch()
+    labels = torch.full_like(input_ids, -100)
+    logps, grads_chunked = chunked_path(model, input_ids, labels)
+    assert logps.numel() == 0
+    assert all(float(g.abs().max()) == 0.0 for g in grads_chunked.values())
+
+
+def test_ignored_positions_never_reach_the_head(monkeypatch):
+    model = small_config_model("llama")
+    input_ids, labels = batch()
+    rows = []
+    project = OutputHead.project
+
+    def counting_project(self, hidden):
+        rows.append(hidden.shape[0])
+        return project(self, hidden)
+
+    monkeypatch.setattr(OutputHead, "project", counting_project)
+    chunked_path(model, input_ids, labels, chunk_size=10_000)
+    targets = len(select_targets(labels))
+    assert targets == int((labels[:, 1:] != -100).sum()) < input_ids.numel()
+    assert rows == [targets, targets]  # forward, then the backward's recomputation: target rows only
+
+
+@pytest.mark.parametrize("length", [512, 2048])
+def test_logits_memory_is_one_chunk_whatever_the_length(length):
+    """Peak activations + temporaries of the head and loss stay at a chunk's worth; the full path grows with T."""
+    vocab, hidden_size, chunk = 32000, 64, 128
+    torch.manual_seed(0)
+    head_module = torch.nn.Linear(hidden_size, vocab, bias=False)
+    hidden = torch.randn(1, length, hidden_size, requires_grad=True)
+    labels = torch.randint(0, vocab, (1, length))
+    targets = select_targets(labels)
+    head = OutputHead(head_module)
+
+    def measure(fn):
+        meter = StepMemoryMeter("cpu")
+        meter.start(head_module)
+        fn().sum().backward()
+        breakdown = meter.stop(0)
+        hidden.grad, head_module.weight.grad = None, None
+        return breakdown.parts.get("activations", 0) + breakdown.parts.get("temporaries", 0)
+
+    chunked = measure(lambda: chunked_logprobs(hidden, head, targets, chunk_size=chunk))
+    full = measure(lambda: logprobs_from_logits(head_module(hidden), targets))
+    chunk_logits = chunk * vocab * 4
+    logits = length * vocab * 4
+    non_logit = 4 * length * hidden_size * 4  # hidden states, their gradient, selections
+    assert full >= logits  # the plain path holds at least the full fp32 logits
+    assert chunked <= 3 * chunk_logits + non_logit  # logits, softmax and gradient of one chunk
