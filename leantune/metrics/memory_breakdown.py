@@ -64,6 +64,10 @@ class StepMemoryMeter:
         from torch.distributed._tools.mem_tracker import MemTracker
 
         tracker = MemTracker()
+        # MemTracker hooks the gradient of every parameter; frozen ones (PEFT base weights) cannot take a hook.
+        for param in model.parameters():
+            if not param.requires_grad:
+                tracker._param_to_grad_hook_handles[param] = (_NO_HOOK, _NO_HOOK)
         tracker.track_external(*(obj for obj in (model, optimizer) if obj is not None))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -88,6 +92,14 @@ class StepMemoryMeter:
             allocator = int(torch.cuda.max_memory_allocated(self.device))
         others = {name: int(s.get("Total", 0)) for name, s in by_device.items() if name != main and s.get("Total")}
         return MemoryBreakdown(step, main, int(stats.get("Total", sum(parts.values()))), parts, allocator, others)
+
+
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+_NO_HOOK = _NoHook()
 
 
 def _kind_name(kind) -> str:

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -26,6 +27,8 @@ from ..losses.token_logprobs import (
     logprobs_from_logits,
     select_targets,
 )
+from ..memory import offloading
+from ..memory.offloading import log_offloading_scope
 from ..metrics.memory import memory_kind, peak_memory_bytes, reset_peak_memory
 from ..metrics.memory_breakdown import MemoryBreakdown, MemoryBreakdownCallback
 from ..metrics.throughput import TokenThroughput
@@ -56,11 +59,9 @@ class LeantuneTrainer(Trainer):
         )
         if self.logprob_path is not LogProbPath.LIGER and getattr(config, "use_liger_kernel", False):
             config.use_liger_kernel = False  # transformers would try to patch the model with liger's kernels
+        self._offloader = None
         if config.activation_offloading:
-            logger.info(
-                "activation_offloading=True: saved activations of the model's forward pass are offloaded; the "
-                "loss head runs outside that scope, so fused losses that write gradients in place stay correct."
-            )
+            log_offloading_scope(logger)
         super().__init__(*args, **kwargs)
         if config.memory_breakdown:
             self.add_callback(MemoryBreakdownCallback(self.args.device, self._record_memory_breakdown))
@@ -96,15 +97,18 @@ class LeantuneTrainer(Trainer):
     # --- the memory engine: where log-probabilities come from, and offloading around the forward pass ----------
 
     def offloading_scope(self, model):
-        from ..memory.offloading import offloading_context
-
+        """Saved activations of the forward pass go to CPU memory (one offloader, reused: it keeps its streams)."""
         args = self.args
-        return offloading_context(
-            args.activation_offloading and model.training and torch.is_grad_enabled(),
-            model,
-            min_offload_bytes=args.activation_offloading_min_bytes,
-            use_streams=args.activation_offloading_use_streams,
-        )
+        if not (args.activation_offloading and model.training and torch.is_grad_enabled()):
+            return contextlib.nullcontext()
+        if self._offloader is None:
+            self._offloader = offloading.offloading_context(
+                True,
+                model,
+                min_offload_bytes=args.activation_offloading_min_bytes,
+                use_streams=args.activation_offloading_use_streams,
+            )
+        return self._offloader
 
     def _needs_full_logits(self, model) -> bool:
         if self.logprob_path is LogProbPath.FULL:

@@ -10,7 +10,7 @@ import torch
 from transformers import TrainingArguments
 
 from .config_utils import resolve_checkpointing
-from .memory_options import MemoryOptions
+from .memory_options import MemoryOptions, validate_memory_options
 
 PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")
 TRUNCATION_MODES = ("keep_start", "keep_end")
@@ -109,6 +109,7 @@ def _positive_or_none(value, name: str) -> None:
 
 def validate_sft_config(args: SFTConfig) -> None:
     """Reject settings that cannot work, with the reason, before any data is touched."""
+    validate_memory_options(args)
     _positive_or_none(args.max_length, "max_length")
     _positive_or_none(args.pad_to_multiple_of, "pad_to_multiple_of")
     _positive_or_none(args.dataset_num_proc, "dataset_num_proc")
