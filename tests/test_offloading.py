@@ -172,8 +172,8 @@ def test_recycled_addresses_and_ids_never_return_another_tensor(monkeypatch):
     offloader = Spy(min_offload_bytes=0, offload_device="cpu", keep_last=0, check=False)
     got = grads(offloader)
     assert max_rel_diff(got, reference) <= EXACT
-    pointers = [data_ptr for _, _, data_ptr, _, _ in offloader.sources]
-    assert len(set(pointers)) < len(pointers)  # a data_ptr-keyed store would have collided here
+    # Whether malloc hands a freed slot back depends on what ran before in the process, so recurring addresses are
+    # not asserted; the id() collision below is forced and is the worst case for the identity table.
     assert offloader.stats["tensors_deduplicated"] == 0
     # Worst case for the identity table: every id() collides. Only the weakref check (`ref() is base`) stands
     # between a new temporary and the copy of a dead one with the same shape, strides and version.
