@@ -57,3 +57,47 @@ def test_4bit_lora_trains(tokenizer, gsm8k_rows, tmp_path):
         peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
     )
     assert trainer.train().metrics["train_loss"] > 0
+
+
+def first_step_gradients(trainer):
+    from .test_sft_exactness import GradientRecorder
+
+    recorder = GradientRecorder(trainer.model)
+    trainer.add_callback(recorder)
+    losses = [trainer.train().metrics["train_loss"]]
+    return recorder.grads, losses
+
+
+@cuda
+@pytest.mark.skipif(not is_available("liger_kernel"), reason="needs leantune[liger]")
+def test_liger_loss_matches_the_chunked_path_in_bf16(tokenizer, gsm8k_rows, tmp_path, monkeypatch):
+    """use_liger_kernel=True on CUDA runs Liger's fused kernel; the built-in chunked path is the reference."""
+    from leantune.losses import dispatch
+    from leantune.losses.dispatch import LogProbPath
+
+    dataset = gsm8k_prompt_completion(gsm8k_rows, 16)
+    results = {}
+    for path in ("liger", "chunked"):
+        if path == "chunked":
+            monkeypatch.setattr(dispatch, "liger_unavailable_reason", lambda device_type: "forced for the test")
+        model = tiny_model().to("cuda", torch.bfloat16)
+        trainer = gpu_trainer(model, tokenizer, dataset, tmp_path / path, use_liger_kernel=True, max_steps=1,
+                              max_grad_norm=0.0)
+        assert trainer.logprob_path is (LogProbPath.LIGER if path == "liger" else LogProbPath.CHUNKED)
+        results[path] = first_step_gradients(trainer)
+    (liger_grads, liger_loss), (chunked_grads, chunked_loss) = results["liger"], results["chunked"]
+    assert liger_loss[0] == pytest.approx(chunked_loss[0], rel=1e-2)
+    for name, reference in chunked_grads.items():
+        assert rel_diff(liger_grads[name].float(), reference.float()) <= 5e-2, name  # bf16 kernels
+
+
+@cuda
+def test_chunked_loss_lowers_cuda_peak(tokenizer, gsm8k_rows, tmp_path):
+    dataset = gsm8k_prompt_completion(gsm8k_rows, 16)
+    peaks = {}
+    for fused in (False, True):
+        model = tiny_model(vocab_size=128_256).cuda()
+        metrics = gpu_trainer(model, tokenizer, dataset, tmp_path / str(fused), use_liger_kernel=fused).train().metrics
+        peaks[fused] = metrics["memory_allocator_peak_mb"]
+    logits_mib = 4 * 256 * 128_256 * 4 / 2**20
+    assert peaks[False] - peaks[True] > 0.5 * logits_mib
