@@ -139,3 +139,16 @@ def test_bad_memory_options():
         SFTConfig(output_dir="x", loss_chunk_size=0, use_cpu=True)
     with pytest.raises(ValueError, match="activation_offloading_min_bytes"):
         SFTConfig(output_dir="x", activation_offloading_min_bytes=-1, use_cpu=True)
+
+
+@pytest.mark.parametrize("flag", ["use_liger_kernel", "use_liger_loss"])
+def test_either_trl_flag_asks_for_the_fused_loss(flag, tokenizer, gsm8k_rows, tmp_path, caplog):
+    from leantune import SFTTrainer
+
+    with caplog.at_level(logging.WARNING, logger="leantune"):
+        trainer = SFTTrainer(model=tiny_model(), processing_class=tokenizer,
+                             train_dataset=gsm8k_prompt_completion(gsm8k_rows, 4),
+                             args=SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], **{flag: True}))
+    assert trainer.logprob_path is LogProbPath.CHUNKED
+    assert f"{flag}=True" in caplog.text
+    assert trainer.args.use_liger_kernel is False  # transformers must not try to patch the model with liger

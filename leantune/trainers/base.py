@@ -45,18 +45,15 @@ class LeantuneTrainer(Trainer):
     loss_is_scaled_for_ga = True
     # Dataset columns the collators read; everything else is removed by Trainer.
     dataset_columns: tuple[str, ...] = ()
-    # The config flag that asks for fused/chunked losses (TRL: use_liger_kernel for SFT, use_liger_loss elsewhere).
-    fused_loss_flag = "use_liger_loss"
-
     def __init__(self, *args, **kwargs):
         self.throughput = TokenThroughput()
         self.data_reports: dict = {}
         self.memory_breakdown: MemoryBreakdown | None = None
         config = kwargs["args"]
         validate_memory_options(config)
-        self.logprob_path = choose_logprob_path(
-            bool(getattr(config, self.fused_loss_flag, False)), config.device.type, self.fused_loss_flag
-        )
+        # TRL spells the request use_liger_kernel (SFT) or use_liger_loss (other trainers); either one asks for it.
+        flags = [name for name in ("use_liger_kernel", "use_liger_loss") if getattr(config, name, False)]
+        self.logprob_path = choose_logprob_path(bool(flags), config.device.type, " / ".join(flags) or "-")
         if self.logprob_path is not LogProbPath.LIGER and getattr(config, "use_liger_kernel", False):
             config.use_liger_kernel = False  # transformers would try to patch the model with liger's kernels
         self._offloader = None
@@ -158,12 +155,12 @@ class LeantuneTrainer(Trainer):
         summary = self.training_summary()
         output.metrics.update(summary)
         self.log_metrics("train", summary)
+        if self.memory_breakdown is not None and self.is_world_process_zero():
+            logger.info(self.memory_breakdown.line())
         return output
 
     def _record_memory_breakdown(self, breakdown: MemoryBreakdown) -> None:
         self.memory_breakdown = breakdown
-        if self.is_world_process_zero():
-            logger.info(breakdown.line())
 
     def training_summary(self) -> dict:
         summary = {

@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 
 @dataclass
 class MemoryOptions:
+    use_liger_loss: bool = field(
+        default=False,
+        metadata={"help": "Never hold the full logits: liger-kernel's fused losses on CUDA, else leantune's chunked loss."},
+    )
     activation_offloading: bool = field(
         default=False,
         metadata={"help": "Move saved activations to (pinned) CPU memory in the forward pass, back for the backward."},

@@ -25,7 +25,6 @@ class SFTTrainer(LeantuneTrainer):
     """Train a causal LM on text, prompt-completion or conversational data."""
 
     dataset_columns = ("input_ids", "completion_mask", "assistant_masks", "seq_lengths")
-    fused_loss_flag = "use_liger_kernel"
 
     def __init__(
         self,
