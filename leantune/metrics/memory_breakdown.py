@@ -75,6 +75,11 @@ class StepMemoryMeter:
         tracker.__enter__()
         self._tracker = tracker
 
+    def next_micro_batch(self) -> None:
+        """Gradient accumulation calls the model again within the step; the step's peak is kept."""
+        if self._tracker is not None:
+            self._tracker.reset_mod_stats()
+
     def stop(self, step: int) -> MemoryBreakdown | None:
         tracker, self._tracker = self._tracker, None
         if tracker is None:
@@ -132,6 +137,9 @@ class MemoryBreakdownCallback(TrainerCallback):
     def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         if state.global_step == self._measured_step(state) and not self.meter.running:
             self.meter.start(model, optimizer)
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        self.meter.next_micro_batch()
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.meter.running:

@@ -69,18 +69,22 @@ class LeantuneTrainer(Trainer):
 
     # --- loss normalisation over the whole optimizer step -------------------------------------------------------
 
-    def get_batch_samples(self, epoch_iterator, num_batches, device):
-        batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
-        count = sum((count_targets(b["labels"]) for b in batch_samples if "labels" in b), torch.tensor(0))
-        count = count.to(device)
+    def items_in(self, batch: dict) -> torch.Tensor:
+        """What the loss is averaged over, in one collated batch: target tokens (pairs for preference losses)."""
+        return count_targets(batch["labels"])
+
+    def _get_num_items_in_batch(self, batch_samples: list, device):
+        count = sum((self.items_in(b) for b in batch_samples if "labels" in b), torch.tensor(0))
+        count = torch.as_tensor(count).to(device)
         if self.args.average_tokens_across_devices and self.args.world_size > 1:
             count = self.accelerator.gather(count).sum()
-        return batch_samples, count
+        return count
 
-    def normalise(self, loss_sum: torch.Tensor, labels: torch.Tensor, num_items_in_batch) -> torch.Tensor:
-        """Divide a summed token loss by the step's target count (per-batch count outside training)."""
-        if num_items_in_batch is None:
-            return loss_sum / count_targets(labels).clamp(min=1)
+    def normalise(self, loss_sum: torch.Tensor, local_count, num_items_in_batch) -> torch.Tensor:
+        """Divide a summed loss by the optimizer step's item count (the batch's own count outside training)."""
+        local_count = torch.as_tensor(local_count, device=loss_sum.device)
+        if num_items_in_batch is None or not self.model.training:
+            return loss_sum / local_count.clamp(min=1)
         loss = loss_sum / torch.as_tensor(num_items_in_batch, device=loss_sum.device).clamp(min=1)
         if self.args.average_tokens_across_devices and self.args.world_size > 1:
             loss = loss * self.args.world_size  # DDP averages gradients over processes

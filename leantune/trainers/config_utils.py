@@ -2,6 +2,20 @@
 
 from __future__ import annotations
 
+import torch
+
+
+def resolve_bf16(args) -> None:
+    """bf16=None (TRL's default) means: on when a bf16-capable GPU is used and fp16 is off."""
+    if args.bf16 is None:
+        capable = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        args.bf16 = not args.fp16 and not args.use_cpu and capable
+
+
+def positive_or_none(value, name: str) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+        raise ValueError(f"`{name}` must be a positive integer or None, got {value!r}.")
+
 
 def resolve_checkpointing(args, default: bool = True) -> None:
     """Gradient checkpointing on by default, non-reentrant, under TRL's name or transformers' newer one.

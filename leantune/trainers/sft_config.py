@@ -6,19 +6,14 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from transformers import TrainingArguments
 
-from .config_utils import resolve_checkpointing
+from .config_utils import positive_or_none, resolve_bf16, resolve_checkpointing
 from .memory_options import MemoryOptions, validate_memory_options
 
 PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")
 TRUNCATION_MODES = ("keep_start", "keep_end")
 SFT_LOSS_TYPES = ("nll",)
-
-
-def _bf16_supported() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
 
 
 @dataclass
@@ -95,24 +90,18 @@ class SFTConfig(MemoryOptions, TrainingArguments):
             )
             self.max_length = self.max_seq_length
             self.max_seq_length = None
-        if self.bf16 is None:
-            self.bf16 = not self.fp16 and not self.use_cpu and _bf16_supported()
+        resolve_bf16(self)
         resolve_checkpointing(self)
         validate_sft_config(self)
         super().__post_init__()
 
 
-def _positive_or_none(value, name: str) -> None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-        raise ValueError(f"`{name}` must be a positive integer or None, got {value!r}.")
-
-
 def validate_sft_config(args: SFTConfig) -> None:
     """Reject settings that cannot work, with the reason, before any data is touched."""
     validate_memory_options(args)
-    _positive_or_none(args.max_length, "max_length")
-    _positive_or_none(args.pad_to_multiple_of, "pad_to_multiple_of")
-    _positive_or_none(args.dataset_num_proc, "dataset_num_proc")
+    positive_or_none(args.max_length, "max_length")
+    positive_or_none(args.pad_to_multiple_of, "pad_to_multiple_of")
+    positive_or_none(args.dataset_num_proc, "dataset_num_proc")
     if args.packing_strategy not in PACKING_STRATEGIES:
         raise ValueError(f"`packing_strategy` must be one of {PACKING_STRATEGIES}, got {args.packing_strategy!r}.")
     if args.truncation_mode not in TRUNCATION_MODES:

@@ -7,6 +7,7 @@ import logging
 from ..data.chat_template import load_chat_template
 from ..data.collators import CausalLMCollator
 from ..data.sft_preparation import loss_mask_columns, prepare_sft_dataset
+from ..losses.causal_lm import count_targets
 from ..models.loading import (
     apply_peft,
     ensure_pad_token,
@@ -107,5 +108,5 @@ class SFTTrainer(LeantuneTrainer):
         labels = inputs.pop("labels")
         self.count_tokens(model, inputs)
         nll_sum, _, outputs = self.target_nll_sum(model, inputs, labels)
-        loss = self.normalise(nll_sum, labels, num_items_in_batch)
+        loss = self.normalise(nll_sum, count_targets(labels), num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
