@@ -9,10 +9,14 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "SFTConfig": "leantune.trainers.sft_config",
     "SFTTrainer": "leantune.trainers.sft_trainer",
+    "DPOConfig": "leantune.trainers.dpo_config",
+    "DPOTrainer": "leantune.trainers.dpo_trainer",
     "pack_dataset": "leantune.data.packing",
     "CausalLMCollator": "leantune.data.collators",
     "ScriptArguments": "leantune.cli.arguments",
     "ModelConfig": "leantune.cli.arguments",
+    "profile_dataset": "leantune.profiling",
+    "LengthProfile": "leantune.profiling",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

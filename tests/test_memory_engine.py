@@ -14,7 +14,7 @@ from leantune import SFTConfig
 from leantune.losses.dispatch import LogProbPath
 
 from .conftest import gsm8k_prompt_completion, tiny_model
-from .test_sft_exactness import GradientRecorder, make_trainer, rel_diff
+from .test_sft_exactness import GradientRecorder, rel_diff
 
 RTOL = 1e-5
 LAYOUTS = {

@@ -59,11 +59,16 @@ def run_training(script_args, model_args, sft_args) -> int:
 def run_demo(sft_args, model_args, explicit: set[str]) -> int:
     """Train a small model from scratch on bundled data, and show it learned: exact match before vs after."""
     import torch
-
-    from ..defaults import DEFAULT_TRAINING, build_default_dataset, build_default_model_config, build_default_tokenizer
-    from ..defaults import evaluate_exact_match
-    from ..trainers.sft_trainer import SFTTrainer
     from transformers import AutoModelForCausalLM
+
+    from ..defaults import (
+        DEFAULT_TRAINING,
+        build_default_dataset,
+        build_default_model_config,
+        build_default_tokenizer,
+        evaluate_exact_match,
+    )
+    from ..trainers.sft_trainer import SFTTrainer
 
     print("leantune sft: no model or dataset given, so running the built-in demo (bundled data, small model).")
     if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:

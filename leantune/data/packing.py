@@ -519,7 +519,7 @@ class _Gather:
     piece_order: np.ndarray | None
 
     @classmethod
-    def from_plan(cls, plan: PackingPlan, row_lengths: np.ndarray, row_map: np.ndarray | None) -> "_Gather":
+    def from_plan(cls, plan: PackingPlan, row_lengths: np.ndarray, row_map: np.ndarray | None) -> _Gather:
         row_starts = _exclusive_cumsum(row_lengths, include_total=True)
         table_rows = plan.segment_source if row_map is None else row_map[plan.segment_source]
         if plan.strategy == "wrapped":

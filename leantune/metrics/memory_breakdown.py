@@ -61,13 +61,7 @@ class StepMemoryMeter:
         return self._tracker is not None
 
     def start(self, model: torch.nn.Module, optimizer=None) -> None:
-        from torch.distributed._tools.mem_tracker import MemTracker
-
-        tracker = MemTracker()
-        # MemTracker hooks the gradient of every parameter; frozen ones (PEFT base weights) cannot take a hook.
-        for param in model.parameters():
-            if not param.requires_grad:
-                tracker._param_to_grad_hook_handles[param] = (_NO_HOOK, _NO_HOOK)
+        tracker = _tracker_class()()
         tracker.track_external(*(obj for obj in (model, optimizer) if obj is not None))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -97,6 +91,22 @@ class StepMemoryMeter:
             allocator = int(torch.cuda.max_memory_allocated(self.device))
         others = {name: int(s.get("Total", 0)) for name, s in by_device.items() if name != main and s.get("Total")}
         return MemoryBreakdown(step, main, int(stats.get("Total", sum(parts.values()))), parts, allocator, others)
+
+
+def _tracker_class():
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class FrozenParameterSafeTracker(MemTracker):
+        """MemTracker hooks the gradient of every parameter it meets; frozen ones (PEFT base weights, a reference
+        model) cannot take a hook, so they are marked as already hooked."""
+
+        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+            for param in module.parameters():
+                if not param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
+                    self._param_to_grad_hook_handles[param] = (_NO_HOOK, _NO_HOOK)
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+    return FrozenParameterSafeTracker
 
 
 class _NoHook:

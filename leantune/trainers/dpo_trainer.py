@@ -1,0 +1,228 @@
+"""DPOTrainer: Direct Preference Optimization, as a recipe over leantune's shared data, loss and memory pieces."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+from collections import defaultdict
+
+import torch
+
+from ..data.preference_collator import REFERENCE_COLUMNS, PreferenceCollator, sequence_starts
+from ..data.preference_preparation import prepare_preference_dataset
+from ..losses.preference import dpo_loss, sequence_logps
+from ..models.loading import apply_peft, ensure_pad_token, load_causal_lm, load_tokenizer
+from ..models.output_head import unwrap_model
+from ..models.segment_attention import SEGMENT_SDPA, use_segment_attention
+from .base import LeantuneTrainer
+from .dpo_config import DPOConfig
+
+logger = logging.getLogger("leantune.dpo")
+MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
+                "max_length_k")
+
+
+class DPOTrainer(LeantuneTrainer):
+    """Train a causal LM to prefer chosen over rejected completions, relative to a frozen reference."""
+
+    dataset_columns = ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids", *REFERENCE_COLUMNS)
+
+    def __init__(
+        self,
+        model,
+        ref_model=None,
+        args: DPOConfig | None = None,
+        data_collator=None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        compute_metrics=None,
+        callbacks=None,
+        optimizers=(None, None),
+        optimizer_cls_and_kwargs=None,
+        preprocess_logits_for_metrics=None,
+        peft_config=None,
+    ):
+        if args is None:
+            name = model if isinstance(model, str) else type(model).__name__
+            args = DPOConfig(output_dir=f"{str(name).split('/')[-1]}-DPO")
+
+        # 1. policy, tokenizer, reference
+        model_source = model
+        model = load_causal_lm(model, args.model_init_kwargs)
+        tokenizer = load_tokenizer(model_source, processing_class)
+        ensure_pad_token(tokenizer, None)
+        model.config.use_cache = False
+        if args.padding_free and use_segment_attention(model):
+            logger.info("Padding-free batches: attention runs per sequence (%s).", SEGMENT_SDPA)
+        model = apply_peft(model, peft_config, args)
+        self.uses_adapter_as_reference = ref_model is None and hasattr(model, "disable_adapter")
+        if ref_model is not None:
+            ref_model = load_causal_lm(ref_model, args.ref_model_init_kwargs)
+            if args.padding_free:
+                use_segment_attention(ref_model)
+        elif not self.uses_adapter_as_reference and not args.precompute_ref_log_probs:
+            ref_model = copy.deepcopy(unwrap_model(model))  # a separate, frozen copy of the initial policy
+        if ref_model is not None:
+            ref_model.requires_grad_(False).eval()
+        if args.disable_dropout:
+            for module in (model, ref_model):
+                if module is not None:
+                    _disable_dropout(module)
+        self._reference_note(ref_model, args)
+
+        # 2. data: pairs -> prompt / chosen / rejected ids, truncated and counted
+        reports = {}
+        train_dataset, reports["train"] = prepare_preference_dataset(train_dataset, tokenizer, args, "train")
+        if eval_dataset is not None:
+            eval_dataset, reports["eval"] = prepare_preference_dataset(eval_dataset, tokenizer, args, "eval")
+
+        # 3. batches: chosen then rejected sequences, padded or padding-free
+        if data_collator is None:
+            data_collator = PreferenceCollator(tokenizer.pad_token_id, args.padding_free, args.pad_to_multiple_of)
+        super().__init__(
+            model=model,
+            args=args,
+            data_collator=data_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=tokenizer,
+            compute_metrics=compute_metrics,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
+            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+        )
+        self.data_reports = reports
+        self.ref_model = self.accelerator.prepare_model(ref_model, evaluation_mode=True) if ref_model else None
+        self._pair_metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
+        self._reference_ready = not args.precompute_ref_log_probs
+
+    def _reference_note(self, ref_model, args) -> None:
+        if self.uses_adapter_as_reference:
+            how = "the policy with its adapter disabled (no second copy)"
+        elif args.precompute_ref_log_probs and ref_model is None:
+            how = "log-probs of the initial policy, computed once before training (no reference held in training)"
+        elif args.precompute_ref_log_probs:
+            how = "log-probs of the given ref_model, computed once before training"
+        else:
+            how = "a separate frozen model in eval mode"
+        logger.info("DPO reference: %s.", how)
+
+    # --- log-probabilities ----------------------------------------------------------------------------------------
+
+    def items_in(self, batch: dict) -> torch.Tensor:
+        return torch.as_tensor(batch["num_pairs"])
+
+    def sequence_logps(self, model, batch: dict) -> torch.Tensor:
+        """Summed completion log-probs of every sequence of the batch: [chosen..., rejected...]."""
+        inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
+        logps, targets, _ = self.target_logprobs(model, inputs, batch["labels"])
+        starts = sequence_starts(batch)
+        return sequence_logps(logps, targets, starts, 2 * int(batch["num_pairs"]))
+
+    @torch.no_grad()
+    def reference_logps(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        if all(name in batch for name in REFERENCE_COLUMNS):
+            return batch["ref_chosen_logps"], batch["ref_rejected_logps"]
+        if self.ref_model is not None:
+            logps = self.sequence_logps(self.ref_model, batch)
+        elif self.uses_adapter_as_reference:
+            with unwrap_adapter_owner(self.model).disable_adapter():
+                logps = self.sequence_logps(self.model, batch)
+        else:
+            raise RuntimeError("Reference log-probs were neither precomputed nor computable (no reference model).")
+        pairs = int(batch["num_pairs"])
+        return logps[:pairs], logps[pairs:]
+
+    # --- the loss -------------------------------------------------------------------------------------------------
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        batch = dict(inputs)
+        self.count_tokens(model, batch)
+        pairs = int(batch["num_pairs"])
+        ref_chosen, ref_rejected = self.reference_logps(batch)
+        policy = self.sequence_logps(model, batch)
+        losses, chosen_rewards, rejected_rewards = dpo_loss(
+            policy[:pairs], policy[pairs:], ref_chosen.to(policy.device), ref_rejected.to(policy.device),
+            self.args.beta, self.args.loss_type, self.args.label_smoothing,
+        )
+        loss = self.normalise(losses.sum(), pairs, num_items_in_batch)
+        self._record(policy[:pairs].detach(), policy[pairs:].detach(), chosen_rewards, rejected_rewards,
+                     "train" if model.training else "eval")
+        return (loss, {"chosen_logps": policy[:pairs]}) if return_outputs else loss
+
+    def _record(self, chosen_logps, rejected_logps, chosen_rewards, rejected_rewards, mode: str) -> None:
+        gathered = self.accelerator.gather_for_metrics(
+            torch.stack([chosen_rewards, rejected_rewards, chosen_logps, rejected_logps]).float().T.contiguous()
+        )
+        chosen_r, rejected_r, chosen_l, rejected_l = gathered.T
+        store = self._pair_metrics[mode]
+        store["rewards/chosen"].extend(chosen_r.tolist())
+        store["rewards/rejected"].extend(rejected_r.tolist())
+        store["rewards/accuracies"].extend((chosen_r > rejected_r).float().tolist())
+        store["rewards/margins"].extend((chosen_r - rejected_r).tolist())
+        store["logps/chosen"].extend(chosen_l.tolist())
+        store["logps/rejected"].extend(rejected_l.tolist())
+
+    def log(self, logs: dict, start_time: float | None = None) -> None:
+        mode = "train" if "loss" in logs else "eval"
+        prefix = "eval_" if mode == "eval" else ""
+        for name, values in self._pair_metrics[mode].items():
+            if values:
+                logs[f"{prefix}{name}"] = round(sum(values) / len(values), 6)
+        self._pair_metrics[mode].clear()
+        super().log(logs, start_time)
+
+    # --- precomputed reference ------------------------------------------------------------------------------------
+
+    def train(self, *args, **kwargs):
+        if not self._reference_ready:
+            self.train_dataset = self.precompute_reference_logps(self.train_dataset, "train")
+            if self.eval_dataset is not None:
+                self.eval_dataset = self.precompute_reference_logps(self.eval_dataset, "eval")
+            self._reference_ready = True
+            if self.ref_model is not None:
+                self.ref_model = None  # no reference is held during training
+                torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        return super().train(*args, **kwargs)
+
+    @torch.no_grad()
+    def precompute_reference_logps(self, dataset, split: str):
+        """One pass over the dataset (no shuffling) with the reference; adds ref_chosen_logps / ref_rejected_logps."""
+        if all(name in dataset.column_names for name in REFERENCE_COLUMNS):
+            return dataset
+        size = self.args.precompute_ref_batch_size or self.args.per_device_train_batch_size
+        model = self.ref_model if self.ref_model is not None else self.model
+        was_training = model.training
+        model.eval()
+        chosen, rejected = [], []
+        context = contextlib.nullcontext()
+        if self.ref_model is None and self.uses_adapter_as_reference:
+            context = unwrap_adapter_owner(self.model).disable_adapter()
+        try:
+            with context:
+                for start in range(0, len(dataset), size):
+                    rows = [dataset[i] for i in range(start, min(start + size, len(dataset)))]
+                    batch = self._prepare_inputs(self.data_collator(rows))
+                    logps = self.sequence_logps(model, batch)
+                    chosen.extend(logps[: len(rows)].float().cpu().tolist())
+                    rejected.extend(logps[len(rows):].float().cpu().tolist())
+        finally:
+            model.train(was_training)
+        logger.info("Precomputed reference log-probs of %d %s pairs.", len(dataset), split)
+        return dataset.add_column("ref_chosen_logps", chosen).add_column("ref_rejected_logps", rejected)
+
+
+def unwrap_adapter_owner(model):
+    """The PEFT model (under accelerate/DDP wrappers) whose `disable_adapter()` gives the reference."""
+    while not hasattr(model, "disable_adapter") and hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _disable_dropout(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
