@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
+from ..profiling.summary import length_summary_line
 from .chat_template import require_chat_template, require_generation_markers
 from .formats import SFTFormat, detect_sft_format
 from .report import PreparationReport
 from .sft_tokenization import SFTTokenizer, is_empty_example
-from .truncation import truncate_dataset
+from .truncation import sequence_lengths, truncate_dataset
 
+logger = logging.getLogger("leantune.data")
 LOSS_MASK_COLUMNS = ("completion_mask", "assistant_masks")
 
 
@@ -55,6 +59,7 @@ def prepare_sft_dataset(dataset, tokenizer, args, split: str = "train", formatti
             dataset = dataset.select(non_empty)
 
     splits_long = packing and args.packing_strategy in ("bfd_split", "wrapped")
+    logger.info(length_summary_line(sequence_lengths(dataset), args.max_length, split, truncates=not splits_long))
     if args.max_length is not None and not splits_long:
         dataset, report.num_truncated, report.tokens_dropped = truncate_dataset(
             dataset, args.max_length, args.truncation_mode, num_proc

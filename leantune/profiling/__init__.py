@@ -1,0 +1,18 @@
+"""Sequence-length profiling: what max_length, padding and packing would cost on a dataset (`leantune profile`).
+
+`profile_dataset` returns a `LengthProfile`; `write_length_figure` (matplotlib, imported only when called)
+draws it; `length_summary_line` is the one line the trainers log.
+"""
+
+from .profiler import profile_dataset
+from .report import LengthProfile
+from .summary import length_summary_line
+
+
+def write_length_figure(profile, path):
+    from .figure import write_length_figure as write
+
+    return write(profile, path)
+
+
+__all__ = ["LengthProfile", "length_summary_line", "profile_dataset", "write_length_figure"]
