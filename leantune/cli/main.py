@@ -9,6 +9,7 @@ import sys
 
 COMMANDS = {
     "sft": ("leantune.cli.sft", "Supervised fine-tuning (no arguments: a built-in demo run on bundled data)."),
+    "dpo": ("leantune.cli.dpo", "Direct Preference Optimization (no arguments: a built-in demo run on bundled pairs)."),
     "profile": ("leantune.cli.profile", "Token lengths of a dataset: which max_length, padding and packing to use."),
 }
 

@@ -68,7 +68,7 @@ class DPOConfig(MemoryOptions, TrainingArguments):
     )
 
     # Loss
-    loss_type: str | list[str] = field(default="sigmoid", metadata={"help": "sigmoid, ipo or hinge."})
+    loss_type: str = field(default="sigmoid", metadata={"help": "sigmoid, ipo or hinge."})
     beta: float = field(default=0.1, metadata={"help": "Strength of the pull towards the reference (IPO: tau)."})
     label_smoothing: float = field(
         default=0.0, metadata={"help": "Probability that a preference label is flipped (robust DPO; sigmoid loss)."}

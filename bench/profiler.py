@@ -1,6 +1,6 @@
 """Benchmark `leantune profile` on a million chat examples: is the profile bounded by tokenisation?
 
-    python bench/profile.py [--num-examples 1000000] [--num-proc N] [--repeats R] [--data-dir DIR]
+    python bench/profiler.py [--num-examples 1000000] [--num-proc N] [--repeats R] [--data-dir DIR]
 
 Data: the 7,473 GSM8K training rows as conversations ([user: question, assistant: answer]), repeated up to
 `--num-examples` rows, saved once with `save_to_disk` and memory-mapped (as a user's data file would be), and the

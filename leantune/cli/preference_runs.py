@@ -1,0 +1,82 @@
+"""What `leantune dpo | reward | kto` share: loading the data named on the command line, and the built-in demo
+set-up (bundled preference pairs, the demo's character tokenizer and a small model, settings the user did not set)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from .arguments import model_init_kwargs_from, peft_config_from
+
+
+def require_model_and_data(command: str, script_args, model_args) -> str | None:
+    """None when both or neither are given (neither: the demo); else the error to print."""
+    if (model_args.model_name_or_path is None) == (script_args.dataset_name is None):
+        return None
+    missing = "--model_name_or_path" if model_args.model_name_or_path is None else "--dataset_name"
+    return f"leantune {command}: {missing} is required (give both, or neither for the built-in demo)."
+
+
+def load_splits(script_args, args):
+    """(train, eval or None) from --dataset_name; eval only when evaluation is switched on."""
+    from ..data.loading import load_dataset_source
+
+    data = load_dataset_source(script_args.dataset_name, script_args.dataset_config)
+    if script_args.dataset_train_split not in data:
+        raise ValueError(f"Split {script_args.dataset_train_split!r} not found; the dataset has {list(data)}.")
+    eval_dataset = data.get(script_args.dataset_test_split) if args.eval_strategy != "no" else None
+    return data[script_args.dataset_train_split], eval_dataset
+
+
+def model_kwargs(model_args, args) -> None:
+    if args.model_init_kwargs is None:
+        args.model_init_kwargs = model_init_kwargs_from(model_args)
+
+
+def apply_demo_settings(args, explicit: set[str], defaults: dict, output_dir: str) -> None:
+    """Demo defaults for every field not set by a flag or the YAML file; single-threaded torch on a small CPU run."""
+    import torch
+
+    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)  # spin-waiting OpenMP threads on shared cores slow a tiny model down
+    settings = {"output_dir": output_dir, "save_strategy": "no", "logging_first_step": True, **defaults}
+    for name, value in settings.items():
+        if name not in explicit:
+            setattr(args, name, value)
+    args.__post_init__()
+    torch.manual_seed(args.seed)
+
+
+def demo_model(model_args):
+    """The SFT demo's character tokenizer and a small Llama from its config, random weights."""
+    from transformers import AutoModelForCausalLM
+
+    from ..defaults import build_default_model_config, build_default_tokenizer
+
+    tokenizer = build_default_tokenizer()
+    model = AutoModelForCausalLM.from_config(build_default_model_config(tokenizer))
+    return tokenizer, model, peft_config_from(model_args)
+
+
+def fail(message: str) -> int:
+    print(message, file=sys.stderr)
+    return 2
+
+
+def sft_warm_up(model, tokenizer, pairs, seed: int, steps: int = 150):
+    """A short SFT run on the chosen completions: preference training usually starts from an SFT model, and a
+    random model has no sense of the task for a preference signal to refine."""
+    import tempfile
+
+    from ..trainers.sft_config import SFTConfig
+    from ..trainers.sft_trainer import SFTTrainer
+
+    data = pairs.rename_column("chosen", "completion").remove_columns("rejected")
+    with tempfile.TemporaryDirectory(prefix="leantune-warm-up-") as output_dir:
+        args = SFTConfig(output_dir=output_dir, max_steps=steps, per_device_train_batch_size=32, learning_rate=1e-3,
+                         lr_scheduler_type="constant", max_length=64, report_to=[], save_strategy="no",
+                         logging_strategy="no", disable_tqdm=True, seed=seed, memory_breakdown=False,
+                         use_cpu=not __import__("torch").cuda.is_available())
+        trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+        trainer.train()
+    return trainer.model
