@@ -1,0 +1,191 @@
+"""DPO: layouts, loss paths and reference modes agree; the loss matches hand-computed values; bad pairs are counted.
+
+Tolerance: relative difference <= 1e-5 in fp32 for per-sequence log-probs, losses and first-step gradients.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import math
+
+import pytest
+import torch
+from datasets import Dataset
+
+from leantune import DPOConfig, DPOTrainer
+from leantune.data.preference_preparation import PairTruncation
+from leantune.losses.preference import dpo_loss
+
+from .conftest import HH_PAIRS, tiny_model
+from .test_sft_exactness import GradientRecorder, rel_diff
+
+RTOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def hh_pairs() -> Dataset:
+    with gzip.open(HH_PAIRS, "rt", encoding="utf-8") as handle:
+        rows = [json.loads(line) for _, line in zip(range(24), handle)]
+    return Dataset.from_list(rows)
+
+
+def make_trainer(tokenizer, dataset, tmp_path, model=None, **overrides):
+    settings = dict(output_dir=str(tmp_path), max_length=192, report_to=[], save_strategy="no", use_cpu=True,
+                    per_device_train_batch_size=4, max_steps=1, max_grad_norm=0.0, seed=0, logging_steps=1,
+                    learning_rate=1e-3, memory_breakdown=False)
+    peft_config = overrides.pop("peft_config", None)
+    ref_model = overrides.pop("ref_model", None)
+    settings.update(overrides)
+    return DPOTrainer(model=model if model is not None else tiny_model(), ref_model=ref_model,
+                      args=DPOConfig(**settings), train_dataset=dataset, processing_class=tokenizer,
+                      peft_config=peft_config)
+
+
+def batch_of(trainer, size=6):
+    rows = [trainer.train_dataset[i] for i in range(size)]
+    return trainer.data_collator(rows)
+
+
+def test_padding_free_equals_padded_per_sequence(tokenizer, hh_pairs, tmp_path):
+    model = tiny_model()
+    padded = make_trainer(tokenizer, hh_pairs, tmp_path / "a", model=model)
+    flat = make_trainer(tokenizer, hh_pairs, tmp_path / "b", model=model, padding_free=True)
+    padded_batch, flat_batch = batch_of(padded), batch_of(flat)
+    assert flat_batch["input_ids"].shape[0] == 1 and "attention_mask" not in flat_batch
+    model.eval()
+    with torch.no_grad():
+        reference = padded.sequence_logps(model, padded_batch)
+        got = flat.sequence_logps(model, flat_batch)
+    assert reference.shape == (12,) and torch.all(reference < 0)
+    assert rel_diff(got, reference) <= RTOL
+
+
+def first_step(trainer):
+    recorder = GradientRecorder(trainer.model)
+    trainer.add_callback(recorder)
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    return recorder.grads, logs[0]
+
+
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_chunked_equals_full_loss_and_gradients(padding_free, tokenizer, hh_pairs, tmp_path):
+    full_grads, full_log = first_step(make_trainer(tokenizer, hh_pairs, tmp_path / "f", padding_free=padding_free))
+    chunked = make_trainer(tokenizer, hh_pairs, tmp_path / "c", padding_free=padding_free, use_liger_loss=True,
+                           loss_chunk_size=32)
+    assert chunked.logprob_path.value == "chunked"
+    chunked_grads, chunked_log = first_step(chunked)
+    for key in ("loss", "logps/chosen", "logps/rejected"):
+        assert chunked_log[key] == pytest.approx(full_log[key], rel=RTOL), key
+    for name, reference in full_grads.items():
+        assert rel_diff(chunked_grads[name], reference) <= RTOL, name
+
+
+def lora(init_random: bool):
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                      init_lora_weights=not init_random, task_type="CAUSAL_LM")
+
+
+def test_peft_reference_equals_a_separate_copy_of_the_base_weights(tokenizer, hh_pairs, tmp_path):
+    """With a random (non-zero) adapter the policy differs from its base; the reference must be the base."""
+    torch.manual_seed(0)
+    peft_trainer = make_trainer(tokenizer, hh_pairs, tmp_path / "p", model=tiny_model(seed=3),
+                                peft_config=lora(init_random=True))
+    assert peft_trainer.uses_adapter_as_reference and peft_trainer.ref_model is None
+    copy_trainer = make_trainer(tokenizer, hh_pairs, tmp_path / "c", model=tiny_model(seed=4),
+                                ref_model=tiny_model(seed=3))
+    batch = batch_of(peft_trainer)
+    via_adapter = torch.cat(peft_trainer.reference_logps(batch))
+    via_copy = torch.cat(copy_trainer.reference_logps(batch))
+    with torch.no_grad():
+        policy = peft_trainer.sequence_logps(peft_trainer.model, batch)
+    assert rel_diff(via_adapter, via_copy) <= RTOL
+    assert rel_diff(policy, via_copy) > 1e-3  # the adapter does change the policy
+
+
+def test_precomputed_reference_equals_live_reference(tokenizer, hh_pairs, tmp_path):
+    live_grads, live_log = first_step(make_trainer(tokenizer, hh_pairs, tmp_path / "live"))
+    pre = make_trainer(tokenizer, hh_pairs, tmp_path / "pre", precompute_ref_log_probs=True)
+    assert pre.ref_model is None  # no reference copy at all: the initial policy gives the reference log-probs
+    pre_grads, pre_log = first_step(pre)
+    assert "ref_chosen_logps" in pre.train_dataset.column_names
+    assert pre_log["loss"] == pytest.approx(live_log["loss"], rel=RTOL)
+    for name, reference in live_grads.items():
+        assert rel_diff(pre_grads[name], reference) <= RTOL, name
+
+
+def test_first_step_loss_is_log_2_and_rewards_move_apart(tokenizer, hh_pairs, tmp_path):
+    four = hh_pairs.select(range(4))  # the same 4 pairs at every step: their margin must grow
+    trainer = make_trainer(tokenizer, four, tmp_path, max_steps=5, per_device_train_batch_size=4, max_length=None)
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert logs[0]["loss"] == pytest.approx(math.log(2), rel=1e-6)  # policy == reference at step 0
+    assert logs[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-6)
+    assert logs[-1]["rewards/margins"] > 0 and logs[-1]["loss"] < math.log(2)
+
+
+def test_loss_types_against_hand_computed_values():
+    pc, pr, rc, rr = (torch.tensor(v) for v in ([-1.0, -2.0], [-1.5, -1.0], [-1.2, -2.5], [-1.0, -1.1]))
+    margin = (pc - rc) - (pr - rr)  # [0.7, 0.4]
+    beta = 0.5
+    losses, chosen_rewards, rejected_rewards = dpo_loss(pc, pr, rc, rr, beta, "sigmoid")
+    expected = [-math.log(1 / (1 + math.exp(-beta * m))) for m in margin.tolist()]
+    assert losses.tolist() == pytest.approx(expected, rel=1e-6)
+    assert chosen_rewards.tolist() == pytest.approx([0.1, 0.25], rel=1e-6)
+    assert rejected_rewards.tolist() == pytest.approx([-0.25, 0.05], rel=1e-5)
+    smoothed, _, _ = dpo_loss(pc, pr, rc, rr, beta, "sigmoid", label_smoothing=0.1)
+    expected = [0.9 * -math.log(1 / (1 + math.exp(-beta * m))) + 0.1 * -math.log(1 / (1 + math.exp(beta * m)))
+                for m in margin.tolist()]
+    assert smoothed.tolist() == pytest.approx(expected, rel=1e-6)
+    ipo, _, _ = dpo_loss(pc, pr, rc, rr, beta, "ipo")
+    assert ipo.tolist() == pytest.approx([(m - 1 / (2 * beta)) ** 2 for m in margin.tolist()], rel=1e-6)
+    hinge, _, _ = dpo_loss(pc, pr, rc, rr, beta, "hinge")
+    assert hinge.tolist() == pytest.approx([max(0.0, 1 - beta * m) for m in margin.tolist()], rel=1e-6)
+
+
+def test_implicit_prompt_is_the_shared_dialogue(tokenizer, hh_pairs, tmp_path):
+    trainer = make_trainer(tokenizer, hh_pairs, tmp_path, max_length=None)
+    row = trainer.train_dataset[0]
+    prompt = tokenizer.decode(row["prompt_input_ids"], skip_special_tokens=True)
+    chosen = tokenizer.decode(row["chosen_input_ids"], skip_special_tokens=True)
+    assert prompt.rstrip().endswith("Assistant:")
+    assert hh_pairs[0]["chosen"].strip().endswith(chosen.strip())
+    assert row["chosen_input_ids"][-1] == tokenizer.eos_token_id
+
+
+def test_bad_pairs_are_counted_or_rejected(tokenizer, tmp_path, caplog):
+    rows = [
+        {"prompt": "Say hi.", "chosen": " Hi there!", "rejected": " Go away."},
+        {"prompt": "Say hi.", "chosen": " Same.", "rejected": " Same."},  # identical: nothing to prefer
+        {"prompt": "Say hi.", "chosen": "   ", "rejected": " No."},  # empty completion
+        {"prompt": "word " * 200, "chosen": " ok", "rejected": " no"},  # the prompt alone fills max_length
+        {"prompt": "Count.", "chosen": " one two three four five six seven", "rejected": " one"},
+    ]
+    with caplog.at_level(logging.WARNING, logger="leantune"):
+        trainer = make_trainer(tokenizer, Dataset.from_list(rows), tmp_path, max_length=64)
+    report = trainer.data_reports["train"]
+    assert (report.num_pairs_in, report.num_identical_dropped, report.num_empty_dropped,
+            report.num_prompt_too_long_dropped, report.num_pairs_out) == (5, 1, 1, 1, 2)
+    assert "identical" in caplog.text and "empty" in caplog.text and "fills max_length" in caplog.text
+    with pytest.raises(ValueError, match=r"Columns found: \['answer', 'question'\]"):
+        make_trainer(tokenizer, Dataset.from_list([{"question": "q", "answer": "a"}]), tmp_path)
+    with pytest.raises(ValueError, match="empty"):
+        make_trainer(tokenizer, Dataset.from_list(rows).select([]), tmp_path)
+    with pytest.raises(ValueError, match="loss_type"):
+        DPOConfig(output_dir="x", loss_type="nope", use_cpu=True)
+    with pytest.raises(ValueError, match="label_smoothing"):
+        DPOConfig(output_dir="x", loss_type="ipo", label_smoothing=0.1, use_cpu=True)
+
+
+def test_legacy_prompt_and_completion_bounds():
+    cut = PairTruncation(max_prompt_length=3, max_completion_length=2, max_length=None)
+    assert cut.truncate([1, 2, 3, 4, 5], [6, 7, 8], [9])[:3] == ([3, 4, 5], [6, 7], [9])  # prompt end, completion start
+    keep_start = PairTruncation(None, None, max_length=6)
+    assert keep_start.truncate([1, 2, 3, 4], [5, 6, 7], [8])[:3] == ([1, 2, 3, 4], [5, 6], [8])
+    keep_end = PairTruncation(None, None, max_length=6, mode="keep_end")
+    assert keep_end.truncate([1, 2, 3, 4], [5, 6, 7], [8])[:3] == ([2, 3, 4], [5, 6, 7], [8])  # one prompt for both
+    assert keep_start.truncate(list(range(7)), [1], [2])[3] is True  # no room left for the completion
