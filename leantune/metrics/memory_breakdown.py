@@ -106,6 +106,15 @@ def _tracker_class():
                     self._param_to_grad_hook_handles[param] = (_NO_HOOK, _NO_HOOK)
             return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
+        def _pre_fw_hook(self, module, inputs):
+            # A model called twice in one step (a reference pass with the adapter disabled, gradient accumulation)
+            # looks to MemTracker like a new iteration; per-module stats restart, the step's peak is kept.
+            try:
+                return super()._pre_fw_hook(module, inputs)
+            except NotImplementedError:
+                self.reset_mod_stats()
+                return super()._pre_fw_hook(module, inputs)
+
     return FrozenParameterSafeTracker
 
 
