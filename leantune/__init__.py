@@ -17,6 +17,8 @@ _EXPORTS = {
     "ModelConfig": "leantune.cli.arguments",
     "profile_dataset": "leantune.profiling",
     "LengthProfile": "leantune.profiling",
+    "KTOConfig": "leantune.trainers.kto_config",
+    "KTOTrainer": "leantune.trainers.kto_trainer",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -11,6 +11,7 @@ COMMANDS = {
     "sft": ("leantune.cli.sft", "Supervised fine-tuning (no arguments: a built-in demo run on bundled data)."),
     "dpo": ("leantune.cli.dpo", "Direct Preference Optimization (no arguments: a built-in demo run on bundled pairs)."),
     "profile": ("leantune.cli.profile", "Token lengths of a dataset: which max_length, padding and packing to use."),
+    "kto": ("leantune.cli.kto", "Kahneman-Tversky Optimization (no arguments: a built-in demo run on bundled data)."),
 }
 
 

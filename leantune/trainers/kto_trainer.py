@@ -1,0 +1,288 @@
+"""KTOTrainer: Kahneman-Tversky Optimization, as a recipe over leantune's shared data, loss and memory pieces.
+
+Each step runs the policy over the batch's prompt + completion sequences (with gradient) and, for the KL reference
+point, over its prompt + mismatched-completion sequences (without: the KL term is not differentiated through);
+the reference gives both log-probs from a frozen copy, the policy with its adapter disabled, or a precomputed pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+from collections import defaultdict
+
+import torch
+
+from ..data.kto_preparation import KL_COLUMN, REFERENCE_COLUMNS, KTOCollator, kl_view, prepare_kto_dataset
+from ..data.preference_collator import sequence_starts
+from ..losses.kto import kl_estimate, kto_loss
+from ..losses.preference import sequence_logps
+from ..metrics.memory_breakdown import MemoryBreakdownCallback
+from ..models.loading import apply_peft, ensure_pad_token, load_causal_lm, load_tokenizer
+from ..models.output_head import unwrap_model
+from ..models.segment_attention import SEGMENT_SDPA, use_segment_attention
+from .base import LeantuneTrainer
+from .dpo_trainer import MODEL_INPUTS, _disable_dropout, unwrap_adapter_owner
+from .kto_config import KTOConfig
+
+logger = logging.getLogger("leantune.kto")
+
+
+class KTOTrainer(LeantuneTrainer):
+    """Train a causal LM towards desirable and away from undesirable completions, relative to a frozen reference."""
+
+    dataset_columns = ("prompt_input_ids", "completion_input_ids", "label", KL_COLUMN, *REFERENCE_COLUMNS)
+
+    def __init__(
+        self,
+        model,
+        ref_model=None,
+        args: KTOConfig | None = None,
+        data_collator=None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        compute_metrics=None,
+        callbacks=None,
+        optimizers=(None, None),
+        optimizer_cls_and_kwargs=None,
+        preprocess_logits_for_metrics=None,
+        peft_config=None,
+    ):
+        if args is None:
+            name = model if isinstance(model, str) else type(model).__name__
+            args = KTOConfig(output_dir=f"{str(name).split('/')[-1]}-KTO")
+
+        # 1. policy, tokenizer, reference
+        model_source = model
+        model = load_causal_lm(model, args.model_init_kwargs)
+        tokenizer = load_tokenizer(model_source, processing_class)
+        ensure_pad_token(tokenizer, None)
+        model.config.use_cache = False
+        if args.padding_free and use_segment_attention(model):
+            logger.info("Padding-free batches: attention runs per sequence (%s).", SEGMENT_SDPA)
+        model = apply_peft(model, peft_config, args)
+        self.uses_adapter_as_reference = ref_model is None and hasattr(model, "disable_adapter")
+        if ref_model is not None:
+            ref_model = load_causal_lm(ref_model, args.ref_model_init_kwargs)
+            if args.padding_free:
+                use_segment_attention(ref_model)
+        elif not self.uses_adapter_as_reference and not args.precompute_ref_log_probs:
+            ref_model = copy.deepcopy(unwrap_model(model))  # a separate, frozen copy of the initial policy
+        if ref_model is not None:
+            ref_model.requires_grad_(False).eval()
+        if args.disable_dropout:
+            for module in (model, ref_model):
+                if module is not None:
+                    _disable_dropout(module)
+        self._reference_note(ref_model, args)
+
+        # 2. data: unpaired (or unpaired pairs) -> prompt / completion ids, label, KL completion; counted
+        reports = {}
+        train_dataset, reports["train"] = prepare_kto_dataset(train_dataset, tokenizer, args, "train")
+        if eval_dataset is not None:
+            eval_dataset, reports["eval"] = prepare_kto_dataset(eval_dataset, tokenizer, args, "eval")
+
+        # 3. batches: the completions' sequences and the KL term's mismatched ones, padded or padding-free
+        if data_collator is None:
+            data_collator = KTOCollator(tokenizer.pad_token_id, args.padding_free, args.pad_to_multiple_of)
+        super().__init__(
+            model=model,
+            args=args,
+            data_collator=data_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=tokenizer,
+            compute_metrics=compute_metrics,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
+            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+        )
+        self.data_reports = reports
+        self.ref_model = self.accelerator.prepare_model(ref_model, evaluation_mode=True) if ref_model else None
+        self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
+        self._reference_ready = not args.precompute_ref_log_probs
+
+    def _reference_note(self, ref_model, args) -> None:
+        if self.uses_adapter_as_reference:
+            how = "the policy with its adapter disabled (no second copy)"
+        elif args.precompute_ref_log_probs and ref_model is None:
+            how = "log-probs of the initial policy, computed once before training (no reference held in training)"
+        elif args.precompute_ref_log_probs:
+            how = "log-probs of the given ref_model, computed once before training"
+        else:
+            how = "a separate frozen model in eval mode"
+        logger.info("KTO reference: %s; %s.", how, "KL reference point from mismatched completions" if args.uses_kl
+                    else "no KL term (apo_zero_unpaired)")
+
+    # --- log-probabilities ----------------------------------------------------------------------------------------
+
+    def items_in(self, batch: dict) -> torch.Tensor:
+        return torch.as_tensor(batch["num_examples"])
+
+    def sequence_logps(self, model, batch: dict, kl: bool = False) -> torch.Tensor:
+        """Summed completion log-probs of every sequence of the batch (kl=True: of its mismatched sequences)."""
+        view = kl_view(batch) if kl else batch
+        inputs = {k: view[k] for k in MODEL_INPUTS if k in view}
+        self._restart_memory_stats_of(model)
+        logps, targets, _ = self.target_logprobs(model, inputs, view["labels"])
+        return sequence_logps(logps, targets, sequence_starts(view), int(batch["num_examples"]))
+
+    def _restart_memory_stats_of(self, model) -> None:
+        """A KTO step calls the policy (and the reference) more than once. PyTorch's MemTracker, behind the step's
+        memory breakdown, reads a second top-level call of a module as the next iteration; forgetting that one
+        module's statistics first keeps the rest (and the step's peak) and lets the call be tracked afresh."""
+        for callback in self.callback_handler.callbacks:
+            tracker = getattr(getattr(callback, "meter", None), "_tracker", None)
+            if isinstance(callback, MemoryBreakdownCallback) and tracker is not None:
+                tracker.memory_tracking.pop(model, None)
+
+    @contextlib.contextmanager
+    def reference_model(self):
+        """The model that gives reference log-probs: the frozen reference, or the policy with its adapter off."""
+        if self.ref_model is not None:
+            yield self.ref_model
+        elif self.uses_adapter_as_reference:
+            with unwrap_adapter_owner(self.model).disable_adapter():
+                yield self.model
+        else:
+            raise RuntimeError("Reference log-probs were neither precomputed nor computable (no reference model).")
+
+    @torch.no_grad()
+    def reference_logps(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(reference log-probs of the completions, of the mismatched KL completions or None)."""
+        with_kl = "kl_input_ids" in batch
+        if "ref_logps" in batch and (not with_kl or "ref_kl_logps" in batch):
+            return batch["ref_logps"], batch.get("ref_kl_logps")
+        with self.reference_model() as model:
+            logps = self.sequence_logps(model, batch)
+            kl_logps = self.sequence_logps(model, batch, kl=True) if with_kl else None
+        return logps, kl_logps
+
+    def kl_reference_point(self, model, batch: dict, ref_kl_logps) -> torch.Tensor:
+        """z0: mean policy/reference log-ratio of the mismatched sequences, averaged over processes, >= 0; detached."""
+        device = batch["input_ids"].device
+        if not self.args.uses_kl:
+            return torch.zeros((), device=device)
+        with torch.no_grad():
+            policy_kl = self.sequence_logps(model, batch, kl=True)
+            kl = kl_estimate(policy_kl, ref_kl_logps.to(policy_kl.device))
+        return self.accelerator.gather(kl.reshape(1)).mean().clamp(min=0)
+
+    # --- the loss -------------------------------------------------------------------------------------------------
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        batch = dict(inputs)
+        self.count_tokens(model, batch)
+        kl_real = batch.pop("kl_num_real_tokens", None)
+        if model.training and kl_real is not None:
+            self.throughput.add(int(kl_real), int(batch["kl_input_ids"].numel()))
+        count = int(batch["num_examples"])
+        ref_logps, ref_kl_logps = self.reference_logps(batch)
+        kl = self.kl_reference_point(model, batch, ref_kl_logps)
+        policy = self.sequence_logps(model, batch)
+        desirable = batch["desirable"].to(policy.device)
+        args = self.args
+        losses, rewards = kto_loss(policy, ref_logps.to(policy.device), desirable, kl, args.beta,
+                                   args.desirable_weight, args.undesirable_weight, args.loss_type)
+        loss = self.normalise(losses.sum(), count, num_items_in_batch)
+        self._record(policy.detach(), rewards, desirable, kl, "train" if model.training else "eval")
+        return (loss, {"logps": policy.detach()}) if return_outputs else loss
+
+    def _record(self, logps, rewards, desirable, kl, mode: str) -> None:
+        gathered = self.accelerator.gather_for_metrics(
+            torch.stack([rewards.float(), logps.float(), desirable.float()]).T.contiguous()
+        )
+        reward, logp, good = gathered.T
+        good = good.bool()
+        store = self._metrics[mode]
+        store["rewards/chosen"].extend(reward[good].tolist())
+        store["rewards/rejected"].extend(reward[~good].tolist())
+        store["logps/chosen"].extend(logp[good].tolist())
+        store["logps/rejected"].extend(logp[~good].tolist())
+        store["kl"].append(float(kl))
+        store["count/desirable"].append(int(good.sum()))
+        store["count/undesirable"].append(int((~good).sum()))
+
+    def log(self, logs: dict, start_time: float | None = None) -> None:
+        mode = "train" if "loss" in logs else "eval"
+        prefix = "eval_" if mode == "eval" else ""
+        store = self._metrics[mode]
+        means = {name: sum(values) / len(values) for name, values in store.items()
+                 if values and not name.startswith("count/")}
+        if "rewards/chosen" in means and "rewards/rejected" in means:
+            means["rewards/margins"] = means["rewards/chosen"] - means["rewards/rejected"]
+        for name, value in means.items():
+            logs[f"{prefix}{name}"] = round(value, 6)
+        for name in ("count/desirable", "count/undesirable"):
+            if store.get(name):
+                logs[f"{prefix}{name}"] = sum(store[name])
+        store.clear()
+        super().log(logs, start_time)
+
+    # --- precomputed reference ------------------------------------------------------------------------------------
+
+    def train(self, *args, **kwargs):
+        self._prepare_reference()
+        return super().train(*args, **kwargs)
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
+        """As Trainer.evaluate; a dataset passed here in any accepted format is prepared like the eval dataset."""
+        self._prepare_reference()  # evaluating before training must find the reference log-probs too
+        if eval_dataset is not None and not isinstance(eval_dataset, (str, dict)) and not _is_prepared(
+                eval_dataset, self.args):
+            eval_dataset, self.data_reports[metric_key_prefix] = prepare_kto_dataset(
+                eval_dataset, self.processing_class, self.args, metric_key_prefix)
+        return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+
+    def _prepare_reference(self) -> None:
+        if self._reference_ready:
+            return
+        self.train_dataset = self.precompute_reference_logps(self.train_dataset, "train")
+        if self.eval_dataset is not None:
+            self.eval_dataset = self.precompute_reference_logps(self.eval_dataset, "eval")
+        self._reference_ready = True
+        if self.ref_model is not None:
+            self.ref_model = None  # no reference is held during training
+            torch.cuda.empty_cache() if torch.cuda.is_available() else None
+
+    @torch.no_grad()
+    def precompute_reference_logps(self, dataset, split: str):
+        """One pass over the dataset (no shuffling) with the reference; adds ref_logps (and ref_kl_logps)."""
+        with_kl = KL_COLUMN in dataset.column_names
+        wanted = ("ref_logps", "ref_kl_logps") if with_kl else ("ref_logps",)
+        if all(name in dataset.column_names for name in wanted):
+            return dataset
+        size = self.args.precompute_ref_batch_size or self.args.per_device_train_batch_size
+        model = self.ref_model if self.ref_model is not None else self.model
+        was_training = model.training
+        model.eval()
+        columns = {name: [] for name in wanted}
+        context = contextlib.nullcontext()
+        if self.ref_model is None and self.uses_adapter_as_reference:
+            context = unwrap_adapter_owner(self.model).disable_adapter()
+        try:
+            with context:
+                for start in range(0, len(dataset), size):
+                    rows = [dataset[i] for i in range(start, min(start + size, len(dataset)))]
+                    batch = self._prepare_inputs(self.data_collator(rows))
+                    columns["ref_logps"].extend(self.sequence_logps(model, batch).float().cpu().tolist())
+                    if with_kl:
+                        kl_logps = self.sequence_logps(model, batch, kl=True)
+                        columns["ref_kl_logps"].extend(kl_logps.float().cpu().tolist())
+        finally:
+            model.train(was_training)
+        logger.info("Precomputed reference log-probs of %d %s examples%s.", len(dataset), split,
+                    " and of their KL completions" if with_kl else "")
+        for name, values in columns.items():
+            dataset = dataset.remove_columns(name) if name in dataset.column_names else dataset
+            dataset = dataset.add_column(name, values)
+        return dataset
+
+
+def _is_prepared(dataset, args) -> bool:
+    columns = set(dataset.column_names)
+    return {"prompt_input_ids", "completion_input_ids", "label"} <= columns and (
+        not args.uses_kl or KL_COLUMN in columns)
