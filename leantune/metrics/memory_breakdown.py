@@ -112,7 +112,7 @@ def _tracker_class():
             try:
                 return super()._pre_fw_hook(module, inputs)
             except NotImplementedError:
-                self.reset_mod_stats()
+                self.memory_tracking.pop(module, None)  # only that module: another model's stats stay for backward
                 return super()._pre_fw_hook(module, inputs)
 
     return FrozenParameterSafeTracker

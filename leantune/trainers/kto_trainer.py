@@ -18,7 +18,6 @@ from ..data.kto_preparation import KL_COLUMN, REFERENCE_COLUMNS, KTOCollator, kl
 from ..data.preference_collator import sequence_starts
 from ..losses.kto import kl_estimate, kto_loss
 from ..losses.preference import sequence_logps
-from ..metrics.memory_breakdown import MemoryBreakdownCallback
 from ..models.loading import apply_peft, ensure_pad_token, load_causal_lm, load_tokenizer
 from ..models.output_head import unwrap_model
 from ..models.segment_attention import SEGMENT_SDPA, use_segment_attention
@@ -126,18 +125,8 @@ class KTOTrainer(LeantuneTrainer):
         """Summed completion log-probs of every sequence of the batch (kl=True: of its mismatched sequences)."""
         view = kl_view(batch) if kl else batch
         inputs = {k: view[k] for k in MODEL_INPUTS if k in view}
-        self._restart_memory_stats_of(model)
         logps, targets, _ = self.target_logprobs(model, inputs, view["labels"])
         return sequence_logps(logps, targets, sequence_starts(view), int(batch["num_examples"]))
-
-    def _restart_memory_stats_of(self, model) -> None:
-        """A KTO step calls the policy (and the reference) more than once. PyTorch's MemTracker, behind the step's
-        memory breakdown, reads a second top-level call of a module as the next iteration; forgetting that one
-        module's statistics first keeps the rest (and the step's peak) and lets the call be tracked afresh."""
-        for callback in self.callback_handler.callbacks:
-            tracker = getattr(getattr(callback, "meter", None), "_tracker", None)
-            if isinstance(callback, MemoryBreakdownCallback) and tracker is not None:
-                tracker.memory_tracking.pop(model, None)
 
     @contextlib.contextmanager
     def reference_model(self):
