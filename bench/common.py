@@ -76,10 +76,11 @@ def source_state(path: str = "leantune") -> str:
     import subprocess
 
     def git(*args):
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=False).stdout.strip()
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=False).stdout
 
-    commit = git("rev-parse", "--short", "HEAD") or "unknown"
-    dirty = [line[3:] for line in git("status", "--porcelain", "--", path).splitlines()]
+    commit = git("rev-parse", "--short", "HEAD").strip() or "unknown"
+    # Porcelain lines are "XY path": keep the leading status column (a strip() would shift the first path).
+    dirty = [line[3:] for line in git("status", "--porcelain", "--", path).splitlines() if line.strip()]
     return f"{path} at {commit}" + (f" + uncommitted {', '.join(dirty)}" if dirty else "")
 
 

@@ -51,6 +51,9 @@ CONFIGS = {
     "+ activation offloading": ({"activation_offloading": True}, None),
     "+ LoRA": ({"lora": True}, None),
     "+ packing": ({"packing": True}, None),
+    "gc + LoRA + packing": ({"gradient_checkpointing": True, "lora": True, "packing": True}, None),
+    "gc + LoRA + packing + chunked loss": ({"gradient_checkpointing": True, "lora": True, "packing": True,
+                                            "use_liger_kernel": True}, None),
     "all but chunked loss": ({"gradient_checkpointing": True, "activation_offloading": True, "lora": True,
                               "packing": True}, None),
     "all": ({"gradient_checkpointing": True, "use_liger_kernel": True, "activation_offloading": True, "lora": True,
@@ -194,6 +197,8 @@ def parse_args(argv=None):
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--rows", type=int, default=2000, help="GSM8K rows to use (default 2000)")
     parser.add_argument("--json", type=str, default=None, help="write every run's measurements here")
+    parser.add_argument("--merge", type=str, default=None,
+                        help="a --json file of an earlier run: its results are kept where this run has none")
     parser.add_argument("--verbose", action="store_true")
     opts = parser.parse_args(argv)
     names = {key: name for name, key in KEYS.items()}
@@ -228,6 +233,13 @@ def main(argv=None) -> int:
                 parts = " ".join(f"{p[:3]} {result['parts_mib'][p]:.0f}" for p in PARTS)
                 print(f"{name:38s} {library:9s} peak {result['peak_mib']:8.1f} MiB ({parts})  "
                       f"{result['tokens_per_s']:8.1f} tok/s  loss {result['final_loss']:.4f}", flush=True)
+    if opts.merge:
+        earlier = json.loads(Path(opts.merge).read_text())["runs"]
+        done = {(r["config"], r["library"]) for r in results}
+        order = list(CONFIGS)
+        results = sorted([r for r in earlier if (r["config"], r["library"]) not in done] + results,
+                         key=lambda r: (order.index(r["config"]) if r["config"] in order else len(order),
+                                        r["library"]))
     print()
     print(render(results))
     if opts.json:
