@@ -10,7 +10,9 @@ backward, temporaries). Real tokens/s are timed over the steps after the measure
 
 Settings shared by every run: fp32, batch 8, max_length 512 (rows that would need truncation are left out, as in
 bench/sft.py), lr 5e-4, no logging/saving, `use_cpu=True`, gradient checkpointing off unless the row adds it.
-A row named "+ X" is the baseline plus X alone; "all" combines every technique.
+A row named "+ X" is the baseline plus X alone; "all" combines every technique. "chunked loss" is
+`use_liger_kernel=True` for TRL (liger-kernel: CUDA only) and leantune's `chunked_loss=True` (its default; the
+other rows set it False). TRL 1.16's SFT loss always runs through its own tiled LM head, in every row.
 """
 
 from __future__ import annotations
@@ -97,6 +99,8 @@ def make_config(library: str, flags: dict, opts, output_dir: str):
         from leantune import SFTConfig
 
         settings["memory_breakdown"] = False  # the benchmark attaches the same meter to both libraries
+        # leantune's default is its chunked loss; rows without "chunked loss" turn it off to show what it does.
+        settings["chunked_loss"] = settings.pop("use_liger_kernel")
     else:
         from trl import SFTConfig
     return SFTConfig(**settings)

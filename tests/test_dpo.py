@@ -72,7 +72,8 @@ def first_step(trainer):
 
 @pytest.mark.parametrize("padding_free", [False, True])
 def test_chunked_equals_full_loss_and_gradients(padding_free, tokenizer, hh_pairs, tmp_path):
-    full_grads, full_log = first_step(make_trainer(tokenizer, hh_pairs, tmp_path / "f", padding_free=padding_free))
+    full_grads, full_log = first_step(make_trainer(tokenizer, hh_pairs, tmp_path / "f", padding_free=padding_free,
+                                                   chunked_loss=False))
     chunked = make_trainer(tokenizer, hh_pairs, tmp_path / "c", padding_free=padding_free, use_liger_loss=True,
                            loss_chunk_size=32)
     assert chunked.logprob_path.value == "chunked"

@@ -126,7 +126,7 @@ def sharper_reference():
 def test_chunked_equals_full_loss_and_gradients(tokenizer, hh_pairs, tmp_path):
     # Padding-free; the padded layout gives the same per-sequence log-probs (above).
     full_grads, full_log = first_step(make_trainer(tokenizer, hh_pairs, tmp_path / "f", padding_free=True,
-                                                   ref_model=sharper_reference()))
+                                                   ref_model=sharper_reference(), chunked_loss=False))
     chunked = make_trainer(tokenizer, hh_pairs, tmp_path / "c", padding_free=True, ref_model=sharper_reference(),
                            use_liger_loss=True, loss_chunk_size=32)
     assert chunked.logprob_path.value == "chunked"

@@ -55,7 +55,8 @@ def first_steps(tokenizer, dataset, tmp_path, steps=2, **overrides):
 def test_chunked_loss_equals_full_loss_in_training(layout, tokenizer, gsm8k_rows, tmp_path, caplog):
     dataset = gsm8k_prompt_completion(gsm8k_rows, 16)
     extra = LAYOUTS[layout]
-    grads_full, losses_full, trainer_full, _ = first_steps(tokenizer, dataset, tmp_path / "full", **dict(extra))
+    grads_full, losses_full, trainer_full, _ = first_steps(tokenizer, dataset, tmp_path / "full", chunked_loss=False,
+                                                           **dict(extra))
     with caplog.at_level(logging.WARNING, logger="leantune"):
         grads_chunked, losses_chunked, trainer_chunked, _ = first_steps(
             tokenizer, dataset, tmp_path / "chunked", use_liger_kernel=True, loss_chunk_size=64, **dict(extra)
@@ -73,7 +74,7 @@ def test_chunked_loss_equals_full_loss_in_training(layout, tokenizer, gsm8k_rows
 
 def test_chunked_path_evaluates_without_logits(tokenizer, gsm8k_rows, tmp_path):
     dataset = gsm8k_prompt_completion(gsm8k_rows, 12)
-    _, _, full, _ = first_steps(tokenizer, dataset, tmp_path / "full", steps=1, learning_rate=0.0)
+    _, _, full, _ = first_steps(tokenizer, dataset, tmp_path / "full", steps=1, learning_rate=0.0, chunked_loss=False)
     _, _, chunked, _ = first_steps(tokenizer, dataset, tmp_path / "chunked", steps=1, learning_rate=0.0,
                                    use_liger_kernel=True)
     full_eval = full.evaluate(full.train_dataset)["eval_loss"]
@@ -94,7 +95,7 @@ def test_activation_offloading_gives_the_same_training(tokenizer, gsm8k_rows, tm
 
     monkeypatch.setattr(offloading, "offloading_context", copying_context)
     dataset = gsm8k_prompt_completion(gsm8k_rows, 16)
-    grads_plain, losses_plain, _, _ = first_steps(tokenizer, dataset, tmp_path / "plain")
+    grads_plain, losses_plain, _, _ = first_steps(tokenizer, dataset, tmp_path / "plain", chunked_loss=False)
     made.clear()
     grads_off, losses_off, _, _ = first_steps(tokenizer, dataset, tmp_path / "offload", activation_offloading=True,
                                               use_liger_kernel=True)
@@ -125,9 +126,8 @@ def test_memory_breakdown_is_logged_and_adds_up(tokenizer, gsm8k_rows, tmp_path,
 
 def test_chunked_loss_lowers_the_measured_peak(tokenizer, gsm8k_rows, tmp_path):
     dataset = gsm8k_prompt_completion(gsm8k_rows, 16)
-    _, _, _, full = first_steps(tokenizer, dataset, tmp_path / "full")
-    _, _, _, chunked = first_steps(tokenizer, dataset, tmp_path / "chunked", use_liger_kernel=True,
-                                   loss_chunk_size=64)
+    _, _, _, full = first_steps(tokenizer, dataset, tmp_path / "full", chunked_loss=False)
+    _, _, _, chunked = first_steps(tokenizer, dataset, tmp_path / "chunked", loss_chunk_size=64)  # the default
     logits_mib = 4 * 256 * 32000 * 4 / 2**20  # at most a batch of 4 x 256 tokens of fp32 logits
     saved = full.metrics["memory_step_peak_mb"] - chunked.metrics["memory_step_peak_mb"]
     assert saved > 0.5 * full.metrics["memory_temporaries_mb"]
@@ -152,3 +152,13 @@ def test_either_trl_flag_asks_for_the_fused_loss(flag, tokenizer, gsm8k_rows, tm
     assert trainer.logprob_path is LogProbPath.CHUNKED
     assert f"{flag}=True" in caplog.text
     assert trainer.args.use_liger_kernel is False  # transformers must not try to patch the model with liger
+
+
+def test_chunked_path_is_the_default_and_can_be_turned_off(tokenizer, gsm8k_rows, tmp_path):
+    from leantune import SFTTrainer
+
+    data = gsm8k_prompt_completion(gsm8k_rows, 4)
+    for chunked, path in ((True, LogProbPath.CHUNKED), (False, LogProbPath.FULL)):
+        args = SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], chunked_loss=chunked)
+        trainer = SFTTrainer(model=tiny_model(), args=args, train_dataset=data, processing_class=tokenizer)
+        assert trainer.logprob_path is path

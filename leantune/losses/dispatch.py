@@ -25,10 +25,11 @@ def liger_unavailable_reason(device_type: str) -> str | None:
     return None
 
 
-def choose_logprob_path(fused_requested: bool, device_type: str, flag: str) -> LogProbPath:
-    """`flag` is the config field that asked for it (`use_liger_kernel` or `use_liger_loss`), for the notice."""
+def choose_logprob_path(fused_requested: bool, device_type: str, flag: str, chunked: bool = True) -> LogProbPath:
+    """`flag` is the config field that asked for Liger (`use_liger_kernel` or `use_liger_loss`), for the notice;
+    without it, `chunked` (the default) picks the built-in chunked path over the model's full logits."""
     if not fused_requested:
-        return LogProbPath.FULL
+        return LogProbPath.CHUNKED if chunked else LogProbPath.FULL
     reason = liger_unavailable_reason(device_type)
     if reason is None:
         return LogProbPath.LIGER

@@ -53,7 +53,8 @@ class LeantuneTrainer(Trainer):
         validate_memory_options(config)
         # TRL spells the request use_liger_kernel (SFT) or use_liger_loss (other trainers); either one asks for it.
         flags = [name for name in ("use_liger_kernel", "use_liger_loss") if getattr(config, name, False)]
-        self.logprob_path = choose_logprob_path(bool(flags), config.device.type, " / ".join(flags) or "-")
+        self.logprob_path = choose_logprob_path(bool(flags), config.device.type, " / ".join(flags) or "-",
+                                                chunked=getattr(config, "chunked_loss", True))
         if self.logprob_path is not LogProbPath.LIGER and getattr(config, "use_liger_kernel", False):
             config.use_liger_kernel = False  # transformers would try to patch the model with liger's kernels
         self._offloader = None

@@ -7,6 +7,11 @@ from dataclasses import dataclass, field
 
 @dataclass
 class MemoryOptions:
+    chunked_loss: bool = field(
+        default=True,
+        metadata={"help": "Log-probs from hidden states, a chunk of target tokens at a time, never the full logits "
+                  "(exact). False: the model computes [tokens, vocabulary] logits."},
+    )
     use_liger_loss: bool = field(
         default=False,
         metadata={"help": "Never hold the full logits: liger-kernel's fused losses on CUDA, else leantune's chunked loss."},
