@@ -59,8 +59,11 @@ class PreferenceReport:
         logger.info("%s data: %s", self.split, self.as_dict())
 
 
-def prepare_preference_dataset(dataset, tokenizer, args, split: str = "train"):
-    """Return (dataset with prompt/chosen/rejected token ids, PreferenceReport)."""
+def prepare_preference_dataset(dataset, tokenizer, args, split: str = "train", keep_columns: tuple[str, ...] = ()):
+    """Return (dataset with prompt/chosen/rejected token ids, PreferenceReport).
+
+    `keep_columns` (e.g. the reward trainer's per-pair `margin`) travel with their pairs through every drop.
+    """
     if dataset is None:
         return None, None
     if type(dataset).__name__ in ("DatasetDict", "IterableDatasetDict"):
@@ -76,9 +79,11 @@ def prepare_preference_dataset(dataset, tokenizer, args, split: str = "train"):
         dataset = _drop_unusable_pairs(dataset, fmt, report, num_proc)
         eos_id = tokenizer.eos_token_id
         dataset = dataset.map(PreferenceTokenizer(tokenizer, fmt, eos_id), batched=True,
-                              remove_columns=dataset.column_names, num_proc=num_proc, desc=f"Tokenising {split}")
+                              remove_columns=[c for c in dataset.column_names if c not in keep_columns],
+                              num_proc=num_proc, desc=f"Tokenising {split}")
     else:
-        dataset = dataset.select_columns([c for c in dataset.column_names if c in TOKEN_COLUMNS or c.startswith("ref_")])
+        dataset = dataset.select_columns([c for c in dataset.column_names
+                                          if c in TOKEN_COLUMNS or c.startswith("ref_") or c in keep_columns])
     dataset = _drop_identical_token_pairs(dataset, report, num_proc)
 
     prompt = np.fromiter((len(x) for x in dataset["prompt_input_ids"]), np.int64, len(dataset))
