@@ -19,6 +19,8 @@ _EXPORTS = {
     "LengthProfile": "leantune.profiling",
     "KTOConfig": "leantune.trainers.kto_config",
     "KTOTrainer": "leantune.trainers.kto_trainer",
+    "RewardConfig": "leantune.trainers.reward_config",
+    "RewardTrainer": "leantune.trainers.reward_trainer",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

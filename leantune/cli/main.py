@@ -12,6 +12,7 @@ COMMANDS = {
     "dpo": ("leantune.cli.dpo", "Direct Preference Optimization (no arguments: a built-in demo run on bundled pairs)."),
     "profile": ("leantune.cli.profile", "Token lengths of a dataset: which max_length, padding and packing to use."),
     "kto": ("leantune.cli.kto", "Kahneman-Tversky Optimization (no arguments: a built-in demo run on bundled data)."),
+    "reward": ("leantune.cli.reward", "Reward modelling (no arguments: a built-in demo run on bundled pairs)."),
 }
 
 

@@ -1,0 +1,330 @@
+"""RewardTrainer: a sequence-classification model learns to score chosen above rejected (Bradley-Terry).
+
+A recipe over leantune's shared pieces: preference pairs are prepared (formats, drops, truncation, all counted) and
+collated (chosen sequences, then rejected ones, padded or padding-free) exactly as for DPO. The reward of a sequence is
+the score head's output at the token the model's own pooling reads at inference: the last token that is not the pad
+token. The trainer reads it itself, from the per-token scores, so padded and padding-free batches give the same
+rewards (the model's pooling looks for pad tokens and cannot see sequence boundaries inside one flat row).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+from collections import defaultdict
+
+import numpy as np
+import torch
+
+from ..data.chat_template import load_chat_template
+from ..data.preference_collator import PreferenceCollator
+from ..data.preference_preparation import prepare_preference_dataset
+from ..losses.reward import bradley_terry_loss
+from ..models.loading import apply_peft, ensure_pad_token, load_causal_lm, load_tokenizer, parse_kwargs
+from ..models.output_head import unwrap_model
+from ..models.segment_attention import SEGMENT_SDPA, use_segment_attention
+from .base import LeantuneTrainer
+from .reward_config import RewardConfig
+
+logger = logging.getLogger("leantune.reward")
+MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
+                "max_length_k")
+SCORE_HEAD = "score"  # the per-token reward head of decoder *ForSequenceClassification models (Llama, Qwen2, GPT-2...)
+TRL_TOKENIZED = (("chosen_ids", "rejected_ids"), ("chosen_input_ids", "rejected_input_ids"))
+
+
+class RewardTrainer(LeantuneTrainer):
+    """Train a reward model (num_labels=1) on chosen / rejected pairs with the pairwise Bradley-Terry loss."""
+
+    dataset_columns = ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids", "margin")
+
+    def __init__(
+        self,
+        model,
+        args: RewardConfig | None = None,
+        data_collator=None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        compute_metrics=None,
+        callbacks=None,
+        optimizers=(None, None),
+        optimizer_cls_and_kwargs=None,
+        preprocess_logits_for_metrics=None,
+        peft_config=None,
+    ):
+        if args is None:
+            name = model if isinstance(model, str) else type(model).__name__
+            args = RewardConfig(output_dir=f"{str(name).split('/')[-1]}-Reward")
+        if train_dataset is None:
+            raise ValueError("RewardTrainer needs a `train_dataset` of chosen / rejected pairs.")
+
+        # 1. model and tokenizer
+        model_source = model
+        model = load_reward_model(model, args.model_init_kwargs)
+        tokenizer = load_tokenizer(model_source, processing_class)
+        if args.chat_template_path:
+            load_chat_template(tokenizer, args.chat_template_path)
+        if args.eos_token is not None:
+            if args.eos_token not in tokenizer.get_vocab():
+                raise ValueError(f"eos_token {args.eos_token!r} is not in the tokenizer's vocabulary.")
+            tokenizer.eos_token = args.eos_token
+        ensure_pad_token(tokenizer, args.pad_token)
+        model.config.get_text_config().pad_token_id = tokenizer.pad_token_id
+        model.config.pad_token_id = tokenizer.pad_token_id
+        model.config.use_cache = False
+        if tokenizer.pad_token_id is not None and tokenizer.pad_token_id == tokenizer.eos_token_id:
+            logger.info("The pad token is the EOS token, so (as the model's own pooling does at inference) each "
+                        "reward is read at the last token that is not EOS.")
+        if getattr(unwrap_model(model), SCORE_HEAD, None) is None:
+            if args.padding_free:
+                raise ValueError(f"padding_free needs a decoder reward model with a per-token `{SCORE_HEAD}` head; "
+                                 f"{type(model).__name__} pools on its own. Use padded batches (padding_free=False).")
+            logger.info("%s has no per-token `%s` head: rewards are the model's own pooled outputs.",
+                        type(model).__name__, SCORE_HEAD)
+        if args.padding_free and use_segment_attention(model):
+            logger.info("Padding-free batches: attention runs per sequence (%s).", SEGMENT_SDPA)
+        model = apply_peft(model, reward_peft_config(peft_config), args)
+        if args.disable_dropout:
+            _disable_dropout(model)
+        if args.use_liger_loss:
+            logger.info("use_liger_loss: a reward model has no vocabulary-sized logits, so there is nothing to chunk "
+                        "or fuse; the flag changes nothing here.")
+            args.use_liger_loss = False  # so the shared set-up does not announce a chunked loss either
+
+        # 2. data: pairs -> prompt / chosen / rejected ids, truncated and counted; an optional margin per pair
+        reports = {}
+        train_dataset, reports["train"] = prepare_reward_dataset(train_dataset, tokenizer, args, "train")
+        if isinstance(eval_dataset, dict) and type(eval_dataset).__name__ != "DatasetDict":
+            eval_dataset = {name: prepare_reward_dataset(data, tokenizer, args, f"eval/{name}")[0]
+                            for name, data in eval_dataset.items()}
+        elif eval_dataset is not None:
+            eval_dataset, reports["eval"] = prepare_reward_dataset(eval_dataset, tokenizer, args, "eval")
+
+        # 3. batches: chosen then rejected sequences, padded or padding-free
+        if data_collator is None:
+            data_collator = RewardCollator(tokenizer.pad_token_id, args.padding_free, args.pad_to_multiple_of)
+        super().__init__(
+            model=model,
+            args=args,
+            data_collator=data_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=tokenizer,
+            compute_metrics=compute_metrics,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
+            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+        )
+        self.data_reports = reports
+        # The loss needs no labels; evaluation still computes it, and hands the rewards to compute_metrics.
+        self.label_names = []
+        self.can_return_loss = True
+        self._pair_metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
+
+    # --- rewards --------------------------------------------------------------------------------------------------
+
+    def items_in(self, batch: dict) -> torch.Tensor:
+        return torch.as_tensor(batch["num_pairs"])
+
+    def sequence_rewards(self, model, batch: dict) -> torch.Tensor:
+        """One fp32 reward per sequence of the batch: [chosen..., rejected...]."""
+        inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
+        head = getattr(unwrap_model(model), SCORE_HEAD, None)
+        with self.offloading_scope(model), capture_output(head) as captured:
+            outputs = model(**inputs, use_cache=False)
+        if head is None:
+            return outputs.logits.reshape(-1).float()
+        scores = captured["output"]
+        if scores.shape[-1] != 1:
+            raise ValueError(f"A reward model has one output per token (num_labels=1), got {scores.shape[-1]}.")
+        index = reward_positions(batch, 2 * int(batch["num_pairs"]), self.processing_class.pad_token_id)
+        return scores.reshape(-1).index_select(0, index).float()
+
+    # --- the loss -------------------------------------------------------------------------------------------------
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        batch = dict(inputs)
+        self.count_tokens(model, batch)
+        pairs = int(batch["num_pairs"])
+        rewards = self.sequence_rewards(model, batch)
+        chosen, rejected = rewards[:pairs], rewards[pairs:]
+        losses = bradley_terry_loss(chosen, rejected, batch.get("margin"), self.args.center_rewards_coefficient)
+        loss = self.normalise(losses.sum(), pairs, num_items_in_batch)
+        self._record(chosen.detach(), rejected.detach(), "train" if model.training else "eval")
+        if return_outputs:
+            return loss, {"rewards_chosen": chosen.detach(), "rewards_rejected": rejected.detach()}
+        return loss
+
+    def _record(self, chosen, rejected, mode: str) -> None:
+        gathered = self.accelerator.gather_for_metrics(torch.stack([chosen, rejected]).T.contiguous())
+        chosen, rejected = gathered.T
+        store = self._pair_metrics[mode]
+        store["accuracy"].extend((chosen > rejected).float().tolist())
+        store["margin"].extend((chosen - rejected).tolist())
+        store["rewards/chosen"].extend(chosen.tolist())
+        store["rewards/rejected"].extend(rejected.tolist())
+
+    def log(self, logs: dict, start_time: float | None = None) -> None:
+        mode = "train" if "loss" in logs else "eval"
+        prefix = "eval_" if mode == "eval" else ""
+        store = self._pair_metrics[mode]
+        for name, values in store.items():
+            if values:
+                logs[f"{prefix}{name}"] = round(sum(values) / len(values), 6)
+        if store.get("rewards/chosen"):
+            every = store["rewards/chosen"] + store["rewards/rejected"]
+            logs[f"{prefix}mean_reward"] = round(sum(every) / len(every), 6)
+            logs[f"{prefix}min_reward"] = round(min(every), 6)
+            logs[f"{prefix}max_reward"] = round(max(every), 6)
+        store.clear()
+        super().log(logs, start_time)
+
+
+# --- model ----------------------------------------------------------------------------------------------------------
+
+
+def load_reward_model(model, model_init_kwargs=None):
+    """A sequence-classification model with one output (the reward), from an id, a path or an object."""
+    from transformers import AutoModelForSequenceClassification
+
+    if isinstance(model, str):
+        kwargs = {"dtype": "float32", **parse_kwargs(model_init_kwargs), "num_labels": 1}
+        return load_causal_lm(model, kwargs, auto_class=AutoModelForSequenceClassification)
+    model = load_causal_lm(model, model_init_kwargs)
+    num_labels = getattr(unwrap_model(model).config, "num_labels", None)
+    if num_labels != 1:
+        raise ValueError(f"A reward model outputs one score per sequence, but this model has num_labels={num_labels}. "
+                         "Build it with num_labels=1 (e.g. AutoModelForSequenceClassification.from_pretrained(..., "
+                         "num_labels=1)) or pass its name or path as a string.")
+    return model
+
+
+def reward_peft_config(peft_config):
+    """The adapter config with the reward head trained in full: its weights are new, so an adapter on a frozen random
+    head would learn little. PEFT's SEQ_CLS task saves `score`/`classifier` itself; other task types get `score`."""
+    if peft_config is None:
+        return None
+    task = getattr(peft_config, "task_type", None)
+    task = getattr(task, "value", task)
+    if task == "SEQ_CLS":
+        return peft_config
+    config = copy.deepcopy(peft_config)
+    if task in (None, "CAUSAL_LM"):
+        config.task_type = "SEQ_CLS"  # a causal-LM wrapper would treat the reward model as a language model
+        logger.info("PEFT: task_type %s -> SEQ_CLS, so the reward head `%s` is trained in full.", task, SCORE_HEAD)
+    else:
+        saved = list(getattr(config, "modules_to_save", None) or [])
+        if SCORE_HEAD not in saved:
+            config.modules_to_save = [*saved, SCORE_HEAD]
+            logger.info("PEFT: `%s` added to modules_to_save (the reward head is trained in full).", SCORE_HEAD)
+    return config
+
+
+@contextlib.contextmanager
+def capture_output(module):
+    """Keep the output of `module` (the per-token scores) during the forward passes run inside the block."""
+    captured = {}
+    if module is None:
+        yield captured
+        return
+
+    def keep(_module, _inputs, output):
+        captured["output"] = output
+
+    handle = module.register_forward_hook(keep)
+    try:
+        yield captured
+    finally:
+        handle.remove()
+
+
+def reward_positions(batch: dict, num_sequences: int, pad_token_id: int | None) -> torch.Tensor:
+    """Flat position of each sequence's reward: its last token that is not the pad token (the model's own pooling
+    rule; with pad == EOS that skips the final EOS), in padded rows or in the segments of a padding-free row."""
+    input_ids = batch["input_ids"]
+    flat = input_ids.reshape(-1)
+    if "cu_seq_lens_q" in batch:
+        offsets = batch["cu_seq_lens_q"].to(flat.device).long()
+        starts, ends = offsets[:num_sequences], offsets[1: num_sequences + 1]
+    else:
+        rows, width = input_ids.shape
+        mask = batch["attention_mask"].to(flat.device).bool()
+        columns = torch.arange(width, device=flat.device)
+        row_starts = torch.arange(rows, device=flat.device) * width
+        # First and last attended column of each row, so right- and left-padded rows both work.
+        starts = row_starts + torch.where(mask, columns, width).min(-1).values
+        ends = row_starts + torch.where(mask, columns, -1).max(-1).values + 1
+    positions = torch.arange(flat.numel(), device=flat.device)
+    if pad_token_id is None:
+        return ends - 1
+    real = torch.where(flat != pad_token_id, positions, torch.full_like(positions, -1))
+    last_real = torch.cummax(real, 0).values.index_select(0, ends - 1)
+    return torch.where(last_real >= starts, last_real, ends - 1)
+
+
+def _disable_dropout(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+# --- data -----------------------------------------------------------------------------------------------------------
+
+
+def prepare_reward_dataset(dataset, tokenizer, args, split: str):
+    """Preference preparation shared with DPO (keeping a `margin` column), plus TRL's tokenised reward columns and
+    the pairs that truncation left identical (no preference left to learn), dropped and counted."""
+    if dataset is not None and type(dataset).__name__ == "Dataset":
+        dataset = _from_trl_tokenized(dataset)
+    dataset, report = prepare_preference_dataset(dataset, tokenizer, args, split, keep_columns=("margin",))
+    same = np.fromiter((c == r for c, r in zip(dataset["chosen_input_ids"], dataset["rejected_input_ids"])), bool,
+                       len(dataset))
+    if same.any():
+        logger.warning("%s: dropped %d pair(s) whose chosen and rejected are identical after truncation.", split,
+                       int(same.sum()))
+        report.num_identical_dropped += int(same.sum())
+        report.num_pairs_out -= int(same.sum())
+        if same.all():
+            raise ValueError(f"No {split} pair is left after preparation: {report.as_dict()}.")
+        dataset = dataset.select(np.flatnonzero(~same))
+    return dataset, report
+
+
+def _from_trl_tokenized(dataset):
+    """TRL's tokenised reward data ({chosen_ids, rejected_ids} whole sequences) as prompt / chosen / rejected ids:
+    the tokens both share are the prompt, so truncation cuts both sequences alike."""
+    columns = set(dataset.column_names)
+    if "prompt_input_ids" in columns:
+        return dataset
+    for chosen, rejected in TRL_TOKENIZED:
+        if {chosen, rejected} <= columns:
+            break
+    else:
+        return dataset
+
+    def split(batch):
+        out = {"prompt_input_ids": [], "chosen_input_ids": [], "rejected_input_ids": []}
+        for c, r in zip(batch[chosen], batch[rejected]):
+            shared = 0
+            while shared < min(len(c), len(r)) - 1 and c[shared] == r[shared]:
+                shared += 1
+            out["prompt_input_ids"].append(list(c[:shared]))
+            out["chosen_input_ids"].append(list(c[shared:]))
+            out["rejected_input_ids"].append(list(r[shared:]))
+        return out
+
+    removed = [c for c in dataset.column_names if c != "margin"]
+    return dataset.map(split, batched=True, remove_columns=removed, desc="Splitting tokenised pairs")
+
+
+class RewardCollator(PreferenceCollator):
+    """The preference pair layout (chosen sequences, then rejected), plus the optional per-pair `margin`."""
+
+    def __call__(self, pairs: list[dict]) -> dict[str, torch.Tensor]:
+        batch = super().__call__(pairs)
+        if pairs and pairs[0].get("margin") is not None:
+            batch["margin"] = torch.tensor([float(pair["margin"]) for pair in pairs], dtype=torch.float32)
+        return batch
