@@ -104,6 +104,7 @@ def prepare_preference_dataset(dataset, tokenizer, args, split: str = "train", k
         dataset = dataset.remove_columns(list(truncate.COUNT_COLUMNS))
         if not keep.all():
             dataset = dataset.select(np.flatnonzero(keep))
+        dataset = _drop_identical_token_pairs(dataset, report, num_proc)  # cutting may leave chosen == rejected
     report.num_pairs_out = len(dataset)
     report.log()
     if len(dataset) == 0:
