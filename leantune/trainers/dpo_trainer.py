@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 from collections import defaultdict
 
@@ -12,15 +11,11 @@ import torch
 from ..data.preference_collator import REFERENCE_COLUMNS, PreferenceCollator, sequence_starts
 from ..data.preference_preparation import prepare_preference_dataset
 from ..losses.preference import dpo_loss, sequence_logps
-from ..models.loading import apply_peft, ensure_pad_token, load_causal_lm, load_tokenizer
-from ..models.output_head import unwrap_model
-from ..models.segment_attention import SEGMENT_SDPA, use_segment_attention
 from .base import LeantuneTrainer
 from .dpo_config import DPOConfig
+from .reference import MODEL_INPUTS, load_policy_and_reference, unwrap_adapter_owner
 
 logger = logging.getLogger("leantune.dpo")
-MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
-                "max_length_k")
 
 
 class DPOTrainer(LeantuneTrainer):
@@ -49,28 +44,10 @@ class DPOTrainer(LeantuneTrainer):
             args = DPOConfig(output_dir=f"{str(name).split('/')[-1]}-DPO")
 
         # 1. policy, tokenizer, reference
-        model_source = model
-        model = load_causal_lm(model, args.model_init_kwargs)
-        tokenizer = load_tokenizer(model_source, processing_class)
-        ensure_pad_token(tokenizer, None)
-        model.config.use_cache = False
-        if args.padding_free and use_segment_attention(model):
-            logger.info("Padding-free batches: attention runs per sequence (%s).", SEGMENT_SDPA)
-        model = apply_peft(model, peft_config, args)
-        self.uses_adapter_as_reference = ref_model is None and hasattr(model, "disable_adapter")
-        if ref_model is not None:
-            ref_model = load_causal_lm(ref_model, args.ref_model_init_kwargs)
-            if args.padding_free:
-                use_segment_attention(ref_model)
-        elif not self.uses_adapter_as_reference and not args.precompute_ref_log_probs:
-            ref_model = copy.deepcopy(unwrap_model(model))  # a separate, frozen copy of the initial policy
-        if ref_model is not None:
-            ref_model.requires_grad_(False).eval()
-        if args.disable_dropout:
-            for module in (model, ref_model):
-                if module is not None:
-                    _disable_dropout(module)
-        self._reference_note(ref_model, args)
+        loaded = load_policy_and_reference(model, ref_model, processing_class, peft_config, args)
+        model, ref_model, tokenizer = loaded.model, loaded.ref_model, loaded.tokenizer
+        self.uses_adapter_as_reference = loaded.uses_adapter_as_reference
+        self._reference_note(loaded, args)
 
         # 2. data: pairs -> prompt / chosen / rejected ids, truncated and counted
         reports = {}
@@ -99,15 +76,8 @@ class DPOTrainer(LeantuneTrainer):
         self._pair_metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._reference_ready = not args.precompute_ref_log_probs
 
-    def _reference_note(self, ref_model, args) -> None:
-        if self.uses_adapter_as_reference:
-            how = "the policy with its adapter disabled (no second copy)"
-        elif args.precompute_ref_log_probs and ref_model is None:
-            how = "log-probs of the initial policy, computed once before training (no reference held in training)"
-        elif args.precompute_ref_log_probs:
-            how = "log-probs of the given ref_model, computed once before training"
-        else:
-            how = "a separate frozen model in eval mode"
+    def _reference_note(self, loaded, args) -> None:
+        how = loaded.description(args)
         logger.info("DPO reference: %s.", how)
 
     # --- log-probabilities ----------------------------------------------------------------------------------------
@@ -213,16 +183,3 @@ class DPOTrainer(LeantuneTrainer):
             model.train(was_training)
         logger.info("Precomputed reference log-probs of %d %s pairs.", len(dataset), split)
         return dataset.add_column("ref_chosen_logps", chosen).add_column("ref_rejected_logps", rejected)
-
-
-def unwrap_adapter_owner(model):
-    """The PEFT model (under accelerate/DDP wrappers) whose `disable_adapter()` gives the reference."""
-    while not hasattr(model, "disable_adapter") and hasattr(model, "module"):
-        model = model.module
-    return model
-
-
-def _disable_dropout(model: torch.nn.Module) -> None:
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0

@@ -8,7 +8,6 @@ the reference gives both log-probs from a frozen copy, the policy with its adapt
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 from collections import defaultdict
 
@@ -18,12 +17,9 @@ from ..data.kto_preparation import KL_COLUMN, REFERENCE_COLUMNS, KTOCollator, kl
 from ..data.preference_collator import sequence_starts
 from ..losses.kto import kl_estimate, kto_loss
 from ..losses.preference import sequence_logps
-from ..models.loading import apply_peft, ensure_pad_token, load_causal_lm, load_tokenizer
-from ..models.output_head import unwrap_model
-from ..models.segment_attention import SEGMENT_SDPA, use_segment_attention
 from .base import LeantuneTrainer
-from .dpo_trainer import MODEL_INPUTS, _disable_dropout, unwrap_adapter_owner
 from .kto_config import KTOConfig
+from .reference import MODEL_INPUTS, load_policy_and_reference, unwrap_adapter_owner
 
 logger = logging.getLogger("leantune.kto")
 
@@ -54,28 +50,10 @@ class KTOTrainer(LeantuneTrainer):
             args = KTOConfig(output_dir=f"{str(name).split('/')[-1]}-KTO")
 
         # 1. policy, tokenizer, reference
-        model_source = model
-        model = load_causal_lm(model, args.model_init_kwargs)
-        tokenizer = load_tokenizer(model_source, processing_class)
-        ensure_pad_token(tokenizer, None)
-        model.config.use_cache = False
-        if args.padding_free and use_segment_attention(model):
-            logger.info("Padding-free batches: attention runs per sequence (%s).", SEGMENT_SDPA)
-        model = apply_peft(model, peft_config, args)
-        self.uses_adapter_as_reference = ref_model is None and hasattr(model, "disable_adapter")
-        if ref_model is not None:
-            ref_model = load_causal_lm(ref_model, args.ref_model_init_kwargs)
-            if args.padding_free:
-                use_segment_attention(ref_model)
-        elif not self.uses_adapter_as_reference and not args.precompute_ref_log_probs:
-            ref_model = copy.deepcopy(unwrap_model(model))  # a separate, frozen copy of the initial policy
-        if ref_model is not None:
-            ref_model.requires_grad_(False).eval()
-        if args.disable_dropout:
-            for module in (model, ref_model):
-                if module is not None:
-                    _disable_dropout(module)
-        self._reference_note(ref_model, args)
+        loaded = load_policy_and_reference(model, ref_model, processing_class, peft_config, args)
+        model, ref_model, tokenizer = loaded.model, loaded.ref_model, loaded.tokenizer
+        self.uses_adapter_as_reference = loaded.uses_adapter_as_reference
+        self._reference_note(loaded, args)
 
         # 2. data: unpaired (or unpaired pairs) -> prompt / completion ids, label, KL completion; counted
         reports = {}
@@ -104,15 +82,8 @@ class KTOTrainer(LeantuneTrainer):
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._reference_ready = not args.precompute_ref_log_probs
 
-    def _reference_note(self, ref_model, args) -> None:
-        if self.uses_adapter_as_reference:
-            how = "the policy with its adapter disabled (no second copy)"
-        elif args.precompute_ref_log_probs and ref_model is None:
-            how = "log-probs of the initial policy, computed once before training (no reference held in training)"
-        elif args.precompute_ref_log_probs:
-            how = "log-probs of the given ref_model, computed once before training"
-        else:
-            how = "a separate frozen model in eval mode"
+    def _reference_note(self, loaded, args) -> None:
+        how = loaded.description(args)
         logger.info("KTO reference: %s; %s.", how, "KL reference point from mismatched completions" if args.uses_kl
                     else "no KL term (apo_zero_unpaired)")
 

@@ -25,6 +25,7 @@ from ..models.loading import apply_peft, ensure_pad_token, load_causal_lm, load_
 from ..models.output_head import unwrap_model
 from ..models.segment_attention import SEGMENT_SDPA, use_segment_attention
 from .base import LeantuneTrainer
+from .reference import disable_dropout
 from .reward_config import RewardConfig
 
 logger = logging.getLogger("leantune.reward")
@@ -87,7 +88,7 @@ class RewardTrainer(LeantuneTrainer):
             logger.info("Padding-free batches: attention runs per sequence (%s).", SEGMENT_SDPA)
         model = apply_peft(model, reward_peft_config(peft_config), args)
         if args.disable_dropout:
-            _disable_dropout(model)
+            disable_dropout(model)
         if args.use_liger_loss:
             logger.info("use_liger_loss: a reward model has no vocabulary-sized logits, so there is nothing to chunk "
                         "or fuse; the flag changes nothing here.")
@@ -263,12 +264,6 @@ def reward_positions(batch: dict, num_sequences: int, pad_token_id: int | None) 
     real = torch.where(flat != pad_token_id, positions, torch.full_like(positions, -1))
     last_real = torch.cummax(real, 0).values.index_select(0, ends - 1)
     return torch.where(last_real >= starts, last_real, ends - 1)
-
-
-def _disable_dropout(model: torch.nn.Module) -> None:
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
 
 
 # --- data -----------------------------------------------------------------------------------------------------------
