@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections import defaultdict
 
 import torch
 from transformers import Trainer
@@ -49,6 +50,8 @@ class LeantuneTrainer(Trainer):
         self.throughput = TokenThroughput()
         self.data_reports: dict = {}
         self.memory_breakdown: MemoryBreakdown | None = None
+        # Per-example values of a trainer's own metrics, gathered across processes, averaged at each log.
+        self.metric_values: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         config = kwargs["args"]
         validate_memory_options(config)
         # TRL spells the request use_liger_kernel (SFT) or use_liger_loss (other trainers); either one asks for it.
@@ -179,7 +182,26 @@ class LeantuneTrainer(Trainer):
             summary.update(self.memory_breakdown.as_metrics())
         return summary
 
+    def record_metrics(self, model, **values: torch.Tensor) -> None:
+        """Keep per-example values (1-D tensors of equal length) of this step, gathered across processes."""
+        names = list(values)
+        stacked = torch.stack([values[name].detach().float() for name in names]).T.contiguous()
+        gathered = self.accelerator.gather_for_metrics(stacked)
+        store = self.metric_values["train" if model.training else "eval"]
+        for name, column in zip(names, gathered.T):
+            store[name].extend(column.tolist())
+
+    def summarise_metrics(self, store: dict[str, list[float]]) -> dict[str, float]:
+        """The logged form of the stored values: their means (trainers add derived ones)."""
+        return {name: round(sum(values) / len(values), 6) for name, values in store.items() if values}
+
     def log(self, logs: dict, start_time: float | None = None) -> None:
+        mode = "train" if "loss" in logs else "eval"
+        prefix = "eval_" if mode == "eval" else ""
+        store = self.metric_values[mode]
+        if store:
+            logs.update({f"{prefix}{name}": value for name, value in self.summarise_metrics(store).items()})
+            store.clear()
         if self.model is not None and self.model.training and "loss" in logs:
             logs["real_tokens_per_second"] = round(self.throughput.window_rate(), 2)
             logs["padding_fraction"] = round(self.throughput.padding_fraction, 4)

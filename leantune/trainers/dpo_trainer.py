@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections import defaultdict
 
 import torch
 
@@ -73,7 +72,6 @@ class DPOTrainer(LeantuneTrainer):
         )
         self.data_reports = reports
         self.ref_model = self.accelerator.prepare_model(ref_model, evaluation_mode=True) if ref_model else None
-        self._pair_metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._reference_ready = not args.precompute_ref_log_probs
 
     def _reference_note(self, loaded, args) -> None:
@@ -119,31 +117,13 @@ class DPOTrainer(LeantuneTrainer):
             self.args.beta, self.args.loss_type, self.args.label_smoothing,
         )
         loss = self.normalise(losses.sum(), pairs, num_items_in_batch)
-        self._record(policy[:pairs].detach(), policy[pairs:].detach(), chosen_rewards, rejected_rewards,
-                     "train" if model.training else "eval")
+        self.record_metrics(model, **{
+            "rewards/chosen": chosen_rewards, "rewards/rejected": rejected_rewards,
+            "rewards/accuracies": (chosen_rewards > rejected_rewards).float(),
+            "rewards/margins": chosen_rewards - rejected_rewards,
+            "logps/chosen": policy[:pairs], "logps/rejected": policy[pairs:],
+        })
         return (loss, {"chosen_logps": policy[:pairs]}) if return_outputs else loss
-
-    def _record(self, chosen_logps, rejected_logps, chosen_rewards, rejected_rewards, mode: str) -> None:
-        gathered = self.accelerator.gather_for_metrics(
-            torch.stack([chosen_rewards, rejected_rewards, chosen_logps, rejected_logps]).float().T.contiguous()
-        )
-        chosen_r, rejected_r, chosen_l, rejected_l = gathered.T
-        store = self._pair_metrics[mode]
-        store["rewards/chosen"].extend(chosen_r.tolist())
-        store["rewards/rejected"].extend(rejected_r.tolist())
-        store["rewards/accuracies"].extend((chosen_r > rejected_r).float().tolist())
-        store["rewards/margins"].extend((chosen_r - rejected_r).tolist())
-        store["logps/chosen"].extend(chosen_l.tolist())
-        store["logps/rejected"].extend(rejected_l.tolist())
-
-    def log(self, logs: dict, start_time: float | None = None) -> None:
-        mode = "train" if "loss" in logs else "eval"
-        prefix = "eval_" if mode == "eval" else ""
-        for name, values in self._pair_metrics[mode].items():
-            if values:
-                logs[f"{prefix}{name}"] = round(sum(values) / len(values), 6)
-        self._pair_metrics[mode].clear()
-        super().log(logs, start_time)
 
     # --- precomputed reference ------------------------------------------------------------------------------------
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections import defaultdict
 
 import torch
 
@@ -79,7 +78,6 @@ class KTOTrainer(LeantuneTrainer):
         )
         self.data_reports = reports
         self.ref_model = self.accelerator.prepare_model(ref_model, evaluation_mode=True) if ref_model else None
-        self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._reference_ready = not args.precompute_ref_log_probs
 
     def _reference_note(self, loaded, args) -> None:
@@ -148,39 +146,29 @@ class KTOTrainer(LeantuneTrainer):
         losses, rewards = kto_loss(policy, ref_logps.to(policy.device), desirable, kl, args.beta,
                                    args.desirable_weight, args.undesirable_weight, args.loss_type)
         loss = self.normalise(losses.sum(), count, num_items_in_batch)
-        self._record(policy.detach(), rewards, desirable, kl, "train" if model.training else "eval")
+        self._record(model, policy.detach(), rewards, desirable, kl)
         return (loss, {"logps": policy.detach()}) if return_outputs else loss
 
-    def _record(self, logps, rewards, desirable, kl, mode: str) -> None:
-        gathered = self.accelerator.gather_for_metrics(
-            torch.stack([rewards.float(), logps.float(), desirable.float()]).T.contiguous()
-        )
-        reward, logp, good = gathered.T
-        good = good.bool()
-        store = self._metrics[mode]
-        store["rewards/chosen"].extend(reward[good].tolist())
-        store["rewards/rejected"].extend(reward[~good].tolist())
-        store["logps/chosen"].extend(logp[good].tolist())
-        store["logps/rejected"].extend(logp[~good].tolist())
-        store["kl"].append(float(kl))
-        store["count/desirable"].append(int(good.sum()))
-        store["count/undesirable"].append(int((~good).sum()))
+    def _record(self, model, logps, rewards, desirable, kl) -> None:
+        self.record_metrics(model, reward=rewards, logp=logps, desirable=desirable.float(),
+                            kl=torch.full_like(rewards, float(kl)))
 
-    def log(self, logs: dict, start_time: float | None = None) -> None:
-        mode = "train" if "loss" in logs else "eval"
-        prefix = "eval_" if mode == "eval" else ""
-        store = self._metrics[mode]
-        means = {name: sum(values) / len(values) for name, values in store.items()
-                 if values and not name.startswith("count/")}
-        if "rewards/chosen" in means and "rewards/rejected" in means:
-            means["rewards/margins"] = means["rewards/chosen"] - means["rewards/rejected"]
-        for name, value in means.items():
-            logs[f"{prefix}{name}"] = round(value, 6)
-        for name in ("count/desirable", "count/undesirable"):
-            if store.get(name):
-                logs[f"{prefix}{name}"] = sum(store[name])
-        store.clear()
-        super().log(logs, start_time)
+    def summarise_metrics(self, store: dict[str, list[float]]) -> dict[str, float]:
+        """Rewards and log-probs split by label, their margin, the KL reference point, and the label counts."""
+        good = [flag > 0.5 for flag in store["desirable"]]
+
+        def mean_of(name, want):
+            values = [v for v, g in zip(store[name], good) if g == want]
+            return sum(values) / len(values) if values else None
+
+        summary = {"rewards/chosen": mean_of("reward", True), "rewards/rejected": mean_of("reward", False),
+                   "logps/chosen": mean_of("logp", True), "logps/rejected": mean_of("logp", False)}
+        if summary["rewards/chosen"] is not None and summary["rewards/rejected"] is not None:
+            summary["rewards/margins"] = summary["rewards/chosen"] - summary["rewards/rejected"]
+        summary["kl"] = sum(store["kl"]) / len(store["kl"])
+        summary = {name: round(value, 6) for name, value in summary.items() if value is not None}
+        summary.update({"count/desirable": sum(good), "count/undesirable": len(good) - sum(good)})
+        return summary
 
     # --- precomputed reference ------------------------------------------------------------------------------------
 

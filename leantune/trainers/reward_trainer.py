@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-from collections import defaultdict
 
 import numpy as np
 import torch
@@ -123,7 +122,6 @@ class RewardTrainer(LeantuneTrainer):
         # The loss needs no labels; evaluation still computes it, and hands the rewards to compute_metrics.
         self.label_names = []
         self.can_return_loss = True
-        self._pair_metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
 
     # --- rewards --------------------------------------------------------------------------------------------------
 
@@ -154,34 +152,19 @@ class RewardTrainer(LeantuneTrainer):
         chosen, rejected = rewards[:pairs], rewards[pairs:]
         losses = bradley_terry_loss(chosen, rejected, batch.get("margin"), self.args.center_rewards_coefficient)
         loss = self.normalise(losses.sum(), pairs, num_items_in_batch)
-        self._record(chosen.detach(), rejected.detach(), "train" if model.training else "eval")
+        self.record_metrics(model, **{"accuracy": (chosen > rejected).float(), "margin": chosen - rejected,
+                                      "rewards/chosen": chosen, "rewards/rejected": rejected})
         if return_outputs:
             return loss, {"rewards_chosen": chosen.detach(), "rewards_rejected": rejected.detach()}
         return loss
 
-    def _record(self, chosen, rejected, mode: str) -> None:
-        gathered = self.accelerator.gather_for_metrics(torch.stack([chosen, rejected]).T.contiguous())
-        chosen, rejected = gathered.T
-        store = self._pair_metrics[mode]
-        store["accuracy"].extend((chosen > rejected).float().tolist())
-        store["margin"].extend((chosen - rejected).tolist())
-        store["rewards/chosen"].extend(chosen.tolist())
-        store["rewards/rejected"].extend(rejected.tolist())
-
-    def log(self, logs: dict, start_time: float | None = None) -> None:
-        mode = "train" if "loss" in logs else "eval"
-        prefix = "eval_" if mode == "eval" else ""
-        store = self._pair_metrics[mode]
-        for name, values in store.items():
-            if values:
-                logs[f"{prefix}{name}"] = round(sum(values) / len(values), 6)
-        if store.get("rewards/chosen"):
-            every = store["rewards/chosen"] + store["rewards/rejected"]
-            logs[f"{prefix}mean_reward"] = round(sum(every) / len(every), 6)
-            logs[f"{prefix}min_reward"] = round(min(every), 6)
-            logs[f"{prefix}max_reward"] = round(max(every), 6)
-        store.clear()
-        super().log(logs, start_time)
+    def summarise_metrics(self, store: dict[str, list[float]]) -> dict[str, float]:
+        summary = super().summarise_metrics(store)
+        every = store.get("rewards/chosen", []) + store.get("rewards/rejected", [])
+        if every:
+            summary.update(mean_reward=round(sum(every) / len(every), 6), min_reward=round(min(every), 6),
+                           max_reward=round(max(every), 6))
+        return summary
 
 
 # --- model ----------------------------------------------------------------------------------------------------------
