@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import torch
@@ -12,12 +11,12 @@ from ..data.preference_preparation import prepare_preference_dataset
 from ..losses.preference import dpo_loss, sequence_logps
 from .base import LeantuneTrainer
 from .dpo_config import DPOConfig
-from .reference import MODEL_INPUTS, load_policy_and_reference, unwrap_adapter_owner
+from .reference import MODEL_INPUTS, ReferenceModelMixin, load_policy_and_reference
 
 logger = logging.getLogger("leantune.dpo")
 
 
-class DPOTrainer(LeantuneTrainer):
+class DPOTrainer(ReferenceModelMixin, LeantuneTrainer):
     """Train a causal LM to prefer chosen over rejected completions, relative to a frozen reference."""
 
     dataset_columns = ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids", *REFERENCE_COLUMNS)
@@ -94,15 +93,17 @@ class DPOTrainer(LeantuneTrainer):
     def reference_logps(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         if all(name in batch for name in REFERENCE_COLUMNS):
             return batch["ref_chosen_logps"], batch["ref_rejected_logps"]
-        if self.ref_model is not None:
-            logps = self.sequence_logps(self.ref_model, batch)
-        elif self.uses_adapter_as_reference:
-            with unwrap_adapter_owner(self.model).disable_adapter():
-                logps = self.sequence_logps(self.model, batch)
-        else:
-            raise RuntimeError("Reference log-probs were neither precomputed nor computable (no reference model).")
+        with self.reference_model() as model:
+            logps = self.sequence_logps(model, batch)
         pairs = int(batch["num_pairs"])
         return logps[:pairs], logps[pairs:]
+
+    def reference_columns(self, dataset) -> tuple[str, ...]:
+        return REFERENCE_COLUMNS
+
+    def reference_values(self, model, batch: dict, rows: int) -> dict[str, torch.Tensor]:
+        logps = self.sequence_logps(model, batch)
+        return {"ref_chosen_logps": logps[:rows], "ref_rejected_logps": logps[rows:]}
 
     # --- the loss -------------------------------------------------------------------------------------------------
 
@@ -124,42 +125,3 @@ class DPOTrainer(LeantuneTrainer):
             "logps/chosen": policy[:pairs], "logps/rejected": policy[pairs:],
         })
         return (loss, {"chosen_logps": policy[:pairs]}) if return_outputs else loss
-
-    # --- precomputed reference ------------------------------------------------------------------------------------
-
-    def train(self, *args, **kwargs):
-        if not self._reference_ready:
-            self.train_dataset = self.precompute_reference_logps(self.train_dataset, "train")
-            if self.eval_dataset is not None:
-                self.eval_dataset = self.precompute_reference_logps(self.eval_dataset, "eval")
-            self._reference_ready = True
-            if self.ref_model is not None:
-                self.ref_model = None  # no reference is held during training
-                torch.cuda.empty_cache() if torch.cuda.is_available() else None
-        return super().train(*args, **kwargs)
-
-    @torch.no_grad()
-    def precompute_reference_logps(self, dataset, split: str):
-        """One pass over the dataset (no shuffling) with the reference; adds ref_chosen_logps / ref_rejected_logps."""
-        if all(name in dataset.column_names for name in REFERENCE_COLUMNS):
-            return dataset
-        size = self.args.precompute_ref_batch_size or self.args.per_device_train_batch_size
-        model = self.ref_model if self.ref_model is not None else self.model
-        was_training = model.training
-        model.eval()
-        chosen, rejected = [], []
-        context = contextlib.nullcontext()
-        if self.ref_model is None and self.uses_adapter_as_reference:
-            context = unwrap_adapter_owner(self.model).disable_adapter()
-        try:
-            with context:
-                for start in range(0, len(dataset), size):
-                    rows = [dataset[i] for i in range(start, min(start + size, len(dataset)))]
-                    batch = self._prepare_inputs(self.data_collator(rows))
-                    logps = self.sequence_logps(model, batch)
-                    chosen.extend(logps[: len(rows)].float().cpu().tolist())
-                    rejected.extend(logps[len(rows):].float().cpu().tolist())
-        finally:
-            model.train(was_training)
-        logger.info("Precomputed reference log-probs of %d %s pairs.", len(dataset), split)
-        return dataset.add_column("ref_chosen_logps", chosen).add_column("ref_rejected_logps", rejected)

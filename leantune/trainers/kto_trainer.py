@@ -7,7 +7,6 @@ the reference gives both log-probs from a frozen copy, the policy with its adapt
 
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import torch
@@ -18,12 +17,12 @@ from ..losses.kto import kl_estimate, kto_loss
 from ..losses.preference import sequence_logps
 from .base import LeantuneTrainer
 from .kto_config import KTOConfig
-from .reference import MODEL_INPUTS, load_policy_and_reference, unwrap_adapter_owner
+from .reference import MODEL_INPUTS, ReferenceModelMixin, load_policy_and_reference
 
 logger = logging.getLogger("leantune.kto")
 
 
-class KTOTrainer(LeantuneTrainer):
+class KTOTrainer(ReferenceModelMixin, LeantuneTrainer):
     """Train a causal LM towards desirable and away from undesirable completions, relative to a frozen reference."""
 
     dataset_columns = ("prompt_input_ids", "completion_input_ids", "label", KL_COLUMN, *REFERENCE_COLUMNS)
@@ -97,17 +96,6 @@ class KTOTrainer(LeantuneTrainer):
         logps, targets, _ = self.target_logprobs(model, inputs, view["labels"])
         return sequence_logps(logps, targets, sequence_starts(view), int(batch["num_examples"]))
 
-    @contextlib.contextmanager
-    def reference_model(self):
-        """The model that gives reference log-probs: the frozen reference, or the policy with its adapter off."""
-        if self.ref_model is not None:
-            yield self.ref_model
-        elif self.uses_adapter_as_reference:
-            with unwrap_adapter_owner(self.model).disable_adapter():
-                yield self.model
-        else:
-            raise RuntimeError("Reference log-probs were neither precomputed nor computable (no reference model).")
-
     @torch.no_grad()
     def reference_logps(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(reference log-probs of the completions, of the mismatched KL completions or None)."""
@@ -172,62 +160,23 @@ class KTOTrainer(LeantuneTrainer):
 
     # --- precomputed reference ------------------------------------------------------------------------------------
 
-    def train(self, *args, **kwargs):
-        self._prepare_reference()
-        return super().train(*args, **kwargs)
-
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
         """As Trainer.evaluate; a dataset passed here in any accepted format is prepared like the eval dataset."""
-        self._prepare_reference()  # evaluating before training must find the reference log-probs too
+        self.prepare_reference()
         if eval_dataset is not None and not isinstance(eval_dataset, (str, dict)) and not _is_prepared(
                 eval_dataset, self.args):
             eval_dataset, self.data_reports[metric_key_prefix] = prepare_kto_dataset(
                 eval_dataset, self.processing_class, self.args, metric_key_prefix)
         return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
 
-    def _prepare_reference(self) -> None:
-        if self._reference_ready:
-            return
-        self.train_dataset = self.precompute_reference_logps(self.train_dataset, "train")
-        if self.eval_dataset is not None:
-            self.eval_dataset = self.precompute_reference_logps(self.eval_dataset, "eval")
-        self._reference_ready = True
-        if self.ref_model is not None:
-            self.ref_model = None  # no reference is held during training
-            torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    def reference_columns(self, dataset) -> tuple[str, ...]:
+        return ("ref_logps", "ref_kl_logps") if KL_COLUMN in dataset.column_names else ("ref_logps",)
 
-    @torch.no_grad()
-    def precompute_reference_logps(self, dataset, split: str):
-        """One pass over the dataset (no shuffling) with the reference; adds ref_logps (and ref_kl_logps)."""
-        with_kl = KL_COLUMN in dataset.column_names
-        wanted = ("ref_logps", "ref_kl_logps") if with_kl else ("ref_logps",)
-        if all(name in dataset.column_names for name in wanted):
-            return dataset
-        size = self.args.precompute_ref_batch_size or self.args.per_device_train_batch_size
-        model = self.ref_model if self.ref_model is not None else self.model
-        was_training = model.training
-        model.eval()
-        columns = {name: [] for name in wanted}
-        context = contextlib.nullcontext()
-        if self.ref_model is None and self.uses_adapter_as_reference:
-            context = unwrap_adapter_owner(self.model).disable_adapter()
-        try:
-            with context:
-                for start in range(0, len(dataset), size):
-                    rows = [dataset[i] for i in range(start, min(start + size, len(dataset)))]
-                    batch = self._prepare_inputs(self.data_collator(rows))
-                    columns["ref_logps"].extend(self.sequence_logps(model, batch).float().cpu().tolist())
-                    if with_kl:
-                        kl_logps = self.sequence_logps(model, batch, kl=True)
-                        columns["ref_kl_logps"].extend(kl_logps.float().cpu().tolist())
-        finally:
-            model.train(was_training)
-        logger.info("Precomputed reference log-probs of %d %s examples%s.", len(dataset), split,
-                    " and of their KL completions" if with_kl else "")
-        for name, values in columns.items():
-            dataset = dataset.remove_columns(name) if name in dataset.column_names else dataset
-            dataset = dataset.add_column(name, values)
-        return dataset
+    def reference_values(self, model, batch: dict, rows: int) -> dict[str, torch.Tensor]:
+        values = {"ref_logps": self.sequence_logps(model, batch)}
+        if "kl_input_ids" in batch:
+            values["ref_kl_logps"] = self.sequence_logps(model, batch, kl=True)
+        return values
 
 
 def _is_prepared(dataset, args) -> bool:

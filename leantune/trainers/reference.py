@@ -7,6 +7,7 @@ copy (the given `ref_model`, or a deep copy of the initial policy) in eval mode.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 from dataclasses import dataclass
@@ -78,3 +79,77 @@ def disable_dropout(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
+
+
+class ReferenceModelMixin:
+    """What a trainer with a reference (DPO, KTO) does with it: run it without gradient, or precompute its
+    log-probs once (then drop a separate reference). The trainer names its reference columns and fills them."""
+
+    ref_model: torch.nn.Module | None
+    uses_adapter_as_reference: bool
+    _reference_ready: bool
+
+    @contextlib.contextmanager
+    def reference_model(self, policy_if_none: bool = False):
+        """The frozen reference, or the policy with its adapter off; the initial policy itself when precomputing."""
+        if self.ref_model is not None:
+            yield self.ref_model
+        elif self.uses_adapter_as_reference:
+            with unwrap_adapter_owner(self.model).disable_adapter():
+                yield self.model
+        elif policy_if_none:
+            yield self.model
+        else:
+            raise RuntimeError("Reference log-probs were neither precomputed nor computable (no reference model).")
+
+    def reference_columns(self, dataset) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    def reference_values(self, model, batch: dict, rows: int) -> dict[str, torch.Tensor]:
+        """Per-row reference values of one collated batch, by column name."""
+        raise NotImplementedError
+
+    def prepare_reference(self) -> None:
+        if self._reference_ready:
+            return
+        self.train_dataset = self.precompute_reference_logps(self.train_dataset, "train")
+        if self.eval_dataset is not None:
+            self.eval_dataset = self.precompute_reference_logps(self.eval_dataset, "eval")
+        self._reference_ready = True
+        if self.ref_model is not None:
+            self.ref_model = None  # no reference is held during training
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+    def train(self, *args, **kwargs):
+        self.prepare_reference()
+        return super().train(*args, **kwargs)
+
+    def evaluate(self, *args, **kwargs):
+        self.prepare_reference()  # evaluating before training must find the reference log-probs too
+        return super().evaluate(*args, **kwargs)
+
+    @torch.no_grad()
+    def precompute_reference_logps(self, dataset, split: str):
+        """One pass over the dataset (in order) with the reference; adds the trainer's reference columns."""
+        names = self.reference_columns(dataset)
+        if all(name in dataset.column_names for name in names):
+            return dataset
+        size = self.args.precompute_ref_batch_size or self.args.per_device_train_batch_size
+        columns = {name: [] for name in names}
+        with self.reference_model(policy_if_none=True) as model:
+            was_training = model.training
+            model.eval()
+            try:
+                for start in range(0, len(dataset), size):
+                    rows = [dataset[i] for i in range(start, min(start + size, len(dataset)))]
+                    batch = self._prepare_inputs(self.data_collator(rows))
+                    for name, values in self.reference_values(model, batch, len(rows)).items():
+                        columns[name].extend(values.float().cpu().tolist())
+            finally:
+                model.train(was_training)
+        logger.info("Precomputed reference log-probs (%s) of %d %s rows.", ", ".join(names), len(dataset), split)
+        for name, values in columns.items():
+            dataset = dataset.remove_columns(name) if name in dataset.column_names else dataset
+            dataset = dataset.add_column(name, values)
+        return dataset
