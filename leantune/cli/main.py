@@ -13,6 +13,9 @@ COMMANDS = {
     "profile": ("leantune.cli.profile", "Token lengths of a dataset: which max_length, padding and packing to use."),
     "kto": ("leantune.cli.kto", "Kahneman-Tversky Optimization (no arguments: a built-in demo run on bundled data)."),
     "reward": ("leantune.cli.reward", "Reward modelling (no arguments: a built-in demo run on bundled pairs)."),
+    "grpo": ("leantune.cli.grpo", "GRPO, online RL from rewards (no arguments: a built-in demo with a checked answer)."),
+    "rloo": ("leantune.cli.rloo", "RLOO, online RL from rewards (no arguments: a built-in demo with a checked answer)."),
+    "vllm-serve": ("leantune.cli.vllm_serve", "A vLLM generation server for GRPO/RLOO with vllm_mode=server."),
 }
 
 
@@ -38,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _print_usage(stream=sys.stdout) -> None:
     lines = ["usage: leantune <command> [--config FILE.yaml] [--<field> VALUE ...]", "", "commands:"]
-    lines += [f"  {name:<8} {help_text}" for name, (_, help_text) in COMMANDS.items()]
+    lines += [f"  {name:<10} {help_text}" for name, (_, help_text) in COMMANDS.items()]
     lines += ["", "`leantune <command> --help` lists every flag (they are the config fields)."]
     print("\n".join(lines), file=stream)
 

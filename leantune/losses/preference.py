@@ -9,15 +9,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .token_logprobs import Targets
+from .token_logprobs import Targets, target_sequences
 
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 
 
 def sequence_logps(logps: torch.Tensor, targets: Targets, starts: torch.Tensor, num_sequences: int) -> torch.Tensor:
     """Sum the per-target log-probs of each sequence; `starts` are the sequences' flat start offsets."""
-    sequence = torch.searchsorted(starts.to(targets.index.device), targets.index, right=True) - 1
-    return logps.new_zeros(num_sequences).index_add(0, sequence, logps)
+    return logps.new_zeros(num_sequences).index_add(0, target_sequences(targets, starts), logps)
 
 
 def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,

@@ -38,6 +38,11 @@ class Targets:
         return grid.index_copy(0, self.index, values).view(self.shape)
 
 
+def target_sequences(targets: Targets, starts: torch.Tensor) -> torch.Tensor:
+    """Which sequence each target belongs to, from the sequences' flat start offsets (any layout)."""
+    return torch.searchsorted(starts.to(targets.index.device), targets.index, right=True) - 1
+
+
 def select_targets(labels: torch.Tensor) -> Targets:
     shifted = shifted_targets(labels).reshape(-1)
     index = (shifted != IGNORE_INDEX).nonzero().squeeze(-1)

@@ -33,17 +33,22 @@ class PolicyAndReference:
     uses_adapter_as_reference: bool
 
     def description(self, args) -> str:
+        precompute = getattr(args, "precompute_ref_log_probs", False)
+        if self.ref_model is None and not self.uses_adapter_as_reference and not precompute:
+            return "none (the objective does not use one)"
         if self.uses_adapter_as_reference:
             return "the policy with its adapter disabled (no second copy)"
-        if args.precompute_ref_log_probs and self.ref_model is None:
+        if precompute and self.ref_model is None:
             return "log-probs of the initial policy, computed once before training (no reference held in training)"
-        if args.precompute_ref_log_probs:
+        if precompute:
             return "log-probs of the given ref_model, computed once before training"
         return "a separate frozen model in eval mode"
 
 
-def load_policy_and_reference(model, ref_model, processing_class, peft_config, args) -> PolicyAndReference:
-    """Load the policy (and tokenizer), apply PEFT, and choose the reference by the rules above."""
+def load_policy_and_reference(model, ref_model, processing_class, peft_config, args,
+                              needs_reference: bool = True) -> PolicyAndReference:
+    """Load the policy (and tokenizer), apply PEFT, and choose the reference by the rules above (none at all when
+    the objective does not use one, e.g. GRPO with beta=0)."""
     model_source = model
     model = load_causal_lm(model, args.model_init_kwargs)
     tokenizer = load_tokenizer(model_source, processing_class)
@@ -52,12 +57,15 @@ def load_policy_and_reference(model, ref_model, processing_class, peft_config, a
     if args.padding_free and use_segment_attention(model):
         logger.info("Padding-free batches: attention runs per sequence (%s).", SEGMENT_SDPA)
     model = apply_peft(model, peft_config, args)
-    adapter_reference = ref_model is None and hasattr(model, "disable_adapter")
-    if ref_model is not None:
-        ref_model = load_causal_lm(ref_model, args.ref_model_init_kwargs)
+    precompute = getattr(args, "precompute_ref_log_probs", False)
+    adapter_reference = needs_reference and ref_model is None and hasattr(model, "disable_adapter")
+    if not needs_reference:
+        ref_model = None
+    elif ref_model is not None:
+        ref_model = load_causal_lm(ref_model, getattr(args, "ref_model_init_kwargs", None))
         if args.padding_free:
             use_segment_attention(ref_model)
-    elif not adapter_reference and not args.precompute_ref_log_probs:
+    elif not adapter_reference and not precompute:
         ref_model = copy.deepcopy(unwrap_model(model))  # a separate, frozen copy of the initial policy
     if ref_model is not None:
         ref_model.requires_grad_(False).eval()

@@ -1,0 +1,7 @@
+"""Generating completions for the online trainers: one interface, three backends (transformers generate, vLLM in
+the training process, a vLLM server), and the weight movement each needs (sync, sleep, ZeRO-3 gathering)."""
+
+from .backend import GenerationBackend, make_backend
+from .sampling import SamplingSettings
+
+__all__ = ["GenerationBackend", "SamplingSettings", "make_backend"]

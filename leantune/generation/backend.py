@@ -1,0 +1,51 @@
+"""The interface every generation backend implements, and the choice of backend from the config.
+
+The online trainer calls, once per generation round:
+
+    backend.wake_up()            # vLLM colocate with sleep mode: weights and KV cache back on the GPU
+    backend.sync_weights(model)  # when the policy changed since the last round (no-op for transformers)
+    completions = backend.generate(prompt_ids, sampling)
+    backend.sleep()              # before the optimisation steps (no-op unless vllm_enable_sleep_mode)
+
+`generate` takes token ids (one list per completion to produce: a prompt appears once per generation of it) and
+returns the completion ids of each, cut after the first EOS token (`sampling.cut_at_eos`), at most
+`sampling.max_new_tokens` long.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from .sampling import SamplingSettings
+
+
+class GenerationBackend(Protocol):
+    name: str
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingSettings) -> list[list[int]]: ...
+
+    def sync_weights(self, model) -> None: ...
+
+    def sleep(self) -> None: ...
+
+    def wake_up(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def make_backend(args, model, tokenizer, accelerator) -> GenerationBackend:
+    """transformers `generate` by default; vLLM in this process (`vllm_mode="colocate"`) or a `leantune vllm-serve`
+    server (`vllm_mode="server"`) with `use_vllm=True`."""
+    if not args.use_vllm:
+        from .transformers_backend import TransformersBackend
+
+        return TransformersBackend(model, accelerator, gather_for_generation=args.ds3_gather_for_generation)
+    if args.vllm_mode == "colocate":
+        from .vllm_colocate import VLLMColocateBackend
+
+        return VLLMColocateBackend(args, model, tokenizer, accelerator)
+    if args.vllm_mode == "server":
+        from .vllm_client import VLLMServerBackend
+
+        return VLLMServerBackend(args, model, tokenizer, accelerator)
+    raise ValueError(f"`vllm_mode` must be 'colocate' or 'server', got {args.vllm_mode!r}.")

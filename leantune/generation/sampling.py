@@ -1,0 +1,42 @@
+"""What a generation round asks of any backend: how many new tokens and how to sample them (TRL's field names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None  # None or 0: no top-k filter
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    extra: dict = field(default_factory=dict)  # generation_kwargs, passed through to the backend as they are
+
+    @classmethod
+    def from_config(cls, args, tokenizer) -> SamplingSettings:
+        eos = tokenizer.eos_token_id
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+        return cls(
+            max_new_tokens=args.max_completion_length,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k or None,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
+            eos_token_ids=eos_ids,
+            pad_token_id=tokenizer.pad_token_id,
+            extra=dict(args.generation_kwargs or {}),
+        )
+
+
+def cut_at_eos(tokens: list[int], eos_token_ids: tuple[int, ...]) -> list[int]:
+    """A completion ends at (and keeps) its first EOS token; what a backend produced after it is dropped."""
+    for i, token in enumerate(tokens):
+        if token in eos_token_ids:
+            return tokens[: i + 1]
+    return tokens

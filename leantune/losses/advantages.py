@@ -1,0 +1,63 @@
+"""Advantages of the online methods, from the rewards of each prompt's group of completions.
+
+Rewards arrive as [prompts x num_generations] in group order. A NaN reward means no reward function scored that
+completion: it is left out of its group's statistics and gets advantage 0 (no learning signal either way).
+"""
+
+from __future__ import annotations
+
+import torch
+
+SCALE_REWARDS = ("group", "batch", "none")
+STD_EPS = 1e-4
+
+
+def normalise_scale_rewards(value) -> str:
+    """TRL accepts True/False too: True is "group", False is "none"."""
+    if value is True or value in ("true", "True"):
+        return "group"
+    if value is False or value in ("false", "False"):
+        return "none"
+    if value not in SCALE_REWARDS:
+        raise ValueError(f"`scale_rewards` must be one of {SCALE_REWARDS} (or True/False), got {value!r}.")
+    return value
+
+
+def nan_std(values: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
+    """Sample standard deviation (n - 1) over the non-NaN entries; NaN when fewer than two."""
+    valid = ~torch.isnan(values)
+    count = valid.sum(dim=dim, keepdim=True) if dim is not None else valid.sum()
+    mean = torch.nanmean(values, dim=dim, keepdim=True) if dim is not None else torch.nanmean(values)
+    squares = torch.where(valid, (values - mean) ** 2, torch.zeros_like(values))
+    total = squares.sum(dim=dim, keepdim=True) if dim is not None else squares.sum()
+    std = (total / (count - 1)).sqrt()
+    std = torch.where(count > 1, std, torch.full_like(std, float("nan")))
+    return std if keepdim or dim is None else std.squeeze(dim)
+
+
+def group_relative_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group"):
+    """GRPO: reward minus its group's mean, divided by the group's (or the whole batch's) std unless "none".
+
+    Returns (advantages [N], group std [N / num_generations]).
+    """
+    groups = rewards.view(-1, num_generations)
+    mean = torch.nanmean(groups, dim=1, keepdim=True)
+    group_std = nan_std(groups, dim=1)
+    advantages = groups - mean
+    if scale_rewards == "group":
+        advantages = advantages / (group_std.unsqueeze(1) + STD_EPS)
+    elif scale_rewards == "batch":
+        advantages = advantages / (nan_std(rewards) + STD_EPS)
+    return torch.nan_to_num(advantages.reshape(-1), nan=0.0), group_std
+
+
+def leave_one_out_advantages(rewards: torch.Tensor, num_generations: int, normalize: bool = False):
+    """RLOO: reward minus the mean reward of the other scored completions of its group; optionally normalised
+    over the batch. Returns (advantages [N], group std [N / num_generations])."""
+    groups = rewards.view(-1, num_generations)
+    scored = (~torch.isnan(groups)).sum(dim=1, keepdim=True)
+    others_mean = (torch.nansum(groups, dim=1, keepdim=True) - groups) / (scored - 1)
+    advantages = (groups - others_mean).reshape(-1)
+    if normalize:
+        advantages = (advantages - torch.nanmean(advantages)) / (nan_std(advantages) + STD_EPS)
+    return torch.nan_to_num(advantages, nan=0.0, posinf=0.0, neginf=0.0), nan_std(groups, dim=1)

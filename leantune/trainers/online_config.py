@@ -1,0 +1,177 @@
+"""Fields every online trainer (GRPO, RLOO) shares: prompts, generation, the backends, the clipped objective.
+
+TRL's names and meanings, so a TRL script moves over by changing its imports; leantune adds the memory engine's
+fields (MemoryOptions), `padding_free` scoring and the older `max_prompt_length`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import TrainingArguments
+
+from .config_utils import positive_or_none, resolve_bf16, resolve_checkpointing
+from .memory_options import MemoryOptions, validate_memory_options
+
+VLLM_MODES = ("colocate", "server")
+
+
+@dataclass
+class OnlineConfig(MemoryOptions, TrainingArguments):
+    learning_rate: float = field(default=1e-6, metadata={"help": "Initial AdamW learning rate."})
+    logging_steps: float = field(default=10, metadata={"help": "Log every N optimizer steps."})
+    gradient_checkpointing: bool | None = field(
+        default=None,
+        metadata={"help": "Recompute activations in the backward pass to save memory (default: on, non-reentrant)."},
+    )
+    bf16: bool | None = field(
+        default=None,
+        metadata={"help": "bf16 mixed precision. Default: on when a bf16-capable GPU is used and fp16 is off."},
+    )
+
+    # Model
+    model_init_kwargs: dict[str, Any] | str | None = field(
+        default=None, metadata={"help": "Keyword arguments for from_pretrained when `model` is a string."}
+    )
+    disable_dropout: bool = field(default=False, metadata={"help": "Turn dropout off in the policy and reference."})
+
+    # Prompts and scoring batches
+    max_prompt_length: int | None = field(
+        default=None,
+        metadata={"help": "Keep at most this many prompt tokens (the end of the prompt); cut prompts are counted."},
+    )
+    shuffle_dataset: bool = field(default=True, metadata={"help": "Shuffle the prompts."})
+    padding_free: bool = field(
+        default=False,
+        metadata={"help": "Score the completions of a batch in one row with restarting position_ids (no padding)."},
+    )
+    pad_to_multiple_of: int | None = field(default=None, metadata={"help": "Pad each scored batch to a multiple of this."})
+    chat_template_kwargs: dict[str, Any] | str | None = field(
+        default=None, metadata={"help": "Extra arguments of the chat template for conversational prompts."}
+    )
+
+    # Generation
+    num_generations: int = field(default=8, metadata={"help": "Completions sampled per prompt (a group)."})
+    num_generations_eval: int | None = field(
+        default=None, metadata={"help": "Completions per prompt in evaluation (default: num_generations)."}
+    )
+    max_completion_length: int = field(default=512, metadata={"help": "Most tokens of a completion."})
+    generation_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "Completions generated per round, over all processes "
+                  "(default: per_device_train_batch_size x processes x steps_per_generation)."},
+    )
+    steps_per_generation: int | None = field(
+        default=None, metadata={"help": "Micro-batches trained per generation round (default: gradient_accumulation_steps)."}
+    )
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (also applied when scoring)."})
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling: keep the smallest set of this probability."})
+    top_k: int = field(default=0, metadata={"help": "Keep the k most likely tokens (0: all)."})
+    min_p: float | None = field(default=None, metadata={"help": "Drop tokens below min_p x the top probability."})
+    repetition_penalty: float = field(default=1.0, metadata={"help": "Penalty on tokens already present (1: none)."})
+    generation_kwargs: dict[str, Any] | str | None = field(
+        default=None, metadata={"help": "Further sampling arguments passed to the backend as they are."}
+    )
+    ds3_gather_for_generation: bool = field(
+        default=True,
+        metadata={"help": "Under DeepSpeed ZeRO-3, gather the sharded weights once per generation round (fast); "
+                  "False generates with sharded weights (slower, never holds the whole model on one GPU)."},
+    )
+
+    # vLLM
+    use_vllm: bool = field(default=False, metadata={"help": "Generate with vLLM (needs leantune[vllm] and CUDA)."})
+    vllm_mode: str = field(
+        default="colocate",
+        metadata={"help": "colocate: the engine runs in the training process; server: a `leantune vllm-serve` process."},
+    )
+    vllm_enable_sleep_mode: bool = field(
+        default=False,
+        metadata={"help": "Colocate: the engine gives its weights and KV cache back during optimisation steps."},
+    )
+    vllm_gpu_memory_utilization: float = field(
+        default=0.3, metadata={"help": "Colocate: share of GPU memory the engine may take."}
+    )
+    vllm_max_model_length: int | None = field(default=None, metadata={"help": "Engine context length (default: model's)."})
+    vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "Colocate: tensor-parallel size of the engine."})
+    vllm_server_base_url: str | None = field(
+        default=None, metadata={"help": "Server: its base URL (overrides host and port)."}
+    )
+    vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "Server: host."})
+    vllm_server_port: int = field(default=8000, metadata={"help": "Server: port."})
+    vllm_server_timeout: float = field(default=240.0, metadata={"help": "Server: seconds to wait for it to answer."})
+
+    # Objective
+    beta: float = field(default=0.0, metadata={"help": "KL coefficient; 0 loads no reference model."})
+    num_iterations: int = field(default=1, metadata={"help": "Optimisation passes over each generation round."})
+    epsilon: float = field(default=0.2, metadata={"help": "Lower clipping range of the probability ratio."})
+    epsilon_high: float | None = field(default=None, metadata={"help": "Upper clipping range (default: epsilon)."})
+    reward_weights: list[float] | None = field(
+        default=None, metadata={"help": "Weight of each reward function (default: 1 each)."}
+    )
+    mask_truncated_completions: bool = field(
+        default=False, metadata={"help": "Completions cut at max_completion_length (no EOS) get no loss."}
+    )
+    log_completions: bool = field(default=False, metadata={"help": "Log a few prompts, completions and rewards."})
+    num_completions_to_print: int | None = field(default=None, metadata={"help": "How many (default: 4)."})
+
+    def __post_init__(self):
+        resolve_bf16(self)
+        resolve_checkpointing(self)
+        for name in ("generation_kwargs", "chat_template_kwargs"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                import json
+
+                setattr(self, name, json.loads(value))
+        if self.epsilon_high is None:
+            self.epsilon_high = self.epsilon
+        if self.num_generations_eval is None:
+            self.num_generations_eval = self.num_generations
+        super().__post_init__()
+        if self.generation_batch_size is not None and self.steps_per_generation is not None:
+            raise ValueError("Set `generation_batch_size` or `steps_per_generation`, not both: each determines the other.")
+        validate_online_config(self)
+
+    def generation_plan(self, world_size: int) -> tuple[int, int]:
+        """(completions generated per round over all processes, micro-batches trained per round per process)."""
+        per_step = self.per_device_train_batch_size * world_size
+        if self.generation_batch_size is None:
+            steps = self.steps_per_generation or self.gradient_accumulation_steps
+            return per_step * steps, steps
+        if self.generation_batch_size % per_step:
+            raise ValueError(f"`generation_batch_size` ({self.generation_batch_size}) must be a multiple of "
+                             f"per_device_train_batch_size x processes ({per_step}).")
+        return self.generation_batch_size, self.generation_batch_size // per_step
+
+
+def validate_online_config(args: OnlineConfig) -> None:
+    validate_memory_options(args)
+    for name in ("max_prompt_length", "pad_to_multiple_of", "generation_batch_size", "steps_per_generation",
+                 "vllm_max_model_length"):
+        positive_or_none(getattr(args, name), name)
+    for name in ("num_generations", "num_generations_eval", "max_completion_length", "num_iterations",
+                 "vllm_tensor_parallel_size"):
+        positive_or_none(getattr(args, name), name)
+    if args.num_generations < 2:
+        raise ValueError(f"`num_generations` must be at least 2 (a group needs a baseline), got {args.num_generations}.")
+    if args.temperature <= 0:
+        raise ValueError(f"`temperature` must be positive, got {args.temperature}.")
+    if not 0 < args.top_p <= 1:
+        raise ValueError(f"`top_p` must be in (0, 1], got {args.top_p}.")
+    if args.top_k < 0:
+        raise ValueError(f"`top_k` must be >= 0, got {args.top_k}.")
+    if args.beta < 0:
+        raise ValueError(f"`beta` must be >= 0, got {args.beta}.")
+    if args.epsilon < 0 or args.epsilon_high < 0:
+        raise ValueError("`epsilon` and `epsilon_high` must be >= 0.")
+    if args.vllm_mode not in VLLM_MODES:
+        raise ValueError(f"`vllm_mode` must be one of {VLLM_MODES}, got {args.vllm_mode!r}.")
+    if args.vllm_enable_sleep_mode and not (args.use_vllm and args.vllm_mode == "colocate"):
+        raise ValueError("`vllm_enable_sleep_mode` applies to a colocated vLLM engine: set use_vllm=True and "
+                         "vllm_mode='colocate'.")
+    if not 0 < args.vllm_gpu_memory_utilization <= 1:
+        raise ValueError(f"`vllm_gpu_memory_utilization` must be in (0, 1], got {args.vllm_gpu_memory_utilization}.")
+    if args.generation_batch_size is not None and args.generation_batch_size % args.num_generations:
+        raise ValueError(f"`generation_batch_size` ({args.generation_batch_size}) must be a multiple of "
+                         f"`num_generations` ({args.num_generations}).")

@@ -1,0 +1,387 @@
+"""What GRPO and RLOO share: rounds of generation, rewards, and scoring completions through the memory engine.
+
+A training step's micro-batches come from a buffer of generated completions, not from the dataset directly:
+
+1. The data loader yields each round's prompts (the same prompts on every process) once per micro-batch of the
+   round, so the Trainer's epoch and step counting stay right.
+2. When the buffer is empty, `generation_round` takes the round's prompts, repeats each `num_generations` times,
+   keeps this process's slice, generates with the backend (transformers, vLLM colocated or a vLLM server), decodes,
+   scores with the reward functions, gathers the rewards of all processes (groups may span them), and turns them
+   into advantages (the method's recipe: `round_advantages`).
+3. The round's completions are split into `steps_per_generation` micro-batches (padded or padding-free rows of
+   prompt + completion, completion tokens as targets), repeated `num_iterations` times. Log-probs of the policy at
+   generation time (when a micro-batch is trained after the policy has moved) and of the reference (beta > 0) are
+   computed here, without gradient, through the memory engine.
+4. `compute_loss` scores the micro-batch with the policy (chunked log-probs by default: never the full logits) and
+   hands per-token log-probs to the method's loss (`policy_loss`), normalised over the whole optimizer step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+
+import torch
+from torch.utils.data import DataLoader, Sampler
+
+from ..data.collators import CausalLMCollator
+from ..data.preference_collator import sequence_starts
+from ..data.prompt_preparation import PROMPT_IDS, context_limit_of, prepare_prompt_dataset
+from ..generation import SamplingSettings, make_backend
+from ..losses.token_logprobs import target_sequences
+from ..rewards import RewardFunctions, RewardScores
+from .base import LeantuneTrainer
+from .reference import MODEL_INPUTS, ReferenceModelMixin, load_policy_and_reference
+
+logger = logging.getLogger("leantune.online")
+
+
+class RoundSampler(Sampler):
+    """Each round's prompt indices (one list), yielded `repeats` times: once per micro-batch trained on the round.
+
+    Every process draws the same rounds (same seed); each keeps its own slice of the round's completions. The
+    last incomplete round of an epoch is left out (its prompts come back in other epochs' shuffles).
+    """
+
+    def __init__(self, num_prompts: int, prompts_per_round: int, repeats: int, shuffle: bool, seed: int):
+        self.num_prompts, self.prompts_per_round, self.repeats = num_prompts, prompts_per_round, repeats
+        self.shuffle, self.seed, self.epoch = shuffle, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return (self.num_prompts // self.prompts_per_round) * self.repeats
+
+    def __iter__(self):
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.num_prompts, generator=generator).tolist()
+        else:
+            order = list(range(self.num_prompts))
+        for start in range(0, len(order) - self.prompts_per_round + 1, self.prompts_per_round):
+            indices = order[start:start + self.prompts_per_round]
+            for _ in range(self.repeats):
+                yield indices
+
+
+class RoundLoader(DataLoader):
+    """A DataLoader whose epoch reaches its round sampler (the Trainer calls `set_epoch` on the loader)."""
+
+    def set_epoch(self, epoch: int) -> None:
+        self.batch_sampler.set_epoch(epoch)
+
+
+def _rows(rows: list[dict]) -> list[dict]:
+    return rows
+
+
+class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
+    """Shared machinery of the online methods; a subclass supplies `round_advantages` and `policy_loss`."""
+
+    method = "online"
+    # Whether the method needs the reference's and the generation-time policy's log-probs before advantages.
+    kl_in_reward = False
+
+    def __init__(
+        self,
+        model,
+        reward_funcs,
+        args,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        reward_processing_classes=None,
+        callbacks=None,
+        optimizers=(None, None),
+        peft_config=None,
+    ):
+        # 1. policy, tokenizer, reference (none when beta = 0; the adapter disabled with PEFT)
+        loaded = load_policy_and_reference(model, None, processing_class, peft_config, args,
+                                           needs_reference=args.beta != 0.0)
+        model, tokenizer = loaded.model, loaded.tokenizer
+        self.uses_adapter_as_reference = loaded.uses_adapter_as_reference
+        logger.info("%s reference: %s.", self.method.upper(), loaded.description(args))
+
+        # 2. rewards
+        self.rewards = RewardFunctions(reward_funcs, args.reward_weights, reward_processing_classes)
+
+        # 3. prompts, tokenised once; the rest of each row goes to the reward functions
+        limit = context_limit_of(model)
+        reports = {}
+        train_dataset, reports["train"] = prepare_prompt_dataset(train_dataset, tokenizer, args, "train", limit)
+        if eval_dataset is not None:
+            eval_dataset, reports["eval"] = prepare_prompt_dataset(eval_dataset, tokenizer, args, "eval", limit)
+
+        super().__init__(
+            model=model,
+            args=args,
+            data_collator=_rows,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=tokenizer,
+            callbacks=callbacks,
+            optimizers=optimizers,
+        )
+        self.data_reports = {split: report.as_dict() for split, report in reports.items()}
+        self.ref_model = self.accelerator.prepare_model(loaded.ref_model, evaluation_mode=True) \
+            if loaded.ref_model is not None else None
+        self._reference_ready = True  # online methods score the reference as they go
+        self.rewards.to(self.accelerator.device)
+        self.round_size, self.steps_per_generation = args.generation_plan(self.accelerator.num_processes)
+        if self.round_size % args.num_generations:
+            raise ValueError(f"Completions per generation round ({self.round_size} = per_device_train_batch_size x "
+                             f"processes x steps_per_generation) must be a multiple of num_generations "
+                             f"({args.num_generations}).")
+        self.sampling = SamplingSettings.from_config(args, tokenizer)
+        self.scoring_collator = CausalLMCollator(tokenizer.pad_token_id, ("completion_mask",), args.padding_free,
+                                                 args.pad_to_multiple_of)
+        self.backend = None
+        self._buffer: list[dict] = []
+        self._synced_step = -1
+        self.round_counts: dict[str, int] = defaultdict(int)  # counted decisions over the run (logged)
+
+    # --- data: rounds of prompts ---------------------------------------------------------------------------------
+
+    def get_train_dataloader(self):
+        prompts_per_round = self.round_size // self.args.num_generations
+        if len(self.train_dataset) < prompts_per_round:
+            raise ValueError(f"The train dataset has {len(self.train_dataset)} prompts, fewer than one generation "
+                             f"round needs ({prompts_per_round}).")
+        left_out = len(self.train_dataset) % prompts_per_round
+        if left_out:
+            logger.info("%d of %d prompts per epoch fall in an incomplete last round and are left out of that epoch.",
+                        left_out, len(self.train_dataset))
+        sampler = RoundSampler(len(self.train_dataset), prompts_per_round,
+                               self.steps_per_generation * self.args.num_iterations, self.args.shuffle_dataset,
+                               self.args.seed)
+        return RoundLoader(self.train_dataset, batch_sampler=sampler, collate_fn=_rows,
+                           num_workers=self.args.dataloader_num_workers)
+
+    def get_batch_samples(self, epoch_iterator, num_batches: int, device):
+        """The step's micro-batches, from the buffer; a new round is generated when it runs out."""
+        batches = []
+        for _ in range(num_batches):
+            try:
+                prompts = next(epoch_iterator)
+            except StopIteration:
+                break
+            if not self._buffer:
+                self._buffer = self.generation_round(prompts)
+            batches.append(self._buffer.pop(0))
+        return batches, self._get_num_items_in_batch(batches, device)
+
+    def items_in(self, batch: dict) -> torch.Tensor:
+        return torch.as_tensor(batch["loss_items"])
+
+    # --- a generation round ---------------------------------------------------------------------------------------
+
+    def _backend(self):
+        if self.backend is None:
+            self.backend = make_backend(self.args, self.model_wrapped, self.processing_class, self.accelerator)
+            logger.info("%s generation backend: %s.", self.method.upper(), self.backend.name)
+        return self.backend
+
+    def generate_completions(self, prompt_ids: list[list[int]], sampling: SamplingSettings) -> list[list[int]]:
+        backend = self._backend()
+        backend.wake_up()
+        if self._synced_step != self.state.global_step or getattr(backend, "needs_sync", False):
+            backend.sync_weights(self.model_wrapped)
+            self._synced_step = self.state.global_step
+        completions = backend.generate(prompt_ids, sampling)
+        backend.sleep()
+        return completions
+
+    def _local_slice(self, total: int) -> slice:
+        share = total // self.accelerator.num_processes
+        start = self.accelerator.process_index * share
+        return slice(start, start + share)
+
+    def generation_round(self, prompt_rows: list[dict]) -> list[dict]:
+        """Generate, reward and prepare one round; returns its micro-batches (repeated num_iterations times)."""
+        args = self.args
+        group = args.num_generations
+        rows = [row for row in prompt_rows for _ in range(group)][self._local_slice(len(prompt_rows) * group)]
+        completion_ids = self.generate_completions([row[PROMPT_IDS] for row in rows], self.sampling)
+        scored = self.score_completions(rows, completion_ids, training=True)
+        examples = self._scoring_examples(rows, completion_ids, scored["terminated"])
+        micro_size = len(rows) // self.steps_per_generation
+        batches = [self.scoring_collator(examples[i:i + micro_size]) for i in range(0, len(rows), micro_size)]
+        off_policy = self.steps_per_generation > args.gradient_accumulation_steps or args.num_iterations > 1
+        for batch in batches:
+            batch["num_sequences"] = torch.tensor(micro_size)
+        self._attach_logps(batches, off_policy or self.kl_in_reward)
+        advantages = self.round_advantages(scored["rewards"], batches)
+        local = advantages[self._local_slice(len(advantages))]
+        for i, batch in enumerate(batches):
+            batch["advantages"] = local[i * micro_size:(i + 1) * micro_size]
+            batch["loss_items"] = self.loss_items(batch)
+        return [dict(batch) for _ in range(args.num_iterations) for batch in batches]
+
+    def _scoring_examples(self, rows, completion_ids, terminated) -> list[dict]:
+        examples, masked = [], 0
+        for row, completion, done in zip(rows, completion_ids, terminated):
+            keep = done or not self.args.mask_truncated_completions
+            masked += not keep
+            prompt = list(row[PROMPT_IDS])
+            examples.append({"input_ids": prompt + list(completion),
+                             "completion_mask": [0] * len(prompt) + [int(keep)] * len(completion)})
+        if masked:
+            self.round_counts["truncated_completions_masked"] += masked
+        return examples
+
+    @torch.no_grad()
+    def _attach_logps(self, batches: list[dict], policy_too: bool) -> None:
+        """Per-target log-probs of the generation-time policy ("old_logps") and of the reference ("ref_logps")."""
+        if not policy_too and self.args.beta == 0.0:
+            return
+        model = self.model_wrapped
+        was_training = model.training
+        model.eval()  # no dropout while scoring: the same log-probs the loss would see without it
+        try:
+            for batch in batches:
+                on_device = self._prepare_inputs(batch)
+                if policy_too:
+                    batch["old_logps"] = self._scored_logps(model, on_device)
+                if self.args.beta != 0.0:
+                    with self.reference_model() as reference:
+                        batch["ref_logps"] = self._scored_logps(reference, on_device)
+        finally:
+            model.train(was_training)
+
+    def _scored_logps(self, model, batch: dict) -> torch.Tensor:
+        inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
+        logps, _, _ = self.target_logprobs(model, inputs, batch["labels"], self.args.temperature)
+        return logps.detach()
+
+    def score_completions(self, rows: list[dict], completion_ids: list[list[int]], training: bool) -> dict:
+        """Decode, reward (all processes' rewards gathered, in round order), and record the round's metrics."""
+        tokenizer = self.processing_class
+        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        conversational = isinstance(rows[0]["prompt"], list)
+        completions = [[{"role": "assistant", "content": text}] for text in texts] if conversational else texts
+        columns = {name: [row[name] for row in rows] for name in rows[0] if name not in ("prompt", PROMPT_IDS)}
+        scores = self.rewards.score([row["prompt"] for row in rows], completions, completion_ids, columns,
+                                    trainer_state=self.state)
+        self._count_reward_gaps(scores)
+        eos = set(self.sampling.eos_token_ids)
+        terminated = [bool(ids) and ids[-1] in eos for ids in completion_ids]
+        device = self.accelerator.device
+        per_function = self.accelerator.gather(scores.per_function.to(device)).float().cpu()
+        lengths = self.accelerator.gather(torch.tensor([len(ids) for ids in completion_ids], device=device)).cpu()
+        done = self.accelerator.gather(torch.tensor(terminated, device=device)).cpu()
+        rewards = RewardScores(per_function, scores.names, scores.missing, scores.nan).combined(self.rewards.weights)
+        self._record_round_metrics(per_function, rewards, lengths, done, training)
+        if self.args.log_completions and self.is_world_process_zero():
+            self._log_examples(rows, texts, rewards[self._local_slice(len(rewards))])
+        return {"rewards": rewards, "terminated": terminated, "per_function": per_function}
+
+    def _count_reward_gaps(self, scores) -> None:
+        for name, missing, nan in zip(scores.names, scores.missing, scores.nan):
+            if missing:
+                self.round_counts[f"no_reward/{name}"] += missing
+            if nan:
+                self.round_counts[f"nan_reward/{name}"] += nan
+                logger.warning("Reward function %r returned NaN for %d completion(s): treated as no reward from it "
+                               "(a completion no function scores gets advantage 0).", name, nan)
+        unscored = int(scores.unscored().sum())
+        if unscored:
+            self.round_counts["unscored_completions"] += unscored
+
+    def _record_round_metrics(self, per_function, rewards, lengths, terminated, training: bool) -> None:
+        store = self.metric_values["train" if training else "eval"]
+        for i, name in enumerate(self.rewards.names):
+            column = per_function[:, i]
+            column = column[~torch.isnan(column)]
+            if column.numel():
+                store[f"rewards/{name}/mean"].append(column.mean().item())
+                store[f"rewards/{name}/std"].append(column.std().item() if column.numel() > 1 else 0.0)
+        valid = rewards[~torch.isnan(rewards)]
+        if valid.numel():
+            store["reward"].append(valid.mean().item())
+            store["reward_std"].append(valid.std().item() if valid.numel() > 1 else 0.0)
+        groups = rewards.view(-1, self.args.num_generations if training else self.args.num_generations_eval)
+        zero_std = [float(torch.nan_to_num(g[~torch.isnan(g)].std(), nan=0.0) == 0) for g in groups]
+        store["frac_reward_zero_std"].append(sum(zero_std) / len(zero_std))
+        lengths = lengths.float()
+        store["completions/mean_length"].append(lengths.mean().item())
+        store["completions/min_length"].append(lengths.min().item())
+        store["completions/max_length"].append(lengths.max().item())
+        store["completions/clipped_ratio"].append(1.0 - terminated.float().mean().item())
+        if terminated.any():
+            store["completions/mean_terminated_length"].append(lengths[terminated].mean().item())
+        if training:
+            store["num_tokens"].append(float(lengths.sum().item()))
+
+    def _log_examples(self, rows, texts, rewards) -> None:
+        count = self.args.num_completions_to_print or 4
+        for row, text, reward in list(zip(rows, texts, rewards.tolist()))[:count]:
+            logger.info("prompt %r -> completion %r, reward %.3f", row["prompt"], text, reward)
+
+    # --- the method's recipe -------------------------------------------------------------------------------------
+
+    def round_advantages(self, rewards: torch.Tensor, batches: list[dict]) -> torch.Tensor:
+        """[completions of the round, all processes] advantages from the gathered rewards."""
+        raise NotImplementedError
+
+    def loss_items(self, batch: dict) -> int:
+        """What this micro-batch adds to the optimizer step's divisor."""
+        raise NotImplementedError
+
+    def policy_loss(self, logps: torch.Tensor, sequence: torch.Tensor, batch: dict) -> tuple[torch.Tensor, dict]:
+        """(summed loss of the micro-batch, per-micro-batch metrics) from per-target log-probs."""
+        raise NotImplementedError
+
+    # --- the loss ---------------------------------------------------------------------------------------------------
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        batch = dict(inputs)
+        self.count_tokens(model, batch)
+        model_inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
+        logps, entropy, targets, _ = self.target_logprobs(model, model_inputs, batch["labels"],
+                                                           self.args.temperature, with_entropy=True)
+        sequence = target_sequences(targets, sequence_starts(batch))
+        loss_sum, metrics = self.policy_loss(logps, sequence, batch)
+        if entropy.numel():
+            metrics["entropy"] = entropy.mean()
+        self.record_metrics(model, **{name: value.reshape(1) for name, value in metrics.items()})
+        loss = self.normalise(loss_sum, batch["loss_items"], num_items_in_batch)
+        return (loss, {}) if return_outputs else loss
+
+    # --- evaluation: generate for the held-out prompts and report their rewards -----------------------------------
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("evaluate() needs an eval_dataset.")
+        if eval_dataset is not None and PROMPT_IDS not in dataset.column_names:
+            dataset, _ = prepare_prompt_dataset(dataset, self.processing_class, self.args, "eval",
+                                                context_limit_of(self.model))
+        group = self.args.num_generations_eval
+        size = max(1, self.args.per_device_eval_batch_size // group) * self.accelerator.num_processes
+        self.metric_values["eval"].clear()
+        for start in range(0, len(dataset) - len(dataset) % self.accelerator.num_processes, size):
+            prompt_rows = [dataset[i] for i in range(start, min(start + size, len(dataset)))]
+            prompt_rows = prompt_rows[: len(prompt_rows) - len(prompt_rows) % self.accelerator.num_processes]
+            rows = [row for row in prompt_rows for _ in range(group)][self._local_slice(len(prompt_rows) * group)]
+            completion_ids = self.generate_completions([row[PROMPT_IDS] for row in rows], self.sampling)
+            self.score_completions(rows, completion_ids, training=False)
+        metrics = {f"{metric_key_prefix}_{name}": value
+                   for name, value in self.summarise_metrics(self.metric_values["eval"]).items()}
+        self.metric_values["eval"].clear()
+        self.log(dict(metrics))
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+    def train(self, *args, **kwargs):
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            if self.round_counts:
+                logger.info("%s counted decisions over the run: %s", self.method.upper(), dict(self.round_counts))
+
+    def training_summary(self) -> dict:
+        summary = super().training_summary()
+        summary.update({f"count/{name}": value for name, value in self.round_counts.items()})
+        return summary
+

@@ -1,0 +1,72 @@
+"""RLOOTrainer: REINFORCE Leave-One-Out, as a recipe over the online machinery (online_trainer.py).
+
+Each completion's reward is lowered by beta x its summed log-ratio to the reference (KL in the reward, measured
+with the policy at generation time), and its advantage is that reward minus the mean of the other completions of
+its prompt (optionally normalised over the batch). The objective is the clipped ratio of whole-sequence
+probabilities, averaged over completions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..data.preference_collator import sequence_starts
+from ..losses.advantages import leave_one_out_advantages
+from ..losses.policy_gradient import clipped_surrogate, per_sequence_sum
+from ..losses.token_logprobs import select_targets, target_sequences
+from .online_trainer import OnlineTrainer
+from .rloo_config import RLOOConfig
+
+
+class RLOOTrainer(OnlineTrainer):
+    method = "rloo"
+
+    def __init__(self, model, reward_funcs, args: RLOOConfig | None = None, train_dataset=None, eval_dataset=None,
+                 processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
+                 peft_config=None):
+        if args is None:
+            name = model if isinstance(model, str) else type(model).__name__
+            args = RLOOConfig(output_dir=f"{str(name).split('/')[-1]}-RLOO")
+        self.kl_in_reward = args.beta != 0.0
+        super().__init__(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
+                         reward_processing_classes, callbacks, optimizers, peft_config)
+
+    def round_advantages(self, rewards: torch.Tensor, batches: list[dict]) -> torch.Tensor:
+        args = self.args
+        if args.reward_clip_range is not None:
+            rewards = rewards.clamp(*args.reward_clip_range)
+        if args.beta != 0.0:
+            kl = torch.cat([self._sequence_kl(batch) for batch in batches])
+            kl = self.accelerator.gather(kl.to(self.accelerator.device)).cpu()
+            self.metric_values["train"]["kl"].append(kl.mean().item())
+            rewards = rewards - args.beta * kl
+        advantages, _ = leave_one_out_advantages(rewards, args.num_generations, args.normalize_advantages)
+        return advantages
+
+    @staticmethod
+    def _sequence_kl(batch: dict) -> torch.Tensor:
+        """Summed log-ratio log pi_old - log pi_ref of each completion (first-order estimate, as in RLOO)."""
+        targets = select_targets(batch["labels"])
+        sequence = target_sequences(targets, sequence_starts(batch)).to(batch["old_logps"].device)
+        delta = batch["old_logps"] - batch["ref_logps"]
+        return per_sequence_sum(delta, sequence, int(batch["num_sequences"])).float().cpu()
+
+    def loss_items(self, batch: dict) -> int:
+        return int(batch["num_sequences"])
+
+    def policy_loss(self, logps: torch.Tensor, sequence: torch.Tensor, batch: dict):
+        args = self.args
+        count = int(batch["num_sequences"])
+        sequence_logps = per_sequence_sum(logps, sequence, count)
+        if "old_logps" in batch:
+            old = per_sequence_sum(batch["old_logps"].to(logps.dtype), sequence, count)
+        else:
+            old = sequence_logps.detach()
+        advantages = batch["advantages"].to(logps.device, logps.dtype)
+        terms = clipped_surrogate(sequence_logps, old, advantages, args.epsilon, args.epsilon_high)
+        metrics = {
+            "clip_ratio/low_mean": terms.low_clipped.float().mean(),
+            "clip_ratio/high_mean": terms.high_clipped.float().mean(),
+            "clip_ratio/region_mean": (terms.low_clipped | terms.high_clipped).float().mean(),
+        }
+        return terms.loss.sum(), metrics
