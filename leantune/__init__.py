@@ -21,6 +21,10 @@ _EXPORTS = {
     "KTOTrainer": "leantune.trainers.kto_trainer",
     "RewardConfig": "leantune.trainers.reward_config",
     "RewardTrainer": "leantune.trainers.reward_trainer",
+    "GRPOConfig": "leantune.trainers.grpo_config",
+    "GRPOTrainer": "leantune.trainers.grpo_trainer",
+    "RLOOConfig": "leantune.trainers.rloo_config",
+    "RLOOTrainer": "leantune.trainers.rloo_trainer",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
