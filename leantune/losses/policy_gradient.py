@@ -27,6 +27,14 @@ class ClippedTerms:
     low_clipped: torch.Tensor  # bool: ratio below 1 - eps_low where A < 0 (the clip removed the gradient)
     high_clipped: torch.Tensor  # bool: ratio above 1 + eps_high where A > 0
 
+    def clip_metrics(self) -> dict[str, torch.Tensor]:
+        """Shares of units whose gradient the clip removed (NaN when there are none)."""
+        return {
+            "clip_ratio/low_mean": self.low_clipped.float().mean(),
+            "clip_ratio/high_mean": self.high_clipped.float().mean(),
+            "clip_ratio/region_mean": (self.low_clipped | self.high_clipped).float().mean(),
+        }
+
 
 def clipped_surrogate(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor,
                       epsilon_low: float, epsilon_high: float) -> ClippedTerms:

@@ -192,8 +192,13 @@ class LeantuneTrainer(Trainer):
             store[name].extend(column.tolist())
 
     def summarise_metrics(self, store: dict[str, list[float]]) -> dict[str, float]:
-        """The logged form of the stored values: their means (trainers add derived ones)."""
-        return {name: round(sum(values) / len(values), 6) for name, values in store.items() if values}
+        """The logged form of the stored values: their means, NaN (nothing measured) left out."""
+        summary = {}
+        for name, values in store.items():
+            values = [v for v in values if v == v]
+            if values:
+                summary[name] = round(sum(values) / len(values), 6)
+        return summary
 
     def log(self, logs: dict, start_time: float | None = None) -> None:
         mode = "train" if "loss" in logs else "eval"

@@ -47,11 +47,8 @@ class GRPOTrainer(OnlineTrainer):
         if args.beta != 0.0:
             kl = k3_kl(logps, batch["ref_logps"])
             token_loss = token_loss + args.beta * kl
-            metrics["kl"] = kl.detach().mean() if kl.numel() else kl.new_zeros(())
+            metrics["kl"] = kl.detach().mean()  # NaN (left out of the logged mean) when nothing is scored
         loss_sum = grpo_loss_sum(token_loss, sequence, int(batch["num_sequences"]), args.loss_type,
                                  args.max_completion_length)
-        if terms.ratio.numel():
-            metrics["clip_ratio/low_mean"] = terms.low_clipped.float().mean()
-            metrics["clip_ratio/high_mean"] = terms.high_clipped.float().mean()
-            metrics["clip_ratio/region_mean"] = (terms.low_clipped | terms.high_clipped).float().mean()
+        metrics.update(terms.clip_metrics())
         return loss_sum, metrics

@@ -342,8 +342,7 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
                                                            self.args.temperature, with_entropy=True)
         sequence = target_sequences(targets, sequence_starts(batch))
         loss_sum, metrics = self.policy_loss(logps, sequence, batch)
-        if entropy.numel():
-            metrics["entropy"] = entropy.mean()
+        metrics["entropy"] = entropy.mean()  # NaN when nothing is scored (left out of the logged mean)
         self.record_metrics(model, **{name: value.reshape(1) for name, value in metrics.items()})
         loss = self.normalise(loss_sum, batch["loss_items"], num_items_in_batch)
         return (loss, {}) if return_outputs else loss

@@ -64,9 +64,4 @@ class RLOOTrainer(OnlineTrainer):
             old = sequence_logps.detach()
         advantages = batch["advantages"].to(logps.device, logps.dtype)
         terms = clipped_surrogate(sequence_logps, old, advantages, args.epsilon, args.epsilon_high)
-        metrics = {
-            "clip_ratio/low_mean": terms.low_clipped.float().mean(),
-            "clip_ratio/high_mean": terms.high_clipped.float().mean(),
-            "clip_ratio/region_mean": (terms.low_clipped | terms.high_clipped).float().mean(),
-        }
-        return terms.loss.sum(), metrics
+        return terms.loss.sum(), terms.clip_metrics()
