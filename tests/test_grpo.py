@@ -199,6 +199,35 @@ def test_padding_free_scoring_equals_padded(char_tokenizer):
         torch.testing.assert_close(grad, losses[1][1][name], rtol=1e-5, atol=1e-6)
 
 
+def test_activation_offloading_and_checkpointing_give_the_same_loss_and_gradients(char_tokenizer, monkeypatch):
+    """Offloading pointed at a CPU target (real copies on CPU, as in test_memory_engine) and checkpointing off,
+    against the defaults (checkpointing on, no offloading), on the same round."""
+    from leantune.memory import offloading
+
+    made = []
+    real_context = offloading.offloading_context
+
+    def copying_context(enabled, model=None, **kwargs):
+        made.append(real_context(enabled, model, **{**kwargs, "offload_device": "cpu", "min_offload_bytes": 1024}))
+        return made[-1]
+
+    monkeypatch.setattr(offloading, "offloading_context", copying_context)
+    default = GRPOTrainer(char_model(char_tokenizer), count_a, args=config(beta=0.1), train_dataset=prompts(),
+                          processing_class=char_tokenizer)
+    assert default.args.activation_checkpointing  # on by default
+    default.model.activation_checkpointing_enable(default.args.activation_checkpointing_kwargs)
+    batch = one_round(default)[0]
+    expected_loss, expected_grads = loss_and_grads(default, batch)
+    offloaded = GRPOTrainer(char_model(char_tokenizer), count_a,
+                            args=config(beta=0.1, activation_offloading=True, gradient_checkpointing=False),
+                            train_dataset=prompts(), processing_class=char_tokenizer)
+    loss, grads = loss_and_grads(offloaded, batch)
+    assert sum(c.stats.get("tensors_offloaded", 0) for c in made) > 0, "nothing was offloaded"
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-7)
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-7)
+
+
 def test_on_policy_first_iteration_matches_and_later_iterations_use_generation_time_logps(char_tokenizer):
     args = config(num_iterations=2, loss_type="grpo")
     trainer = GRPOTrainer(char_model(char_tokenizer), count_a, args=args, train_dataset=prompts(),
@@ -405,3 +434,38 @@ def test_configuration_errors_are_clear(char_tokenizer):
         GRPOTrainer(char_model(char_tokenizer), count_a, args=config(),
                     train_dataset=Dataset.from_dict({"question": ["a"]}), processing_class=char_tokenizer)
     assert config(scale_rewards=True).scale_rewards == "group" and config(scale_rewards=False).scale_rewards == "none"
+
+
+# --- two processes (CPU, gloo): groups span the processes ---------------------------------------------------------
+
+
+def test_two_processes_share_groups_rewards_and_weights(tmp_path):
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    script = Path(__file__).parent / "scripts" / "grpo_two_processes.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          str(port), str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{k}.json").read_text()) for k in (0, 1)]
+    assert all(r["world"] == 2 for r in ranks)
+    assert ranks[0]["checksum"] == ranks[1]["checksum"]  # DDP kept the weights identical
+    assert ranks[0]["logged_rewards"] == ranks[1]["logged_rewards"]
+    for step in range(2):
+        # one prompt per round, its 4 completions split 2 + 2 over the processes
+        rewards = torch.tensor(ranks[0]["rewards"][2 * step:2 * step + 2] + ranks[1]["rewards"][2 * step:2 * step + 2])
+        expected, _ = group_relative_advantages(rewards, 4, "group")
+        got = torch.tensor(ranks[0]["advantages"][step][0] + ranks[1]["advantages"][step][0])
+        torch.testing.assert_close(got, expected)
+        assert ranks[0]["logged_rewards"][step] == pytest.approx(rewards.mean().item(), abs=1e-6)
+    # the processes sample different completions of the same prompt (their own seeds)
+    assert ranks[0]["prompts"] == ranks[1]["prompts"]
+    assert ranks[0]["completions"] != ranks[1]["completions"]

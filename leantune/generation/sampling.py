@@ -16,6 +16,9 @@ class SamplingSettings:
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
     extra: dict = field(default_factory=dict)  # generation_kwargs, passed through to the backend as they are
+    # Set by the trainer per round and process: completion i of the round samples with seed + i, so processes (and
+    # the repeats of one prompt on one process) never draw the same sample stream; None: the backend's own RNG.
+    seed: int | None = None
 
     @classmethod
     def from_config(cls, args, tokenizer) -> SamplingSettings:

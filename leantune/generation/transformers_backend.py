@@ -38,8 +38,12 @@ class TransformersBackend:
         model = self.model
         was_training = model.training
         model.eval()
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         try:
-            with gathered_for_generation(model, self.accelerator, self.gather_for_generation):
+            with torch.random.fork_rng(devices=devices, enabled=sampling.seed is not None), \
+                    gathered_for_generation(model, self.accelerator, self.gather_for_generation):
+                if sampling.seed is not None:
+                    torch.manual_seed(sampling.seed)  # the round's own stream; each row samples its own tokens
                 generator = self.accelerator.unwrap_model(model)  # a PEFT model stays one (its generate)
                 step = self.max_batch_size or len(prompt_ids)
                 out = []

@@ -18,6 +18,7 @@ A training step's micro-batches come from a buffer of generated completions, not
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import defaultdict
 
@@ -139,6 +140,7 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         self.backend = None
         self._buffer: list[dict] = []
         self._synced_step = -1
+        self._rounds_generated = 0
         self.round_counts: dict[str, int] = defaultdict(int)  # counted decisions over the run (logged)
 
     # --- data: rounds of prompts ---------------------------------------------------------------------------------
@@ -188,7 +190,9 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         if self._synced_step != self.state.global_step or getattr(backend, "needs_sync", False):
             backend.sync_weights(self.model_wrapped)
             self._synced_step = self.state.global_step
-        completions = backend.generate(prompt_ids, sampling)
+        self._rounds_generated += 1
+        seed = self.args.seed + 1_000_003 * self._rounds_generated + 65_537 * self.accelerator.process_index
+        completions = backend.generate(prompt_ids, dataclasses.replace(sampling, seed=seed))
         backend.sleep()
         return completions
 
