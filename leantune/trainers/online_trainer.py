@@ -29,6 +29,7 @@ from ..data.collators import CausalLMCollator
 from ..data.preference_collator import sequence_starts
 from ..data.prompt_preparation import PROMPT_IDS, context_limit_of, prepare_prompt_dataset
 from ..generation import SamplingSettings, make_backend
+from ..losses.dispatch import LogProbPath
 from ..losses.token_logprobs import target_sequences
 from ..rewards import RewardFunctions, RewardScores
 from .base import LeantuneTrainer
@@ -134,6 +135,9 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
             raise ValueError(f"Completions per generation round ({self.round_size} = per_device_train_batch_size x "
                              f"processes x steps_per_generation) must be a multiple of num_generations "
                              f"({args.num_generations}).")
+        if self.logprob_path is LogProbPath.LIGER:
+            logger.info("use_liger_loss: completions are scored through leantune's chunked log-probs (exact, never "
+                        "the full logits); Liger's fused GRPO loss is not used.")
         self.sampling = SamplingSettings.from_config(args, tokenizer)
         self.scoring_collator = CausalLMCollator(tokenizer.pad_token_id, ("completion_mask",), args.padding_free,
                                                  args.pad_to_multiple_of)
