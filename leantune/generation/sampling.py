@@ -21,9 +21,12 @@ class SamplingSettings:
     seed: int | None = None
 
     @classmethod
-    def from_config(cls, args, tokenizer) -> SamplingSettings:
-        eos = tokenizer.eos_token_id
-        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+    def from_config(cls, args, tokenizer, model=None) -> SamplingSettings:
+        """The tokenizer's EOS and the model's generation-config EOS ids (chat models end turns with their own)."""
+        eos_ids = _ids(tokenizer.eos_token_id)
+        generation_config = getattr(model, "generation_config", None)
+        if generation_config is not None:
+            eos_ids += tuple(i for i in _ids(generation_config.eos_token_id) if i not in eos_ids)
         return cls(
             max_new_tokens=args.max_completion_length,
             temperature=args.temperature,
@@ -35,6 +38,12 @@ class SamplingSettings:
             pad_token_id=tokenizer.pad_token_id,
             extra=dict(args.generation_kwargs or {}),
         )
+
+
+def _ids(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(int(v) for v in value) if isinstance(value, (list, tuple)) else (int(value),)
 
 
 def cut_at_eos(tokens: list[int], eos_token_ids: tuple[int, ...]) -> list[int]:

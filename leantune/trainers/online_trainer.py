@@ -138,7 +138,7 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         if self.logprob_path is LogProbPath.LIGER:
             logger.info("use_liger_loss: completions are scored through leantune's chunked log-probs (exact, never "
                         "the full logits); Liger's fused GRPO loss is not used.")
-        self.sampling = SamplingSettings.from_config(args, tokenizer)
+        self.sampling = SamplingSettings.from_config(args, tokenizer, self.model)
         self.scoring_collator = CausalLMCollator(tokenizer.pad_token_id, ("completion_mask",), args.padding_free,
                                                  args.pad_to_multiple_of)
         self.backend = None
