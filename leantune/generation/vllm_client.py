@@ -1,0 +1,177 @@
+"""The trainer's side of `leantune vllm-serve` (`use_vllm=True, vllm_mode="server"`): generation and weight sync
+over HTTP (the protocol is in `vllm_server`).
+
+Each process posts its own prompts. The weight sync streams `policy_weights_for_sync` from the main process as
+safetensors chunks of bounded size (cast to the server's dtype), then tells the server the update is done (it resets
+its prefix cache); under ZeRO-3 every process takes part in the gathering, and all wait for the update to land
+before any generates again. The server never sleeps, so `sleep` and `wake_up` do nothing.
+
+Verified on CPU (tests/test_vllm_server.py) against the server's transformers engine.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import urllib.error
+import urllib.request
+
+import torch
+
+from .sampling import SamplingSettings, cut_at_eos
+from .vllm_server import sampling_to_json
+from .weight_sync import base_model_name_or_path, policy_weights_for_sync
+from .zero3 import is_zero3
+
+logger = logging.getLogger("leantune.generation")
+
+DEFAULT_CHUNK_BYTES = 256 * 2**20
+
+
+class VLLMServerError(RuntimeError):
+    """The server answered with an error, or did not answer."""
+
+
+class VLLMServerClient:
+    """HTTP calls to a `leantune vllm-serve` server."""
+
+    def __init__(self, base_url: str, request_timeout: float | None = None):
+        self.base_url = base_url.rstrip("/")
+        self.request_timeout = request_timeout
+        self.server_info: dict = {}
+
+    def wait_until_up(self, timeout: float, start_command: str | None = None) -> dict:
+        """Poll GET /health until the server answers, for at most `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                self.server_info = self._call("GET", "/health", timeout=max(0.1, min(5.0, remaining)))
+                return self.server_info
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as error:
+                if time.monotonic() + 1.0 > deadline:
+                    hint = f" Start one with: {start_command}" if start_command else ""
+                    raise VLLMServerError(f"No leantune vLLM server answered at {self.base_url}/health within "
+                                          f"{timeout:g} s ({_reason(error)}).{hint}") from None
+                time.sleep(1.0)
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingSettings,
+                 seed: int | None = None) -> list[list[int]]:
+        if not prompt_ids:
+            return []
+        answer = self._call("POST", "/generate", {"prompts": [list(map(int, ids)) for ids in prompt_ids],
+                                                  "sampling": sampling_to_json(sampling), "seed": seed})
+        completions = answer["completions"]
+        if len(completions) != len(prompt_ids):
+            raise VLLMServerError(f"{self.base_url} returned {len(completions)} completions for "
+                                  f"{len(prompt_ids)} prompts.")
+        return [cut_at_eos(list(ids)[: sampling.max_new_tokens], sampling.eos_token_ids) for ids in completions]
+
+    def update_weights(self, named_tensors, dtype: str | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
+        """Send `(name, tensor)` pairs in safetensors chunks of about `chunk_bytes` (a bigger tensor goes alone)."""
+        from safetensors.torch import save
+
+        target = getattr(torch, dtype) if dtype else None
+        chunk: dict[str, torch.Tensor] = {}
+        size = sent = 0
+        for name, tensor in named_tensors:
+            cast = target if target is not None and tensor.is_floating_point() else tensor.dtype
+            chunk[name] = tensor.detach().to(device="cpu", dtype=cast, copy=True).contiguous()
+            size += chunk[name].numel() * chunk[name].element_size()
+            if size >= chunk_bytes:
+                sent += self._post_bytes("/update_weights", save(chunk))["loaded"]
+                chunk, size = {}, 0
+        if chunk:
+            sent += self._post_bytes("/update_weights", save(chunk))["loaded"]
+        self._call("POST", "/update_weights/done", {})
+        return sent
+
+    def close_server(self) -> None:
+        self._call("POST", "/close", {})
+
+    def _post_bytes(self, path: str, data: bytes) -> dict:
+        return self._call("POST", path, data=data, content_type="application/octet-stream")
+
+    def _call(self, method: str, path: str, payload: dict | None = None, data: bytes | None = None,
+              content_type: str = "application/json", timeout: float | None = None) -> dict:
+        if payload is not None:
+            data = json.dumps(payload).encode()
+        request = urllib.request.Request(self.base_url + path, data=data, method=method,
+                                         headers={"Content-Type": content_type} if data is not None else {})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout or self.request_timeout) as response:
+                return json.loads(response.read() or b"{}")
+        except urllib.error.HTTPError as error:
+            raise VLLMServerError(f"{method} {self.base_url}{path} failed with HTTP {error.code}: "
+                                  f"{_server_message(error)}") from None
+
+
+class VLLMServerBackend:
+    """A `leantune vllm-serve` server as the trainer's generation backend."""
+
+    name = "vllm-server"
+
+    def __init__(self, args, model, tokenizer, accelerator):
+        self.accelerator = accelerator
+        self.chunk_bytes = DEFAULT_CHUNK_BYTES
+        self.needs_sync = True  # the server holds its checkpoint until the first sync
+        self.client = VLLMServerClient(server_url(args))
+        source = base_model_name_or_path(model, accelerator) or "PATH"
+        command = f"leantune vllm-serve --model {source} --port {_port(self.client.base_url, args)}"
+        info = self.client.wait_until_up(args.vllm_server_timeout, start_command=command)
+        logger.info("vLLM server at %s: %s engine, model %s, %s.", self.client.base_url, info.get("engine"),
+                    info.get("model"), info.get("dtype"))
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingSettings) -> list[list[int]]:
+        return self.client.generate(prompt_ids, sampling)
+
+    def sync_weights(self, model) -> None:
+        """The main process sends the weights; with ZeRO-3 every process joins the per-module gathering."""
+        main = self.accelerator is None or self.accelerator.is_main_process
+        if main:
+            sent = self.client.update_weights(policy_weights_for_sync(model, self.accelerator),
+                                              dtype=self.client.server_info.get("dtype"),
+                                              chunk_bytes=self.chunk_bytes)
+            logger.debug("Sent %d tensors to the vLLM server.", sent)
+        elif is_zero3(self.accelerator):
+            for _ in policy_weights_for_sync(model, self.accelerator):
+                pass
+        if self.accelerator is not None:
+            self.accelerator.wait_for_everyone()
+        self.needs_sync = False
+
+    def sleep(self) -> None:
+        pass
+
+    def wake_up(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass  # the server outlives the run; stop it with VLLMServerClient(url).close_server()
+
+
+def server_url(args) -> str:
+    if args.vllm_server_base_url:
+        return args.vllm_server_base_url.rstrip("/")
+    host = "127.0.0.1" if args.vllm_server_host in ("0.0.0.0", "", None) else args.vllm_server_host
+    return f"http://{host}:{args.vllm_server_port}"
+
+
+def _port(base_url: str, args) -> int:
+    from urllib.parse import urlparse
+
+    return urlparse(base_url).port or args.vllm_server_port
+
+
+def _server_message(error: urllib.error.HTTPError) -> str:
+    try:
+        body = error.read()
+        return json.loads(body).get("error") or body.decode(errors="replace")
+    except Exception:
+        return error.reason if isinstance(error.reason, str) else str(error)
+
+
+def _reason(error: Exception) -> str:
+    reason = getattr(error, "reason", None)
+    return str(reason if reason is not None else error)
