@@ -17,6 +17,7 @@ step), so kernel-level rounding (vLLM's attention kernels may use TF32) cannot f
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -249,9 +250,14 @@ def scenario_colocate_sleep(workdir: Path) -> dict:
     backend.sync_weights(policy)
     again = backend.generate(prompts, sampling)
     assert again == after
-    sampled = backend.generate([prompts[0]] * 4, SamplingSettings(max_new_tokens=MAX_NEW_TOKENS, temperature=1.0,
-                                                                  eos_token_ids=(EOS,), pad_token_id=PAD))
+    sampling_t1 = SamplingSettings(max_new_tokens=MAX_NEW_TOKENS, temperature=1.0, eos_token_ids=(EOS,),
+                                   pad_token_id=PAD)
+    sampled = backend.generate([prompts[0]] * 4, sampling_t1)
     assert len({tuple(c) for c in sampled}) > 1, "repeats of a prompt were sampled identically"
+    seeded = dataclasses.replace(sampling_t1, seed=77)
+    first = backend.generate([prompts[0]] * 4, seeded)
+    assert backend.generate([prompts[0]] * 4, seeded) == first, "a seeded round is not reproducible"
+    assert len({tuple(c) for c in first}) > 1, "seeded repeats of a prompt were sampled identically"
     backend.close()
     return {"freed_gib": freed / 2**30, "prompts": len(prompts), "completion_tokens": sum(map(len, after))}
 

@@ -9,6 +9,7 @@ real vLLM engine is exercised in tests/test_gpu_online.py.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.machinery
 import os
 import re
@@ -137,10 +138,10 @@ def test_generate_returns_one_completion_per_prompt_cut_at_eos(server, model_dir
 
 def test_seeded_sampling_is_reproducible(server):
     client = VLLMServerClient(server)
-    sampling = SamplingSettings(max_new_tokens=8, temperature=1.0, eos_token_ids=(EOS,), pad_token_id=PAD)
-    first = client.generate(PROMPTS, sampling, seed=123)
-    assert client.generate(PROMPTS, sampling, seed=123) == first
-    assert client.generate(PROMPTS, sampling, seed=124) != first
+    sampling = SamplingSettings(max_new_tokens=8, temperature=1.0, eos_token_ids=(EOS,), pad_token_id=PAD, seed=123)
+    first = client.generate(PROMPTS, sampling)
+    assert client.generate(PROMPTS, sampling) == first
+    assert client.generate(PROMPTS, dataclasses.replace(sampling, seed=124)) != first
     assert first[0] != first[1]  # repeats of a prompt are different samples
 
 
@@ -268,10 +269,15 @@ class FakeLLM:
     def generate(self, prompts, params, use_tqdm=True):
         self.calls.append("generate")
         assert all(set(p) == {"prompt_token_ids"} for p in prompts)
-        sampling = greedy(params.max_tokens, eos=params.stop_token_ids or ())
-        assert params.temperature == 0 and params.n == 1
-        completions = local_greedy(self.hf_model, [p["prompt_token_ids"] for p in prompts], sampling)
-        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=tuple(ids))]) for ids in completions]
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        assert len(params_list) == len(prompts)
+        outputs = []
+        for prompt, param in zip(prompts, params_list):
+            assert param.temperature == 0 and param.n == 1  # the stand-in only does greedy
+            sampling = greedy(param.max_tokens, eos=param.stop_token_ids or ())
+            ids = local_greedy(self.hf_model, [prompt["prompt_token_ids"]], sampling)[0]
+            outputs.append(SimpleNamespace(outputs=[SimpleNamespace(token_ids=tuple(ids))]))
+        return outputs
 
     def sleep(self, level=1):
         self.calls.append(("sleep", level))
@@ -370,13 +376,16 @@ def test_colocated_backend_without_sleep_mode_and_an_unsaved_peft_policy(fake_vl
 
 
 def test_vllm_sampling_parameters(fake_vllm):
-    from leantune.generation.vllm_colocate import to_vllm_sampling_params
+    from leantune.generation.vllm_colocate import to_vllm_sampling_params, vllm_sampling_params
 
     sampling = SamplingSettings(max_new_tokens=16, temperature=0.7, top_p=0.9, top_k=None, min_p=None,
                                 repetition_penalty=1.1, eos_token_ids=(2, 32000), extra={"presence_penalty": 0.5})
     assert to_vllm_sampling_params(sampling).kwargs == {
         "n": 1, "max_tokens": 16, "temperature": 0.7, "top_p": 0.9, "top_k": -1, "min_p": 0.0,
         "repetition_penalty": 1.1, "stop_token_ids": [2, 32000], "detokenize": False, "presence_penalty": 0.5}
-    with_k = to_vllm_sampling_params(SamplingSettings(max_new_tokens=4, top_k=20, min_p=0.05), seed=3).kwargs
-    assert with_k["top_k"] == 20 and with_k["min_p"] == 0.05 and with_k["seed"] == 3
-    assert with_k["stop_token_ids"] is None
+    assert not isinstance(vllm_sampling_params(sampling, 3), list)  # unseeded: one shared object
+    seeded = SamplingSettings(max_new_tokens=4, top_k=20, min_p=0.05, seed=100)
+    per_completion = vllm_sampling_params(seeded, 3)
+    assert [p.kwargs["seed"] for p in per_completion] == [100, 101, 102]  # repeats of a prompt differ
+    with_k = per_completion[0].kwargs
+    assert with_k["top_k"] == 20 and with_k["min_p"] == 0.05 and with_k["stop_token_ids"] is None

@@ -56,12 +56,11 @@ class VLLMServerClient:
                                           f"{timeout:g} s ({_reason(error)}).{hint}") from None
                 time.sleep(1.0)
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingSettings,
-                 seed: int | None = None) -> list[list[int]]:
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingSettings) -> list[list[int]]:
         if not prompt_ids:
             return []
         answer = self._call("POST", "/generate", {"prompts": [list(map(int, ids)) for ids in prompt_ids],
-                                                  "sampling": sampling_to_json(sampling), "seed": seed})
+                                                  "sampling": sampling_to_json(sampling)})
         completions = answer["completions"]
         if len(completions) != len(prompt_ids):
             raise VLLMServerError(f"{self.base_url} returned {len(completions)} completions for "

@@ -17,8 +17,8 @@ gathered training weights and the KV cache are not on the GPU at the same time.
 
 Under torch.distributed the engines use vLLM's `external_launcher` executor: one engine per process, and with
 `vllm_tensor_parallel_size > 1` consecutive ranks form a tensor-parallel group that generates all the group's
-prompts together (each rank keeps its own completions). Seeds differ between groups, so processes holding copies
-of the same prompt sample different completions.
+prompts together (each rank keeps its own completions). The engine seed differs between groups; a round's
+`sampling.seed` gives completion i the seed `seed + i`, so repeats of a prompt are different samples.
 
 Verified on CPU (tests/test_vllm_server.py, with a stand-in `vllm` module): the sync/sleep/wake bookkeeping, the
 refusal to generate with stale weights, the sampling parameters and the weight hand-over to `load_weights`.
@@ -99,11 +99,10 @@ class VLLMColocateBackend:
                 logger.warning("vLLM did not reset its prefix cache after the weight sync; cached prompt blocks "
                                "from the previous weights may be reused.")
             self._prefix_cache_stale = False
-        prompts, own = self._group_prompts(prompt_ids)
+        prompts, params, own = self._group_requests(prompt_ids, sampling)
         if not prompts:
             return []
-        outputs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in prompts],
-                                    to_vllm_sampling_params(sampling), use_tqdm=False)
+        outputs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in prompts], params, use_tqdm=False)
         completions = [completion_ids(output, sampling) for output in outputs]
         return completions[own]
 
@@ -203,15 +202,19 @@ class VLLMColocateBackend:
 
     # --- helpers --------------------------------------------------------------------------------------------------
 
-    def _group_prompts(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], slice]:
-        """All prompts of this rank's tensor-parallel group (its engines generate together) and this rank's slice."""
+    def _group_requests(self, prompt_ids: list[list[int]], sampling: SamplingSettings):
+        """The prompts of this rank's tensor-parallel group (its engines generate them together), their sampling
+        parameters (each rank's own seeds), and this rank's slice of the completions."""
         if self.tp_group is None:
-            return list(prompt_ids), slice(0, len(prompt_ids))
-        gathered: list = [None] * self.tensor_parallel_size
-        torch.distributed.all_gather_object(gathered, list(prompt_ids), group=self.tp_group)
+            return list(prompt_ids), vllm_sampling_params(sampling, len(prompt_ids)), slice(0, len(prompt_ids))
+        parts: list = [None] * self.tensor_parallel_size
+        torch.distributed.all_gather_object(parts, (list(prompt_ids), sampling), group=self.tp_group)
         rank = torch.distributed.get_rank(group=self.tp_group)
-        start = sum(len(p) for p in gathered[:rank])
-        return [ids for part in gathered for ids in part], slice(start, start + len(prompt_ids))
+        start = sum(len(ids) for ids, _ in parts[:rank])
+        prompts = [ids for part_ids, _ in parts for ids in part_ids]
+        params = [p for part_ids, part_sampling in parts for p in vllm_sampling_params(part_sampling, len(part_ids),
+                                                                                          as_list=True)]
+        return prompts, params, slice(start, start + len(prompt_ids))
 
     def _wake(self, tags: list[str]) -> None:
         if _accepts_tags(self.llm.wake_up):
@@ -229,8 +232,9 @@ class VLLMColocateBackend:
                            "values.", len(missing), ", ".join(missing[:5]))
 
 
-def to_vllm_sampling_params(sampling: SamplingSettings, seed: int | None = None):
-    """vLLM's SamplingParams for one completion per prompt entry (temperature 0 is greedy; top_k -1 is off)."""
+def to_vllm_sampling_params(sampling: SamplingSettings, index: int = 0):
+    """vLLM's SamplingParams for completion `index` of a call: one completion per prompt entry, temperature 0 is
+    greedy, top_k -1 is off, and a seeded round gives completion i the seed `sampling.seed + i`."""
     from vllm import SamplingParams
 
     kwargs = {
@@ -244,10 +248,17 @@ def to_vllm_sampling_params(sampling: SamplingSettings, seed: int | None = None)
         "stop_token_ids": list(sampling.eos_token_ids) or None,
         "detokenize": False,
     }
-    if seed is not None:
-        kwargs["seed"] = seed
+    if sampling.seed is not None:
+        kwargs["seed"] = sampling.seed + index
     kwargs.update(sampling.extra)
     return SamplingParams(**kwargs)
+
+
+def vllm_sampling_params(sampling: SamplingSettings, count: int, as_list: bool = False):
+    """The parameters of `count` completions: one shared object, or one per completion when seeded."""
+    if sampling.seed is None and not as_list:
+        return to_vllm_sampling_params(sampling)
+    return [to_vllm_sampling_params(sampling, index) for index in range(count)]
 
 
 def completion_ids(output, sampling: SamplingSettings) -> list[int]:

@@ -4,15 +4,16 @@ Standard library only (`ThreadingHTTPServer` and JSON), so it runs wherever lean
 HTTP threads, but every engine call runs on the main thread, one at a time, in the order they arrive. The protocol:
 
     GET  /health                 {"status": "ok", "engine", "model", "dtype", "max_request_bytes"}
-    POST /generate               {"prompts": [[ids]], "sampling": {SamplingSettings fields}, "seed": int | null}
+    POST /generate               {"prompts": [[ids]], "sampling": {SamplingSettings fields}}
                                  -> {"completions": [[ids]]}, each cut after its first EOS, at most max_new_tokens
     POST /update_weights         body: safetensors bytes of some checkpoint-named tensors (one bounded chunk)
                                  -> {"loaded": n}
     POST /update_weights/done    the update is complete: reset the prefix cache -> {"updates": count so far}
     POST /close                  answer, then stop the server
 
-Errors come back as {"error": message} with an HTTP error status. A seed makes a request reproducible: the
-transformers engine seeds torch with it, vLLM gives prompt i the seed `seed + i` (repeats of a prompt still differ).
+Errors come back as {"error": message} with an HTTP error status. `sampling.seed` makes a request reproducible:
+the transformers engine seeds torch with it, vLLM gives prompt i the seed `seed + i` (repeats of a prompt differ);
+without it the engine's own random state (seeded once by --seed) is used.
 
 Engines: `vllm` (the real server: `vllm.LLM` in this process, weights loaded through the model's `load_weights`)
 and `transformers` (a transformers model on CPU; tensors load with `load_state_dict(strict=False)` after a check
@@ -56,6 +57,8 @@ def sampling_from_json(data: dict) -> SamplingSettings:
     data = dict(data)
     data["eos_token_ids"] = tuple(int(t) for t in data.get("eos_token_ids") or ())
     data["extra"] = dict(data.get("extra") or {})
+    if data.get("seed") is not None:
+        data["seed"] = int(data["seed"])
     return SamplingSettings(**data)
 
 
@@ -75,9 +78,9 @@ class TransformersEngine:
         self._names = set(self.model.state_dict())
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], sampling: SamplingSettings, seed: int | None) -> list[list[int]]:
-        if seed is not None:
-            torch.manual_seed(seed)
+    def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[list[int]]:
+        if sampling.seed is not None:
+            torch.manual_seed(sampling.seed)
         by_length: dict[int, list[int]] = {}
         for index, ids in enumerate(prompts):
             by_length.setdefault(len(ids), []).append(index)
@@ -143,13 +146,12 @@ class VLLMEngine:
                        enforce_eager=enforce_eager, trust_remote_code=trust_remote_code)
         self.dtype = str(self.llm.llm_engine.model_config.dtype).removeprefix("torch.")
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingSettings, seed: int | None) -> list[list[int]]:
-        from .vllm_colocate import completion_ids, to_vllm_sampling_params
+    def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[list[int]]:
+        from .vllm_colocate import completion_ids, vllm_sampling_params
 
         if not prompts:
             return []
-        params = (to_vllm_sampling_params(sampling) if seed is None
-                  else [to_vllm_sampling_params(sampling, seed=seed + i) for i in range(len(prompts))])
+        params = vllm_sampling_params(sampling, len(prompts))
         outputs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in prompts], params, use_tqdm=False)
         return [completion_ids(output, sampling) for output in outputs]
 
@@ -255,9 +257,7 @@ class _Handler(BaseHTTPRequestHandler):
         request = json.loads(body)
         prompts = [[int(t) for t in ids] for ids in request["prompts"]]
         sampling = sampling_from_json(request["sampling"])
-        seed = request.get("seed")
-        completions = _on_engine_thread(self.server, self.server.engine.generate, prompts, sampling,
-                                        None if seed is None else int(seed))
+        completions = _on_engine_thread(self.server, self.server.engine.generate, prompts, sampling)
         self._reply({"completions": completions})
 
     def _update_weights(self, body: bytes) -> None:
