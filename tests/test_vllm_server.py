@@ -389,3 +389,35 @@ def test_vllm_sampling_parameters(fake_vllm):
     assert [p.kwargs["seed"] for p in per_completion] == [100, 101, 102]  # repeats of a prompt differ
     with_k = per_completion[0].kwargs
     assert with_k["top_k"] == 20 and with_k["min_p"] == 0.05 and with_k["stop_token_ids"] is None
+
+
+# --- the GRPO trainer in server mode (last in this file: it changes the served weights) ---------------------------
+
+
+def test_grpo_trains_against_the_server_and_syncs_each_optimizer_step(server, model_dir):
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    from leantune import GRPOConfig, GRPOTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    data = Dataset.from_dict({"prompt": [f"Count to {i}:" for i in range(16)]})
+    args = GRPOConfig(output_dir=str(model_dir.parent / "grpo"), use_cpu=True, report_to=[], save_strategy="no",
+                      disable_tqdm=True, per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
+                      max_steps=3, learning_rate=1e-2, memory_breakdown=False, use_vllm=True, vllm_mode="server",
+                      vllm_server_base_url=server, vllm_server_timeout=30)
+    trainer = GRPOTrainer(str(model_dir), lambda completions, **kw: [float(len(c)) for c in completions], args=args,
+                          train_dataset=data, processing_class=tokenizer)
+    backend = trainer._backend()
+    assert backend.name != "transformers"
+    synced_at = []
+    original = backend.sync_weights
+    backend.sync_weights = lambda model: (synced_at.append(trainer.state.global_step), original(model))
+    trainer.train()
+    assert synced_at == [0, 1, 2]  # one round per optimizer step, each after the policy moved
+    trainer.state.global_step += 1  # as after another optimizer step
+    trainer.generate_completions([[1, 415, 2936]], trainer.sampling)
+    assert synced_at[-1] == trainer.state.global_step
+    # the server now holds the trained weights: its greedy completions are the local model's
+    sampling = greedy()
+    assert backend.generate(PROMPTS, sampling) == local_greedy(trainer.model.eval(), PROMPTS, sampling)

@@ -64,8 +64,8 @@ class TransformersBackend:
             attention_mask[row, width - len(ids):] = 1
         kwargs = {
             "max_new_tokens": sampling.max_new_tokens,
-            "do_sample": True,
-            "temperature": sampling.temperature,
+            "do_sample": sampling.temperature > 0,  # temperature 0: greedy, as in vLLM
+            "temperature": sampling.temperature or None,
             "top_p": sampling.top_p,
             "top_k": sampling.top_k or 0,
             "repetition_penalty": sampling.repetition_penalty,

@@ -22,11 +22,36 @@ def is_zero3(accelerator) -> bool:
 
 @contextlib.contextmanager
 def gathered_for_generation(model, accelerator, enabled: bool = True):
-    """Inside: the model's ZeRO-3 shards gathered once (enabled), or left sharded; outside ZeRO-3, nothing."""
+    """Inside: the model's ZeRO-3 shards gathered once (enabled), or left sharded; outside ZeRO-3, nothing.
+
+    Gathering alone would not last: ZeRO-3's module hooks re-partition each layer after its forward pass. So the
+    hooks are taken off for the round (the same calls DeepSpeed uses to destroy and to set them up) and put back
+    before the shards are released. Verified on GPU only (tests/test_gpu_online.py, tests/test_gpu_grpo.py).
+    """
     if not (enabled and is_zero3(accelerator)):
         yield model
         return
     import deepspeed
 
+    offload = _parameter_offload(model)
     with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
-        yield model
+        if offload is not None:
+            offload._remove_module_hooks()
+        try:
+            yield model
+        finally:
+            if offload is not None:
+                offload.setup_zero_stage3_hooks()
+
+
+def _parameter_offload(model):
+    """The ZeRO-3 hook owner of a DeepSpeed engine (None when the model is not one)."""
+    optimizer = getattr(model, "optimizer", None)
+    offload = getattr(optimizer, "parameter_offload", None)
+    if offload is None or not hasattr(offload, "_remove_module_hooks") or not hasattr(offload,
+                                                                                        "setup_zero_stage3_hooks"):
+        if offload is not None:
+            logger.warning("This DeepSpeed version's ZeRO-3 hooks cannot be lifted for generation: the weights are "
+                           "gathered but re-partitioned layer by layer (correct, slower).")
+        return None
+    return offload
