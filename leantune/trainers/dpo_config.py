@@ -20,14 +20,6 @@ class DPOConfig(MemoryOptions, TrainingArguments):
 
     learning_rate: float = field(default=1e-6, metadata={"help": "Initial AdamW learning rate."})
     logging_steps: float = field(default=10, metadata={"help": "Log every N optimizer steps."})
-    gradient_checkpointing: bool | None = field(
-        default=None,
-        metadata={"help": "Recompute activations in the backward pass to save memory (default: on, non-reentrant)."},
-    )
-    bf16: bool | None = field(
-        default=None,
-        metadata={"help": "bf16 mixed precision. Default: on when a bf16-capable GPU is used and fp16 is off."},
-    )
 
     # Models
     model_init_kwargs: dict[str, Any] | str | None = field(

@@ -19,15 +19,7 @@ from .online_trainer import OnlineTrainer
 
 class GRPOTrainer(OnlineTrainer):
     method = "grpo"
-
-    def __init__(self, model, reward_funcs, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
-                 processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
-                 peft_config=None):
-        if args is None:
-            name = model if isinstance(model, str) else type(model).__name__
-            args = GRPOConfig(output_dir=f"{str(name).split('/')[-1]}-GRPO")
-        super().__init__(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
-                         reward_processing_classes, callbacks, optimizers, peft_config)
+    config_class = GRPOConfig
 
     def round_advantages(self, rewards: torch.Tensor, batches: list[dict]) -> torch.Tensor:
         advantages, _ = group_relative_advantages(rewards, self.args.num_generations, self.args.scale_rewards)

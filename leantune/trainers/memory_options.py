@@ -1,4 +1,7 @@
-"""Config fields of the memory engine, shared by every leantune config (TRL's names where TRL has them)."""
+"""Config fields of the memory engine, shared by every leantune config (TRL's names where TRL has them).
+
+It comes before TrainingArguments in each config's bases, so its defaults for transformers' own fields
+(`gradient_checkpointing`, `bf16`: None = decided in __post_init__ by config_utils) take precedence."""
 
 from __future__ import annotations
 
@@ -7,6 +10,14 @@ from dataclasses import dataclass, field
 
 @dataclass
 class MemoryOptions:
+    gradient_checkpointing: bool | None = field(
+        default=None,
+        metadata={"help": "Recompute activations in the backward pass to save memory (default: on, non-reentrant)."},
+    )
+    bf16: bool | None = field(
+        default=None,
+        metadata={"help": "bf16 mixed precision. Default: on when a bf16-capable GPU is used and fp16 is off."},
+    )
     chunked_loss: bool = field(
         default=True,
         metadata={"help": "Log-probs from hidden states, a chunk of target tokens at a time, never the full logits "

@@ -82,14 +82,13 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
     """Shared machinery of the online methods; a subclass supplies `round_advantages` and `policy_loss`."""
 
     method = "online"
-    # Whether the method needs the reference's and the generation-time policy's log-probs before advantages.
-    kl_in_reward = False
+    config_class: type = None
 
     def __init__(
         self,
         model,
         reward_funcs,
-        args,
+        args=None,
         train_dataset=None,
         eval_dataset=None,
         processing_class=None,
@@ -98,6 +97,9 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         optimizers=(None, None),
         peft_config=None,
     ):
+        if args is None:
+            name = model if isinstance(model, str) else type(model).__name__
+            args = self.config_class(output_dir=f"{str(name).split('/')[-1]}-{self.method.upper()}")
         # 1. policy, tokenizer, reference (none when beta = 0; the adapter disabled with PEFT)
         loaded = load_policy_and_reference(model, None, processing_class, peft_config, args,
                                            needs_reference=args.beta != 0.0)
@@ -327,6 +329,11 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
             logger.info("prompt %r -> completion %r, reward %.3f", row["prompt"], text, reward)
 
     # --- the method's recipe -------------------------------------------------------------------------------------
+
+    @property
+    def kl_in_reward(self) -> bool:
+        """Whether the method needs generation-time policy and reference log-probs before its advantages."""
+        return False
 
     def round_advantages(self, rewards: torch.Tensor, batches: list[dict]) -> torch.Tensor:
         """[completions of the round, all processes] advantages from the gathered rewards."""

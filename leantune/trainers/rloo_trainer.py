@@ -20,16 +20,11 @@ from .rloo_config import RLOOConfig
 
 class RLOOTrainer(OnlineTrainer):
     method = "rloo"
+    config_class = RLOOConfig
 
-    def __init__(self, model, reward_funcs, args: RLOOConfig | None = None, train_dataset=None, eval_dataset=None,
-                 processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
-                 peft_config=None):
-        if args is None:
-            name = model if isinstance(model, str) else type(model).__name__
-            args = RLOOConfig(output_dir=f"{str(name).split('/')[-1]}-RLOO")
-        self.kl_in_reward = args.beta != 0.0
-        super().__init__(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
-                         reward_processing_classes, callbacks, optimizers, peft_config)
+    @property
+    def kl_in_reward(self) -> bool:
+        return self.args.beta != 0.0
 
     def round_advantages(self, rewards: torch.Tensor, batches: list[dict]) -> torch.Tensor:
         args = self.args

@@ -23,14 +23,6 @@ class SFTConfig(MemoryOptions, TrainingArguments):
     # Overridden TrainingArguments defaults (TRL's choices).
     learning_rate: float = field(default=2e-5, metadata={"help": "Initial AdamW learning rate."})
     logging_steps: float = field(default=10, metadata={"help": "Log every N optimizer steps."})
-    gradient_checkpointing: bool | None = field(
-        default=None,
-        metadata={"help": "Recompute activations in the backward pass to save memory (default: on, non-reentrant)."},
-    )
-    bf16: bool | None = field(
-        default=None,
-        metadata={"help": "bf16 mixed precision. Default: on when a bf16-capable GPU is used and fp16 is off."},
-    )
 
     # Model
     model_init_kwargs: dict[str, Any] | str | None = field(
