@@ -14,6 +14,7 @@ from datasets import Dataset
 from leantune import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 from leantune.defaults import build_default_model_config, build_default_tokenizer
 from leantune.losses.advantages import group_relative_advantages, leave_one_out_advantages
+from leantune.losses.causal_lm import count_targets
 from leantune.losses.dispatch import LogProbPath
 from leantune.losses.policy_gradient import clipped_surrogate, grpo_loss_items, grpo_loss_sum, k3_kl
 from leantune.rewards import RewardFunctionError
@@ -238,6 +239,19 @@ def test_on_policy_first_iteration_matches_and_later_iterations_use_generation_t
     loss, _ = loss_and_grads(trainer, batches[0])
     assert loss.item() == pytest.approx(-batches[0]["advantages"].mean().item(), abs=1e-5)
     assert trainer.metric_values["train"]["clip_ratio/region_mean"] == [0.0]
+
+
+def test_generation_batch_size_sets_micro_batches_per_round_and_they_train_off_policy(char_tokenizer):
+    args = config(generation_batch_size=24, per_device_train_batch_size=8, num_generations=4)
+    trainer = GRPOTrainer(char_model(char_tokenizer), count_a, args=args, train_dataset=prompts(),
+                          processing_class=char_tokenizer)
+    assert (trainer.round_size, trainer.steps_per_generation) == (24, 3)
+    batches = one_round(trainer)
+    assert len(batches) == 3 and all(int(b["num_sequences"]) == 8 for b in batches)
+    # three micro-batches, one per optimizer step (no accumulation): the later ones train after the policy moved,
+    # so every one carries the generation-time log-probs
+    assert all("old_logps" in b and len(b["old_logps"]) == int(count_targets(b["labels"])) for b in batches)
+    assert len(trainer.get_train_dataloader()) == (64 // 6) * 3  # rounds of 6 prompts, 3 micro-batches each
 
 
 def test_reward_rises_in_a_short_grpo_run(char_tokenizer):
