@@ -66,17 +66,39 @@ def fail(message: str) -> int:
 def sft_warm_up(model, tokenizer, pairs, seed: int, steps: int = 150):
     """A short SFT run on the chosen completions: preference training usually starts from an SFT model, and a
     random model has no sense of the task for a preference signal to refine."""
+    examples = pairs.rename_column("chosen", "completion").remove_columns("rejected")
+    return supervised_warm_up(model, tokenizer, examples, seed, max_steps=steps)
+
+
+def supervised_warm_up(model, tokenizer, examples, seed: int, max_steps: int = 150, held_out=None,
+                       target_exact_match: float | None = None, check_every: int = 10):
+    """SFT on prompt-completion examples for `max_steps`, or until greedy exact match on `held_out` first reaches
+    `target_exact_match` (checked every `check_every` steps): the online demo starts from a model that is right
+    part of the time, so its rewards have room to rise."""
     import tempfile
 
+    from transformers import TrainerCallback
+
+    from ..defaults import evaluate_exact_match
     from ..trainers.sft_config import SFTConfig
     from ..trainers.sft_trainer import SFTTrainer
 
-    data = pairs.rename_column("chosen", "completion").remove_columns("rejected")
+    class StopAtExactMatch(TrainerCallback):
+        def __init__(self):
+            self.exact_match = None
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            if state.global_step % check_every == 0:
+                self.exact_match = evaluate_exact_match(model, tokenizer, held_out)["exact_match"]
+                control.should_training_stop = self.exact_match >= target_exact_match
+
+    watch = StopAtExactMatch() if target_exact_match is not None else None
     with tempfile.TemporaryDirectory(prefix="leantune-warm-up-") as output_dir:
-        args = SFTConfig(output_dir=output_dir, max_steps=steps, per_device_train_batch_size=32, learning_rate=1e-3,
-                         lr_scheduler_type="constant", max_length=64, report_to=[], save_strategy="no",
-                         logging_strategy="no", disable_tqdm=True, seed=seed, memory_breakdown=False,
-                         use_cpu=not __import__("torch").cuda.is_available())
-        trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+        args = SFTConfig(output_dir=output_dir, max_steps=max_steps, per_device_train_batch_size=32,
+                         learning_rate=1e-3, lr_scheduler_type="constant", max_length=64, report_to=[],
+                         save_strategy="no", logging_strategy="no", disable_tqdm=True, seed=seed,
+                         memory_breakdown=False, use_cpu=not __import__("torch").cuda.is_available())
+        trainer = SFTTrainer(model=model, args=args, train_dataset=examples, processing_class=tokenizer,
+                             callbacks=[watch] if watch else None)
         trainer.train()
     return trainer.model

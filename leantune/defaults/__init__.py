@@ -22,7 +22,13 @@ from leantune.defaults.evaluation import (
     normalize_answer,
 )
 from leantune.defaults.model import DEFAULT_TRAINING, RUN_ONLY_KEYS, build_default_model_config
-from leantune.defaults.tasks import DEFAULT_TASK, TASKS, build_default_dataset, solve_prompt
+from leantune.defaults.tasks import (
+    DEFAULT_TASK,
+    TASKS,
+    as_prompts_with_answers,
+    build_default_dataset,
+    solve_prompt,
+)
 from leantune.defaults.tokenizer import CHAT_TEMPLATE, build_default_tokenizer
 
 __all__ = [
@@ -31,6 +37,7 @@ __all__ = [
     "DEFAULT_TRAINING",
     "RUN_ONLY_KEYS",
     "TASKS",
+    "as_prompts_with_answers",
     "build_default_dataset",
     "build_default_model_config",
     "build_default_tokenizer",

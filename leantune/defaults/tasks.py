@@ -117,3 +117,9 @@ def build_default_dataset(
     return DatasetDict(
         train=Dataset.from_dict(splits["train"]), test=Dataset.from_dict(splits["test"])
     )
+
+
+def as_prompts_with_answers(dataset: Dataset) -> Dataset:
+    """Prompt-completion rows -> the online trainers' rows: `prompt` and the reference `answer` a reward checks."""
+    answers = [completion.strip() for completion in dataset["completion"]]
+    return dataset.remove_columns("completion").add_column("answer", answers)
