@@ -48,41 +48,40 @@ def _as_number(text: str) -> float | None:
         return None
 
 
+def _against_references(completions, kwargs: dict, score: Callable[[str, str], float]) -> list[float | None]:
+    """score(completion text stripped, checkable reference) per completion; None where the row has no reference."""
+    out: list[float | None] = []
+    for completion, reference in zip(completions, _references(kwargs, len(completions))):
+        expected = reference_answer(reference)
+        out.append(None if expected is None else score(completion_text(completion).strip(), expected))
+    return out
+
+
+def _states_answer(text: str, expected: str) -> float:
+    number = _as_number(expected)
+    if number is None:
+        return float(text == expected)
+    found = _NUMBER.findall(text)
+    return float(bool(found) and _as_number(found[-1]) == number)
+
+
+def _share_in_place(text: str, expected: str) -> float:
+    return sum(a == b for a, b in zip(text, expected)) / max(len(text), len(expected), 1)
+
+
 def correct_answer(completions, **kwargs) -> list[float | None]:
     """1.0 when the completion states the reference answer, else 0.0.
 
     A numeric reference is compared with the last number in the completion (so "... the answer is 42." counts);
     any other reference must equal the whole completion, surrounding space ignored.
     """
-    out: list[float | None] = []
-    for completion, reference in zip(completions, _references(kwargs, len(completions))):
-        expected = reference_answer(reference)
-        if expected is None:
-            out.append(None)
-            continue
-        text = completion_text(completion).strip()
-        number = _as_number(expected)
-        if number is not None:
-            found = _NUMBER.findall(text)
-            out.append(float(bool(found) and _as_number(found[-1]) == number))
-        else:
-            out.append(float(text == expected))
-    return out
+    return _against_references(completions, kwargs, _states_answer)
 
 
 def characters_in_place(completions, **kwargs) -> list[float | None]:
     """Share of the reference's characters the completion has at the right position (a denser signal than exact
     match: partly right answers score between 0 and 1; extra characters count against it)."""
-    out: list[float | None] = []
-    for completion, reference in zip(completions, _references(kwargs, len(completions))):
-        expected = reference_answer(reference)
-        if expected is None:
-            out.append(None)
-            continue
-        text = completion_text(completion).strip()
-        same = sum(a == b for a, b in zip(text, expected))
-        out.append(same / max(len(text), len(expected), 1))
-    return out
+    return _against_references(completions, kwargs, _share_in_place)
 
 
 BUILTIN_REWARDS: dict[str, Callable] = {
