@@ -450,6 +450,13 @@ def test_configuration_errors_are_clear(char_tokenizer):
     assert config(scale_rewards=True).scale_rewards == "group" and config(scale_rewards=False).scale_rewards == "none"
 
 
+@pytest.mark.skipif(__import__("importlib").util.find_spec("vllm") is not None, reason="vllm is installed")
+def test_colocated_vllm_without_the_extra_fails_when_the_trainer_is_built(char_tokenizer):
+    with pytest.raises(ImportError, match=r"pip install 'leantune\[vllm\]'"):
+        GRPOTrainer(char_model(char_tokenizer), count_a, args=config(use_vllm=True), train_dataset=prompts(),
+                    processing_class=char_tokenizer)
+
+
 # --- two processes (CPU, gloo): groups span the processes ---------------------------------------------------------
 
 

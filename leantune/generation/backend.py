@@ -33,6 +33,15 @@ class GenerationBackend(Protocol):
     def close(self) -> None: ...
 
 
+def check_backend_requirements(args) -> None:
+    """Fail when the trainer is built, not at the first generation round, if the chosen backend cannot run here."""
+    if args.use_vllm and args.vllm_mode == "colocate":
+        from ..utils.imports import require, require_cuda
+
+        require("vllm", "generation with vLLM (use_vllm=True)")
+        require_cuda("vLLM generation in the training process (vllm_mode='colocate')")
+
+
 def make_backend(args, model, tokenizer, accelerator) -> GenerationBackend:
     """transformers `generate` by default; vLLM in this process (`vllm_mode="colocate"`) or a `leantune vllm-serve`
     server (`vllm_mode="server"`) with `use_vllm=True`."""

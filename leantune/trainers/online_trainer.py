@@ -29,6 +29,7 @@ from ..data.collators import CausalLMCollator
 from ..data.preference_collator import sequence_starts
 from ..data.prompt_preparation import PROMPT_IDS, context_limit_of, prepare_prompt_dataset
 from ..generation import SamplingSettings, make_backend
+from ..generation.backend import check_backend_requirements
 from ..losses.dispatch import LogProbPath
 from ..losses.token_logprobs import target_sequences
 from ..rewards import RewardFunctions, RewardScores
@@ -100,6 +101,7 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         if args is None:
             name = model if isinstance(model, str) else type(model).__name__
             args = self.config_class(output_dir=f"{str(name).split('/')[-1]}-{self.method.upper()}")
+        check_backend_requirements(args)
         # 1. policy, tokenizer, reference (none when beta = 0; the adapter disabled with PEFT)
         loaded = load_policy_and_reference(model, None, processing_class, peft_config, args,
                                            needs_reference=args.beta != 0.0)
