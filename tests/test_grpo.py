@@ -448,6 +448,13 @@ def test_configuration_errors_are_clear(char_tokenizer):
         GRPOTrainer(char_model(char_tokenizer), count_a, args=config(),
                     train_dataset=Dataset.from_dict({"question": ["a"]}), processing_class=char_tokenizer)
     assert config(scale_rewards=True).scale_rewards == "group" and config(scale_rewards=False).scale_rewards == "none"
+    # unset epsilon_high / num_generations_eval follow epsilon / num_generations, also when those change later
+    args = config(epsilon=0.1)
+    assert (args.upper_epsilon, args.eval_num_generations) == (0.1, 4)
+    args.epsilon, args.num_generations = 0.3, 8
+    args.__post_init__()
+    assert (args.upper_epsilon, args.eval_num_generations, args.epsilon_high) == (0.3, 8, None)
+    assert config(epsilon_high=0.28, num_generations_eval=2).upper_epsilon == 0.28
 
 
 @pytest.mark.skipif(__import__("importlib").util.find_spec("vllm") is not None, reason="vllm is installed")

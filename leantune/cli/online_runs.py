@@ -84,8 +84,6 @@ def run_demo(command, trainer_class, args, model_args, reward_args, explicit) ->
     print(f"leantune {command}: no model or dataset given, so running the built-in demo (bundled task with a checked "
           "answer, small model).")
     apply_demo_settings(args, explicit, DEMO_TRAINING, f"leantune-output/{command}-demo")
-    if "num_generations_eval" not in explicit:  # derived from num_generations before the demo changed it
-        args.num_generations_eval = args.num_generations
     reward_funcs = resolve_reward_funcs(reward_args.reward_funcs or list(DEMO_REWARDS))
     data = build_default_dataset(DEMO_EXAMPLES["train"], DEMO_EXAMPLES["eval"], seed=args.seed, task=DEMO_TASK)
     tokenizer, model, peft_config = demo_model(model_args)
@@ -112,7 +110,7 @@ def run_demo(command, trainer_class, args, model_args, reward_args, explicit) ->
     after = evaluate_exact_match(trainer.model, tokenizer, data["test"])
     trainer.save_model(args.output_dir)
     print_online_summary(trainer, result, seconds)
-    print(f"held-out prompts ({len(data['test'])}): sampled reward (x{args.num_generations_eval}, temperature "
+    print(f"held-out prompts ({len(data['test'])}): sampled reward (x{args.eval_num_generations}, temperature "
           f"{args.temperature}) {sampled_before:.3f} -> {sampled_after:.3f}; greedy exact match "
           f"{greedy_before:.1%} -> {after['exact_match']:.1%}")
     for prompt, expected, got in after["examples"][:3]:

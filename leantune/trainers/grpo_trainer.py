@@ -33,7 +33,7 @@ class GRPOTrainer(OnlineTrainer):
         args = self.args
         old = batch["old_logps"] if "old_logps" in batch else logps.detach()
         advantages = batch["advantages"].to(logps.device, logps.dtype).index_select(0, sequence)
-        terms = clipped_surrogate(logps, old, advantages, args.epsilon, args.epsilon_high)
+        terms = clipped_surrogate(logps, old, advantages, args.epsilon, args.upper_epsilon)
         token_loss = terms.loss
         metrics = {}
         if args.beta != 0.0:

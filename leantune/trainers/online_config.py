@@ -116,14 +116,20 @@ class OnlineConfig(MemoryOptions, TrainingArguments):
                 import json
 
                 setattr(self, name, json.loads(value))
-        if self.epsilon_high is None:
-            self.epsilon_high = self.epsilon
-        if self.num_generations_eval is None:
-            self.num_generations_eval = self.num_generations
         super().__post_init__()
         if self.generation_batch_size is not None and self.steps_per_generation is not None:
             raise ValueError("Set `generation_batch_size` or `steps_per_generation`, not both: each determines the other.")
         validate_online_config(self)
+
+    @property
+    def upper_epsilon(self) -> float:
+        """`epsilon_high`, or `epsilon` while it is unset (kept unset, so a later change of `epsilon` follows)."""
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    @property
+    def eval_num_generations(self) -> int:
+        """`num_generations_eval`, or `num_generations` while it is unset."""
+        return self.num_generations if self.num_generations_eval is None else self.num_generations_eval
 
     def generation_plan(self, world_size: int) -> tuple[int, int]:
         """(completions generated per round over all processes, micro-batches trained per round per process)."""
@@ -155,7 +161,7 @@ def validate_online_config(args: OnlineConfig) -> None:
         raise ValueError(f"`top_k` must be >= 0, got {args.top_k}.")
     if args.beta < 0:
         raise ValueError(f"`beta` must be >= 0, got {args.beta}.")
-    if args.epsilon < 0 or args.epsilon_high < 0:
+    if args.epsilon < 0 or args.upper_epsilon < 0:
         raise ValueError("`epsilon` and `epsilon_high` must be >= 0.")
     if args.vllm_mode not in VLLM_MODES:
         raise ValueError(f"`vllm_mode` must be one of {VLLM_MODES}, got {args.vllm_mode!r}.")

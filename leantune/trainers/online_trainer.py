@@ -312,7 +312,7 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         if valid.numel():
             store["reward"].append(valid.mean().item())
             store["reward_std"].append(valid.std().item() if valid.numel() > 1 else 0.0)
-        groups = rewards.view(-1, self.args.num_generations if training else self.args.num_generations_eval)
+        groups = rewards.view(-1, self.args.num_generations if training else self.args.eval_num_generations)
         zero_std = [float(torch.nan_to_num(g[~torch.isnan(g)].std(), nan=0.0) == 0) for g in groups]
         store["frac_reward_zero_std"].append(sum(zero_std) / len(zero_std))
         lengths = lengths.float()
@@ -373,7 +373,7 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         if eval_dataset is not None and PROMPT_IDS not in dataset.column_names:
             dataset, _ = prepare_prompt_dataset(dataset, self.processing_class, self.args, "eval",
                                                 context_limit_of(self.model))
-        group = self.args.num_generations_eval
+        group = self.args.eval_num_generations
         size = max(1, self.args.per_device_eval_batch_size // group) * self.accelerator.num_processes
         self.metric_values["eval"].clear()
         for start in range(0, len(dataset) - len(dataset) % self.accelerator.num_processes, size):

@@ -58,5 +58,5 @@ class RLOOTrainer(OnlineTrainer):
         else:
             old = sequence_logps.detach()
         advantages = batch["advantages"].to(logps.device, logps.dtype)
-        terms = clipped_surrogate(sequence_logps, old, advantages, args.epsilon, args.epsilon_high)
+        terms = clipped_surrogate(sequence_logps, old, advantages, args.epsilon, args.upper_epsilon)
         return terms.loss.sum(), terms.clip_metrics()
