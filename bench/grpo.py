@@ -47,8 +47,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import (  # noqa: E402
-    GSM8K_TRAIN,
     MIB,
+    gsm8k_prompt_completion,
     library_versions,
     load_tokenizer,
     machine_description,
@@ -63,6 +63,7 @@ from bench.common import (  # noqa: E402
     tiny_llama,
 )
 from bench.sft import lora_config  # noqa: E402
+from leantune.data.formats import completion_text  # noqa: E402
 
 BIG_VOCAB = 128_256  # Llama 3's vocabulary: the log-prob head dominates
 
@@ -87,20 +88,13 @@ PHASES = ("score", "update")
 def text_length(completions, **kwargs):
     """Reward: characters of the decoded completion / 100 (deterministic, cheap, and different between the
     completions of a group, so every advantage is non-zero)."""
-    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+    texts = [completion_text(c) for c in completions]
     return [len(text) / 100 for text in texts]
 
 
 def gsm8k_prompts(limit: int):
-    from datasets import Dataset
-
-    rows = []
-    with open(GSM8K_TRAIN) as handle:
-        for line in handle:
-            rows.append({"prompt": json.loads(line)["question"]})
-            if len(rows) == limit:
-                break
-    return Dataset.from_list(rows)
+    """The first `limit` GSM8K questions as prompts (the shared loader's rows, without their answers)."""
+    return gsm8k_prompt_completion(limit).remove_columns("completion")
 
 
 def row_settings(name: str, opts) -> tuple[dict, dict]:

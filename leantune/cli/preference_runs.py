@@ -84,13 +84,10 @@ def supervised_warm_up(model, tokenizer, examples, seed: int, max_steps: int = 1
     from ..trainers.sft_trainer import SFTTrainer
 
     class StopAtExactMatch(TrainerCallback):
-        def __init__(self):
-            self.exact_match = None
-
         def on_step_end(self, args, state, control, model=None, **kwargs):
             if state.global_step % check_every == 0:
-                self.exact_match = evaluate_exact_match(model, tokenizer, held_out)["exact_match"]
-                control.should_training_stop = self.exact_match >= target_exact_match
+                exact_match = evaluate_exact_match(model, tokenizer, held_out)["exact_match"]
+                control.should_training_stop = exact_match >= target_exact_match
 
     watch = StopAtExactMatch() if target_exact_match is not None else None
     with tempfile.TemporaryDirectory(prefix="leantune-warm-up-") as output_dir:

@@ -26,6 +26,11 @@ def is_message_list(value) -> bool:
     return isinstance(value, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
 
 
+def completion_text(completion) -> str:
+    """A completion's text: the string itself, or the content of the last message of a conversational one."""
+    return completion if isinstance(completion, str) else completion[-1]["content"]
+
+
 def _first_non_null(dataset, column: str):
     for value in dataset.select(range(min(len(dataset), 64)))[column]:
         if value is not None and value != []:

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from ..data.formats import completion_text
+
 
 def normalize_answer(text: str) -> str:
     """Canonical form used for comparison: surrounding whitespace removed."""
@@ -45,8 +47,7 @@ def _prompt_and_reference(example: Mapping[str, Any], tokenizer) -> tuple[str, s
     if isinstance(prompt, str):
         return prompt, completion
     text = tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
-    answer = completion[-1]["content"] if not isinstance(completion, str) else completion
-    return text, answer
+    return text, completion_text(completion)
 
 
 @torch.no_grad()

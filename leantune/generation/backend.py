@@ -36,10 +36,9 @@ class GenerationBackend(Protocol):
 def check_backend_requirements(args) -> None:
     """Fail when the trainer is built, not at the first generation round, if the chosen backend cannot run here."""
     if args.use_vllm and args.vllm_mode == "colocate":
-        from ..utils.imports import require, require_cuda
+        from .vllm_colocate import require_colocated_vllm
 
-        require("vllm", "generation with vLLM (use_vllm=True)")
-        require_cuda("vLLM generation in the training process (vllm_mode='colocate')")
+        require_colocated_vllm()
 
 
 def make_backend(args, model, tokenizer, accelerator) -> GenerationBackend:

@@ -46,12 +46,17 @@ logger = logging.getLogger("leantune.generation")
 SLEEP_LEVEL = 2  # drop weights and KV cache: both are rebuilt (weights by the sync) after waking
 
 
+def require_colocated_vllm() -> None:
+    """What a vLLM engine in the training process needs: the extra and a CUDA GPU."""
+    require("vllm", "generation with vLLM (use_vllm=True)")
+    require_cuda("vLLM generation in the training process (vllm_mode='colocate')")
+
+
 class VLLMColocateBackend:
     name = "vllm-colocate"
 
     def __init__(self, args, model, tokenizer, accelerator):
-        require("vllm", "generation with vLLM (use_vllm=True)")
-        require_cuda("vLLM generation in the training process (vllm_mode='colocate')")
+        require_colocated_vllm()
         self.accelerator = accelerator
         self.sleep_mode = bool(args.vllm_enable_sleep_mode)
         self.tensor_parallel_size = int(args.vllm_tensor_parallel_size)

@@ -12,18 +12,13 @@ import os
 import re
 from collections.abc import Callable
 
+from ..data.formats import completion_text
+
 REFERENCE_COLUMNS = ("answer", "solution")
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
-def completion_text(completion) -> str:
-    """The text of a completion: a string, or the content of the last message of a conversational one."""
-    if isinstance(completion, str):
-        return completion
-    return completion[-1]["content"]
-
-
-def _references(kwargs: dict, count: int) -> list:
+def _references(kwargs: dict) -> list:
     for name in REFERENCE_COLUMNS:
         if name in kwargs:
             return list(kwargs[name])
@@ -51,7 +46,7 @@ def _as_number(text: str) -> float | None:
 def _against_references(completions, kwargs: dict, score: Callable[[str, str], float]) -> list[float | None]:
     """score(completion text stripped, checkable reference) per completion; None where the row has no reference."""
     out: list[float | None] = []
-    for completion, reference in zip(completions, _references(kwargs, len(completions))):
+    for completion, reference in zip(completions, _references(kwargs)):
         expected = reference_answer(reference)
         out.append(None if expected is None else score(completion_text(completion).strip(), expected))
     return out
@@ -97,7 +92,9 @@ def resolve_reward_funcs(names: list[str]) -> list:
     for name in names:
         if name in BUILTIN_REWARDS:
             resolved.append(BUILTIN_REWARDS[name])
-        elif ":" in name and not name.startswith(("/", ".")) and "\\" not in name:
+        elif os.path.isdir(name):
+            resolved.append(name)  # a reward model in a folder; the trainer loads it
+        elif ":" in name:
             module_name, _, attribute = name.partition(":")
             try:
                 func = getattr(importlib.import_module(module_name), attribute)
@@ -106,8 +103,8 @@ def resolve_reward_funcs(names: list[str]) -> list:
             if not callable(func):
                 raise ValueError(f"reward function {name!r} is a {type(func).__name__}, not a callable.")
             resolved.append(func)
-        elif "/" in name or os.path.isdir(name):
-            resolved.append(name)  # a reward model (Hub id or folder); the trainer loads it
+        elif "/" in name:
+            resolved.append(name)  # a reward model's Hub id; the trainer loads it
         else:
             raise ValueError(f"unknown reward function {name!r}: use a built-in ({', '.join(BUILTIN_REWARDS)}), "
                              "package.module:function, or a reward model's Hub id or folder.")
