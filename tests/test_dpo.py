@@ -59,6 +59,7 @@ def test_padding_free_equals_padded_per_sequence(tokenizer, hh_pairs, tmp_path):
         reference = padded.sequence_logps(model, padded_batch)
         got = flat.sequence_logps(model, flat_batch)
     assert reference.shape == (12,) and torch.all(reference < 0)
+    # sums of <= 192 log-probs: worst-case fp32 rounding ~192 * 6e-8 ~ 1e-5 of the sum; measured 0
     assert rel_diff(got, reference) <= RTOL
 
 
@@ -78,9 +79,11 @@ def test_chunked_equals_full_loss_and_gradients(padding_free, tokenizer, hh_pair
                            loss_chunk_size=32)
     assert chunked.logprob_path.value == "chunked"
     chunked_grads, chunked_log = first_step(chunked)
+    # logps: means of same-sign sums of log-probs, relative to themselves = relative to the sums (measured 3e-8);
+    # the step-0 loss is log 2 on both paths (policy == reference)
     for key in ("loss", "logps/chosen", "logps/rejected"):
         assert chunked_log[key] == pytest.approx(full_log[key], rel=RTOL), key
-    for name, reference in full_grads.items():
+    for name, reference in full_grads.items():  # max abs difference over max |gradient|; measured 5e-7
         assert rel_diff(chunked_grads[name], reference) <= RTOL, name
 
 
@@ -104,8 +107,8 @@ def test_peft_reference_equals_a_separate_copy_of_the_base_weights(tokenizer, hh
     via_copy = torch.cat(copy_trainer.reference_logps(batch))
     with torch.no_grad():
         policy = peft_trainer.sequence_logps(peft_trainer.model, batch)
-    assert rel_diff(via_adapter, via_copy) <= RTOL
-    assert rel_diff(policy, via_copy) > 1e-3  # the adapter does change the policy
+    assert rel_diff(via_adapter, via_copy) <= RTOL  # as above; measured 0 (the same base weights and kernels)
+    assert rel_diff(policy, via_copy) > 1e-3  # the adapter does change the policy (measured 5.4e-3, seeded)
 
 
 def test_precomputed_reference_equals_live_reference(tokenizer, hh_pairs, tmp_path):
@@ -114,8 +117,8 @@ def test_precomputed_reference_equals_live_reference(tokenizer, hh_pairs, tmp_pa
     assert pre.ref_model is None  # no reference copy at all: the initial policy gives the reference log-probs
     pre_grads, pre_log = first_step(pre)
     assert "ref_chosen_logps" in pre.train_dataset.column_names
-    assert pre_log["loss"] == pytest.approx(live_log["loss"], rel=RTOL)
-    for name, reference in live_grads.items():
+    assert pre_log["loss"] == pytest.approx(live_log["loss"], rel=RTOL)  # both log 2 at step 0; measured equal
+    for name, reference in live_grads.items():  # max abs difference over max |gradient|; measured 0
         assert rel_diff(pre_grads[name], reference) <= RTOL, name
 
 
@@ -124,8 +127,11 @@ def test_first_step_loss_is_log_2_and_rewards_move_apart(tokenizer, hh_pairs, tm
     trainer = make_trainer(tokenizer, four, tmp_path, max_steps=5, per_device_train_batch_size=4, max_length=None)
     trainer.train()
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
-    assert logs[0]["loss"] == pytest.approx(math.log(2), rel=1e-6)  # policy == reference at step 0
+    # policy == its deep copy at step 0, same batch and kernels: log-ratios exactly 0, so the loss is fp32 log 2
+    # (rounding 3e-8 relative) and the margin is 0 up to the 6-decimal logging
+    assert logs[0]["loss"] == pytest.approx(math.log(2), rel=1e-6)
     assert logs[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-6)
+    # measured at step 5 with 1, 2 and 4 threads: margin 2.70, loss 0.074 (log 2 = 0.69): far from the thresholds
     assert logs[-1]["rewards/margins"] > 0 and logs[-1]["loss"] < math.log(2)
 
 
@@ -135,13 +141,17 @@ def test_loss_types_against_hand_computed_values():
     beta = 0.5
     losses, chosen_rewards, rejected_rewards = dpo_loss(pc, pr, rc, rr, beta, "sigmoid")
     expected = [-math.log(1 / (1 + math.exp(-beta * m))) for m in margin.tolist()]
+    # fp32 losses of ~0.5 against float64 by hand from the same fp32 inputs: a few ulps; measured <= 1e-7
     assert losses.tolist() == pytest.approx(expected, rel=1e-6)
-    assert chosen_rewards.tolist() == pytest.approx([0.1, 0.25], rel=1e-6)
-    assert rejected_rewards.tolist() == pytest.approx([-0.25, 0.05], rel=1e-5)
+    # rewards by hand in float64 from the fp32 inputs: the literals 0.1 and 0.05 differ from what fp32 -1.2 and -1.1
+    # give by 2.4e-7 relative; the fp32 differences of these inputs are exact, so only the final rounding remains
+    by_hand = lambda a, b: (beta * (a.double() - b.double())).tolist()  # noqa: E731
+    assert chosen_rewards.tolist() == pytest.approx(by_hand(pc, rc), rel=1e-6)
+    assert rejected_rewards.tolist() == pytest.approx(by_hand(pr, rr), rel=1e-6)
     smoothed, _, _ = dpo_loss(pc, pr, rc, rr, beta, "sigmoid", label_smoothing=0.1)
     expected = [0.9 * -math.log(1 / (1 + math.exp(-beta * m))) + 0.1 * -math.log(1 / (1 + math.exp(beta * m)))
                 for m in margin.tolist()]
-    assert smoothed.tolist() == pytest.approx(expected, rel=1e-6)
+    assert smoothed.tolist() == pytest.approx(expected, rel=1e-6)  # as above
     ipo, _, _ = dpo_loss(pc, pr, rc, rr, beta, "ipo")
     assert ipo.tolist() == pytest.approx([(m - 1 / (2 * beta)) ** 2 for m in margin.tolist()], rel=1e-6)
     hinge, _, _ = dpo_loss(pc, pr, rc, rr, beta, "hinge")

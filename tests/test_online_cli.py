@@ -50,15 +50,12 @@ def test_reward_functions_are_resolved_by_name_import_path_or_model():
 
 
 def test_help_lists_the_online_fields(capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main(["grpo", "--help"])
-    assert exit_info.value.code == 0
+    assert main(["grpo", "--help"]) == 0
     text = capsys.readouterr().out
     for flag in ("--reward_funcs", "--num_generations", "--loss_type", "--scale_rewards", "--use_vllm",
                  "--vllm_enable_sleep_mode", "--ds3_gather_for_generation", "--chunked_loss"):
         assert flag in text, flag
-    with pytest.raises(SystemExit):
-        main(["rloo", "--help"])
+    assert main(["rloo", "--help"]) == 0
     assert "--normalize_advantages" in capsys.readouterr().out
 
 

@@ -51,13 +51,14 @@ def test_bradley_terry_loss_by_hand():
     margin = torch.tensor([0.5, 0.0, 1.0])
     nll = [math.log1p(math.exp(-(c - r - m))) for c, r, m in zip(chosen.tolist(), rejected.tolist(), margin.tolist())]
     center = [0.1 * (c + r) ** 2 for c, r in zip(chosen.tolist(), rejected.tolist())]
+    # fp32 against float64 by hand, values 0.3-3: assert_close's fp32 defaults (rel 1.3e-6 + 1e-5) >> a few ulps
     torch.testing.assert_close(bradley_terry_loss(chosen, rejected, margin), torch.tensor(nll))
     torch.testing.assert_close(bradley_terry_loss(chosen, rejected, margin, 0.1),
                                torch.tensor([a + b for a, b in zip(nll, center)]))
     # Summed and divided by the pairs: TRL's mean loss plus c * mean((rc + rr)^2).
     plain = [math.log1p(math.exp(-(c - r))) for c, r in zip(chosen.tolist(), rejected.tolist())]
     assert bradley_terry_loss(chosen, rejected, None, 0.1).mean().item() == pytest.approx(
-        sum(plain) / 3 + sum(center) / 3, rel=1e-6)
+        sum(plain) / 3 + sum(center) / 3, rel=1e-6)  # fp32 mean of 3 terms ~1: a few ulps; measured 1e-7
 
 
 def test_center_rewards_coefficient_adds_the_penalty_by_hand(tmp_path, tokenizer, hh_pairs):
@@ -70,10 +71,14 @@ def test_center_rewards_coefficient_adds_the_penalty_by_hand(tmp_path, tokenizer
         with_center = trainer.compute_loss(trainer.model, dict(batch))
         trainer.args.center_rewards_coefficient = None
         without = trainer.compute_loss(trainer.model, dict(batch))
-    chosen, rejected = rewards[:4].double(), rewards[4:].double()
-    expected_plain = -torch.nn.functional.logsigmoid(chosen - rejected).mean()
-    assert without.item() == pytest.approx(expected_plain.item(), rel=1e-6)
-    assert (with_center - without).item() == pytest.approx(0.5 * ((chosen + rejected) ** 2).mean().item(), rel=1e-5)
+    chosen, rejected = rewards[:4].double(), rewards[4:].double()  # the by-hand reference in float64
+    expected_plain = -torch.nn.functional.logsigmoid(chosen - rejected).mean().item()
+    penalty = 0.5 * ((chosen + rejected) ** 2).mean().item()  # ~2.6e-3 with these random rewards
+    # Each fp32 loss (~0.69) against its float64 value: a few ulps (6e-8 each) of rounding, so rel 1e-6 leaves >10x.
+    # Never the difference of the two near-equal fp32 losses: its rounding (~1e-7) is ~4e-5 of the penalty.
+    assert without.item() == pytest.approx(expected_plain, rel=1e-6)
+    assert with_center.item() == pytest.approx(expected_plain + penalty, rel=1e-6)
+    assert penalty > 1000 * 1e-6 * (expected_plain + penalty)  # a missing or mis-scaled penalty fails the line above
 
 
 # --- exactness: padding-free == padded ----------------------------------------------------------------------------
@@ -96,6 +101,7 @@ def test_padding_free_rewards_and_gradients_equal_padded(tmp_path, tokenizer, hh
         bradley_terry_loss(r[:6], r[6:], None, 0.01).sum().backward()
         rewards[name] = r.detach()
         grads[name] = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+    # relative to the largest reward / gradient entry: layouts change only fp32 summation order (~1e-7, measured)
     scale = rewards["padded"].abs().max()
     assert ((rewards["padding_free"] - rewards["padded"]).abs().max() / scale).item() <= 1e-5
     assert ((grads["padding_free"] - grads["padded"]).abs().max() / grads["padded"].abs().max()).item() <= 1e-5
@@ -122,6 +128,7 @@ def test_loss_is_averaged_over_the_pairs_of_the_whole_optimizer_step(tmp_path, t
         RewardTrainer(tiny_reward_model(), args=args, train_dataset=hh_pairs, processing_class=tokenizer,
                       callbacks=[keep]).train()
         grads[accumulation] = keep.grads
+    # relative to the largest gradient entry: accumulation only regroups the fp32 sums (~1e-7 measured)
     assert ((grads[2] - grads[1]).abs().max() / grads[1].abs().max()).item() <= 1e-5
 
 
@@ -228,7 +235,7 @@ def test_margin_column_travels_with_its_pair_into_the_loss(tmp_path, tokenizer):
         r = trainer.sequence_rewards(trainer.model, batch)
         loss = trainer.compute_loss(trainer.model, dict(batch))
     expected = -torch.nn.functional.logsigmoid(r[:2] - r[2:] - torch.tensor([0.5, 2.0])).mean()
-    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)  # the same fp32 ops on the same rewards
 
 
 def test_conversational_and_trl_tokenized_pairs(tmp_path):

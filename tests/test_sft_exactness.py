@@ -1,6 +1,11 @@
 """Padded, padding-free and packed batches must give the same per-token losses and gradients.
 
-Tolerance: relative difference <= 1e-5 in fp32 (max abs difference over max magnitude, per tensor).
+Tolerance: relative difference <= 1e-5 in fp32 (max abs difference over max magnitude, per tensor). The per-token
+losses of these random tiny models are about ln(32000) ~ 10.4, so 1e-5 allows ~1e-4 absolute; the layouts differ
+only in the shapes (and so the summation order) of the same fp32 matmuls and attention, which moves results by a
+few ulps (packed + padding-free against padded or packed, measured: per-token <= 9e-8 relative, ~1e-6 absolute;
+one step's loss 9e-8 and gradients <= 5.3e-7 relative), while a real layout error (a token attending across a
+sequence boundary, a wrong position id, a target at a sequence start) changes losses by more than 1e-2.
 """
 
 from __future__ import annotations
@@ -70,6 +75,8 @@ LAYOUTS = {
     "padded": {},
     "padding_free": {"padding_free": True},
     "packed_bfd": {"packing": True, "packing_strategy": "bfd"},
+    # packing + padding_free: the packed rows of a batch laid end to end in one row, no padding (TRL's bfd default).
+    "packed_padding_free": {"packing": True, "padding_free": True},
 }
 
 
@@ -86,7 +93,7 @@ def test_padded_padding_free_and_packed_agree_per_token_and_in_gradients(arch, a
         results[name] = (sequence_losses(model, batch), step_gradients(model, batch), count_targets(batch["labels"]))
     padded_losses, padded_grads, padded_count = results["padded"]
     assert len(padded_losses) == 24
-    for name in ("padding_free", "packed_bfd"):
+    for name in ("padding_free", "packed_bfd", "packed_padding_free"):
         losses, grads, count = results[name]
         assert int(count) == int(padded_count), f"{name}: different number of loss tokens"
         assert set(losses) >= set(padded_losses), f"{name}: sequences missing"
@@ -208,3 +215,50 @@ def test_wrapped_differs_from_padded_only_at_the_cuts(tokenizer, gsm8k_rows, tmp
             if offset == len(source):
                 example, offset = example + 1, 0
     assert example == len(examples) and checked == len(examples) and cuts >= 1
+
+
+def test_packing_with_padding_free_is_packing_without_the_padding(tokenizer, gsm8k_rows, tmp_path):
+    """packing=True + padding_free=True: the batch's packed rows end to end in one row, each sequence keeping its
+    restarting positions; the same per-token losses as packing alone and padded batches, and the same loss and
+    gradients of a training step (trainer path: chunked loss, per-sequence attention)."""
+    dataset = gsm8k_prompt_completion(gsm8k_rows, 16)
+    model = tiny_model("llama")
+    packed = make_trainer(model, tokenizer, dataset, tmp_path / "p", packing=True)
+    flat = make_trainer(model, tokenizer, dataset, tmp_path / "f", packing=True, padding_free=True)
+    rows = [packed.train_dataset[i] for i in range(len(packed.train_dataset))]
+    packed_batch, flat_batch = packed.data_collator(rows), flat.data_collator(rows)
+    lengths = [len(r["input_ids"]) for r in rows]
+    # one row of exactly the real tokens: no padding segment, one cu_seq_lens entry per sequence of every row
+    assert flat_batch["input_ids"].shape == (1, sum(lengths))
+    assert int(flat_batch["num_real_tokens"]) == sum(lengths) == flat_batch["input_ids"].numel()
+    segments = [n for r in rows for n in r["seq_lengths"]]
+    assert flat_batch["cu_seq_lens_q"].tolist() == np.concatenate([[0], np.cumsum(segments)]).tolist()
+    assert flat_batch["max_length_q"] == max(segments)
+    assert flat_batch["position_ids"][0].tolist() == [p for r in rows for p in r["position_ids"]]
+    packed_labels = torch.cat([packed_batch["labels"][i, :n] for i, n in enumerate(lengths)])
+    assert torch.equal(flat_batch["labels"][0], packed_labels)  # the same targets
+    packed_losses, flat_losses = sequence_losses(model, packed_batch), sequence_losses(model, flat_batch)
+    assert len(flat_losses) == len(segments) and set(flat_losses) <= set(packed_losses)  # packed: + padding segments
+    for key, losses in flat_losses.items():
+        assert rel_diff(losses, packed_losses[key]) <= RTOL
+
+    # one optimizer step over the whole dataset: padded, packed and packed + padding-free agree
+    steps = {}
+    for name, extra in (("padded", {}), ("packed", {"packing": True}),
+                        ("packed_padding_free", {"packing": True, "padding_free": True})):
+        model = tiny_model("llama")
+        recorder = GradientRecorder(model)
+        trainer = make_trainer(model, tokenizer, dataset, tmp_path / f"step_{name}", per_device_train_batch_size=16,
+                               **extra)
+        trainer.add_callback(recorder)
+        trainer.train()
+        steps[name] = (recorder.grads, trainer.state.log_history[0])
+    grads_padded, log_padded = steps["padded"]
+    for name in ("packed", "packed_padding_free"):
+        grads, log = steps[name]
+        assert abs(log["loss"] - log_padded["loss"]) <= RTOL * abs(log_padded["loss"]), name
+        for param, reference in grads_padded.items():
+            assert rel_diff(grads[param], reference) <= RTOL, f"{name}: gradient of {param} differs"
+    # padding_fraction counts the computed positions that are not real tokens: none in one flat row
+    assert steps["packed_padding_free"][1]["padding_fraction"] == 0.0
+    assert steps["packed"][1]["padding_fraction"] > 0.0

@@ -2,11 +2,30 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 
 @dataclass
-class ScriptArguments:
+class ColumnArguments:
+    """Other column names read as the standard ones: `--prompt_column question` reads 'question' as 'prompt'."""
+
+    prompt_column: str | None = field(default=None, metadata={"help": "Column to read as 'prompt' (e.g. question)."})
+    completion_column: str | None = field(
+        default=None, metadata={"help": "Column to read as 'completion' (e.g. answer)."}
+    )
+    messages_column: str | None = field(default=None, metadata={"help": "Column to read as 'messages'."})
+    chosen_column: str | None = field(default=None, metadata={"help": "Column to read as 'chosen'."})
+    rejected_column: str | None = field(default=None, metadata={"help": "Column to read as 'rejected'."})
+
+    def column_mapping(self) -> dict[str, str]:
+        """{file's column: standard column}."""
+        names = ("prompt", "completion", "messages", "chosen", "rejected")
+        return {getattr(self, f"{name}_column"): name for name in names
+                if getattr(self, f"{name}_column") not in (None, name)}
+
+
+@dataclass
+class ScriptArguments(ColumnArguments):
     dataset_name: str | None = field(
         default=None,
         metadata={"help": "Hub dataset name, local folder, or json/jsonl/parquet/csv file (comma-separate several)."},
@@ -14,6 +33,12 @@ class ScriptArguments:
     dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
     dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
     dataset_test_split: str = field(default="test", metadata={"help": "Split to evaluate on, when eval is enabled."})
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "Start over in an output_dir that holds an earlier run's checkpoints (they are deleted). "
+                  "Without it such a run stops; --resume_from_checkpoint true continues the earlier run."},
+    )
+
 
 
 @dataclass
@@ -38,9 +63,16 @@ class ModelConfig:
 
     def __post_init__(self):
         if self.load_in_8bit and self.load_in_4bit:
-            raise ValueError("Choose one of load_in_8bit and load_in_4bit.")
+            raise ValueError("Choose one of `load_in_8bit` and `load_in_4bit`.")
         if (self.load_in_8bit or self.load_in_4bit) and not self.use_peft:
-            raise ValueError("A 4/8-bit model can only be trained through an adapter: add --use_peft.")
+            raise ValueError("A 4/8-bit model can only be trained through an adapter: add `use_peft`.")
+        if not self.use_peft:
+            defaults = {f.name: f.default for f in fields(self)}
+            unused = [name for name in defaults if name.startswith("lora_") or name == "use_rslora"]
+            unused = [name for name in unused if getattr(self, name) != defaults[name]]
+            if unused:
+                raise ValueError(f"`{unused[0]}` has no effect without `use_peft`: add `use_peft` true to train a "
+                                 "LoRA adapter, or drop it.")
 
 
 def model_init_kwargs_from(model_args: ModelConfig) -> dict:

@@ -4,17 +4,8 @@ from __future__ import annotations
 
 import time
 
-from .arguments import ModelConfig, ScriptArguments, peft_config_from
-from .main import parse_command_args
-from .preference_runs import (
-    apply_demo_settings,
-    demo_model,
-    fail,
-    load_splits,
-    model_kwargs,
-    require_model_and_data,
-    sft_warm_up,
-)
+from .preference_runs import apply_demo_settings, demo_model, sft_warm_up
+from .runner import run_method
 
 DEMO_OUTPUT_DIR = "leantune-output/dpo-demo"
 # The demo: 1,600 bundled pairs, 100 optimizer steps of 16 pairs from a random-init 0.54M-parameter Llama.
@@ -34,27 +25,7 @@ DEMO_PAIRS = {"train": 4800, "eval": 200}
 
 
 def run(argv: list[str]) -> int:
-    from ..trainers.dpo_config import DPOConfig
-
-    script_args, model_args, args, explicit = parse_command_args(
-        "leantune dpo", (ScriptArguments, ModelConfig, DPOConfig), argv
-    )
-    error = require_model_and_data("dpo", script_args, model_args)
-    if error:
-        return fail(error)
-    if model_args.model_name_or_path is None:
-        return run_demo(args, model_args, explicit)
-    from ..trainers.dpo_trainer import DPOTrainer
-
-    train, evaluation = load_splits(script_args, args)
-    model_kwargs(model_args, args)
-    trainer = DPOTrainer(model=model_args.model_name_or_path, args=args, train_dataset=train,
-                         eval_dataset=evaluation, peft_config=peft_config_from(model_args))
-    started = time.perf_counter()
-    result = trainer.train()
-    trainer.save_model(args.output_dir)
-    print_summary(trainer, result, time.perf_counter() - started)
-    return 0
+    return run_method("dpo", argv)
 
 
 def run_demo(args, model_args, explicit: set[str]) -> int:

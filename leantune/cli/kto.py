@@ -9,18 +9,9 @@ import time
 
 import torch
 
-from .arguments import ModelConfig, ScriptArguments, peft_config_from
-from .dpo import print_summary
-from .main import parse_command_args
-from .preference_runs import (
-    apply_demo_settings,
-    demo_model,
-    fail,
-    load_splits,
-    model_kwargs,
-    require_model_and_data,
-    sft_warm_up,
-)
+from .dpo import print_summary as print_preference_summary
+from .preference_runs import apply_demo_settings, demo_model, sft_warm_up
+from .runner import run_method
 
 DEMO_OUTPUT_DIR = "leantune-output/kto-demo"
 # The demo: 2,400 bundled pairs unpaired into 4,800 examples, 300 optimizer steps of 16 from the SFT warm-up of a
@@ -41,27 +32,7 @@ DEMO_PAIRS = {"train": 2400, "eval": 200}
 
 
 def run(argv: list[str]) -> int:
-    from ..trainers.kto_config import KTOConfig
-
-    script_args, model_args, args, explicit = parse_command_args(
-        "leantune kto", (ScriptArguments, ModelConfig, KTOConfig), argv
-    )
-    error = require_model_and_data("kto", script_args, model_args)
-    if error:
-        return fail(error)
-    if model_args.model_name_or_path is None:
-        return run_demo(args, model_args, explicit)
-    from ..trainers.kto_trainer import KTOTrainer
-
-    train, evaluation = load_splits(script_args, args)
-    model_kwargs(model_args, args)
-    trainer = KTOTrainer(model=model_args.model_name_or_path, args=args, train_dataset=train,
-                         eval_dataset=evaluation, peft_config=peft_config_from(model_args))
-    started = time.perf_counter()
-    result = trainer.train()
-    trainer.save_model(args.output_dir)
-    print_kto_summary(trainer, result, time.perf_counter() - started)
-    return 0
+    return run_method("kto", argv)
 
 
 def run_demo(args, model_args, explicit: set[str]) -> int:
@@ -88,7 +59,7 @@ def run_demo(args, model_args, explicit: set[str]) -> int:
     result = trainer.train()
     after = {**trainer.evaluate(), "accuracy": held_out_pair_accuracy(trainer)}
     trainer.save_model(args.output_dir)
-    print_kto_summary(trainer, result, time.perf_counter() - started)
+    print_summary(trainer, result, time.perf_counter() - started)
     print(f"held-out pairs ({len(data['test'])}): reward accuracy {before['accuracy']:.1%} -> "
           f"{after['accuracy']:.1%}, reward margin (desirable - undesirable) {before['eval_rewards/margins']:.3f} -> "
           f"{after['eval_rewards/margins']:.3f}, desirable log-prob {before['eval_logps/chosen']:.2f} -> "
@@ -126,8 +97,8 @@ def held_out_pair_accuracy(trainer) -> float:
     return float((rewards[:, 0] > rewards[:, 1]).float().mean())
 
 
-def print_kto_summary(trainer, result, seconds: float) -> None:
-    print_summary(trainer, result, seconds)
+def print_summary(trainer, result, seconds: float) -> None:
+    print_preference_summary(trainer, result, seconds)
     history = [entry for entry in trainer.state.log_history if "loss" in entry and "rewards/margins" in entry]
     if history:
         first, last = history[0], history[-1]

@@ -1,11 +1,16 @@
-"""`leantune <command>`: each command's flags are its config fields; `--config file.yaml` sets any of them."""
+"""`leantune <command>`: each command's flags are its config fields; `--config file.yaml` sets any of them.
+
+A user's mistake ends in one line naming the flag, file, row or column, with exit code 2; `--debug` (or
+LEANTUNE_DEBUG=1) shows the traceback instead. An error that is not a user's mistake keeps its traceback.
+"""
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import logging
 import sys
+
+from .errors import USER_MISTAKES, report, take_debug_flag
 
 COMMANDS = {
     "sft": ("leantune.cli.sft", "Supervised fine-tuning (no arguments: a built-in demo run on bundled data)."),
@@ -34,42 +39,33 @@ def main(argv: list[str] | None = None) -> int:
         _print_usage(sys.stderr)
         print(f"\nleantune: unknown command {command!r}.", file=sys.stderr)
         return 2
+    if "-h" in rest or "--help" in rest:
+        from .help_cache import cached_help
+
+        text = cached_help(command)
+        if text is not None:  # the command's help without importing torch and transformers
+            print(text, end="")
+            return 0
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    module = importlib.import_module(COMMANDS[command][0])
-    return int(module.run(rest) or 0)
+    rest, debug = take_debug_flag(rest)
+    try:
+        module = importlib.import_module(COMMANDS[command][0])
+        return int(module.run(rest) or 0)
+    except USER_MISTAKES as error:
+        if debug:
+            raise
+        return report(command, error)
+    except KeyboardInterrupt:
+        print(f"leantune {command}: interrupted.", file=sys.stderr)
+        return 130
 
 
 def _print_usage(stream=sys.stdout) -> None:
-    lines = ["usage: leantune <command> [--config FILE.yaml] [--<field> VALUE ...]", "", "commands:"]
+    lines = ["usage: leantune <command> [--config FILE.yaml] [--<field> VALUE ...] [--debug]", "", "commands:"]
     lines += [f"  {name:<10} {help_text}" for name, (_, help_text) in COMMANDS.items()]
-    lines += ["", "`leantune <command> --help` lists every flag (they are the config fields)."]
+    lines += ["", "`leantune <command> --help` lists every flag (they are the config fields).",
+              "--debug (or LEANTUNE_DEBUG=1) shows the Python traceback of an error."]
     print("\n".join(lines), file=stream)
-
-
-def parse_command_args(prog: str, dataclass_types: tuple, argv: list[str]):
-    """Parse flags (with YAML defaults from --config) into dataclasses; also return the names set explicitly."""
-    import yaml
-    from transformers import HfArgumentParser
-
-    parser = HfArgumentParser(dataclass_types, prog=prog)
-    parser.add_argument("--config", default=None, help="YAML file of field: value pairs; flags override it.")
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--config", default=None)
-    known, _ = pre.parse_known_args(argv)
-    explicit = {a[2:].split("=", 1)[0].replace("-", "_") for a in argv if a.startswith("--")}
-    if known.config:
-        with open(known.config, encoding="utf-8") as handle:
-            values = yaml.safe_load(handle) or {}
-        fields = {action.dest for action in parser._actions}
-        unknown = sorted(set(values) - fields)
-        if unknown:
-            parser.error(f"unknown field(s) in {known.config}: {', '.join(unknown)}")
-        parser.set_defaults(**values)
-        explicit |= set(values)
-    outputs = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
-    if outputs[-1]:
-        parser.error(f"unrecognised arguments: {' '.join(outputs[-1])}")
-    return (*outputs[: len(dataclass_types)], explicit - {"config"})
 
 
 if __name__ == "__main__":

@@ -1,22 +1,12 @@
-"""What `leantune grpo` and `leantune rloo` share: reward functions named on the command line, a run on given data,
-and the built-in demo (an SFT warm-up, then online RL with a checked answer as the reward)."""
+"""What `leantune grpo` and `leantune rloo` share: the --reward_funcs flag, the built-in demo (an SFT warm-up, then
+online RL with a checked answer as the reward) and the summary."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 
-from .arguments import ModelConfig, ScriptArguments, peft_config_from
-from .main import parse_command_args
-from .preference_runs import (
-    apply_demo_settings,
-    demo_model,
-    fail,
-    load_splits,
-    model_kwargs,
-    require_model_and_data,
-    supervised_warm_up,
-)
+from .preference_runs import apply_demo_settings, demo_model, supervised_warm_up
 
 DEMO_TASK = "reverse"
 DEMO_EXAMPLES = {"train": 3200, "eval": 200}
@@ -45,35 +35,6 @@ class RewardArguments:
         metadata={"help": "Reward functions: built-in names (correct_answer, characters_in_place), "
                   "package.module:function, or reward models (Hub id or folder). Needed with --dataset_name."},
     )
-
-
-def run_online(command: str, config_class, trainer_class, argv: list[str]) -> int:
-    script_args, reward_args, model_args, args, explicit = parse_command_args(
-        f"leantune {command}", (ScriptArguments, RewardArguments, ModelConfig, config_class), argv
-    )
-    error = require_model_and_data(command, script_args, model_args)
-    if error:
-        return fail(error)
-    if model_args.model_name_or_path is None:
-        return run_demo(command, trainer_class, args, model_args, reward_args, explicit)
-    if not reward_args.reward_funcs:
-        return fail(f"leantune {command}: --reward_funcs is required with --dataset_name (built-ins: "
-                    "correct_answer, characters_in_place; or package.module:function; or a reward model).")
-    from ..rewards import resolve_reward_funcs
-
-    try:
-        reward_funcs = resolve_reward_funcs(reward_args.reward_funcs)
-    except ValueError as error:
-        return fail(f"leantune {command}: {error}")
-    train, evaluation = load_splits(script_args, args)
-    model_kwargs(model_args, args)
-    trainer = trainer_class(model=model_args.model_name_or_path, reward_funcs=reward_funcs, args=args,
-                            train_dataset=train, eval_dataset=evaluation, peft_config=peft_config_from(model_args))
-    started = time.perf_counter()
-    result = trainer.train()
-    trainer.save_model(args.output_dir)
-    print_online_summary(trainer, result, time.perf_counter() - started)
-    return 0
 
 
 def run_demo(command, trainer_class, args, model_args, reward_args, explicit) -> int:
@@ -109,7 +70,7 @@ def run_demo(command, trainer_class, args, model_args, reward_args, explicit) ->
     sampled_after = trainer.evaluate()["eval_reward"]
     after = evaluate_exact_match(trainer.model, tokenizer, data["test"])
     trainer.save_model(args.output_dir)
-    print_online_summary(trainer, result, seconds)
+    print_summary(trainer, result, seconds)
     print(f"held-out prompts ({len(data['test'])}): sampled reward (x{args.eval_num_generations}, temperature "
           f"{args.temperature}) {sampled_before:.3f} -> {sampled_after:.3f}; greedy exact match "
           f"{greedy_before:.1%} -> {after['exact_match']:.1%}")
@@ -118,7 +79,7 @@ def run_demo(command, trainer_class, args, model_args, reward_args, explicit) ->
     return 0
 
 
-def print_online_summary(trainer, result, seconds: float) -> None:
+def print_summary(trainer, result, seconds: float) -> None:
     history = [entry for entry in trainer.state.log_history if "reward" in entry and "eval_reward" not in entry]
     metrics = result.metrics
     lines = ["", f"=== leantune {trainer.method} summary ===",

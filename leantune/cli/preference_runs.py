@@ -1,36 +1,11 @@
-"""What `leantune dpo | reward | kto` share: loading the data named on the command line, and the built-in demo
+"""What the demos of `leantune dpo | reward | kto | grpo | rloo` share: the built-in demo
 set-up (bundled preference pairs, the demo's character tokenizer and a small model, settings the user did not set)."""
 
 from __future__ import annotations
 
 import os
-import sys
 
-from .arguments import model_init_kwargs_from, peft_config_from
-
-
-def require_model_and_data(command: str, script_args, model_args) -> str | None:
-    """None when both or neither are given (neither: the demo); else the error to print."""
-    if (model_args.model_name_or_path is None) == (script_args.dataset_name is None):
-        return None
-    missing = "--model_name_or_path" if model_args.model_name_or_path is None else "--dataset_name"
-    return f"leantune {command}: {missing} is required (give both, or neither for the built-in demo)."
-
-
-def load_splits(script_args, args):
-    """(train, eval or None) from --dataset_name; eval only when evaluation is switched on."""
-    from ..data.loading import load_dataset_source
-
-    data = load_dataset_source(script_args.dataset_name, script_args.dataset_config)
-    if script_args.dataset_train_split not in data:
-        raise ValueError(f"Split {script_args.dataset_train_split!r} not found; the dataset has {list(data)}.")
-    eval_dataset = data.get(script_args.dataset_test_split) if args.eval_strategy != "no" else None
-    return data[script_args.dataset_train_split], eval_dataset
-
-
-def model_kwargs(model_args, args) -> None:
-    if args.model_init_kwargs is None:
-        args.model_init_kwargs = model_init_kwargs_from(model_args)
+from .arguments import peft_config_from
 
 
 def apply_demo_settings(args, explicit: set[str], defaults: dict, output_dir: str) -> None:
@@ -56,11 +31,6 @@ def demo_model(model_args):
     tokenizer = build_default_tokenizer()
     model = AutoModelForCausalLM.from_config(build_default_model_config(tokenizer))
     return tokenizer, model, peft_config_from(model_args)
-
-
-def fail(message: str) -> int:
-    print(message, file=sys.stderr)
-    return 2
 
 
 def sft_warm_up(model, tokenizer, pairs, seed: int, steps: int = 150):

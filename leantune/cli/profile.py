@@ -6,14 +6,15 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from .main import parse_command_args
+from .arguments import ColumnArguments
+from .parser import parse_command_args
 
 FIGURE_NAME = "length_profile.png"
 JSON_NAME = "length_profile.json"
 
 
 @dataclass
-class ProfileArguments:
+class ProfileArguments(ColumnArguments):
     dataset_name: str | None = field(
         default=None,
         metadata={"help": "Hub dataset name, local folder, or json/jsonl/parquet/csv file (comma-separate several)."},
@@ -28,13 +29,6 @@ class ProfileArguments:
         default=None, metadata={"help": "A Jinja chat-template file (or tokenizer dir) to use instead of the tokenizer's."}
     )
     dataset_text_field: str = field(default="text", metadata={"help": "Column holding text for language-modelling data."})
-    prompt_column: str | None = field(default=None, metadata={"help": "Column to read as 'prompt' (e.g. question)."})
-    completion_column: str | None = field(
-        default=None, metadata={"help": "Column to read as 'completion' (e.g. answer)."}
-    )
-    messages_column: str | None = field(default=None, metadata={"help": "Column to read as 'messages'."})
-    chosen_column: str | None = field(default=None, metadata={"help": "Column to read as 'chosen'."})
-    rejected_column: str | None = field(default=None, metadata={"help": "Column to read as 'rejected'."})
     eos_token: str | None = field(default=None, metadata={"help": "EOS token appended to each example (default: tokenizer's)."})
     max_lengths: list[int] | None = field(
         default=None, metadata={"help": "Candidate max_length values (default: powers of two around the data)."}
@@ -53,10 +47,6 @@ class ProfileArguments:
     )
     figure: bool = field(default=True, metadata={"help": f"Write {FIGURE_NAME} (false: only the JSON)."})
 
-    def column_mapping(self) -> dict[str, str]:
-        names = ("prompt", "completion", "messages", "chosen", "rejected")
-        return {getattr(self, f"{name}_column"): name for name in names
-                if getattr(self, f"{name}_column") not in (None, name)}
 
 
 def run(argv: list[str]) -> int:

@@ -4,17 +4,10 @@ from __future__ import annotations
 
 import time
 
-from .arguments import ModelConfig, ScriptArguments, peft_config_from
-from .dpo import print_summary
-from .main import parse_command_args
-from .preference_runs import (
-    apply_demo_settings,
-    fail,
-    load_splits,
-    model_kwargs,
-    require_model_and_data,
-    sft_warm_up,
-)
+from .arguments import peft_config_from
+from .dpo import print_summary as print_preference_summary
+from .preference_runs import apply_demo_settings, sft_warm_up
+from .runner import run_method
 
 DEMO_OUTPUT_DIR = "leantune-output/reward-demo"
 # The demo: 2 epochs of 32-pair steps (300 optimizer steps) over 4,800 bundled pairs.
@@ -35,27 +28,7 @@ DEMO_NEW_LAYERS = 2
 
 
 def run(argv: list[str]) -> int:
-    from ..trainers.reward_config import RewardConfig
-
-    script_args, model_args, args, explicit = parse_command_args(
-        "leantune reward", (ScriptArguments, ModelConfig, RewardConfig), argv
-    )
-    error = require_model_and_data("reward", script_args, model_args)
-    if error:
-        return fail(error)
-    if model_args.model_name_or_path is None:
-        return run_demo(args, model_args, explicit)
-    from ..trainers.reward_trainer import RewardTrainer
-
-    train, evaluation = load_splits(script_args, args)
-    model_kwargs(model_args, args)
-    trainer = RewardTrainer(model=model_args.model_name_or_path, args=args, train_dataset=train,
-                            eval_dataset=evaluation, peft_config=peft_config_from(model_args))
-    started = time.perf_counter()
-    result = trainer.train()
-    trainer.save_model(args.output_dir)
-    print_reward_summary(trainer, result, time.perf_counter() - started)
-    return 0
+    return run_method("reward", argv)
 
 
 def run_demo(args, model_args, explicit: set[str]) -> int:
@@ -83,7 +56,7 @@ def run_demo(args, model_args, explicit: set[str]) -> int:
     result = trainer.train()
     after = trainer.evaluate()
     trainer.save_model(args.output_dir)
-    print_reward_summary(trainer, result, time.perf_counter() - started)
+    print_summary(trainer, result, time.perf_counter() - started)
     print(f"held-out pairs ({len(data['test'])}): pairwise accuracy {before['eval_accuracy']:.1%} -> "
           f"{after['eval_accuracy']:.1%}, reward margin {before['eval_margin']:.3f} -> {after['eval_margin']:.3f}")
     return 0
@@ -117,8 +90,8 @@ def demo_reward_model(pairs, seed: int):
     return tokenizer, model
 
 
-def print_reward_summary(trainer, result, seconds: float) -> None:
-    print_summary(trainer, result, seconds)
+def print_summary(trainer, result, seconds: float) -> None:
+    print_preference_summary(trainer, result, seconds)
     history = [entry for entry in trainer.state.log_history if "loss" in entry and "accuracy" in entry]
     if history:
         print(f"train pairwise accuracy (first -> last log): {history[0]['accuracy']:.1%} -> "

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 
-from .arguments import ModelConfig, ScriptArguments, model_init_kwargs_from, peft_config_from
-from .main import parse_command_args
+from .arguments import peft_config_from
+from .runner import run_method
 
 logger = logging.getLogger("leantune.cli")
 
@@ -16,44 +15,7 @@ DEMO_OUTPUT_DIR = "leantune-output/sft-demo"
 
 
 def run(argv: list[str]) -> int:
-    from ..trainers.sft_config import SFTConfig
-
-    script_args, model_args, sft_args, explicit = parse_command_args(
-        "leantune sft", (ScriptArguments, ModelConfig, SFTConfig), argv
-    )
-    if model_args.model_name_or_path is None and script_args.dataset_name is None:
-        return run_demo(sft_args, model_args, explicit)
-    if model_args.model_name_or_path is None or script_args.dataset_name is None:
-        missing = "--model_name_or_path" if model_args.model_name_or_path is None else "--dataset_name"
-        print(f"leantune sft: {missing} is required (give both, or neither for the built-in demo).", file=sys.stderr)
-        return 2
-    return run_training(script_args, model_args, sft_args)
-
-
-def run_training(script_args, model_args, sft_args) -> int:
-    from ..data.loading import load_dataset_source
-    from ..trainers.sft_trainer import SFTTrainer
-
-    data = load_dataset_source(script_args.dataset_name, script_args.dataset_config)
-    if script_args.dataset_train_split not in data:
-        raise ValueError(f"Split {script_args.dataset_train_split!r} not found; the dataset has {list(data)}.")
-    eval_dataset = None
-    if sft_args.eval_strategy != "no":
-        eval_dataset = data.get(script_args.dataset_test_split)
-    if sft_args.model_init_kwargs is None:
-        sft_args.model_init_kwargs = model_init_kwargs_from(model_args)
-    trainer = SFTTrainer(
-        model=model_args.model_name_or_path,
-        args=sft_args,
-        train_dataset=data[script_args.dataset_train_split],
-        eval_dataset=eval_dataset,
-        peft_config=peft_config_from(model_args),
-    )
-    started = time.perf_counter()
-    result = trainer.train()
-    trainer.save_model(sft_args.output_dir)
-    print_summary(trainer, result, time.perf_counter() - started)
-    return 0
+    return run_method("sft", argv)
 
 
 def run_demo(sft_args, model_args, explicit: set[str]) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
-from .main import parse_command_args
+from .parser import parse_command_args
 
 ENGINES = ("vllm", "transformers")
 

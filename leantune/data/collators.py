@@ -31,7 +31,9 @@ class CausalLMCollator:
 
     padded: input_ids, attention_mask, labels of shape [batch, longest].
     padding_free: all examples of the batch in one row, with restarting position_ids and no attention mask.
-    packed rows (examples with `seq_lengths`): one row each, restarting position_ids, no attention mask.
+    packed rows (examples with `seq_lengths`): one row each, restarting position_ids, no attention mask; with
+    padding_free, the packed rows of the batch are laid end to end in one row (their segments kept, no padding
+    between rows), so packing + padding_free is packing with padding-free batches.
     """
 
     pad_token_id: int
@@ -41,14 +43,14 @@ class CausalLMCollator:
     return_tensors: str = field(default="pt")
 
     def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
-        if "seq_lengths" in examples[0]:
-            rows = [self._row(ex, ex["seq_lengths"]) for ex in examples]
-            return self._stack_segmented(rows)
-        rows = [self._row(ex, [len(ex["input_ids"])]) for ex in examples]
+        packed = "seq_lengths" in examples[0]
+        rows = [self._row(ex, ex["seq_lengths"] if packed else [len(ex["input_ids"])]) for ex in examples]
         if self.padding_free:
+            # Segments keep their restarting positions, so the row's sequences are exactly the examples' (or the
+            # packed rows') sequences, in order.
             flat = tuple(np.concatenate(parts) for parts in zip(*rows))
             return self._stack_segmented([flat])
-        return self._stack_padded(rows)
+        return self._stack_segmented(rows) if packed else self._stack_padded(rows)
 
     def _row(self, example: dict, seq_lengths) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         ids = np.asarray(example["input_ids"], dtype=np.int64)

@@ -133,6 +133,17 @@ def prepare_kto_dataset(dataset, tokenizer, args, split: str = "train"):
 # --- formats -> token ids ---------------------------------------------------------------------------------------
 
 
+def detect_kto_format(dataset) -> None:
+    """Raise the format error _to_unpaired_ids would raise, without a tokenizer (for checks before loading)."""
+    columns = set(dataset.column_names)
+    if is_preference_dataset(columns):
+        detect_preference_format(dataset)
+    elif set(TOKENIZED_UNPAIRED_COLUMNS) <= columns:
+        _check_labels(dataset)
+    else:
+        _detect_unpaired(dataset)
+
+
 def _to_unpaired_ids(dataset, tokenizer, report: KTOReport, num_proc, split: str):
     """Any accepted format -> prompt_input_ids, completion_input_ids, label; empty / identical dropped, counted."""
     columns = set(dataset.column_names)

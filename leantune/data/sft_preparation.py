@@ -86,10 +86,13 @@ def _check_format_against_args(fmt: SFTFormat, tokenizer, args, dataset) -> None
     if args.assistant_only_loss:
         if fmt is SFTFormat.TOKENIZED:
             if "assistant_masks" not in dataset.column_names:
-                raise ValueError("assistant_only_loss=True with pre-tokenised data needs an 'assistant_masks' column.")
+                raise ValueError("`assistant_only_loss` with pre-tokenised data needs an 'assistant_masks' column; "
+                                 f"columns found: {sorted(dataset.column_names)}.")
         elif not conversational:
             raise ValueError(
-                f"assistant_only_loss=True needs conversational data (messages); this dataset is {fmt.value}."
+                f"`assistant_only_loss` needs conversational data (a 'messages' column, or prompt/completion message "
+                f"lists); this dataset is {fmt.value}, columns {sorted(dataset.column_names)}. Map a column with "
+                "`messages_column`, or turn `assistant_only_loss` off."
             )
         else:
             require_generation_markers(tokenizer)
@@ -98,8 +101,9 @@ def _check_format_against_args(fmt: SFTFormat, tokenizer, args, dataset) -> None
     )
     if args.completion_only_loss and not has_completion:
         raise ValueError(
-            f"completion_only_loss=True needs prompt-completion data (or a 'completion_mask' column); "
-            f"this dataset is {fmt.value}. Set completion_only_loss=None or False."
+            f"`completion_only_loss` needs prompt-completion data (or a 'completion_mask' column); this dataset is "
+            f"{fmt.value}, columns {sorted(dataset.column_names)}. Set `completion_only_loss` to None or false, or "
+            "map columns with `prompt_column` / `completion_column`."
         )
 
 

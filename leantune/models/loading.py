@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import warnings
 
 import torch
@@ -48,6 +49,15 @@ def _resolve_quantization(kwargs: dict) -> None:
     kwargs.setdefault("device_map", {"": torch.cuda.current_device()})
 
 
+def resolve_source(name: str) -> str:
+    """A local folder as an absolute path, so what is saved from it (an adapter's `base_model_name_or_path`, the
+    config's `_name_or_path`) names it from any working directory; anything else (a Hub id) unchanged."""
+    if not isinstance(name, str) or not name:
+        return name
+    local = os.path.expanduser(name)
+    return os.path.abspath(local) if os.path.isdir(local) else name
+
+
 def load_causal_lm(model, model_init_kwargs=None, auto_class=None):
     """Return a model object from an id, a local path or a model object."""
     from transformers import AutoModelForCausalLM
@@ -60,7 +70,7 @@ def load_causal_lm(model, model_init_kwargs=None, auto_class=None):
         return model
     _resolve_dtype(kwargs)
     _resolve_quantization(kwargs)
-    return auto_class.from_pretrained(model, **kwargs)
+    return auto_class.from_pretrained(resolve_source(model), **kwargs)
 
 
 def load_tokenizer(model, processing_class=None):
@@ -71,7 +81,7 @@ def load_tokenizer(model, processing_class=None):
     name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", None)
     if not name:
         raise ValueError("Pass `processing_class` (a tokenizer): the model object does not say where it was loaded from.")
-    return AutoTokenizer.from_pretrained(name)
+    return AutoTokenizer.from_pretrained(resolve_source(name))
 
 
 def ensure_pad_token(tokenizer, pad_token: str | None = None) -> None:
@@ -107,4 +117,8 @@ def apply_peft(model, peft_config, args):
     elif args.gradient_checkpointing:
         # Checkpointed blocks need an input that requires grad when the embeddings are frozen.
         model.enable_input_require_grads()
-    return get_peft_model(model, peft_config)
+    model = get_peft_model(model, peft_config)
+    for config in model.peft_config.values():
+        # A model object loaded from a relative folder: the adapter must name its base from anywhere.
+        config.base_model_name_or_path = resolve_source(config.base_model_name_or_path)
+    return model

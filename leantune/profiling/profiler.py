@@ -6,6 +6,7 @@ import time
 
 import numpy as np
 
+from ..data.loading import rename_columns
 from ..data.packing import STRATEGIES, plan_packing
 from .lengths import PREFERENCE_PARTS, DatasetLengths, tokenize_lengths
 from .numbers import (
@@ -90,14 +91,7 @@ def load_profile_dataset(dataset, config=None, split="train", max_examples=None,
     if not isinstance(dataset, datasets.Dataset):
         raise TypeError(f"Cannot profile a {type(dataset).__name__}: pass a datasets.Dataset, a DatasetDict, a list "
                         "of dicts, or a dataset name or path.")
-    if column_mapping:
-        missing = sorted(set(column_mapping) - set(dataset.column_names))
-        if missing:
-            raise ValueError(f"Column(s) {missing} to rename not found; columns found: {dataset.column_names}.")
-        clashing = sorted(set(column_mapping.values()) & (set(dataset.column_names) - set(column_mapping)))
-        if clashing:
-            raise ValueError(f"Cannot rename to {clashing}: the dataset already has such column(s).")
-        dataset = dataset.rename_columns(dict(column_mapping))
+    dataset = rename_columns(dataset, column_mapping)
     if max_examples is not None and max_examples < len(dataset):
         dataset = dataset.select(range(max_examples))
     return dataset, source

@@ -33,7 +33,9 @@ from ..memory.offloading import log_offloading_scope
 from ..metrics.memory import memory_kind, peak_memory_bytes, reset_peak_memory
 from ..metrics.memory_breakdown import MemoryBreakdown, MemoryBreakdownCallback
 from ..metrics.throughput import TokenThroughput
+from ..models import model_card
 from ..models.output_head import OutputHead
+from .distributed import check_world_size
 from .memory_options import validate_memory_options
 
 logger = logging.getLogger("leantune.trainer")
@@ -53,6 +55,7 @@ class LeantuneTrainer(Trainer):
         # Per-example values of a trainer's own metrics, gathered across processes, averaged at each log.
         self.metric_values: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         config = kwargs["args"]
+        check_world_size(config)  # several launched processes never train as duplicates (trainers/distributed.py)
         validate_memory_options(config)
         # TRL spells the request use_liger_kernel (SFT) or use_liger_loss (other trainers); either one asks for it.
         flags = [name for name in ("use_liger_kernel", "use_liger_loss") if getattr(config, name, False)]
@@ -153,6 +156,30 @@ class LeantuneTrainer(Trainer):
                 return liger_nll_sum(hidden, head, targets), targets, outputs
         logps, targets, outputs = self.target_logprobs(model, inputs, labels)
         return -logps.sum(), targets, outputs
+
+    # --- saving: the output folder says what it holds (README.md, models/model_card.py) --------------------------
+
+    def _save(self, output_dir: str | None = None, state_dict=None) -> None:
+        """Trainer's save (final save_model and every checkpoint), then the model card on the writing process. A
+        README.md that is not leantune's (checked before PEFT writes its own template) is left as it is."""
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        card = self.args.should_save and model_card.may_write(output_dir)
+        super()._save(output_dir, state_dict=state_dict)
+        if card:
+            try:
+                model_card.write_model_card(self, output_dir)
+            except Exception as error:  # the weights are saved; a card that cannot be written must not end the run
+                logger.warning("Could not write the model card README.md in %s: %s", output_dir, error)
+        elif self.args.should_save:
+            logger.info("%s already has a README.md not written by leantune: left as it is.", output_dir)
+
+    def create_model_card(self, tags=None, **kwargs) -> None:
+        """push_to_hub's card: leantune's (what the folder holds and how to load it), with the caller's tags and
+        language / license / datasets metadata, in place of transformers' generic one."""
+        if self.is_world_process_zero():
+            dataset = kwargs.get("dataset_tags") or kwargs.get("dataset")
+            metadata = {"language": kwargs.get("language"), "license": kwargs.get("license"), "datasets": dataset}
+            model_card.write_model_card(self, self.args.output_dir, extra_tags=tags, metadata=metadata)
 
     # --- metrics ------------------------------------------------------------------------------------------------
 

@@ -8,7 +8,13 @@ from typing import Any
 from transformers import TrainingArguments
 
 from ..losses.preference import DPO_LOSS_TYPES
-from .config_utils import positive_or_none, resolve_bf16, resolve_checkpointing
+from .config_utils import (
+    non_default,
+    positive_or_none,
+    resolve_bf16,
+    resolve_checkpointing,
+    validate_batch_sizes,
+)
 from .memory_options import MemoryOptions, validate_memory_options
 
 TRUNCATION_MODES = ("keep_start", "keep_end")
@@ -79,11 +85,18 @@ class DPOConfig(MemoryOptions, TrainingArguments):
 
 def validate_dpo_config(args: DPOConfig) -> None:
     validate_memory_options(args)
+    validate_batch_sizes(args)
     for name in ("max_length", "max_prompt_length", "max_completion_length", "pad_to_multiple_of",
                  "dataset_num_proc", "precompute_ref_batch_size"):
         positive_or_none(getattr(args, name), name)
     if args.truncation_mode not in TRUNCATION_MODES:
         raise ValueError(f"`truncation_mode` must be one of {TRUNCATION_MODES}, got {args.truncation_mode!r}.")
+    if args.max_length is None and non_default(args, "truncation_mode"):
+        raise ValueError("`truncation_mode` has no effect with `max_length=None` (it says how `max_length` cuts); "
+                         "set `max_length` or leave `truncation_mode` at its default.")
+    if args.precompute_ref_batch_size is not None and not args.precompute_ref_log_probs:
+        raise ValueError("`precompute_ref_batch_size` has no effect without `precompute_ref_log_probs=True`; set "
+                         "`precompute_ref_log_probs=True` or leave `precompute_ref_batch_size` unset.")
     if args.loss_type not in DPO_LOSS_TYPES:
         raise ValueError(f"`loss_type` must be one of {DPO_LOSS_TYPES}, got {args.loss_type!r}.")
     if args.beta <= 0:

@@ -48,7 +48,22 @@ class MemoryOptions:
 
 
 def validate_memory_options(args) -> None:
+    from .config_utils import non_default
+
     if args.loss_chunk_size is not None and args.loss_chunk_size <= 0:
         raise ValueError(f"`loss_chunk_size` must be a positive integer or None, got {args.loss_chunk_size!r}.")
     if args.activation_offloading_min_bytes < 0:
         raise ValueError("`activation_offloading_min_bytes` must be >= 0.")
+    # TRL spells the Liger request use_liger_kernel (SFT; a TrainingArguments field) or use_liger_loss.
+    for flag in ("use_liger_kernel", "use_liger_loss"):
+        if getattr(args, flag, False) and not args.chunked_loss:
+            raise ValueError(f"`{flag}=True` never computes the full logits that `chunked_loss=False` asks for (Liger "
+                             f"on CUDA, else the chunked loss); set `chunked_loss=True` or `{flag}=False`.")
+    fused = getattr(args, "use_liger_kernel", False) or getattr(args, "use_liger_loss", False)
+    if args.loss_chunk_size is not None and not args.chunked_loss and not fused:
+        raise ValueError("`loss_chunk_size` has no effect with `chunked_loss=False` (the model computes the full "
+                         "logits); set `chunked_loss=True` or leave `loss_chunk_size` unset.")
+    if not args.activation_offloading:
+        for name in non_default(args, "activation_offloading_use_streams", "activation_offloading_min_bytes"):
+            raise ValueError(f"`{name}` has no effect without `activation_offloading=True`; set "
+                             f"`activation_offloading=True` or leave `{name}` at its default.")

@@ -11,10 +11,20 @@ from typing import Any
 
 from transformers import TrainingArguments
 
-from .config_utils import positive_or_none, resolve_bf16, resolve_checkpointing
+from .config_utils import (
+    non_default,
+    positive_or_none,
+    resolve_bf16,
+    resolve_checkpointing,
+    validate_batch_sizes,
+)
 from .memory_options import MemoryOptions, validate_memory_options
 
 VLLM_MODES = ("colocate", "server")
+# Options read only by one vLLM mode (generation/vllm_colocate.py, generation/vllm_client.py).
+VLLM_COLOCATE_OPTIONS = ("vllm_enable_sleep_mode", "vllm_gpu_memory_utilization", "vllm_max_model_length",
+                         "vllm_tensor_parallel_size")
+VLLM_SERVER_OPTIONS = ("vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout")
 
 
 @dataclass
@@ -117,8 +127,6 @@ class OnlineConfig(MemoryOptions, TrainingArguments):
 
                 setattr(self, name, json.loads(value))
         super().__post_init__()
-        if self.generation_batch_size is not None and self.steps_per_generation is not None:
-            raise ValueError("Set `generation_batch_size` or `steps_per_generation`, not both: each determines the other.")
         validate_online_config(self)
 
     @property
@@ -139,12 +147,15 @@ class OnlineConfig(MemoryOptions, TrainingArguments):
             return per_step * steps, steps
         if self.generation_batch_size % per_step:
             raise ValueError(f"`generation_batch_size` ({self.generation_batch_size}) must be a multiple of "
-                             f"per_device_train_batch_size x processes ({per_step}).")
+                             f"`per_device_train_batch_size` x processes ({per_step}); change either.")
         return self.generation_batch_size, self.generation_batch_size // per_step
 
 
 def validate_online_config(args: OnlineConfig) -> None:
     validate_memory_options(args)
+    validate_batch_sizes(args)
+    if args.generation_batch_size is not None and args.steps_per_generation is not None:
+        raise ValueError("Set `generation_batch_size` or `steps_per_generation`, not both: each determines the other.")
     for name in ("max_prompt_length", "pad_to_multiple_of", "generation_batch_size", "steps_per_generation",
                  "vllm_max_model_length"):
         positive_or_none(getattr(args, name), name)
@@ -165,11 +176,42 @@ def validate_online_config(args: OnlineConfig) -> None:
         raise ValueError("`epsilon` and `epsilon_high` must be >= 0.")
     if args.vllm_mode not in VLLM_MODES:
         raise ValueError(f"`vllm_mode` must be one of {VLLM_MODES}, got {args.vllm_mode!r}.")
-    if args.vllm_enable_sleep_mode and not (args.use_vllm and args.vllm_mode == "colocate"):
-        raise ValueError("`vllm_enable_sleep_mode` applies to a colocated vLLM engine: set use_vllm=True and "
-                         "vllm_mode='colocate'.")
     if not 0 < args.vllm_gpu_memory_utilization <= 1:
         raise ValueError(f"`vllm_gpu_memory_utilization` must be in (0, 1], got {args.vllm_gpu_memory_utilization}.")
+    validate_vllm_options(args)
     if args.generation_batch_size is not None and args.generation_batch_size % args.num_generations:
         raise ValueError(f"`generation_batch_size` ({args.generation_batch_size}) must be a multiple of "
                          f"`num_generations` ({args.num_generations}).")
+    # Rounds over all processes (TRL checks the same at construction): every group must be whole.
+    round_size, _ = args.generation_plan(args.world_size)
+    if round_size % args.num_generations:
+        raise ValueError(f"Completions per generation round ({round_size} = `per_device_train_batch_size` x "
+                         f"{args.world_size} processes x `steps_per_generation`, default `gradient_accumulation_steps`)"
+                         f" must be a multiple of num_generations ({args.num_generations}); change one of them or "
+                         f"`num_generations`.")
+    if args.num_completions_to_print is not None and not args.log_completions:
+        raise ValueError("`num_completions_to_print` has no effect without `log_completions=True`; set "
+                         "`log_completions=True` or leave `num_completions_to_print` unset.")
+
+
+def validate_vllm_options(args: OnlineConfig) -> None:
+    """vLLM options set where nothing reads them: without `use_vllm`, or for the other `vllm_mode`."""
+    if not args.use_vllm:
+        for name in non_default(args, "vllm_mode", *VLLM_COLOCATE_OPTIONS, *VLLM_SERVER_OPTIONS):
+            raise ValueError(f"`{name}` has no effect without `use_vllm=True` (completions come from transformers' "
+                             f"generate); set `use_vllm=True` or leave `{name}` at its default.")
+        return
+    other = "server" if args.vllm_mode == "colocate" else "colocate"
+    options = VLLM_SERVER_OPTIONS if args.vllm_mode == "colocate" else VLLM_COLOCATE_OPTIONS
+    for name in non_default(args, *options):
+        raise ValueError(f"`{name}` applies to `vllm_mode='{other}'`, not to {args.vllm_mode!r}; set "
+                         f"`vllm_mode='{other}'` or leave `{name}` at its default.")
+    if not args.ds3_gather_for_generation:
+        raise ValueError("`ds3_gather_for_generation=False` applies to transformers' generate, not to vLLM (whose "
+                         "weights are synced a module at a time under ZeRO-3); set `ds3_gather_for_generation=True` "
+                         "or `use_vllm=False`.")
+    if (args.vllm_mode == "colocate" and args.vllm_max_model_length is not None
+            and args.max_completion_length >= args.vllm_max_model_length):
+        raise ValueError(f"`max_completion_length` ({args.max_completion_length}) leaves no room for a prompt in "
+                         f"`vllm_max_model_length` ({args.vllm_max_model_length}); raise `vllm_max_model_length` or "
+                         f"lower `max_completion_length`.")

@@ -8,7 +8,13 @@ from typing import Any
 
 from transformers import TrainingArguments
 
-from .config_utils import positive_or_none, resolve_bf16, resolve_checkpointing
+from .config_utils import (
+    non_default,
+    positive_or_none,
+    resolve_bf16,
+    resolve_checkpointing,
+    validate_batch_sizes,
+)
 from .memory_options import MemoryOptions, validate_memory_options
 
 PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")
@@ -52,9 +58,15 @@ class SFTConfig(MemoryOptions, TrainingArguments):
 
     # Packing and padding
     packing: bool = field(default=False, metadata={"help": "Pack examples into rows of max_length tokens."})
-    packing_strategy: str = field(default="bfd", metadata={"help": "bfd, bfd_split or wrapped."})
+    packing_strategy: str = field(
+        default="bfd", metadata={"help": "bfd, bfd_split or wrapped (used when packing or eval_packing is on)."}
+    )
     padding_free: bool = field(
-        default=False, metadata={"help": "Flatten each batch into one row with restarting position_ids (no padding)."}
+        default=False,
+        metadata={"help": "Flatten each batch into one row with restarting position_ids (no padding). With packing: "
+                  "the batch's packed rows are laid end to end in one row, every sequence keeping its own "
+                  "positions (as TRL's bfd packing does); same targets and losses as packing alone, minus the "
+                  "padding at the end of each packed row."},
     )
     pad_to_multiple_of: int | None = field(default=None, metadata={"help": "Pad each batch to a multiple of this."})
     eval_packing: bool | None = field(default=None, metadata={"help": "Pack the eval set (default: same as packing)."})
@@ -64,7 +76,9 @@ class SFTConfig(MemoryOptions, TrainingArguments):
         default=None, metadata={"help": "Loss on completion tokens only (default: on for prompt-completion data)."}
     )
     assistant_only_loss: bool = field(
-        default=False, metadata={"help": "Loss on assistant turns only (needs {%% generation %%} in the chat template)."}
+        default=False,
+        metadata={"help": "Loss on assistant turns only (needs {%% generation %%} in the chat template). With "
+                  "completion_only_loss on: assistant turns of the completion only."},
     )
     loss_type: str = field(default="nll", metadata={"help": "nll (token-mean cross-entropy)."})
     use_liger_kernel: bool = field(
@@ -91,6 +105,7 @@ class SFTConfig(MemoryOptions, TrainingArguments):
 def validate_sft_config(args: SFTConfig) -> None:
     """Reject settings that cannot work, with the reason, before any data is touched."""
     validate_memory_options(args)
+    validate_batch_sizes(args)
     positive_or_none(args.max_length, "max_length")
     positive_or_none(args.pad_to_multiple_of, "pad_to_multiple_of")
     positive_or_none(args.dataset_num_proc, "dataset_num_proc")
@@ -100,7 +115,18 @@ def validate_sft_config(args: SFTConfig) -> None:
         raise ValueError(f"`truncation_mode` must be one of {TRUNCATION_MODES}, got {args.truncation_mode!r}.")
     if args.loss_type not in SFT_LOSS_TYPES:
         raise ValueError(f"`loss_type` must be one of {SFT_LOSS_TYPES}, got {args.loss_type!r}.")
-    if (args.packing or args.eval_packing) and args.max_length is None:
-        raise ValueError("`packing=True` needs `max_length`: it is the length of the packed rows.")
-    if args.per_device_train_batch_size <= 0 or args.gradient_accumulation_steps <= 0:
-        raise ValueError("Batch size and gradient accumulation steps must be positive.")
+    for name in ("packing", "eval_packing"):
+        if getattr(args, name) and args.max_length is None:
+            raise ValueError(f"`{name}=True` needs `max_length`, the length of the packed rows; set `max_length`.")
+    if not (args.packing or args.eval_packing) and non_default(args, "packing_strategy"):
+        raise ValueError("`packing_strategy` has no effect without `packing=True` (or `eval_packing=True`); set "
+                         "`packing=True` or leave `packing_strategy` at its default.")
+    splits_long = args.packing_strategy in ("bfd_split", "wrapped")
+    if non_default(args, "truncation_mode"):
+        if args.max_length is None:
+            raise ValueError("`truncation_mode` has no effect with `max_length=None` (nothing is truncated); set "
+                             "`max_length` or leave `truncation_mode` at its default.")
+        if args.packing and args.eval_packing is not False and splits_long:
+            raise ValueError(f"`truncation_mode` has no effect with `packing_strategy={args.packing_strategy!r}`, "
+                             f"which splits long examples instead of truncating them; use `packing_strategy='bfd'` "
+                             f"or leave `truncation_mode` at its default.")

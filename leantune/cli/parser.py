@@ -1,0 +1,176 @@
+"""Flags from config dataclasses: grouped (the command's own fields first, transformers' inherited ones last), no
+abbreviations, YAML defaults from --config, and every parsing mistake as one line that names the flag."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import os
+
+from .errors import UsageError, as_flags
+
+HELP_WIDTH = 110
+INHERITED_GROUP = "training (inherited from transformers' TrainingArguments)"
+GROUP_TITLES = {
+    "ScriptArguments": "data",
+    "ColumnArguments": "columns (other names read as the standard ones)",
+    "ProfileArguments": "profile",
+    "VLLMServeArguments": "server",
+    "ModelConfig": "model",
+    "RewardArguments": "rewards",
+    "MemoryOptions": "memory engine (every trainer)",
+}
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`--field VALUE` once (not the dashed alias and the upper-case metavar), at a fixed width so that the help
+    text (and its cached copy) does not depend on the terminal."""
+
+    def _format_action_invocation(self, action):
+        if not action.option_strings:
+            return super()._format_action_invocation(action)
+        flag = action.option_strings[-1] if action.option_strings[0] == "-h" else action.option_strings[0]
+        if action.nargs == 0:
+            return flag
+        if action.nargs == "?" and action.const is True:
+            return f"{flag} [true|false]"
+        if action.choices:
+            return f"{flag} {{{','.join(map(str, action.choices))}}}"
+        return f"{flag} VALUE ..." if action.nargs in ("+", "*") else f"{flag} VALUE"
+
+
+def _formatter(prog: str) -> argparse.HelpFormatter:
+    return _HelpFormatter(prog, width=HELP_WIDTH, max_help_position=40)
+
+
+def _declaring_class(dtype: type, name: str) -> type:
+    for klass in dtype.__mro__:
+        if name in klass.__dict__.get("__annotations__", {}):
+            return klass
+    return dtype
+
+
+def _group_title(klass: type) -> str:
+    if klass.__name__ in GROUP_TITLES:
+        return GROUP_TITLES[klass.__name__]
+    if klass.__module__.startswith("transformers"):
+        return INHERITED_GROUP
+    return f"{klass.__name__} (the method's own fields)"
+
+
+def make_parser(prog: str, dataclass_types: tuple):
+    from transformers import HfArgumentParser
+
+    class CommandParser(HfArgumentParser):
+        """HfArgumentParser with fields grouped by the class that declares them, and one-line errors."""
+
+        def __init__(self, dataclass_types, **kwargs):
+            self._inherited = []
+            super().__init__(dataclass_types, **kwargs)
+            self.add_argument("--config", default=None, help="YAML file of field: value pairs; flags override it.")
+            if not any("debug" in {f.name for f in dataclasses.fields(d)} for d in self.dataclass_types):
+                self.add_argument("--debug", action="store_true", help="Show the Python traceback of an error.")
+            if self._inherited:
+                group = self.add_argument_group(INHERITED_GROUP)
+                seen = {a.dest for a in self._actions}
+                for _, fields in self._inherited:
+                    for field in fields:
+                        if field.name not in seen:
+                            self._parse_dataclass_field(group, field)
+                            seen.add(field.name)
+
+        def _add_dataclass_arguments(self, dtype):
+            from typing import get_type_hints
+
+            hints = get_type_hints(dtype)
+            groups: dict[str, argparse._ArgumentGroup] = {}
+            inherited = []
+            for field in dataclasses.fields(dtype):
+                if not field.init:
+                    continue
+                field.type = hints[field.name]
+                title = _group_title(_declaring_class(dtype, field.name))
+                if title == INHERITED_GROUP:
+                    inherited.append(field)
+                    continue
+                if title not in groups:
+                    groups[title] = self.add_argument_group(title)
+                self._parse_dataclass_field(groups[title], field)
+            if inherited:
+                self._inherited.append((dtype, inherited))
+
+        def error(self, message: str):
+            raise UsageError(_explain_parse_error(message, self))
+
+    parser = CommandParser(
+        dataclass_types, prog=prog, allow_abbrev=False, formatter_class=_formatter,
+        usage=f"{prog} [--config FILE.yaml] [--<field> VALUE ...]",
+        description="Every config field is a flag; --config FILE.yaml sets any of them (flags override it). "
+                    "--debug alone shows the Python traceback of an error.",
+    )
+    return parser
+
+
+def _explain_parse_error(message: str, parser) -> str:
+    """argparse's message, with the closest flag suggested for a misspelt one."""
+    if message.startswith("unrecognized arguments:") or message.startswith("unrecognised arguments:"):
+        unknown = [a for a in message.split(":", 1)[1].split() if a.startswith("--")]
+        if unknown:
+            name = unknown[0].split("=", 1)[0]
+            flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+            close = difflib.get_close_matches(name, flags, n=1, cutoff=0.75)
+            hint = f" (did you mean {close[0]}?)" if close else "; `--help` lists every flag"
+            return f"unknown flag {name}{hint}"
+    return message
+
+
+def flag_names(parser) -> set[str]:
+    return {a.dest for a in parser._actions}
+
+
+def _read_yaml(path: str, parser) -> dict:
+    import yaml
+
+    if not os.path.isfile(path):
+        raise UsageError(f"--config {path}: no such file.")
+    try:
+        with open(path, encoding="utf-8") as handle:
+            values = yaml.safe_load(handle) or {}
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise UsageError(f"--config {path}{where}: not valid YAML ({getattr(error, 'problem', error)}).") from error
+    except UnicodeDecodeError as error:
+        raise UsageError(f"--config {path}: not UTF-8 text ({error.reason} at byte {error.start}).") from error
+    if not isinstance(values, dict):
+        raise UsageError(f"--config {path}: expected `field: value` lines, found a {type(values).__name__}.")
+    unknown = sorted(set(values) - flag_names(parser))
+    if unknown:
+        close = {u: difflib.get_close_matches(u, flag_names(parser), n=1, cutoff=0.75) for u in unknown}
+        names = ", ".join(f"{u} (did you mean {c[0]}?)" if c else u for u, c in close.items())
+        raise UsageError(f"--config {path}: unknown field(s) {names}.")
+    return values
+
+
+def parse_command_args(prog: str, dataclass_types: tuple, argv: list[str]):
+    """Parse flags (with YAML defaults from --config) into dataclasses; also return the names set explicitly."""
+    parser = make_parser(prog, dataclass_types)
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--config", default=None)
+    known, _ = pre.parse_known_args(argv)
+    explicit = {a[2:].split("=", 1)[0] for a in argv if a.startswith("--")}
+    if known.config:
+        values = _read_yaml(known.config, parser)
+        parser.set_defaults(**values)
+        explicit |= set(values)
+    try:
+        outputs = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+    except UsageError:
+        raise
+    except (ValueError, TypeError) as error:
+        # A config's own validation (__post_init__): its messages name fields in backticks.
+        raise UsageError(as_flags(str(error), flag_names(parser))) from error
+    if outputs[-1]:
+        raise UsageError(_explain_parse_error(f"unrecognized arguments: {' '.join(outputs[-1])}", parser))
+    return (*outputs[: len(dataclass_types)], explicit - {"config", "debug"})

@@ -1,0 +1,140 @@
+"""Cheap checks before anything is loaded: the output folder, the checkpoint to resume from, the model's source.
+
+A mistake found here costs the user a second, not a model load and a tokenisation pass.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+
+from .errors import UsageError
+
+logger = logging.getLogger("leantune.cli")
+
+CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+TRUE_WORDS = ("true", "yes", "1", "latest")
+FALSE_WORDS = ("false", "no", "0", "none", "")
+
+
+def complete_checkpoints(output_dir: str) -> list[str]:
+    """Checkpoint folders of output_dir whose trainer state was written (a killed save leaves none), oldest first."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = []
+    for name in os.listdir(output_dir):
+        match = CHECKPOINT.match(name)
+        path = os.path.join(output_dir, name)
+        if match and os.path.isdir(path) and _readable_state(path):
+            found.append((int(match.group(1)), path))
+    return [path for _, path in sorted(found)]
+
+
+def any_checkpoints(output_dir: str) -> list[str]:
+    if not os.path.isdir(output_dir):
+        return []
+    return sorted(n for n in os.listdir(output_dir) if CHECKPOINT.match(n))
+
+
+def _readable_state(path: str) -> bool:
+    try:
+        with open(os.path.join(path, "trainer_state.json"), encoding="utf-8") as handle:
+            json.load(handle)
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def check_output_dir(output_dir: str | None) -> None:
+    if not output_dir:
+        raise UsageError("--output_dir is required: the folder the model and checkpoints are written to.")
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise UsageError(f"--output_dir {output_dir}: is a file, not a folder; choose another --output_dir.")
+    parent = os.path.dirname(os.path.abspath(output_dir))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise UsageError(f"--output_dir {output_dir}: cannot be created under {parent} (not a writable folder).")
+
+
+def resolve_resume(value, output_dir: str, overwrite: bool) -> str | None:
+    """The checkpoint folder to resume from (None: a fresh run), or an error before anything runs.
+
+    `--resume_from_checkpoint PATH` resumes from PATH; `true` from the latest complete checkpoint in --output_dir.
+    A fresh run refuses an --output_dir that holds an earlier run's checkpoints unless --overwrite_output_dir,
+    which deletes them first: checkpoints of two runs in one folder would be mixed up by resuming and rotation.
+    """
+    if value is not None and not isinstance(value, bool):
+        value = str(value).strip()
+        if value.lower() in TRUE_WORDS:
+            value = True
+        elif value.lower() in FALSE_WORDS:
+            value = None
+    if value is True:
+        checkpoints = complete_checkpoints(output_dir)
+        if not checkpoints:
+            raise UsageError(f"--resume_from_checkpoint true: no checkpoint (checkpoint-N with trainer_state.json) "
+                             f"in --output_dir {output_dir}; give the checkpoint's path, or start without it.")
+        logger.info("Resuming from the latest checkpoint: %s", checkpoints[-1])
+        return checkpoints[-1]
+    if value:
+        if not os.path.isdir(value):
+            raise UsageError(f"--resume_from_checkpoint {value}: no such folder.")
+        if not _readable_state(value):
+            raise UsageError(f"--resume_from_checkpoint {value}: not a checkpoint (no readable trainer_state.json "
+                             "in it); give a checkpoint-N folder written by a run.")
+        return value
+    earlier = any_checkpoints(output_dir)
+    if earlier and not overwrite:
+        raise UsageError(
+            f"--output_dir {output_dir} holds checkpoints of an earlier run ({', '.join(earlier[-3:])}); "
+            "continue it with --resume_from_checkpoint true, start over with --overwrite_output_dir true "
+            "(deletes them), or choose another --output_dir."
+        )
+    return None
+
+
+def clear_checkpoints(output_dir: str) -> None:
+    """--overwrite_output_dir: the earlier run's checkpoints go, so that the new run's are the only ones."""
+    for name in any_checkpoints(output_dir):
+        shutil.rmtree(os.path.join(output_dir, name))
+        logger.info("--overwrite_output_dir: deleted the earlier run's %s", name)
+
+
+def looks_like_path(name: str) -> bool:
+    return (name.startswith(("/", "./", "../", "~", ".\\")) or name in (".", "..") or name.endswith(("/", "\\"))
+            or "\\" in name or name.count("/") > 1)
+
+
+def check_model_source(name: str, flag: str = "--model_name_or_path") -> None:
+    """A local model folder must hold a model; anything else must be a Hub id that can be found."""
+    if os.path.isdir(name):
+        markers = ("config.json", "adapter_config.json")
+        if not any(os.path.isfile(os.path.join(name, m)) for m in markers):
+            raise UsageError(f"{flag} {name}: the folder holds no config.json (not a saved model); give the folder "
+                             "save_pretrained wrote, or a Hub id.")
+        return
+    if os.path.exists(name):
+        raise UsageError(f"{flag} {name}: is a file; give a model folder (save_pretrained's) or a Hub id.")
+    if looks_like_path(name):
+        raise UsageError(f"{flag} {name}: no such folder.")
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        if isinstance(try_to_load_from_cache(name, "config.json"), str):
+            return
+    except Exception:  # an id the cache cannot even look up is judged below
+        pass
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+        raise UsageError(f"{flag} {name}: no such local folder, and not in the Hub cache (HF_HUB_OFFLINE is set).")
+    try:
+        from huggingface_hub import model_info
+
+        model_info(name, timeout=10)
+    except Exception as error:  # not found, gated, or no network: all end the run the same way
+        kind = type(error).__name__
+        reason = "not found on the Hub" if "NotFound" in kind else f"the Hub could not be asked ({kind})"
+        raise UsageError(f"{flag} {name}: no such local folder, and {reason}; check the name or path.") from error

@@ -1,0 +1,171 @@
+"""One run of every training command (`leantune sft | dpo | kto | reward | grpo | rloo`): parse, check the cheap
+things, load the data and check its columns, then load the model, train (or resume), save, summarise.
+
+The command modules hold only what differs: the built-in demo and the summary lines of their method.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import time
+from dataclasses import dataclass
+
+from .arguments import ModelConfig, ScriptArguments, model_init_kwargs_from, peft_config_from
+from .errors import UsageError
+from .parser import parse_command_args
+from .preflight import check_model_source, check_output_dir, clear_checkpoints, resolve_resume
+
+logger = logging.getLogger("leantune.cli")
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    config: str  # "module:Class"
+    trainer: str
+    data: str  # which columns it reads: sft | preference | kto | prompt
+    command_module: str  # holds run_demo(...) and print_summary(trainer, result, seconds)
+    online: bool = False
+
+
+METHODS = {
+    "sft": Method("sft", "leantune.trainers.sft_config:SFTConfig", "leantune.trainers.sft_trainer:SFTTrainer",
+                  "sft", "leantune.cli.sft"),
+    "dpo": Method("dpo", "leantune.trainers.dpo_config:DPOConfig", "leantune.trainers.dpo_trainer:DPOTrainer",
+                  "preference", "leantune.cli.dpo"),
+    "kto": Method("kto", "leantune.trainers.kto_config:KTOConfig", "leantune.trainers.kto_trainer:KTOTrainer",
+                  "kto", "leantune.cli.kto"),
+    "reward": Method("reward", "leantune.trainers.reward_config:RewardConfig",
+                     "leantune.trainers.reward_trainer:RewardTrainer", "preference", "leantune.cli.reward"),
+    "grpo": Method("grpo", "leantune.trainers.grpo_config:GRPOConfig", "leantune.trainers.grpo_trainer:GRPOTrainer",
+                   "prompt", "leantune.cli.online_runs", online=True),
+    "rloo": Method("rloo", "leantune.trainers.rloo_config:RLOOConfig", "leantune.trainers.rloo_trainer:RLOOTrainer",
+                   "prompt", "leantune.cli.online_runs", online=True),
+}
+
+
+def _load(spec: str):
+    module, name = spec.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def argument_types(method: Method) -> tuple:
+    if method.online:
+        from .online_runs import RewardArguments
+
+        return (ScriptArguments, RewardArguments, ModelConfig, _load(method.config))
+    return (ScriptArguments, ModelConfig, _load(method.config))
+
+
+def run_method(name: str, argv: list[str]) -> int:
+    method = METHODS[name]
+    parsed = parse_command_args(f"leantune {name}", argument_types(method), argv)
+    script_args, model_args, args, explicit = parsed[0], parsed[-3], parsed[-2], parsed[-1]
+    reward_args = parsed[1] if method.online else None
+    module = importlib.import_module(method.command_module)
+    if (model_args.model_name_or_path is None) != (script_args.dataset_name is None):
+        missing = "--model_name_or_path" if model_args.model_name_or_path is None else "--dataset_name"
+        raise UsageError(f"{missing} is required (give both --model_name_or_path and --dataset_name, or neither "
+                         "for the built-in demo).")
+    if model_args.model_name_or_path is None:
+        if args.resume_from_checkpoint:
+            raise UsageError("--resume_from_checkpoint: the built-in demo saves no checkpoints to resume from; "
+                             "give --model_name_or_path and --dataset_name.")
+        if method.online:
+            return module.run_demo(name, _load(method.trainer), args, model_args, reward_args, explicit)
+        return module.run_demo(args, model_args, explicit)
+    return train_on_data(method, module, script_args, model_args, args, reward_args)
+
+
+def train_on_data(method: Method, module, script_args, model_args, args, reward_args=None) -> int:
+    # 1. what costs nothing to check: the output folder, the checkpoint, the model's source, the reward names
+    check_output_dir(args.output_dir)
+    resume = resolve_resume(args.resume_from_checkpoint, args.output_dir, script_args.overwrite_output_dir)
+    check_model_source(model_args.model_name_or_path)
+    extra = {}
+    if method.online:
+        extra["reward_funcs"] = online_reward_funcs(reward_args)
+    # 2. the data, and whether its columns fit the method, before the model is loaded
+    train, evaluation = load_splits(script_args, args)
+    for split, dataset in (("train", train), ("eval", evaluation)):
+        if dataset is not None:
+            check_columns(method.data, dataset, args, split)
+    # 3. the run
+    if resume is None and script_args.overwrite_output_dir and _is_main_process():
+        clear_checkpoints(args.output_dir)
+    if args.model_init_kwargs is None:
+        args.model_init_kwargs = model_init_kwargs_from(model_args)
+    trainer = _load(method.trainer)(model=model_args.model_name_or_path, args=args, train_dataset=train,
+                                    eval_dataset=evaluation, peft_config=peft_config_from(model_args), **extra)
+    started = time.perf_counter()
+    result = trainer.train(resume_from_checkpoint=resume)
+    trainer.save_model(args.output_dir)
+    if trainer.is_world_process_zero():
+        if resume:
+            print(f"resumed from {resume}")
+        module.print_summary(trainer, result, time.perf_counter() - started)
+    return 0
+
+
+def _is_main_process() -> bool:
+    import os
+
+    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) or 0) == 0
+
+
+def online_reward_funcs(reward_args):
+    from ..rewards import resolve_reward_funcs
+
+    if not reward_args.reward_funcs:
+        raise UsageError("--reward_funcs is required with --dataset_name (built-ins: correct_answer, "
+                         "characters_in_place; or package.module:function; or a reward model).")
+    try:
+        return resolve_reward_funcs(reward_args.reward_funcs)
+    except ValueError as error:
+        raise UsageError(f"--reward_funcs: {error}") from error
+
+
+def load_splits(script_args, args):
+    """(train, eval or None) from --dataset_name, columns renamed by the --<name>_column flags."""
+    from ..data.loading import load_dataset_source, rename_columns
+
+    data = load_dataset_source(script_args.dataset_name, script_args.dataset_config)
+    if script_args.dataset_train_split not in data:
+        raise UsageError(f"--dataset_train_split {script_args.dataset_train_split}: no such split in "
+                         f"{script_args.dataset_name}; it has {list(data)}.")
+    evaluation = None
+    if args.eval_strategy != "no":
+        if script_args.dataset_test_split not in data:
+            raise UsageError(f"--eval_strategy {args.eval_strategy} needs an eval split, and --dataset_test_split "
+                             f"{script_args.dataset_test_split} is not in {script_args.dataset_name} (splits: "
+                             f"{list(data)}); name one with --dataset_test_split, or set --eval_strategy no.")
+        evaluation = rename_columns(data[script_args.dataset_test_split], script_args.column_mapping())
+    return rename_columns(data[script_args.dataset_train_split], script_args.column_mapping()), evaluation
+
+
+COLUMN_FLAGS = "--prompt_column, --completion_column, --messages_column, --chosen_column, --rejected_column"
+
+
+def check_columns(kind: str, dataset, args, split: str) -> None:
+    """The method's format check on the raw data (columns and value types), before any model or tokenizer."""
+    try:
+        if kind == "sft":
+            from ..data.formats import detect_sft_format
+
+            detect_sft_format(dataset, args.dataset_text_field)
+        elif kind == "preference":
+            from ..data.preference_formats import detect_preference_format
+
+            detect_preference_format(dataset)
+        elif kind == "kto":
+            from ..data.kto_preparation import detect_kto_format
+
+            detect_kto_format(dataset)
+        elif kind == "prompt" and "prompt" not in dataset.column_names:
+            raise ValueError(f"no 'prompt' column (text or a list of chat messages); columns found: "
+                             f"{sorted(dataset.column_names)}.")
+    except ValueError as error:
+        message = str(error)
+        hint = "" if "--prompt_column" in message else f" Other column names can be mapped with {COLUMN_FLAGS}."
+        raise UsageError(f"{split} data: {message}{hint}") from error

@@ -1,0 +1,95 @@
+"""Multi-process launches on a machine without a GPU: train in every process the launcher started, or stop.
+
+How each CPU launch goes without this module (accelerate 1.x, transformers 5.x), and what happens here:
+
+- `torchrun --nproc_per_node N` (and `accelerate launch --multi_gpu --num_processes N`, which is torchrun inside)
+  start N processes with WORLD_SIZE=N and LOCAL_RANK set. accelerate's `PartialState` picks a collective backend
+  only for a device it finds (CUDA, XPU, NPU, ...), or for CPU when asked (`cpu=True`, which TrainingArguments
+  passes for `use_cpu` or ACCELERATE_USE_CPU); with neither, the state is `DistributedType.NO` and every process
+  trains alone: N duplicate runs writing one output_dir. `resolve_launch` turns `use_cpu` (and gloo) on there, so
+  accelerate takes its MULTI_CPU path and the N processes train as one data-parallel run.
+- `accelerate launch --num_processes N` with or without `--cpu` (no GPU, no MPI hostfile): accelerate's launcher
+  starts ONE process (its "simple launcher": only `--multi_gpu` and the like start several) and says nothing. That
+  process cannot become N; `resolve_launch` stops it with the commands that work.
+- `check_world_size` (the trainer's safety net): a launcher that started several processes while the trainer's
+  state has one, for any other reason (another device kind without a backend, a state built elsewhere) stops with
+  the same advice instead of training duplicates.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger("leantune.trainer")
+
+# Environment variables through which launchers give each process its world size (torchrun; MPI implementations).
+WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+
+HOW_TO_LAUNCH = (
+    "to train in N processes on CPU launch with `torchrun --nproc_per_node N <script or $(which leantune)> ...` "
+    "(or `accelerate launch --multi_gpu --num_processes N ...`, which runs torchrun; leantune then trains on CPU "
+    "over gloo)"
+)
+
+
+def launched_world_size() -> int:
+    """The number of processes the launcher says it started (1 when no launcher said anything)."""
+    for name in WORLD_SIZE_VARIABLES:
+        value = os.environ.get(name)
+        if value not in (None, ""):
+            return int(value)
+    return 1
+
+
+def has_accelerator() -> bool:
+    """Whether this machine has a device (CUDA, XPU, MPS, NPU, ...) that torch can use."""
+    if torch.cuda.is_available():
+        return True
+    accelerator = getattr(torch, "accelerator", None)
+    return bool(accelerator is not None and accelerator.is_available())
+
+
+def _accelerate_launched_one_of_several() -> bool:
+    """accelerate's simple launcher (it always sets ACCELERATE_USE_CPU) sets MASTER_ADDR only when asked for more
+    than one process or machine, yet starts one process and gives it no world size (a MASTER_ADDR exported by hand
+    before `accelerate launch` looks the same, hence the error's advice to unset it for a one-process run)."""
+    return (
+        "ACCELERATE_USE_CPU" in os.environ
+        and "MASTER_ADDR" in os.environ
+        and launched_world_size() == 1
+        and "LOCAL_RANK" not in os.environ
+    )
+
+
+def resolve_launch(args) -> None:
+    """Called from every config's __post_init__ before TrainingArguments sets up its devices (which builds
+    accelerate's state from `use_cpu` and `ddp_backend`). Only machines without a GPU are touched."""
+    if has_accelerator():
+        return
+    world = launched_world_size()
+    if world > 1:
+        if args.ddp_backend is None and "LOCAL_RANK" in os.environ:
+            args.ddp_backend = "gloo"  # torchrun's rendezvous; accelerate would take mpi whenever torch has it
+        if not args.use_cpu and os.environ.get("RANK", "0") == "0":
+            logger.info("%d processes launched on a machine without a GPU: they train together on CPU (use_cpu=True, "
+                        "ddp_backend=%s).", world, args.ddp_backend)
+        args.use_cpu = True
+    elif _accelerate_launched_one_of_several():
+        raise ValueError(
+            "`accelerate launch --num_processes N` (with or without --cpu) started only this one process: without a "
+            f"GPU accelerate's launcher runs a single process; {HOW_TO_LAUNCH}; for one process, leave out "
+            "--num_processes (and unset a MASTER_ADDR exported in the shell)."
+        )
+
+
+def check_world_size(args) -> None:
+    """The trainer's safety net: the launcher started several processes, so the trainer must use all of them."""
+    world = launched_world_size()
+    if world > 1 and args.world_size != world:
+        raise ValueError(
+            f"The launcher started {world} processes but the trainer's state has {args.world_size} (each would train "
+            f"alone, a duplicate run); on a machine without a GPU {HOW_TO_LAUNCH}."
+        )
