@@ -228,4 +228,6 @@ def test_cli_demo_moves_held_out_reward_accuracy_up(capsys, tmp_path, monkeypatc
     import re
 
     before, after = (float(v) for v in re.search(r"reward accuracy ([\d.]+)% -> ([\d.]+)%", line).groups())
-    assert before == 0.0 and after > 60.0, line  # at step 0 the policy is the reference: every reward is 0
+    # at step 0 the policy is the reference: every reward is 0; after 40 steps measured 87.5% (1 thread) and 90.6%
+    # (2 threads; OMP_NUM_THREADS=4 is capped at 2 by conftest) on 64 pairs: 60% is > 8 pairs below either
+    assert before == 0.0 and after > 60.0, line

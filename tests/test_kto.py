@@ -57,7 +57,7 @@ def logp_scale(trainer) -> float:
 
     A fp32 sum of N log-probs has a worst-case rounding error of N * 6e-8 of the sum; N <= max_length = 160 tokens
     gives <= 1e-5 = RTOL of the sum, so RTOL * logp_scale bounds the error of any one sequence's log-prob however the
-    sum is ordered (layout, chunking, thread count). Measured: ~1e-8 of the sum (1.5e-5 nats on sums of ~500).
+    sum is ordered (layout, chunking, thread count). Measured: ~3e-8 of the sums (1.5e-5 nats on sums of ~500).
     """
     rows, values = len(trainer.train_dataset), []
     with torch.no_grad():
@@ -75,8 +75,9 @@ def assert_logged_differences_agree(got: dict, expected: dict, scale: float, bet
 
     kl (policy - reference, mean over KL completions): 2E; rewards (beta * (policy - reference)): 2 beta E; the loss
     (1 - sigmoid(beta (r - z0)), slope <= beta / 4, r and z0 each off by 2E): beta E, plus its own fp32 rounding.
-    The logs are rounded to 6 decimals: + 1e-6. A real bug is far larger: one token dropped or doubled moves a sum
-    by ~10 nats (kl by ~10 / 4 > 1000 x this tolerance), and then logps/chosen and the gradients fail too.
+    The logs are rounded to 6 decimals: + 1e-6. Here E ~ 9e-3 (kl tolerance 0.018, measured difference 1.5e-5). A
+    real bug is far larger: one token dropped or doubled moves a sum by ~10 nats (kl by 10 / 4 = 2.5, >100 x the
+    tolerance), and then logps/chosen and the gradients fail too.
     """
     error = RTOL * scale
     tolerance = {"kl": 2 * error, "rewards/chosen": 2 * beta * error, "rewards/rejected": 2 * beta * error,

@@ -365,7 +365,7 @@ def test_output_rows_and_fill_ratio_are_exactly_the_plan():
         assert len(packed) == plan.num_rows
         assert [len(row) for row in packed["input_ids"]] == plan.row_lengths.tolist()
         tokens = sum(len(row) for row in packed["input_ids"])
-        assert plan.fill_ratio == pytest.approx(tokens / (len(packed) * 256))
+        assert plan.fill_ratio == pytest.approx(tokens / (len(packed) * 256))  # float64 ratio of counts: ulps
 
 
 def test_plan_describes_the_packed_rows_exactly():

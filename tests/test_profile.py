@@ -85,6 +85,7 @@ def check_against_brute_force(profile: LengthProfile, items, seed=42, multiple=N
     sequences = [x for item in items for x in item]
     stats = profile.stats["sequences"]
     assert stats.count == len(sequences) and stats.total_tokens == sum(sequences)
+    # here and below: float64 ratios of integer counts computed two ways: a few ulps (default rel 1e-6)
     assert stats.mean == pytest.approx(sum(sequences) / len(sequences))
     for q in (50, 90, 95, 99):
         assert getattr(stats, f"p{q}") == brute_percentile(sequences, q), q

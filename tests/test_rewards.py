@@ -239,6 +239,8 @@ def test_reward_model_from_path_matches_a_hand_run_on_plain_text(saved_reward_mo
     assert not loaded.training and not any(p.requires_grad for p in loaded.parameters())
     scores = rewards.score(PROMPTS, COMPLETIONS, COMPLETION_IDS, columns={"answer": ["4", "blue", "hi"]})
     expected = [by_hand(model, mistral_tokenizer, p + c) for p, c in zip(PROMPTS, COMPLETIONS)]
+    # scores of these random reward heads are ~0.1-0.3; a padded batch vs one unpadded forward changes only the
+    # fp32 summation order (measured <= 6e-8); atol 1e-5 is ~1e-4 of the scores, 100x the rounding
     torch.testing.assert_close(scores.per_function[:, 0], torch.tensor(expected), atol=1e-5, rtol=0)
     assert len(set(expected)) == 3  # the texts really differ to the model
 
@@ -251,7 +253,7 @@ def test_reward_model_scores_the_chat_template_of_conversations(saved_reward_mod
     texts = [mistral_tokenizer.apply_chat_template(p + c, tokenize=False) for p, c in zip(prompts, completions)]
     assert texts[0] == "<s>[INST] What is 2 + 2? [/INST] 4</s>"
     expected = [by_hand(model, mistral_tokenizer, text, add_special_tokens=False) for text in texts]
-    torch.testing.assert_close(scores.per_function[:, 0], torch.tensor(expected), atol=1e-5, rtol=0)
+    torch.testing.assert_close(scores.per_function[:, 0], torch.tensor(expected), atol=1e-5, rtol=0)  # as above
     with pytest.raises(ValueError, match="all conversational"):
         RewardFunctions(path).score([prompts[0], PROMPTS[1]], [completions[0], COMPLETIONS[1]], COMPLETION_IDS[:2])
 
@@ -268,7 +270,7 @@ def test_reward_model_chunks_agree_with_one_at_a_time(saved_reward_model):
     hook.remove()
     assert batch_sizes == [64, 6]
     alone = torch.cat([rewards.score([p], [c], [[1]]).per_function[:, 0] for p, c in zip(prompts, completions)])
-    torch.testing.assert_close(together, alone, atol=1e-5, rtol=0)
+    torch.testing.assert_close(together, alone, atol=1e-5, rtol=0)  # as above
 
 
 def test_too_long_text_is_an_error_not_a_truncation(saved_reward_model):
@@ -309,6 +311,7 @@ def test_mixed_callable_and_model_with_weights(saved_reward_model, mistral_token
     lengths = torch.tensor([2.0, 5.0, 12.0])
     first = torch.tensor([by_hand(in_memory, mistral_tokenizer, p + c) for p, c in zip(PROMPTS, COMPLETIONS)])
     second = torch.tensor([by_hand(model, mistral_tokenizer, p + c) for p, c in zip(PROMPTS, COMPLETIONS)])
+    # as above; the weighted sum (|values| <= 1.4, weights <= 2) adds a few ulps (measured 1.2e-7)
     torch.testing.assert_close(scores.per_function, torch.stack([lengths, first, second], dim=1), atol=1e-5, rtol=0)
     torch.testing.assert_close(scores.combined(rewards.weights), 0.1 * lengths + 2.0 * first - second,
                                atol=1e-5, rtol=0)
