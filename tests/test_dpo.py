@@ -148,11 +148,14 @@ def test_loss_types_against_hand_computed_values():
     by_hand = lambda a, b: (beta * (a.double() - b.double())).tolist()  # noqa: E731
     assert chosen_rewards.tolist() == pytest.approx(by_hand(pc, rc), rel=1e-6)
     assert rejected_rewards.tolist() == pytest.approx(by_hand(pr, rr), rel=1e-6)
-    smoothed, _, _ = dpo_loss(pc, pr, rc, rr, beta, "sigmoid", label_smoothing=0.1)
-    expected = [0.9 * -math.log(1 / (1 + math.exp(-beta * m))) + 0.1 * -math.log(1 / (1 + math.exp(beta * m)))
-                for m in margin.tolist()]
+    # label smoothing is robust DPO's (TRL 1.16: the sigmoid loss ignores it); every type: tests/test_dpo_losses.py
+    smoothed, _, _ = dpo_loss(pc, pr, rc, rr, beta, "robust", label_smoothing=0.1)
+    expected = [(0.9 * -math.log(1 / (1 + math.exp(-beta * m))) - 0.1 * -math.log(1 / (1 + math.exp(beta * m))))
+                / 0.8 for m in margin.tolist()]
     assert smoothed.tolist() == pytest.approx(expected, rel=1e-6)  # as above
-    ipo, _, _ = dpo_loss(pc, pr, rc, rr, beta, "ipo")
+    # IPO on per-token averages (TRL): margins of 1-token completions are the plain margins
+    ones = torch.ones(2)
+    ipo, _, _ = dpo_loss(pc, pr, rc, rr, beta, "ipo", chosen_lengths=ones, rejected_lengths=ones)
     assert ipo.tolist() == pytest.approx([(m - 1 / (2 * beta)) ** 2 for m in margin.tolist()], rel=1e-6)
     hinge, _, _ = dpo_loss(pc, pr, rc, rr, beta, "hinge")
     assert hinge.tolist() == pytest.approx([max(0.0, 1 - beta * m) for m in margin.tolist()], rel=1e-6)

@@ -6,12 +6,22 @@ feeds this same code.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from .token_logprobs import Targets, target_sequences
 
-DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
+DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
+                  "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")
+F_DIVERGENCE_TYPES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
+# Loss types built on the chosen - rejected score difference, where the f-DPO reparameterisation's log Z(x) cancels
+F_DIVERGENCE_LOSS_TYPES = ("sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft")
+LABEL_SMOOTHING_LOSS_TYPES = ("robust", "exo_pair", "aot", "aot_unpaired")
+LENGTH_LOSS_TYPES = ("ipo", "sigmoid_norm", "sft")  # need the number of completion tokens of each sequence
 
 
 def sequence_logps(logps: torch.Tensor, targets: Targets, starts: torch.Tensor, num_sequences: int) -> torch.Tensor:
@@ -19,18 +29,144 @@ def sequence_logps(logps: torch.Tensor, targets: Targets, starts: torch.Tensor, 
     return logps.new_zeros(num_sequences).index_add(0, target_sequences(targets, starts), logps)
 
 
+@dataclass
+class PairSequenceLogps:
+    """Per-sequence quantities of a batch of pairs, every one ordered [chosen..., rejected...]."""
+
+    logps: torch.Tensor  # summed target log-probs (LD-DPO weighted when ld_alpha is set)
+    raw_logps: torch.Tensor  # plain sums (the same tensor without ld_alpha)
+    lengths: torch.Tensor  # target (completion) tokens of each sequence
+
+
+def pair_sequence_logps(logps: torch.Tensor, targets: Targets, starts: torch.Tensor, num_pairs: int,
+                        ld_alpha: float | None = None) -> PairSequenceLogps:
+    """Sum the per-target log-probs of chosen and rejected sequences, and count their targets.
+
+    LD-DPO (`ld_alpha`): a pair's first min(chosen length, rejected length) targets of each completion count fully,
+    the targets beyond that shared length are weighted by `ld_alpha`. Targets are in flat order, so those of one
+    sequence are contiguous and in sequence order in every layout (padded rows, padding-free segments).
+    """
+    num_sequences = 2 * num_pairs
+    sequence = target_sequences(targets, starts)
+    lengths = torch.bincount(sequence, minlength=num_sequences)[:num_sequences]
+    raw = logps.new_zeros(num_sequences).index_add(0, sequence, logps)
+    if ld_alpha is None:
+        return PairSequenceLogps(raw, raw, lengths)
+    shared = torch.minimum(lengths[:num_pairs], lengths[num_pairs:]).repeat(2)
+    first = torch.cumsum(lengths, 0) - lengths  # index of each sequence's first target among all targets
+    rank = torch.arange(sequence.numel(), device=sequence.device) - first[sequence]  # 0-based within the sequence
+    weights = torch.where(rank < shared[sequence], 1.0, float(ld_alpha)).to(logps.dtype)
+    weighted = logps.new_zeros(num_sequences).index_add(0, sequence, logps * weights)
+    return PairSequenceLogps(weighted, raw, lengths)
+
+
+def f_divergence_scores(logratios: torch.Tensor, f_divergence_type: str = "reverse_kl",
+                        alpha: float = 0.5) -> torch.Tensor:
+    """f'(pi / ref) of the f-DPO paper, from log(pi / ref); reverse KL (standard DPO) is the log-ratio itself."""
+    if f_divergence_type == "reverse_kl":
+        return logratios
+    if f_divergence_type == "forward_kl":  # f'(u) = 1 - 1/u
+        return 1 - torch.exp(-logratios)
+    if f_divergence_type == "js_divergence":  # f'(u) = log(2u / (1 + u)) = log 2 + log sigmoid(log u)
+        return math.log(2) + F.logsigmoid(logratios)
+    if f_divergence_type == "alpha_divergence":  # f'(u) = (u^(alpha - 1) - 1) / (alpha - 1); alpha -> 1: log u
+        if abs(alpha - 1.0) < 1e-6:
+            return logratios
+        exponent = (alpha - 1.0) * logratios
+        if exponent.dtype in (torch.float16, torch.bfloat16):
+            exponent = exponent.float()
+        exponent = exponent.clamp(max=11.0 if logratios.dtype == torch.float16 else 80.0)  # exp stays finite
+        return (torch.expm1(exponent) / (alpha - 1.0)).to(logratios.dtype)
+    raise ValueError(f"Unknown f_divergence_type {f_divergence_type!r}; choose from {F_DIVERGENCE_TYPES}.")
+
+
+def _cdpo(delta: torch.Tensor, beta: float, label_smoothing: float) -> torch.Tensor:
+    return -F.logsigmoid(beta * delta) * (1 - label_smoothing) - F.logsigmoid(-beta * delta) * label_smoothing
+
+
+def _per_token(values: torch.Tensor, lengths: torch.Tensor | None, loss_type: str) -> torch.Tensor:
+    if lengths is None:
+        raise ValueError(f"loss_type {loss_type!r} needs the completion lengths (chosen_lengths, rejected_lengths).")
+    return values / lengths.to(values.dtype).clamp(min=1.0)
+
+
 def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
-             ref_rejected: torch.Tensor, beta: float, loss_type: str = "sigmoid", label_smoothing: float = 0.0):
-    """Per-pair loss and the implicit rewards beta * (log pi - log ref) of chosen and rejected."""
+             ref_rejected: torch.Tensor, beta: float, loss_type: str | Sequence[str] = "sigmoid",
+             label_smoothing: float = 0.0, *, loss_weights: Sequence[float] | None = None,
+             chosen_lengths: torch.Tensor | None = None, rejected_lengths: torch.Tensor | None = None,
+             chosen_raw_logps: torch.Tensor | None = None, f_divergence_type: str = "reverse_kl",
+             f_alpha_divergence_coef: float = 0.5, discopop_tau: float = 0.05):
+    """Per-pair loss (the weighted sum over `loss_type`s) and the implicit rewards beta * (log pi - log ref).
+
+    Inputs are per-pair summed completion log-probs. `chosen_lengths` / `rejected_lengths` (completion tokens)
+    are needed by ipo, sigmoid_norm and sft; `chosen_raw_logps` (sums without LD-DPO weighting, default
+    `policy_chosen`) by sft. Every type's value is per pair, so the mean over pairs is TRL's per-type loss.
+    """
+    loss_types = [loss_type] if isinstance(loss_type, str) else list(loss_type)
+    weights = [1.0] * len(loss_types) if loss_weights is None else list(loss_weights)
+    if len(weights) != len(loss_types):
+        raise ValueError(f"`loss_weights` has {len(weights)} weights for {len(loss_types)} loss types.")
     chosen_ratio = policy_chosen - ref_chosen
     rejected_ratio = policy_rejected - ref_rejected
-    margin = chosen_ratio - rejected_ratio
-    if loss_type == "sigmoid":
-        losses = -F.logsigmoid(beta * margin) * (1 - label_smoothing) - F.logsigmoid(-beta * margin) * label_smoothing
-    elif loss_type == "ipo":
-        losses = (margin - 1 / (2 * beta)) ** 2
-    elif loss_type == "hinge":
-        losses = torch.relu(1 - beta * margin)
-    else:
-        raise ValueError(f"Unknown DPO loss_type {loss_type!r}; choose from {DPO_LOSS_TYPES}.")
-    return losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
+    chosen_score = f_divergence_scores(chosen_ratio, f_divergence_type, f_alpha_divergence_coef)
+    rejected_score = f_divergence_scores(rejected_ratio, f_divergence_type, f_alpha_divergence_coef)
+    delta = chosen_score - rejected_score
+    total = None
+    for name, weight in zip(loss_types, weights):
+        if f_divergence_type != "reverse_kl" and name not in F_DIVERGENCE_LOSS_TYPES:
+            raise ValueError(f"f_divergence_type {f_divergence_type!r} does not apply to loss_type {name!r}.")
+        if name == "sigmoid":
+            losses = -F.logsigmoid(beta * delta)
+        elif name == "hinge":
+            losses = torch.relu(1 - beta * delta)
+        elif name == "ipo":  # on per-token averages, as TRL (confirmed with the IPO authors)
+            per_token = (_per_token(chosen_score, chosen_lengths, name)
+                         - _per_token(rejected_score, rejected_lengths, name))
+            losses = (per_token - 1 / (2 * beta)) ** 2
+        elif name == "exo_pair":  # KL(softmax(beta * scores) || [1 - eps, eps]) over {chosen, rejected}
+            if not 0.0 < label_smoothing < 1.0:
+                raise ValueError("loss_type 'exo_pair' needs 0 < label_smoothing < 1 (the EXO paper: 1e-3).")
+            losses = (torch.sigmoid(beta * delta) * (F.logsigmoid(beta * delta) - math.log1p(-label_smoothing))
+                      + torch.sigmoid(-beta * delta) * (F.logsigmoid(-beta * delta) - math.log(label_smoothing)))
+        elif name == "nca_pair":
+            chosen_reward, rejected_reward = beta * chosen_ratio, beta * rejected_ratio
+            losses = (-F.logsigmoid(chosen_reward) - 0.5 * F.logsigmoid(-chosen_reward)
+                      - 0.5 * F.logsigmoid(-rejected_reward))
+        elif name == "robust":  # unbiased under labels flipped with probability label_smoothing
+            losses = ((-(1 - label_smoothing) * F.logsigmoid(beta * delta)
+                       + label_smoothing * F.logsigmoid(-beta * delta)) / (1 - 2 * label_smoothing))
+        elif name == "bco_pair":
+            losses = -F.logsigmoid(beta * chosen_ratio) - F.logsigmoid(-beta * rejected_ratio)
+        elif name == "sppo_hard":
+            losses = (chosen_ratio - 0.5 / beta) ** 2 + (rejected_ratio + 0.5 / beta) ** 2
+        elif name == "aot":  # sorted policy margins against sorted reference margins, over the batch
+            sorted_policy = torch.sort(policy_chosen - policy_rejected, dim=0).values
+            sorted_ref = torch.sort(ref_chosen - ref_rejected, dim=0).values
+            losses = _cdpo(sorted_policy - sorted_ref, beta, label_smoothing)
+        elif name == "aot_unpaired":  # sorted chosen log-ratios against sorted rejected ones, over the batch
+            losses = _cdpo(torch.sort(chosen_ratio, dim=0).values - torch.sort(rejected_ratio, dim=0).values,
+                           beta, label_smoothing)
+        elif name == "apo_zero":
+            losses = 1 - torch.sigmoid(beta * chosen_ratio) + torch.sigmoid(beta * rejected_ratio)
+        elif name == "apo_down":
+            losses = torch.sigmoid(beta * chosen_ratio) + 1 - torch.sigmoid(beta * (chosen_ratio - rejected_ratio))
+        elif name == "discopop":  # logistic and exponential losses blended by sigmoid(logits / tau)
+            logits = beta * delta
+            mix = torch.sigmoid(logits / discopop_tau)
+            losses = -F.logsigmoid(logits) * (1 - mix) + torch.exp(-logits) * mix
+        elif name == "sft":  # NLL per chosen token over the whole batch, the same value for every pair
+            if chosen_lengths is None:
+                raise ValueError("loss_type 'sft' needs the completion lengths (chosen_lengths).")
+            raw = policy_chosen if chosen_raw_logps is None else chosen_raw_logps
+            nll = -raw.sum() / chosen_lengths.sum().to(raw.dtype)
+            losses = nll.expand(raw.shape[0])
+        elif name == "sigmoid_norm":  # sigmoid on per-token averages of the scores
+            per_token = (_per_token(chosen_score, chosen_lengths, name)
+                         - _per_token(rejected_score, rejected_lengths, name))
+            losses = -F.logsigmoid(beta * per_token)
+        else:
+            raise ValueError(f"Unknown DPO loss_type {name!r}; choose from {DPO_LOSS_TYPES}.")
+        total = losses * weight if total is None else total + losses * weight
+    if total is None:
+        raise ValueError("`loss_type` is empty; give at least one of " + ", ".join(DPO_LOSS_TYPES) + ".")
+    return total, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()

@@ -8,9 +8,9 @@ import torch
 
 from ..data.preference_collator import REFERENCE_COLUMNS, PreferenceCollator, sequence_starts
 from ..data.preference_preparation import prepare_preference_dataset
-from ..losses.preference import dpo_loss, sequence_logps
+from ..losses.preference import PairSequenceLogps, dpo_loss, pair_sequence_logps
 from .base import LeantuneTrainer
-from .dpo_config import DPOConfig
+from .dpo_config import DPOConfig, dpo_loss_types, dpo_loss_weights
 from .reference import MODEL_INPUTS, ReferenceModelMixin, load_policy_and_reference
 
 logger = logging.getLogger("leantune.dpo")
@@ -83,11 +83,16 @@ class DPOTrainer(ReferenceModelMixin, LeantuneTrainer):
         return torch.as_tensor(batch["num_pairs"])
 
     def sequence_logps(self, model, batch: dict) -> torch.Tensor:
-        """Summed completion log-probs of every sequence of the batch: [chosen..., rejected...]."""
+        """Summed completion log-probs of every sequence of the batch: [chosen..., rejected...] (LD-DPO weighted
+        when `ld_alpha` is set, for the policy and the reference alike)."""
+        return self.pair_logps(model, batch).logps
+
+    def pair_logps(self, model, batch: dict) -> PairSequenceLogps:
+        """Per-sequence sums, plain sums and completion lengths, all from the one set of per-target log-probs."""
         inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
         logps, targets, _ = self.target_logprobs(model, inputs, batch["labels"])
         starts = sequence_starts(batch)
-        return sequence_logps(logps, targets, starts, 2 * int(batch["num_pairs"]))
+        return pair_sequence_logps(logps, targets, starts, int(batch["num_pairs"]), self.args.ld_alpha)
 
     @torch.no_grad()
     def reference_logps(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,10 +117,15 @@ class DPOTrainer(ReferenceModelMixin, LeantuneTrainer):
         self.count_tokens(model, batch)
         pairs = int(batch["num_pairs"])
         ref_chosen, ref_rejected = self.reference_logps(batch)
-        policy = self.sequence_logps(model, batch)
+        sequences = self.pair_logps(model, batch)
+        policy, lengths = sequences.logps, sequences.lengths
+        args = self.args
         losses, chosen_rewards, rejected_rewards = dpo_loss(
             policy[:pairs], policy[pairs:], ref_chosen.to(policy.device), ref_rejected.to(policy.device),
-            self.args.beta, self.args.loss_type, self.args.label_smoothing,
+            args.beta, dpo_loss_types(args), args.label_smoothing, loss_weights=dpo_loss_weights(args),
+            chosen_lengths=lengths[:pairs], rejected_lengths=lengths[pairs:],
+            chosen_raw_logps=sequences.raw_logps[:pairs], f_divergence_type=args.f_divergence_type,
+            f_alpha_divergence_coef=args.f_alpha_divergence_coef, discopop_tau=args.discopop_tau,
         )
         loss = self.normalise(losses.sum(), pairs, num_items_in_batch)
         self.record_metrics(model, **{
