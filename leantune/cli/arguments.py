@@ -46,7 +46,6 @@ class ModelConfig:
     model_name_or_path: str | None = field(default=None, metadata={"help": "Model id on the Hub or a local folder."})
     model_revision: str = field(default="main", metadata={"help": "Model revision (branch, tag or commit)."})
     dtype: str | None = field(default=None, metadata={"help": "auto, float32, bfloat16 or float16."})
-    trust_remote_code: bool = field(default=False, metadata={"help": "Allow custom model code from the Hub."})
     attn_implementation: str | None = field(default=None, metadata={"help": "eager, sdpa, flash_attention_2, ..."})
     use_peft: bool = field(default=False, metadata={"help": "Train a LoRA adapter instead of all weights."})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
@@ -76,7 +75,7 @@ class ModelConfig:
 
 
 def model_init_kwargs_from(model_args: ModelConfig) -> dict:
-    kwargs = {"revision": model_args.model_revision, "trust_remote_code": model_args.trust_remote_code}
+    kwargs = {"revision": model_args.model_revision}  # trust_remote_code: a field of every trainer config
     if model_args.dtype:
         kwargs["dtype"] = model_args.dtype
     if model_args.attn_implementation:

@@ -20,6 +20,9 @@ GROUP_TITLES = {
     "ModelConfig": "model",
     "RewardArguments": "rewards",
     "MemoryOptions": "memory engine (every trainer)",
+    "ModelLoadingOptions": "model loading (every trainer)",
+    "CausalLMOptions": "model loading (every trainer)",
+    "ReferenceSyncOptions": "reference model sync (TR-DPO; not supported yet)",
 }
 
 

@@ -58,8 +58,27 @@ def resolve_source(name: str) -> str:
     return os.path.abspath(local) if os.path.isdir(local) else name
 
 
-def load_causal_lm(model, model_init_kwargs=None, auto_class=None):
-    """Return a model object from an id, a local path or a model object."""
+def with_quantization_config(model, model_init_kwargs, quantization_config):
+    """TRL's `quantization_config` trainer keyword: it joins the `from_pretrained` kwargs when `model` is a name or
+    path (set in both places: an error), and is ignored, with a warning, for a model object."""
+    if quantization_config is None:
+        return model_init_kwargs
+    if not isinstance(model, str):
+        logger.warning("quantization_config is ignored: the model is already instantiated.")
+        return model_init_kwargs
+    kwargs = parse_kwargs(model_init_kwargs)
+    if kwargs.get("quantization_config") is not None:
+        raise ValueError("quantization_config is set both as a trainer argument and in model_init_kwargs; set it in "
+                         "one place (preferably the trainer argument).")
+    return {**kwargs, "quantization_config": quantization_config}
+
+
+def load_causal_lm(model, model_init_kwargs=None, auto_class=None, trust_remote_code: bool = False):
+    """Return a model object from an id, a local path or a model object.
+
+    A name or path loads in float32 unless `model_init_kwargs` gives `dtype` (or `torch_dtype`), as TRL's trainers do
+    ('auto' = the checkpoint's dtype); with `bf16=True` the Trainer then trains under bf16 autocast.
+    """
     from transformers import AutoModelForCausalLM
 
     auto_class = auto_class or AutoModelForCausalLM
@@ -68,12 +87,15 @@ def load_causal_lm(model, model_init_kwargs=None, auto_class=None):
         if kwargs:
             warnings.warn("model_init_kwargs are ignored because `model` is already instantiated.", stacklevel=3)
         return model
+    if trust_remote_code:  # the config's `trust_remote_code`; one in model_init_kwargs wins, as in TRL
+        kwargs.setdefault("trust_remote_code", True)
     _resolve_dtype(kwargs)
+    kwargs.setdefault("dtype", torch.float32)
     _resolve_quantization(kwargs)
     return auto_class.from_pretrained(resolve_source(model), **kwargs)
 
 
-def load_tokenizer(model, processing_class=None):
+def load_tokenizer(model, processing_class=None, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
     if processing_class is not None:
@@ -81,7 +103,8 @@ def load_tokenizer(model, processing_class=None):
     name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", None)
     if not name:
         raise ValueError("Pass `processing_class` (a tokenizer): the model object does not say where it was loaded from.")
-    return AutoTokenizer.from_pretrained(resolve_source(name))
+    kwargs = {"trust_remote_code": True} if trust_remote_code else {}
+    return AutoTokenizer.from_pretrained(resolve_source(name), **kwargs)
 
 
 def ensure_pad_token(tokenizer, pad_token: str | None = None) -> None:

@@ -151,7 +151,8 @@ def _prepare(func, tokenizer, position: int, model_init_kwargs: dict):
         path = func
         func = AutoModelForSequenceClassification.from_pretrained(path, **{"num_labels": 1, **model_init_kwargs})
         if tokenizer is None:
-            tokenizer = AutoTokenizer.from_pretrained(path)
+            remote = {"trust_remote_code": True} if model_init_kwargs.get("trust_remote_code") else {}
+            tokenizer = AutoTokenizer.from_pretrained(path, **remote)
     elif _is_model(func):
         if tokenizer is None:
             tokenizer = _tokenizer_from_model_name(func, position)

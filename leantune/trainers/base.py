@@ -48,6 +48,10 @@ class LeantuneTrainer(Trainer):
     loss_is_scaled_for_ga = True
     # Dataset columns the collators read; everything else is removed by Trainer.
     dataset_columns: tuple[str, ...] = ()
+    # Columns whose presence marks a dataset as already prepared by this trainer's recipe (see `is_prepared`).
+    prepared_columns: tuple[str, ...] = ()
+    # The key prefix of the evaluation running now ("eval", or "eval_<name>" for one of several eval datasets).
+    _metric_prefix = "eval"
     def __init__(self, *args, **kwargs):
         self.throughput = TokenThroughput()
         self.data_reports: dict = {}
@@ -69,6 +73,93 @@ class LeantuneTrainer(Trainer):
         super().__init__(*args, **kwargs)
         if config.memory_breakdown:
             self.add_callback(MemoryBreakdownCallback(self.args.device, self._record_memory_breakdown))
+
+    # --- data: the train split and each eval split, prepared once by the trainer's own recipe --------------------
+
+    def prepare_split(self, dataset, split: str, tokenizer, args):
+        """(prepared dataset, report or None) of one split, by the trainer's recipe. Called before Trainer's own
+        set-up (so it uses the `tokenizer` and `args` it is given, not `self.processing_class` / `self.args`)."""
+        raise NotImplementedError
+
+    def prepare_datasets(self, train_dataset, eval_dataset, tokenizer, args):
+        """(train, eval, reports): `train_dataset` is required (as in TRL); `eval_dataset` is one dataset, or a dict
+        / DatasetDict of named ones, each prepared (evaluation then reports `eval_<name>_...` per name)."""
+        self.require_train_dataset(train_dataset)
+        reports = {}
+        train_dataset = self._prepare_and_remember(train_dataset, "train", tokenizer, args, reports)
+        if isinstance(eval_dataset, dict):  # a DatasetDict is a dict too
+            eval_dataset = {name: self._prepare_and_remember(data, f"eval_{name}", tokenizer, args, reports)
+                            for name, data in eval_dataset.items()}
+        elif eval_dataset is not None:
+            eval_dataset = self._prepare_and_remember(eval_dataset, "eval", tokenizer, args, reports)
+        return train_dataset, eval_dataset, reports
+
+    def require_train_dataset(self, train_dataset) -> None:
+        """TRL's trainers refuse to be built without a train dataset (no eval-only use); so do leantune's."""
+        if train_dataset is None:
+            raise ValueError(f"{type(self).__name__} needs `train_dataset` (as TRL's does): pass the dataset to train "
+                             "on, and `eval_dataset` for evaluation.")
+
+    def _prepare_and_remember(self, dataset, split: str, tokenizer, args, reports: dict):
+        dataset, report = self.prepare_split(dataset, split, tokenizer, args)
+        if report is not None:
+            reports[split] = report
+        self.remember_prepared(dataset)
+        return dataset
+
+    def remember_prepared(self, dataset) -> None:
+        if not hasattr(self, "_prepared_fingerprints"):
+            self._prepared_fingerprints = set()
+        fingerprint = getattr(dataset, "_fingerprint", None)
+        if fingerprint is not None:
+            self._prepared_fingerprints.add(fingerprint)
+
+    def is_prepared(self, dataset) -> bool:
+        """Whether `dataset` is already this trainer's prepared form: one it prepared (same fingerprint), or one
+        holding all of the trainer's `prepared_columns`."""
+        fingerprint = getattr(dataset, "_fingerprint", None)
+        if fingerprint is not None and fingerprint in getattr(self, "_prepared_fingerprints", ()):
+            return True
+        columns = set(getattr(dataset, "column_names", None) or ())
+        return bool(self.prepared_columns) and set(self.prepared_columns) <= columns
+
+    def finish_eval_split(self, dataset, split: str):
+        """What an eval split passed to `evaluate` needs after preparation (e.g. precomputed reference log-probs)."""
+        return dataset
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
+        """Trainer.evaluate on prepared data. A dataset passed here that is not prepared yet is prepared by the same
+        recipe as the eval dataset; a dict / DatasetDict (passed or given at construction) is evaluated per name
+        with metrics `<prefix>_<name>_...`; a str names one of the eval datasets given at construction."""
+        if eval_dataset is None:
+            eval_dataset = self.eval_dataset
+            if eval_dataset is None:
+                raise ValueError("evaluate() needs an eval_dataset: pass one here or to the trainer.")
+        if isinstance(eval_dataset, dict):
+            metrics = {}
+            for name, dataset in eval_dataset.items():
+                metrics.update(self.evaluate(dataset, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return metrics
+        if isinstance(eval_dataset, str):
+            if not isinstance(self.eval_dataset, dict) or eval_dataset not in self.eval_dataset:
+                raise ValueError(f"evaluate({eval_dataset!r}): no eval dataset of that name was given to the trainer.")
+            eval_dataset = self.eval_dataset[eval_dataset]
+        elif not self.is_prepared(eval_dataset):
+            eval_dataset, report = self.prepare_split(eval_dataset, metric_key_prefix, self.processing_class,
+                                                      self.args)
+            if report is not None:
+                self.data_reports[metric_key_prefix] = report
+            self.remember_prepared(eval_dataset)
+            eval_dataset = self.finish_eval_split(eval_dataset, metric_key_prefix)
+        previous, self._metric_prefix = self._metric_prefix, metric_key_prefix
+        try:
+            return self.evaluate_prepared(eval_dataset, ignore_keys, metric_key_prefix)
+        finally:
+            self._metric_prefix = previous
+
+    def evaluate_prepared(self, eval_dataset, ignore_keys, metric_key_prefix: str):
+        """Evaluate one prepared dataset (Trainer's evaluation loop; the online trainers generate instead)."""
+        return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
 
     def _set_signature_columns_if_needed(self):
         if self._signature_columns is None:
@@ -229,7 +320,7 @@ class LeantuneTrainer(Trainer):
 
     def log(self, logs: dict, start_time: float | None = None) -> None:
         mode = "train" if "loss" in logs else "eval"
-        prefix = "eval_" if mode == "eval" else ""
+        prefix = f"{self._metric_prefix}_" if mode == "eval" else ""
         store = self.metric_values[mode]
         if store:
             logs.update({f"{prefix}{name}": value for name, value in self.summarise_metrics(store).items()})

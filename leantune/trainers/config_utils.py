@@ -40,6 +40,66 @@ def non_default(args, *names: str) -> list[str]:
     return [name for name in names if getattr(args, name) != defaults[name]]
 
 
+# TRL fields that leantune accepts with TRL's default but does not implement yet, each with the closest thing leantune
+# offers. A config refuses any other value when it is built (refuse_unsupported_trl_fields); implementing one removes
+# its entry here. Fields a config does not have are skipped.
+_RECOMPUTED = "leantune recomputes generation-time log-probs with the training model rather than reading vLLM's"
+UNSUPPORTED_TRL_FIELDS: dict[str, str] = {
+    # every causal-LM trainer
+    "router_aux_loss_coef": "leantune trains on the language-modelling loss alone; leave it unset",
+    # DPO, KTO, GRPO, RLOO
+    "sync_ref_model": "the reference stays fixed (a frozen copy, the adapter disabled, or precomputed log-probs)",
+    "ref_model_mixup_alpha": "it only matters with `sync_ref_model=True`, which leantune does not have yet",
+    "ref_model_sync_steps": "it only matters with `sync_ref_model=True`, which leantune does not have yet",
+    # GRPO, RLOO: generation
+    "cache_implementation": "transformers' generate uses the model's default cache; `use_vllm=True` generates faster",
+    "vllm_model_impl": "leantune's vLLM engine uses vLLM's own model implementation",
+    "vllm_structured_outputs_regex": "completions are sampled freely; check their form in a reward function",
+    "vllm_group_port": "`vllm_mode='server'` syncs weights over HTTP on `vllm_server_port`",
+    "use_transformers_continuous_batching": "generate with `use_vllm=True`, or with transformers' generate (default)",
+    "transformers_continuous_batching_config": "it only matters with `use_transformers_continuous_batching=True`",
+    "use_transformers_paged": "generate with `use_vllm=True`, or with transformers' generate (default)",
+    "log_unique_prompts": "`num_completions_to_print` limits how many completions `log_completions` logs",
+    "log_completions_hub_repo": "`log_completions=True` logs completions with the training log",
+    # GRPO: objective
+    "cast_lm_head_to_fp32": "the chunked loss (`chunked_loss=True`, the default) already projects in float32",
+    "delta": "set the upper clipping range with `epsilon_high`",
+    "sapo_temperature_neg": "it applies to `loss_type='sapo'`; use one of grpo, dapo, dr_grpo, bnpo",
+    "sapo_temperature_pos": "it applies to `loss_type='sapo'`; use one of grpo, dapo, dr_grpo, bnpo",
+    "vespo_k_pos": "it applies to `loss_type='vespo'`; use one of grpo, dapo, dr_grpo, bnpo",
+    "vespo_lambda_pos": "it applies to `loss_type='vespo'`; use one of grpo, dapo, dr_grpo, bnpo",
+    "vespo_k_neg": "it applies to `loss_type='vespo'`; use one of grpo, dapo, dr_grpo, bnpo",
+    "vespo_lambda_neg": "it applies to `loss_type='vespo'`; use one of grpo, dapo, dr_grpo, bnpo",
+    "importance_sampling_level": "probability ratios are per token ('token')",
+    "multi_objective_aggregation": "rewards are summed with `reward_weights`, then scaled as `scale_rewards` says",
+    "top_entropy_quantile": "every completion token is trained (1.0)",
+    "entropy_coef": "leantune adds no entropy term to the loss; leave it at 0",
+    "use_adaptive_entropy": "leantune adds no entropy term to the loss; leave it False",
+    "entropy_coef_min": "it only matters with `use_adaptive_entropy=True`, which leantune does not have yet",
+    "entropy_coef_max": "it only matters with `use_adaptive_entropy=True`, which leantune does not have yet",
+    "entropy_coef_delta": "it only matters with `use_adaptive_entropy=True`, which leantune does not have yet",
+    "entropy_target": "it only matters with `use_adaptive_entropy=True`, which leantune does not have yet",
+    "max_tool_calling_iterations": "leantune generates single-turn completions without tools",
+    "vllm_importance_sampling_correction": _RECOMPUTED,
+    "vllm_importance_sampling_mode": _RECOMPUTED,
+    "vllm_importance_sampling_clip_max": _RECOMPUTED,
+    "vllm_importance_sampling_clip_min": _RECOMPUTED,
+    "vllm_importance_sampling_cap": _RECOMPUTED,
+    "off_policy_mask_threshold": "every completion is trained; `mask_truncated_completions=True` masks cut ones",
+    "use_bias_correction_kl": "the KL term (`beta` > 0) is the plain k3 estimate on the current batch",
+}
+
+
+def refuse_unsupported_trl_fields(args) -> None:
+    """A value other than TRL's default for a field leantune does not implement yet is a one-line ValueError."""
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(args)}
+    for name in non_default(args, *(name for name in UNSUPPORTED_TRL_FIELDS if name in names)):
+        raise ValueError(f"`{name}`={getattr(args, name)!r} is not supported by leantune yet; "
+                         f"{UNSUPPORTED_TRL_FIELDS[name]}.")
+
+
 def resolve_checkpointing(args, default: bool = True) -> None:
     """Gradient checkpointing on by default, non-reentrant, under TRL's name or transformers' newer one.
 

@@ -16,17 +16,19 @@ from ..losses.preference import (
 from .config_utils import (
     non_default,
     positive_or_none,
+    refuse_unsupported_trl_fields,
     resolve_bf16,
     resolve_checkpointing,
     validate_batch_sizes,
 )
 from .memory_options import MemoryOptions, validate_memory_options
+from .trl_options import CausalLMOptions, ReferenceSyncOptions
 
 TRUNCATION_MODES = ("keep_start", "keep_end")
 
 
 @dataclass
-class DPOConfig(MemoryOptions, TrainingArguments):
+class DPOConfig(MemoryOptions, CausalLMOptions, ReferenceSyncOptions, TrainingArguments):
     """Direct Preference Optimization. Defaults match TRL's, except where noted."""
 
     learning_rate: float = field(default=1e-6, metadata={"help": "Initial AdamW learning rate."})
@@ -60,6 +62,7 @@ class DPOConfig(MemoryOptions, TrainingArguments):
         metadata={"help": "All chosen and rejected sequences of a batch in one row with restarting position_ids."},
     )
     pad_to_multiple_of: int | None = field(default=None, metadata={"help": "Pad each batch to a multiple of this."})
+    pad_token: str | None = field(default=None, metadata={"help": "Padding token (default: tokenizer's, else its EOS)."})
 
     # Reference
     precompute_ref_log_probs: bool = field(
@@ -110,6 +113,7 @@ class DPOConfig(MemoryOptions, TrainingArguments):
 
 def validate_dpo_config(args: DPOConfig) -> None:
     validate_memory_options(args)
+    refuse_unsupported_trl_fields(args)
     validate_batch_sizes(args)
     for name in ("max_length", "max_prompt_length", "max_completion_length", "pad_to_multiple_of",
                  "dataset_num_proc", "precompute_ref_batch_size"):

@@ -20,6 +20,7 @@ class DPOTrainer(ReferenceModelMixin, LeantuneTrainer):
     """Train a causal LM to prefer chosen over rejected completions, relative to a frozen reference."""
 
     dataset_columns = ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids", *REFERENCE_COLUMNS)
+    prepared_columns = ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids")
 
     def __init__(
         self,
@@ -35,23 +36,23 @@ class DPOTrainer(ReferenceModelMixin, LeantuneTrainer):
         optimizers=(None, None),
         optimizer_cls_and_kwargs=None,
         preprocess_logits_for_metrics=None,
+        quantization_config=None,
         peft_config=None,
     ):
         if args is None:
             name = model if isinstance(model, str) else type(model).__name__
             args = DPOConfig(output_dir=f"{str(name).split('/')[-1]}-DPO")
+        self.require_train_dataset(train_dataset)
 
         # 1. policy, tokenizer, reference
-        loaded = load_policy_and_reference(model, ref_model, processing_class, peft_config, args)
+        loaded = load_policy_and_reference(model, ref_model, processing_class, peft_config, args,
+                                           quantization_config=quantization_config)
         model, ref_model, tokenizer = loaded.model, loaded.ref_model, loaded.tokenizer
         self.uses_adapter_as_reference = loaded.uses_adapter_as_reference
         self._reference_note(loaded, args)
 
         # 2. data: pairs -> prompt / chosen / rejected ids, truncated and counted
-        reports = {}
-        train_dataset, reports["train"] = prepare_preference_dataset(train_dataset, tokenizer, args, "train")
-        if eval_dataset is not None:
-            eval_dataset, reports["eval"] = prepare_preference_dataset(eval_dataset, tokenizer, args, "eval")
+        train_dataset, eval_dataset, reports = self.prepare_datasets(train_dataset, eval_dataset, tokenizer, args)
 
         # 3. batches: chosen then rejected sequences, padded or padding-free
         if data_collator is None:
@@ -72,6 +73,9 @@ class DPOTrainer(ReferenceModelMixin, LeantuneTrainer):
         self.data_reports = reports
         self.ref_model = self.accelerator.prepare_model(ref_model, evaluation_mode=True) if ref_model else None
         self._reference_ready = not args.precompute_ref_log_probs
+
+    def prepare_split(self, dataset, split, tokenizer, args):
+        return prepare_preference_dataset(dataset, tokenizer, args, split)
 
     def _reference_note(self, loaded, args) -> None:
         how = loaded.description(args)

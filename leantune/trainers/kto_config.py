@@ -11,16 +11,18 @@ from ..losses.kto import KTO_LOSS_TYPES
 from .config_utils import (
     non_default,
     positive_or_none,
+    refuse_unsupported_trl_fields,
     resolve_bf16,
     resolve_checkpointing,
     validate_batch_sizes,
 )
 from .dpo_config import TRUNCATION_MODES
 from .memory_options import MemoryOptions, validate_memory_options
+from .trl_options import CausalLMOptions, ReferenceSyncOptions
 
 
 @dataclass
-class KTOConfig(MemoryOptions, TrainingArguments):
+class KTOConfig(MemoryOptions, CausalLMOptions, ReferenceSyncOptions, TrainingArguments):
     """Kahneman-Tversky Optimization: desirable / undesirable completions, each judged on its own.
 
     Defaults match TRL's, except: batches are sampled at random (TRL: sequential), because the mismatched
@@ -101,6 +103,7 @@ class KTOConfig(MemoryOptions, TrainingArguments):
 
 def validate_kto_config(args: KTOConfig) -> None:
     validate_memory_options(args)
+    refuse_unsupported_trl_fields(args)
     validate_batch_sizes(args)
     for name in ("max_length", "max_prompt_length", "max_completion_length", "pad_to_multiple_of",
                  "dataset_num_proc", "precompute_ref_batch_size"):

@@ -41,23 +41,23 @@ class KTOTrainer(ReferenceModelMixin, LeantuneTrainer):
         optimizers=(None, None),
         optimizer_cls_and_kwargs=None,
         preprocess_logits_for_metrics=None,
+        quantization_config=None,
         peft_config=None,
     ):
         if args is None:
             name = model if isinstance(model, str) else type(model).__name__
             args = KTOConfig(output_dir=f"{str(name).split('/')[-1]}-KTO")
+        self.require_train_dataset(train_dataset)
 
         # 1. policy, tokenizer, reference
-        loaded = load_policy_and_reference(model, ref_model, processing_class, peft_config, args)
+        loaded = load_policy_and_reference(model, ref_model, processing_class, peft_config, args,
+                                           quantization_config=quantization_config)
         model, ref_model, tokenizer = loaded.model, loaded.ref_model, loaded.tokenizer
         self.uses_adapter_as_reference = loaded.uses_adapter_as_reference
         self._reference_note(loaded, args)
 
         # 2. data: unpaired (or unpaired pairs) -> prompt / completion ids, label, KL completion; counted
-        reports = {}
-        train_dataset, reports["train"] = prepare_kto_dataset(train_dataset, tokenizer, args, "train")
-        if eval_dataset is not None:
-            eval_dataset, reports["eval"] = prepare_kto_dataset(eval_dataset, tokenizer, args, "eval")
+        train_dataset, eval_dataset, reports = self.prepare_datasets(train_dataset, eval_dataset, tokenizer, args)
 
         # 3. batches: the completions' sequences and the KL term's mismatched ones, padded or padding-free
         if data_collator is None:
@@ -78,6 +78,14 @@ class KTOTrainer(ReferenceModelMixin, LeantuneTrainer):
         self.data_reports = reports
         self.ref_model = self.accelerator.prepare_model(ref_model, evaluation_mode=True) if ref_model else None
         self._reference_ready = not args.precompute_ref_log_probs
+
+    def prepare_split(self, dataset, split, tokenizer, args):
+        return prepare_kto_dataset(dataset, tokenizer, args, split)
+
+    def is_prepared(self, dataset) -> bool:
+        columns = set(getattr(dataset, "column_names", None) or ())
+        return super().is_prepared(dataset) or ({"prompt_input_ids", "completion_input_ids", "label"} <= columns and (
+            not self.args.uses_kl or KL_COLUMN in columns))
 
     def _reference_note(self, loaded, args) -> None:
         how = loaded.description(args)
@@ -160,15 +168,6 @@ class KTOTrainer(ReferenceModelMixin, LeantuneTrainer):
 
     # --- precomputed reference ------------------------------------------------------------------------------------
 
-    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
-        """As Trainer.evaluate; a dataset passed here in any accepted format is prepared like the eval dataset."""
-        self.prepare_reference()
-        if eval_dataset is not None and not isinstance(eval_dataset, (str, dict)) and not _is_prepared(
-                eval_dataset, self.args):
-            eval_dataset, self.data_reports[metric_key_prefix] = prepare_kto_dataset(
-                eval_dataset, self.processing_class, self.args, metric_key_prefix)
-        return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
-
     def reference_columns(self, dataset) -> tuple[str, ...]:
         return ("ref_logps", "ref_kl_logps") if KL_COLUMN in dataset.column_names else ("ref_logps",)
 
@@ -177,9 +176,3 @@ class KTOTrainer(ReferenceModelMixin, LeantuneTrainer):
         if "kl_input_ids" in batch:
             values["ref_kl_logps"] = self.sequence_logps(model, batch, kl=True)
         return values
-
-
-def _is_prepared(dataset, args) -> bool:
-    columns = set(dataset.column_names)
-    return {"prompt_input_ids", "completion_input_ids", "label"} <= columns and (
-        not args.uses_kl or KL_COLUMN in columns)

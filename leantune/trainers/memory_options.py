@@ -1,7 +1,7 @@
 """Config fields of the memory engine, shared by every leantune config (TRL's names where TRL has them).
 
 It comes before TrainingArguments in each config's bases, so its defaults for transformers' own fields
-(`gradient_checkpointing`, `bf16`: None = decided in __post_init__ by config_utils) take precedence."""
+(`gradient_checkpointing`: True as in TRL; `bf16`: None = decided in __post_init__ by config_utils) take precedence."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 @dataclass
 class MemoryOptions:
     gradient_checkpointing: bool | None = field(
-        default=None,
-        metadata={"help": "Recompute activations in the backward pass to save memory (default: on, non-reentrant)."},
+        default=True,
+        metadata={"help": "Recompute activations in the backward pass to save memory (non-reentrant). True, as in TRL; "
+                  "transformers' newer `activation_checkpointing`, when set, takes precedence."},
     )
     bf16: bool | None = field(
         default=None,

@@ -14,11 +14,13 @@ from transformers import TrainingArguments
 from .config_utils import (
     non_default,
     positive_or_none,
+    refuse_unsupported_trl_fields,
     resolve_bf16,
     resolve_checkpointing,
     validate_batch_sizes,
 )
 from .memory_options import MemoryOptions, validate_memory_options
+from .trl_options import CausalLMOptions, ReferenceSyncOptions
 
 VLLM_MODES = ("colocate", "server")
 # Options read only by one vLLM mode (generation/vllm_colocate.py, generation/vllm_client.py).
@@ -28,7 +30,7 @@ VLLM_SERVER_OPTIONS = ("vllm_server_base_url", "vllm_server_host", "vllm_server_
 
 
 @dataclass
-class OnlineConfig(MemoryOptions, TrainingArguments):
+class OnlineConfig(MemoryOptions, CausalLMOptions, ReferenceSyncOptions, TrainingArguments):
     learning_rate: float = field(default=1e-6, metadata={"help": "Initial AdamW learning rate."})
     logging_steps: float = field(default=10, metadata={"help": "Log every N optimizer steps."})
 
@@ -116,6 +118,33 @@ class OnlineConfig(MemoryOptions, TrainingArguments):
     )
     log_completions: bool = field(default=False, metadata={"help": "Log a few prompts, completions and rewards."})
     num_completions_to_print: int | None = field(default=None, metadata={"help": "How many (default: 4)."})
+    log_multimodal: bool = field(
+        default=True, metadata={"help": "Log images and other media with completions (no effect: text only)."}
+    )
+
+    # TRL fields leantune does not implement yet: a value other than the default is refused (config_utils.py).
+    log_unique_prompts: bool = field(default=False, metadata={"help": "Log each prompt once. Not supported yet."})
+    cache_implementation: str | None = field(
+        default=None, metadata={"help": "KV-cache kind of transformers' generate. Not supported yet."}
+    )
+    vllm_model_impl: str = field(
+        default="vllm", metadata={"help": "vLLM's model code: vllm or transformers. Not supported yet (vllm)."}
+    )
+    vllm_structured_outputs_regex: str | None = field(
+        default=None, metadata={"help": "Constrain vLLM's completions to a regular expression. Not supported yet."}
+    )
+    vllm_group_port: int = field(
+        default=51216, metadata={"help": "Server: port of TRL's weight-update group. Not needed by leantune's server."}
+    )
+    use_transformers_continuous_batching: bool = field(
+        default=False, metadata={"help": "Generate with transformers' continuous batching. Not supported yet."}
+    )
+    transformers_continuous_batching_config: dict | str | None = field(
+        default=None, metadata={"help": "Settings of that continuous batching. Not supported yet."}
+    )
+    use_transformers_paged: bool = field(
+        default=False, metadata={"help": "Older name of use_transformers_continuous_batching. Not supported yet."}
+    )
 
     def __post_init__(self):
         resolve_bf16(self)
@@ -153,6 +182,7 @@ class OnlineConfig(MemoryOptions, TrainingArguments):
 
 def validate_online_config(args: OnlineConfig) -> None:
     validate_memory_options(args)
+    refuse_unsupported_trl_fields(args)
     validate_batch_sizes(args)
     if args.generation_batch_size is not None and args.steps_per_generation is not None:
         raise ValueError("Set `generation_batch_size` or `steps_per_generation`, not both: each determines the other.")

@@ -84,6 +84,7 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
 
     method = "online"
     config_class: type = None
+    prepared_columns = (PROMPT_IDS,)
 
     def __init__(
         self,
@@ -96,28 +97,28 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         reward_processing_classes=None,
         callbacks=None,
         optimizers=(None, None),
+        quantization_config=None,
         peft_config=None,
     ):
         if args is None:
             name = model if isinstance(model, str) else type(model).__name__
             args = self.config_class(output_dir=f"{str(name).split('/')[-1]}-{self.method.upper()}")
+        self.require_train_dataset(train_dataset)
         check_backend_requirements(args)
         # 1. policy, tokenizer, reference (none when beta = 0; the adapter disabled with PEFT)
         loaded = load_policy_and_reference(model, None, processing_class, peft_config, args,
-                                           needs_reference=args.beta != 0.0)
+                                           needs_reference=args.beta != 0.0, quantization_config=quantization_config)
         model, tokenizer = loaded.model, loaded.tokenizer
         self.uses_adapter_as_reference = loaded.uses_adapter_as_reference
         logger.info("%s reference: %s.", self.method.upper(), loaded.description(args))
 
         # 2. rewards
-        self.rewards = RewardFunctions(reward_funcs, args.reward_weights, reward_processing_classes)
+        self.rewards = RewardFunctions(reward_funcs, args.reward_weights, reward_processing_classes,
+                                       {"trust_remote_code": True} if args.trust_remote_code else None)
 
         # 3. prompts, tokenised once; the rest of each row goes to the reward functions
-        limit = context_limit_of(model)
-        reports = {}
-        train_dataset, reports["train"] = prepare_prompt_dataset(train_dataset, tokenizer, args, "train", limit)
-        if eval_dataset is not None:
-            eval_dataset, reports["eval"] = prepare_prompt_dataset(eval_dataset, tokenizer, args, "eval", limit)
+        self._context_limit = context_limit_of(model)
+        train_dataset, eval_dataset, reports = self.prepare_datasets(train_dataset, eval_dataset, tokenizer, args)
 
         super().__init__(
             model=model,
@@ -150,6 +151,9 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         self._synced_step = -1
         self._rounds_generated = 0
         self.round_counts: dict[str, int] = defaultdict(int)  # counted decisions over the run (logged)
+
+    def prepare_split(self, dataset, split, tokenizer, args):
+        return prepare_prompt_dataset(dataset, tokenizer, args, split, self._context_limit)
 
     # --- data: rounds of prompts ---------------------------------------------------------------------------------
 
@@ -366,13 +370,8 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
 
     # --- evaluation: generate for the held-out prompts and report their rewards -----------------------------------
 
-    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:
-        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
-        if dataset is None:
-            raise ValueError("evaluate() needs an eval_dataset.")
-        if eval_dataset is not None and PROMPT_IDS not in dataset.column_names:
-            dataset, _ = prepare_prompt_dataset(dataset, self.processing_class, self.args, "eval",
-                                                context_limit_of(self.model))
+    def evaluate_prepared(self, dataset, ignore_keys, metric_key_prefix: str) -> dict:
+        """One prepared eval split (the base `evaluate` prepares raw ones and runs each of a dict)."""
         group = self.args.eval_num_generations
         size = max(1, self.args.per_device_eval_batch_size // group) * self.accelerator.num_processes
         self.metric_values["eval"].clear()

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.loading import apply_peft, ensure_pad_token, load_causal_lm, load_tokenizer
+from ..models.loading import apply_peft, ensure_pad_token, load_causal_lm, load_tokenizer, with_quantization_config
 from ..models.output_head import unwrap_model
 from ..models.segment_attention import SEGMENT_SDPA, use_segment_attention
 
@@ -46,13 +46,14 @@ class PolicyAndReference:
 
 
 def load_policy_and_reference(model, ref_model, processing_class, peft_config, args,
-                              needs_reference: bool = True) -> PolicyAndReference:
+                              needs_reference: bool = True, quantization_config=None) -> PolicyAndReference:
     """Load the policy (and tokenizer), apply PEFT, and choose the reference by the rules above (none at all when
     the objective does not use one, e.g. GRPO with beta=0)."""
     model_source = model
-    model = load_causal_lm(model, args.model_init_kwargs)
-    tokenizer = load_tokenizer(model_source, processing_class)
-    ensure_pad_token(tokenizer, None)
+    model = load_causal_lm(model, with_quantization_config(model, args.model_init_kwargs, quantization_config),
+                           trust_remote_code=args.trust_remote_code)
+    tokenizer = load_tokenizer(model_source, processing_class, trust_remote_code=args.trust_remote_code)
+    ensure_pad_token(tokenizer, getattr(args, "pad_token", None))  # DPOConfig has TRL's pad_token
     model.config.use_cache = False
     if args.padding_free and use_segment_attention(model):
         logger.info("Padding-free batches: attention runs per sequence (%s).", SEGMENT_SDPA)
@@ -62,7 +63,8 @@ def load_policy_and_reference(model, ref_model, processing_class, peft_config, a
     if not needs_reference:
         ref_model = None
     elif ref_model is not None:
-        ref_model = load_causal_lm(ref_model, getattr(args, "ref_model_init_kwargs", None))
+        ref_model = load_causal_lm(ref_model, getattr(args, "ref_model_init_kwargs", None),
+                                   trust_remote_code=args.trust_remote_code)
         if args.padding_free:
             use_segment_attention(ref_model)
     elif not adapter_reference and not precompute:
@@ -121,11 +123,15 @@ class ReferenceModelMixin:
         if self._reference_ready:
             return
         self.train_dataset = self.precompute_reference_logps(self.train_dataset, "train")
-        if self.eval_dataset is not None:
+        if isinstance(self.eval_dataset, dict):
+            self.eval_dataset = {name: self.precompute_reference_logps(data, f"eval_{name}")
+                                 for name, data in self.eval_dataset.items()}
+        elif self.eval_dataset is not None:
             self.eval_dataset = self.precompute_reference_logps(self.eval_dataset, "eval")
         self._reference_ready = True
         if self.ref_model is not None:
             self.ref_model = None  # no reference is held during training
+            self._reference_dropped = True
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
 
@@ -136,6 +142,19 @@ class ReferenceModelMixin:
     def evaluate(self, *args, **kwargs):
         self.prepare_reference()  # evaluating before training must find the reference log-probs too
         return super().evaluate(*args, **kwargs)
+
+    def finish_eval_split(self, dataset, split: str):
+        """A dataset first seen by `evaluate`: with `precompute_ref_log_probs`, its reference log-probs are computed
+        now, while the reference is still at hand (adapter disabled, or the untrained policy before any step)."""
+        if not getattr(self.args, "precompute_ref_log_probs", False):
+            return dataset
+        if all(name in dataset.column_names for name in self.reference_columns(dataset)):
+            return dataset
+        if self.ref_model is None and not self.uses_adapter_as_reference and (
+                getattr(self, "_reference_dropped", False) or self.state.global_step > 0):
+            raise ValueError("With precompute_ref_log_probs and no reference kept in memory, evaluate() cannot score "
+                             "a new dataset after training started: pass it as eval_dataset to the trainer instead.")
+        return self.precompute_reference_logps(dataset, split)
 
     @torch.no_grad()
     def precompute_reference_logps(self, dataset, split: str):

@@ -11,17 +11,19 @@ from transformers import TrainingArguments
 from .config_utils import (
     non_default,
     positive_or_none,
+    refuse_unsupported_trl_fields,
     resolve_bf16,
     resolve_checkpointing,
     validate_batch_sizes,
 )
 from .memory_options import MemoryOptions, validate_memory_options
+from .trl_options import ModelLoadingOptions
 
 TRUNCATION_MODES = ("keep_start", "keep_end")
 
 
 @dataclass
-class RewardConfig(MemoryOptions, TrainingArguments):
+class RewardConfig(MemoryOptions, ModelLoadingOptions, TrainingArguments):
     """Reward modelling (a sequence-classification model scoring chosen above rejected). Defaults match TRL's,
     except where noted: TRL drops pairs longer than `max_length`; leantune truncates them (counted), by default
     keeping the end of each sequence, since that is where the reward is read."""
@@ -81,6 +83,7 @@ class RewardConfig(MemoryOptions, TrainingArguments):
 
 def validate_reward_config(args: RewardConfig) -> None:
     validate_memory_options(args)
+    refuse_unsupported_trl_fields(args)
     validate_batch_sizes(args)
     for name in ("max_length", "max_prompt_length", "max_completion_length", "pad_to_multiple_of",
                  "dataset_num_proc"):

@@ -20,7 +20,14 @@ from ..data.chat_template import load_chat_template
 from ..data.preference_collator import PreferenceCollator
 from ..data.preference_preparation import prepare_preference_dataset
 from ..losses.reward import bradley_terry_loss
-from ..models.loading import apply_peft, ensure_pad_token, load_causal_lm, load_tokenizer, parse_kwargs
+from ..models.loading import (
+    apply_peft,
+    ensure_pad_token,
+    load_causal_lm,
+    load_tokenizer,
+    parse_kwargs,
+    with_quantization_config,
+)
 from ..models.output_head import unwrap_model
 from ..models.segment_attention import SEGMENT_SDPA, use_segment_attention
 from .base import LeantuneTrainer
@@ -38,6 +45,7 @@ class RewardTrainer(LeantuneTrainer):
     """Train a reward model (num_labels=1) on chosen / rejected pairs with the pairwise Bradley-Terry loss."""
 
     dataset_columns = ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids", "margin")
+    prepared_columns = ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids")
 
     def __init__(
         self,
@@ -52,18 +60,19 @@ class RewardTrainer(LeantuneTrainer):
         optimizers=(None, None),
         optimizer_cls_and_kwargs=None,
         preprocess_logits_for_metrics=None,
+        quantization_config=None,
         peft_config=None,
     ):
         if args is None:
             name = model if isinstance(model, str) else type(model).__name__
             args = RewardConfig(output_dir=f"{str(name).split('/')[-1]}-Reward")
-        if train_dataset is None:
-            raise ValueError("RewardTrainer needs a `train_dataset` of chosen / rejected pairs.")
+        self.require_train_dataset(train_dataset)
 
         # 1. model and tokenizer
         model_source = model
-        model = load_reward_model(model, args.model_init_kwargs)
-        tokenizer = load_tokenizer(model_source, processing_class)
+        model = load_reward_model(model, with_quantization_config(model, args.model_init_kwargs, quantization_config),
+                                  trust_remote_code=args.trust_remote_code)
+        tokenizer = load_tokenizer(model_source, processing_class, trust_remote_code=args.trust_remote_code)
         if args.chat_template_path:
             load_chat_template(tokenizer, args.chat_template_path)
         if args.eos_token is not None:
@@ -94,13 +103,7 @@ class RewardTrainer(LeantuneTrainer):
             args.use_liger_loss = False  # so the shared set-up does not announce a chunked loss either
 
         # 2. data: pairs -> prompt / chosen / rejected ids, truncated and counted; an optional margin per pair
-        reports = {}
-        train_dataset, reports["train"] = prepare_reward_dataset(train_dataset, tokenizer, args, "train")
-        if isinstance(eval_dataset, dict) and type(eval_dataset).__name__ != "DatasetDict":
-            eval_dataset = {name: prepare_reward_dataset(data, tokenizer, args, f"eval/{name}")[0]
-                            for name, data in eval_dataset.items()}
-        elif eval_dataset is not None:
-            eval_dataset, reports["eval"] = prepare_reward_dataset(eval_dataset, tokenizer, args, "eval")
+        train_dataset, eval_dataset, reports = self.prepare_datasets(train_dataset, eval_dataset, tokenizer, args)
 
         # 3. batches: chosen then rejected sequences, padded or padding-free
         if data_collator is None:
@@ -122,6 +125,9 @@ class RewardTrainer(LeantuneTrainer):
         # The loss needs no labels; evaluation still computes it, and hands the rewards to compute_metrics.
         self.label_names = []
         self.can_return_loss = True
+
+    def prepare_split(self, dataset, split, tokenizer, args):
+        return prepare_reward_dataset(dataset, tokenizer, args, split)
 
     # --- rewards --------------------------------------------------------------------------------------------------
 
@@ -170,13 +176,14 @@ class RewardTrainer(LeantuneTrainer):
 # --- model ----------------------------------------------------------------------------------------------------------
 
 
-def load_reward_model(model, model_init_kwargs=None):
+def load_reward_model(model, model_init_kwargs=None, trust_remote_code: bool = False):
     """A sequence-classification model with one output (the reward), from an id, a path or an object."""
     from transformers import AutoModelForSequenceClassification
 
     if isinstance(model, str):
         kwargs = {"dtype": "float32", **parse_kwargs(model_init_kwargs), "num_labels": 1}
-        return load_causal_lm(model, kwargs, auto_class=AutoModelForSequenceClassification)
+        return load_causal_lm(model, kwargs, auto_class=AutoModelForSequenceClassification,
+                              trust_remote_code=trust_remote_code)
     model = load_causal_lm(model, model_init_kwargs)
     num_labels = getattr(unwrap_model(model).config, "num_labels", None)
     if num_labels != 1:

@@ -11,11 +11,13 @@ from transformers import TrainingArguments
 from .config_utils import (
     non_default,
     positive_or_none,
+    refuse_unsupported_trl_fields,
     resolve_bf16,
     resolve_checkpointing,
     validate_batch_sizes,
 )
 from .memory_options import MemoryOptions, validate_memory_options
+from .trl_options import CausalLMOptions
 
 PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")
 TRUNCATION_MODES = ("keep_start", "keep_end")
@@ -23,7 +25,7 @@ SFT_LOSS_TYPES = ("nll",)
 
 
 @dataclass
-class SFTConfig(MemoryOptions, TrainingArguments):
+class SFTConfig(MemoryOptions, CausalLMOptions, TrainingArguments):
     """Configuration of supervised fine-tuning. Defaults match TRL's, except where noted."""
 
     # Overridden TrainingArguments defaults (TRL's choices).
@@ -105,6 +107,7 @@ class SFTConfig(MemoryOptions, TrainingArguments):
 def validate_sft_config(args: SFTConfig) -> None:
     """Reject settings that cannot work, with the reason, before any data is touched."""
     validate_memory_options(args)
+    refuse_unsupported_trl_fields(args)
     validate_batch_sizes(args)
     positive_or_none(args.max_length, "max_length")
     positive_or_none(args.pad_to_multiple_of, "pad_to_multiple_of")

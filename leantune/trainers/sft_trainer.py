@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 
+from transformers import TrainingArguments
+
 from ..data.chat_template import load_chat_template
 from ..data.collators import CausalLMCollator
 from ..data.sft_preparation import loss_mask_columns, prepare_sft_dataset
@@ -14,6 +16,7 @@ from ..models.loading import (
     load_causal_lm,
     load_tokenizer,
     parse_kwargs,
+    with_quantization_config,
 )
 from ..models.segment_attention import SEGMENT_SDPA, use_segment_attention
 from .base import LeantuneTrainer
@@ -41,17 +44,24 @@ class SFTTrainer(LeantuneTrainer):
         optimizers=(None, None),
         optimizer_cls_and_kwargs=None,
         preprocess_logits_for_metrics=None,
+        quantization_config=None,
         peft_config=None,
         formatting_func=None,
     ):
         if args is None:
             name = model if isinstance(model, str) else type(model).__name__
             args = SFTConfig(output_dir=f"{str(name).split('/')[-1]}-SFT")
+        elif isinstance(args, TrainingArguments) and not isinstance(args, SFTConfig):
+            values = args.to_dict()
+            values["hub_token"] = args.hub_token  # to_dict hides it
+            args = SFTConfig(**values)  # as TRL does: the given values, SFT's defaults for the rest
+        self.require_train_dataset(train_dataset)
 
         # 1. model and tokenizer
         model_source = model
-        model = load_causal_lm(model, args.model_init_kwargs)
-        tokenizer = load_tokenizer(model_source, processing_class)
+        model = load_causal_lm(model, with_quantization_config(model, args.model_init_kwargs, quantization_config),
+                               trust_remote_code=args.trust_remote_code)
+        tokenizer = load_tokenizer(model_source, processing_class, trust_remote_code=args.trust_remote_code)
         if args.chat_template_path:
             load_chat_template(tokenizer, args.chat_template_path)
         ensure_pad_token(tokenizer, args.pad_token)
@@ -62,28 +72,14 @@ class SFTTrainer(LeantuneTrainer):
         model = apply_peft(model, peft_config, args)
 
         # 2. data: tokenise, truncate, pack (each step counted and logged)
-        dataset_kwargs = parse_kwargs(args.dataset_kwargs)
-        eval_packing = args.packing if args.eval_packing is None else args.eval_packing
-        reports = {}
-        if not dataset_kwargs.get("skip_prepare_dataset", False):
-            train_dataset, reports["train"] = prepare_sft_dataset(
-                train_dataset, tokenizer, args, "train", formatting_func, packing=args.packing
-            )
-            if isinstance(eval_dataset, dict):
-                eval_dataset = {
-                    name: prepare_sft_dataset(ds, tokenizer, args, f"eval/{name}", formatting_func, eval_packing)[0]
-                    for name, ds in eval_dataset.items()
-                }
-            elif eval_dataset is not None:
-                eval_dataset, reports["eval"] = prepare_sft_dataset(
-                    eval_dataset, tokenizer, args, "eval", formatting_func, packing=eval_packing
-                )
+        self._formatting_func = formatting_func
+        train_dataset, eval_dataset, reports = self.prepare_datasets(train_dataset, eval_dataset, tokenizer, args)
 
         # 3. batches: padded, padding-free or packed rows, all with the same loss tokens
         if data_collator is None:
             data_collator = CausalLMCollator(
                 pad_token_id=tokenizer.pad_token_id,
-                loss_mask_columns=tuple(loss_mask_columns(train_dataset, args)) if train_dataset is not None else (),
+                loss_mask_columns=tuple(loss_mask_columns(train_dataset, args)),
                 padding_free=args.padding_free,
                 pad_to_multiple_of=args.pad_to_multiple_of,
             )
@@ -102,6 +98,18 @@ class SFTTrainer(LeantuneTrainer):
             preprocess_logits_for_metrics=preprocess_logits_for_metrics,
         )
         self.data_reports = reports
+
+    def prepare_split(self, dataset, split, tokenizer, args):
+        if parse_kwargs(args.dataset_kwargs).get("skip_prepare_dataset", False):
+            return dataset, None
+        packing = args.packing if split == "train" or args.eval_packing is None else args.eval_packing
+        return prepare_sft_dataset(dataset, tokenizer, args, split, self._formatting_func, packing=packing)
+
+    def is_prepared(self, dataset) -> bool:
+        """One this trainer prepared, or token ids with nothing but the collator's columns (already prepared)."""
+        columns = set(getattr(dataset, "column_names", None) or ())
+        return super().is_prepared(dataset) or ("input_ids" in columns and columns <= {*self.dataset_columns,
+                                                                                         "position_ids"})
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         inputs = dict(inputs)

@@ -1,0 +1,191 @@
+"""Every field of TRL 1.16's configs against leantune's: which are missing, whose defaults differ, and their status.
+
+    python bench/trl_fields.py             # with TRL installed (`pip install "leantune[bench]"`): missing fields and
+                                           # differing defaults, per config (exit 1 if a field is missing)
+    python bench/trl_fields.py --snapshot  # with TRL: write tests/data/trl_1_16_fields.json (TRL's names, types, defaults)
+    python bench/trl_fields.py --docs      # from that snapshot (no TRL needed): write docs/trl_compatibility.md
+
+The status of each field comes from leantune itself (config_utils.UNSUPPORTED_TRL_FIELDS: accepted, a non-default
+value refused) and from the hand-kept dicts below; tests/test_trl_fields.py checks that the snapshot's fields all
+exist with TRL's defaults and that the docs are what this script writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SNAPSHOT = REPO / "tests" / "data" / "trl_1_16_fields.json"
+DOCS = REPO / "docs" / "trl_compatibility.md"
+CONFIGS = ("SFTConfig", "DPOConfig", "KTOConfig", "RewardConfig", "GRPOConfig", "RLOOConfig")
+
+# TRL fields that leantune implements where it had none before (or where TRL's meaning needs a word).
+IMPLEMENTED = {
+    "trust_remote_code": "passed to from_pretrained of the model, reference, reward models and tokenizer loaded by "
+                         "name (model_init_kwargs' own value wins)",
+    "pad_token": "sets the tokenizer's padding token (must be in its vocabulary)",
+    "log_multimodal": "accepted, any value: leantune trains on text, so there is no media to log",
+}
+
+# (config or "*", field): why leantune's default or meaning differs from TRL's on purpose.
+DIFFERS = {
+    ("*", "pad_to_multiple_of"): "None instead of TRL's 'auto', which means None except on AWS Neuron devices "
+                                 "(128), which leantune does not target",
+    ("*", "bf16"): "same default (None), resolved differently: on only with a bf16-capable GPU (TRL: whenever fp16 "
+                   "is off, CPU included), so CPU runs stay in float32",
+    ("KTOConfig", "train_sampling_strategy"): "'random' instead of 'sequential': the KL term's mismatched completions "
+                                              "are fixed per example in data preparation, not by batch position",
+    ("GRPOConfig", "remove_unused_columns"): "True (transformers' default) instead of False: leantune's online "
+                                             "trainers build their own data loaders, so no column is removed either "
+                                             "way (the reward functions get them all)",
+    ("RLOOConfig", "remove_unused_columns"): "True (transformers' default) instead of False: leantune's online "
+                                             "trainers build their own data loaders, so no column is removed either "
+                                             "way (the reward functions get them all)",
+}
+
+# (config, field): a status written by hand where the rules above do not say it (fields owned by other work).
+NOTES = {
+    ("DPOConfig", "use_weighting"): "accepted, refuses True: WPO weighting is not implemented yet",
+}
+
+
+def _default(field: dataclasses.Field):
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return dataclasses.MISSING
+
+
+def _type_name(annotation) -> str:
+    return annotation if isinstance(annotation, str) else getattr(annotation, "__name__", None) or repr(annotation)
+
+
+def _declared_by_trl(klass, name: str) -> bool:
+    for base in klass.__mro__:
+        if name in base.__dict__.get("__annotations__", {}):
+            return base.__module__.startswith("trl")
+    return False
+
+
+def trl_fields() -> dict:
+    """{config: {field: {"type", "default" (repr), "trl_own"}}} from the installed TRL."""
+    import trl
+
+    if not trl.__version__.startswith("1.16"):
+        print(f"warning: TRL {trl.__version__} installed; the snapshot is of TRL 1.16", file=sys.stderr)
+    snapshot = {"trl_version": trl.__version__, "configs": {}}
+    for name in CONFIGS:
+        klass = getattr(trl, name)
+        snapshot["configs"][name] = {
+            field.name: {"type": _type_name(field.type), "default": repr(_default(field)),
+                         "trl_own": _declared_by_trl(klass, field.name)}
+            for field in dataclasses.fields(klass) if field.init
+        }
+    return snapshot
+
+
+def load_snapshot() -> dict:
+    return json.loads(SNAPSHOT.read_text(encoding="utf-8"))
+
+
+def leantune_fields(name: str) -> dict[str, dataclasses.Field]:
+    import leantune
+
+    return {field.name: field for field in dataclasses.fields(getattr(leantune, name))}
+
+
+def compare(snapshot: dict) -> dict[str, dict]:
+    """{config: {"missing": [...], "differ": [(field, TRL default, leantune default)]}}."""
+    result = {}
+    for name, fields in snapshot["configs"].items():
+        ours = leantune_fields(name)
+        missing = [field for field in fields if field not in ours]
+        differ = [(field, info["default"], repr(_default(ours[field]))) for field, info in fields.items()
+                  if field in ours and info["default"] != repr(_default(ours[field]))]
+        result[name] = {"missing": missing, "differ": differ}
+    return result
+
+
+def status(config: str, field: str, info: dict) -> str:
+    """The status of one TRL field in leantune's config, in words (starts with MISSING or UNEXPLAINED if wrong)."""
+    from leantune.trainers.config_utils import UNSUPPORTED_TRL_FIELDS
+
+    ours = leantune_fields(config)
+    if field not in ours:
+        return "MISSING"
+    if (config, field) in NOTES:
+        return NOTES[(config, field)]
+    if field in UNSUPPORTED_TRL_FIELDS:
+        return f"accepted, refuses non-default: {UNSUPPORTED_TRL_FIELDS[field]}"
+    why = DIFFERS.get((config, field)) or DIFFERS.get(("*", field))
+    if why:
+        return f"differs deliberately: {why}"
+    if info["default"] != repr(_default(ours[field])):
+        return f"UNEXPLAINED default: TRL {info['default']}, leantune {_default(ours[field])!r}"
+    if field in IMPLEMENTED:
+        return f"implemented: {IMPLEMENTED[field]}"
+    return "same"
+
+
+def render_docs(snapshot: dict) -> str:
+    lines = [
+        "# TRL compatibility of leantune's configs",
+        "",
+        f"Every field of TRL {snapshot['trl_version']}'s configs exists in leantune's config of the same name, with "
+        "TRL's type and default, so a TRL script constructs its config unchanged. Written by "
+        "`python bench/trl_fields.py --docs` from `tests/data/trl_1_16_fields.json` (TRL's fields) and leantune's "
+        "configs; `tests/test_trl_fields.py` checks that it is up to date.",
+        "",
+        "Status: **same** (TRL's default and meaning); **implemented** (a TRL field leantune now honours); **accepted, "
+        "refuses non-default** (the field exists with TRL's default; any other value is a ValueError naming the field "
+        "and the closest thing leantune offers); **differs deliberately** (why).",
+        "",
+        "Fields that TRL's configs inherit from transformers' `TrainingArguments` without changing them are counted, "
+        "not listed: leantune's configs subclass the same `TrainingArguments`, so they are the same.",
+    ]
+    for config, fields in snapshot["configs"].items():
+        own = {field: info for field, info in fields.items() if info["trl_own"]}
+        inherited = [field for field, info in fields.items() if not info["trl_own"]]
+        lines += ["", f"## {config}", "", "| field | type | TRL default | status |", "| --- | --- | --- | --- |"]
+        for field, info in own.items():
+            text = status(config, field, info).replace("|", "\\|")
+            kind, default = (info[key].replace("|", "\\|") for key in ("type", "default"))
+            lines.append(f"| `{field}` | `{kind}` | `{default}` | {text} |")
+        odd = [f"`{field}`: {status(config, field, fields[field])}" for field in inherited
+               if status(config, field, fields[field]) != "same"]
+        lines += ["", f"{len(inherited)} fields inherited from `TrainingArguments`: same"
+                  + ("; except " + "; ".join(odd) if odd else "") + "."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--snapshot", action="store_true", help="write the snapshot of TRL's fields (needs TRL)")
+    parser.add_argument("--docs", action="store_true", help="write docs/trl_compatibility.md from the snapshot")
+    args = parser.parse_args(argv)
+    if args.snapshot:
+        SNAPSHOT.parent.mkdir(parents=True, exist_ok=True)
+        SNAPSHOT.write_text(json.dumps(trl_fields(), indent=1, sort_keys=False) + "\n", encoding="utf-8")
+        print(f"wrote {SNAPSHOT.relative_to(REPO)}")
+    if args.docs:
+        DOCS.write_text(render_docs(load_snapshot()), encoding="utf-8")
+        print(f"wrote {DOCS.relative_to(REPO)}")
+    if args.snapshot or args.docs:
+        return 0
+    snapshot = trl_fields()
+    result = compare(snapshot)
+    for name, found in result.items():
+        print(f"{name}: {len(found['missing'])} TRL fields missing in leantune: {', '.join(found['missing']) or '-'}")
+        for field, theirs, ours in found["differ"]:
+            print(f"    default differs: {field}: TRL {theirs}, leantune {ours} -- "
+                  f"{status(name, field, snapshot['configs'][name][field])}")
+    return 1 if any(found["missing"] for found in result.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
