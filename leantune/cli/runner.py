@@ -92,7 +92,7 @@ def train_on_data(method: Method, module, script_args, model_args, args, reward_
         if dataset is not None:
             check_columns(method.data, dataset, args, split)
     # 3. the run
-    if resume is None and script_args.overwrite_output_dir and _is_main_process():
+    if resume is None and script_args.overwrite_output_dir and args.process_index == 0:
         clear_checkpoints(args.output_dir)
     if args.model_init_kwargs is None:
         args.model_init_kwargs = model_init_kwargs_from(model_args)
@@ -106,12 +106,6 @@ def train_on_data(method: Method, module, script_args, model_args, args, reward_
             print(f"resumed from {resume}")
         module.print_summary(trainer, result, time.perf_counter() - started)
     return 0
-
-
-def _is_main_process() -> bool:
-    import os
-
-    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) or 0) == 0
 
 
 def online_reward_funcs(reward_args):

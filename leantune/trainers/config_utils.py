@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .distributed import resolve_launch
+from .memory_options import validate_memory_options
 
 
 def resolve_bf16(args) -> None:
@@ -120,3 +121,16 @@ def resolve_checkpointing(args, default: bool = True) -> None:
         kwargs = {"use_reentrant": False, **(kwargs or {})}
     args.activation_checkpointing, args.activation_checkpointing_kwargs = enabled, kwargs
     args.gradient_checkpointing = args.gradient_checkpointing_kwargs = None
+
+
+def resolve_shared_settings(args) -> None:
+    """What every config decides before transformers sets up: bf16 and (default-on) gradient checkpointing."""
+    resolve_bf16(args)
+    resolve_checkpointing(args)
+
+
+def validate_shared_options(args) -> None:
+    """What every config validates: the memory engine's fields, TRL fields not supported yet, batch sizes."""
+    validate_memory_options(args)
+    refuse_unsupported_trl_fields(args)
+    validate_batch_sizes(args)

@@ -13,15 +13,8 @@ from ..losses.preference import (
     F_DIVERGENCE_TYPES,
     LABEL_SMOOTHING_LOSS_TYPES,
 )
-from .config_utils import (
-    non_default,
-    positive_or_none,
-    refuse_unsupported_trl_fields,
-    resolve_bf16,
-    resolve_checkpointing,
-    validate_batch_sizes,
-)
-from .memory_options import MemoryOptions, validate_memory_options
+from .config_utils import non_default, positive_or_none, resolve_shared_settings, validate_shared_options
+from .memory_options import MemoryOptions
 from .trl_options import CausalLMOptions, ReferenceSyncOptions
 
 TRUNCATION_MODES = ("keep_start", "keep_end")
@@ -105,16 +98,13 @@ class DPOConfig(MemoryOptions, CausalLMOptions, ReferenceSyncOptions, TrainingAr
     discopop_tau: float = field(default=0.05, metadata={"help": "Temperature of the discopop loss."})
 
     def __post_init__(self):
-        resolve_bf16(self)
-        resolve_checkpointing(self)
+        resolve_shared_settings(self)
         validate_dpo_config(self)
         super().__post_init__()
 
 
 def validate_dpo_config(args: DPOConfig) -> None:
-    validate_memory_options(args)
-    refuse_unsupported_trl_fields(args)
-    validate_batch_sizes(args)
+    validate_shared_options(args)
     for name in ("max_length", "max_prompt_length", "max_completion_length", "pad_to_multiple_of",
                  "dataset_num_proc", "precompute_ref_batch_size"):
         positive_or_none(getattr(args, name), name)

@@ -8,16 +8,9 @@ from typing import Any
 from transformers import TrainingArguments
 
 from ..losses.kto import KTO_LOSS_TYPES
-from .config_utils import (
-    non_default,
-    positive_or_none,
-    refuse_unsupported_trl_fields,
-    resolve_bf16,
-    resolve_checkpointing,
-    validate_batch_sizes,
-)
+from .config_utils import non_default, positive_or_none, resolve_shared_settings, validate_shared_options
 from .dpo_config import TRUNCATION_MODES
-from .memory_options import MemoryOptions, validate_memory_options
+from .memory_options import MemoryOptions
 from .trl_options import CausalLMOptions, ReferenceSyncOptions
 
 
@@ -90,8 +83,7 @@ class KTOConfig(MemoryOptions, CausalLMOptions, ReferenceSyncOptions, TrainingAr
             if len(self.loss_type) != 1:
                 raise ValueError(f"One loss_type at a time is supported, got {self.loss_type}.")
             self.loss_type = self.loss_type[0]
-        resolve_bf16(self)
-        resolve_checkpointing(self)
+        resolve_shared_settings(self)
         validate_kto_config(self)
         super().__post_init__()
 
@@ -102,9 +94,7 @@ class KTOConfig(MemoryOptions, CausalLMOptions, ReferenceSyncOptions, TrainingAr
 
 
 def validate_kto_config(args: KTOConfig) -> None:
-    validate_memory_options(args)
-    refuse_unsupported_trl_fields(args)
-    validate_batch_sizes(args)
+    validate_shared_options(args)
     for name in ("max_length", "max_prompt_length", "max_completion_length", "pad_to_multiple_of",
                  "dataset_num_proc", "precompute_ref_batch_size"):
         positive_or_none(getattr(args, name), name)

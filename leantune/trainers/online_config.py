@@ -11,15 +11,8 @@ from typing import Any
 
 from transformers import TrainingArguments
 
-from .config_utils import (
-    non_default,
-    positive_or_none,
-    refuse_unsupported_trl_fields,
-    resolve_bf16,
-    resolve_checkpointing,
-    validate_batch_sizes,
-)
-from .memory_options import MemoryOptions, validate_memory_options
+from .config_utils import non_default, positive_or_none, resolve_shared_settings, validate_shared_options
+from .memory_options import MemoryOptions
 from .trl_options import CausalLMOptions, ReferenceSyncOptions
 
 VLLM_MODES = ("colocate", "server")
@@ -147,8 +140,7 @@ class OnlineConfig(MemoryOptions, CausalLMOptions, ReferenceSyncOptions, Trainin
     )
 
     def __post_init__(self):
-        resolve_bf16(self)
-        resolve_checkpointing(self)
+        resolve_shared_settings(self)
         for name in ("generation_kwargs", "chat_template_kwargs"):
             value = getattr(self, name)
             if isinstance(value, str):
@@ -181,9 +173,7 @@ class OnlineConfig(MemoryOptions, CausalLMOptions, ReferenceSyncOptions, Trainin
 
 
 def validate_online_config(args: OnlineConfig) -> None:
-    validate_memory_options(args)
-    refuse_unsupported_trl_fields(args)
-    validate_batch_sizes(args)
+    validate_shared_options(args)
     if args.generation_batch_size is not None and args.steps_per_generation is not None:
         raise ValueError("Set `generation_batch_size` or `steps_per_generation`, not both: each determines the other.")
     for name in ("max_prompt_length", "pad_to_multiple_of", "generation_batch_size", "steps_per_generation",

@@ -8,15 +8,8 @@ from typing import Any
 
 from transformers import TrainingArguments
 
-from .config_utils import (
-    non_default,
-    positive_or_none,
-    refuse_unsupported_trl_fields,
-    resolve_bf16,
-    resolve_checkpointing,
-    validate_batch_sizes,
-)
-from .memory_options import MemoryOptions, validate_memory_options
+from .config_utils import non_default, positive_or_none, resolve_shared_settings, validate_shared_options
+from .memory_options import MemoryOptions
 from .trl_options import ModelLoadingOptions
 
 TRUNCATION_MODES = ("keep_start", "keep_end")
@@ -75,16 +68,13 @@ class RewardConfig(MemoryOptions, ModelLoadingOptions, TrainingArguments):
     )
 
     def __post_init__(self):
-        resolve_bf16(self)
-        resolve_checkpointing(self)
+        resolve_shared_settings(self)
         validate_reward_config(self)
         super().__post_init__()
 
 
 def validate_reward_config(args: RewardConfig) -> None:
-    validate_memory_options(args)
-    refuse_unsupported_trl_fields(args)
-    validate_batch_sizes(args)
+    validate_shared_options(args)
     for name in ("max_length", "max_prompt_length", "max_completion_length", "pad_to_multiple_of",
                  "dataset_num_proc"):
         positive_or_none(getattr(args, name), name)

@@ -8,15 +8,8 @@ from typing import Any
 
 from transformers import TrainingArguments
 
-from .config_utils import (
-    non_default,
-    positive_or_none,
-    refuse_unsupported_trl_fields,
-    resolve_bf16,
-    resolve_checkpointing,
-    validate_batch_sizes,
-)
-from .memory_options import MemoryOptions, validate_memory_options
+from .config_utils import non_default, positive_or_none, resolve_shared_settings, validate_shared_options
+from .memory_options import MemoryOptions
 from .trl_options import CausalLMOptions
 
 PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")
@@ -98,17 +91,14 @@ class SFTConfig(MemoryOptions, CausalLMOptions, TrainingArguments):
             )
             self.max_length = self.max_seq_length
             self.max_seq_length = None
-        resolve_bf16(self)
-        resolve_checkpointing(self)
+        resolve_shared_settings(self)
         validate_sft_config(self)
         super().__post_init__()
 
 
 def validate_sft_config(args: SFTConfig) -> None:
     """Reject settings that cannot work, with the reason, before any data is touched."""
-    validate_memory_options(args)
-    refuse_unsupported_trl_fields(args)
-    validate_batch_sizes(args)
+    validate_shared_options(args)
     positive_or_none(args.max_length, "max_length")
     positive_or_none(args.pad_to_multiple_of, "pad_to_multiple_of")
     positive_or_none(args.dataset_num_proc, "dataset_num_proc")
