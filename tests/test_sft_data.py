@@ -110,10 +110,12 @@ def test_conversation_without_chat_template_is_a_clear_error(tokenizer, tmp_path
         trainer_for(Dataset.from_list(CONVERSATIONS), tokenizer, tmp_path)
 
 
-def test_assistant_only_loss_needs_generation_markers(tokenizer, tmp_path):
+def test_assistant_only_loss_without_generation_markers_uses_the_template_prefixes(tokenizer, tmp_path):
+    # The same turns as with the markers (tests/test_assistant_masks.py compares the masks token by token).
     tokenizer.chat_template = tokenizer.chat_template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
-    with pytest.raises(ValueError, match="generation"):
-        trainer_for(Dataset.from_list(CONVERSATIONS), tokenizer, tmp_path, assistant_only_loss=True)
+    trainer = trainer_for(Dataset.from_list(CONVERSATIONS), tokenizer, tmp_path, assistant_only_loss=True)
+    labels = trainer.data_collator([trainer.train_dataset[1]])["labels"][0]
+    assert tokenizer.decode(labels[labels != IGNORE_INDEX]).replace(" ", "") == "Blue.</s>Green.</s>"
 
 
 def test_truncation_keeps_the_start_and_counts(tokenizer, gsm8k_rows, tmp_path):

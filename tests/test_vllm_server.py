@@ -382,7 +382,8 @@ def test_vllm_sampling_parameters(fake_vllm):
                                 repetition_penalty=1.1, eos_token_ids=(2, 32000), extra={"presence_penalty": 0.5})
     assert to_vllm_sampling_params(sampling).kwargs == {
         "n": 1, "max_tokens": 16, "temperature": 0.7, "top_p": 0.9, "top_k": -1, "min_p": 0.0,
-        "repetition_penalty": 1.1, "stop_token_ids": [2, 32000], "detokenize": False, "presence_penalty": 0.5}
+        "repetition_penalty": 1.1, "stop_token_ids": [2, 32000], "detokenize": False, "logprobs": 0,
+        "presence_penalty": 0.5}
     assert not isinstance(vllm_sampling_params(sampling, 3), list)  # unseeded: one shared object
     seeded = SamplingSettings(max_new_tokens=4, top_k=20, min_p=0.05, seed=100)
     per_completion = vllm_sampling_params(seeded, 3)

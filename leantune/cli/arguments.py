@@ -33,6 +33,11 @@ class ScriptArguments(ColumnArguments):
     dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
     dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
     dataset_test_split: str = field(default="test", metadata={"help": "Split to evaluate on, when eval is enabled."})
+    dataset_streaming: bool = field(
+        default=False,
+        metadata={"help": "Read the data as a stream (datasets.IterableDataset): rows are prepared as they are read, "
+                  "nothing is held whole. Needs --max_steps."},
+    )
     overwrite_output_dir: bool = field(
         default=False,
         metadata={"help": "Start over in an output_dir that holds an earlier run's checkpoints (they are deleted). "

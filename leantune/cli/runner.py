@@ -124,7 +124,10 @@ def load_splits(script_args, args):
     """(train, eval or None) from --dataset_name, columns renamed by the --<name>_column flags."""
     from ..data.loading import load_dataset_source, rename_columns
 
-    data = load_dataset_source(script_args.dataset_name, script_args.dataset_config)
+    if script_args.dataset_streaming and args.max_steps <= 0:
+        raise UsageError("--dataset_streaming true reads the data as a stream, whose length is not known: set "
+                         "--max_steps to the number of optimizer steps to train.")
+    data = load_dataset_source(script_args.dataset_name, script_args.dataset_config, script_args.dataset_streaming)
     if script_args.dataset_train_split not in data:
         raise UsageError(f"--dataset_train_split {script_args.dataset_train_split}: no such split in "
                          f"{script_args.dataset_name}; it has {list(data)}.")
@@ -142,7 +145,12 @@ COLUMN_FLAGS = "--prompt_column, --completion_column, --messages_column, --chose
 
 
 def check_columns(kind: str, dataset, args, split: str) -> None:
-    """The method's format check on the raw data (columns and value types), before any model or tokenizer."""
+    """The method's format check on the raw data (columns and value types), before any model or tokenizer; a stream
+    is checked on its first rows."""
+    from datasets import Dataset, IterableDataset
+
+    if isinstance(dataset, IterableDataset):
+        dataset = Dataset.from_list(list(dataset.take(64)))
     try:
         if kind == "sft":
             from ..data.formats import detect_sft_format

@@ -21,16 +21,6 @@ def require_chat_template(tokenizer, purpose: str = "conversational data") -> No
         )
 
 
-def require_generation_markers(tokenizer) -> None:
-    require_chat_template(tokenizer, "assistant_only_loss")
-    if not has_generation_markers(tokenizer.chat_template):
-        raise ValueError(
-            "assistant_only_loss=True needs a chat template that wraps assistant turns in "
-            "{% generation %} ... {% endgeneration %}, so the tokenizer can mark assistant tokens; "
-            "this tokenizer's template has no such markers. Use a template that has them (chat_template_path=)."
-        )
-
-
 def load_chat_template(tokenizer, path: str) -> None:
     """Set tokenizer.chat_template from a .jinja file or from a tokenizer folder."""
     if os.path.isdir(path):

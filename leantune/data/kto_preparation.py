@@ -41,6 +41,8 @@ from .preference_formats import (
     is_preference_dataset,
 )
 from .preference_preparation import PairTruncation
+from .report import NothingLeft, in_stream_buffer
+from .streaming import is_stream, prepare_stream
 
 logger = logging.getLogger("leantune.data")
 
@@ -104,6 +106,8 @@ def prepare_kto_dataset(dataset, tokenizer, args, split: str = "train"):
         return None, None
     if type(dataset).__name__ in ("DatasetDict", "IterableDatasetDict"):
         raise ValueError(f"Pass one split as the {split} dataset, not a DatasetDict with {list(dataset)}.")
+    if is_stream(dataset):  # the same recipe, one buffer at a time (KL partners drawn inside it): data/streaming.py
+        return prepare_stream(dataset, lambda buffer: prepare_kto_dataset(buffer, tokenizer, args, split), split)
     report = KTOReport(split=split, num_rows_in=len(dataset))
     if report.num_rows_in == 0:
         raise ValueError(f"The {split} dataset is empty.")
@@ -122,7 +126,7 @@ def prepare_kto_dataset(dataset, tokenizer, args, split: str = "train"):
     report.num_examples_out = len(dataset)
     if len(dataset) == 0:
         report.log()
-        raise ValueError(f"No {split} example is left after preparation: {report.as_dict()}.")
+        raise NothingLeft(f"No {split} example is left after preparation: {report.as_dict()}.", report)
     if args.uses_kl:
         dataset = add_kl_completions(dataset, args.max_length, args.seed, report, num_proc)
     report.log()
@@ -348,6 +352,8 @@ def kl_partners(prompt_keys: np.ndarray, seed: int, tries: int = 8) -> tuple[np.
     """partner[i]: the example whose completion is paired with prompt i; the next one in a seeded permutation, or a
     later one when that has the same prompt. Returns (partners, examples left with a same-prompt partner)."""
     n = len(prompt_keys)
+    if n == 1 and in_stream_buffer():  # a stream's buffer left with one example: its own completion (counted)
+        return np.zeros(1, dtype=np.int64), 1
     if n < 2:
         raise ValueError("The KL term of the KTO loss needs at least 2 examples (a completion of another prompt); "
                          "use more data or loss_type='apo_zero_unpaired'.")

@@ -21,8 +21,10 @@ def _builder_for(path: str) -> str | None:
     return FILE_BUILDERS.get(os.path.splitext(name)[1].lower())
 
 
-def load_dataset_source(name: str, config: str | None = None):
-    """Return a DatasetDict for whatever `name` points at."""
+def load_dataset_source(name: str, config: str | None = None, streaming: bool = False):
+    """Return a DatasetDict for whatever `name` points at (an IterableDatasetDict with `streaming`: rows are read as
+    they are consumed; files are still checked for being empty or undecodable first, as that costs one pass of
+    reading, not of memory)."""
     import datasets
 
     files = [p.strip() for p in name.split(",") if p.strip()]
@@ -40,7 +42,7 @@ def load_dataset_source(name: str, config: str | None = None):
                 _check_utf8(path)  # the JSON reader lets some invalid bytes through into the strings
         try:
             with _quiet("datasets"):  # its reader logs the failure before raising; the line found below says it
-                data = datasets.load_dataset(builder, data_files={"train": files})
+                data = datasets.load_dataset(builder, data_files={"train": files}, streaming=streaming)
         except Exception as error:  # the reader's own error is a chain of tracebacks: find the line ourselves
             for path in files:
                 problem = diagnose_file(path, builder)
@@ -48,27 +50,31 @@ def load_dataset_source(name: str, config: str | None = None):
                     raise ValueError(problem) from error
             raise ValueError(f"{', '.join(files)}: could not be read as {builder} "
                              f"({type(error).__name__}: {_first_line(error)}).") from error
-        for dataset in data.values():
-            if len(dataset) == 0:
-                raise ValueError(f"{', '.join(files)}: no rows.")
+        if not streaming:
+            for dataset in data.values():
+                if len(dataset) == 0:
+                    raise ValueError(f"{', '.join(files)}: no rows.")
         return data
     missing = [p for p in files if not os.path.exists(p)]
     if os.path.isdir(name):
         if os.path.exists(os.path.join(name, "dataset_dict.json")) or os.path.exists(os.path.join(name, "state.json")):
             loaded = datasets.load_from_disk(name)
-            return loaded if isinstance(loaded, datasets.DatasetDict) else datasets.DatasetDict({"train": loaded})
-        return _load_named(name, config)
+            loaded = loaded if isinstance(loaded, datasets.DatasetDict) else datasets.DatasetDict({"train": loaded})
+            if streaming:
+                return datasets.IterableDatasetDict({split: data.to_iterable_dataset() for split, data in loaded.items()})
+            return loaded
+        return _load_named(name, config, streaming)
     if len(files) > 1 or any(os.sep in p or _builder_for(p) for p in files):
         raise FileNotFoundError(f"No such dataset file or folder: {', '.join(missing) or name!r}.")
-    return _load_named(name, config)
+    return _load_named(name, config, streaming)
 
 
-def _load_named(name: str, config: str | None):
+def _load_named(name: str, config: str | None, streaming: bool = False):
     """A folder of data files or a Hub dataset; a failure is one line saying which it was taken for."""
     import datasets
 
     try:
-        return datasets.load_dataset(name, config)
+        return datasets.load_dataset(name, config, streaming=streaming)
     except (FileNotFoundError, ConnectionError, ValueError) as error:
         where = "folder" if os.path.isdir(name) else "Hub dataset (no local file or folder has that name)"
         raise ValueError(f"{name!r}: could not be loaded as a {where}: {_first_line(error)}") from error
@@ -195,6 +201,8 @@ def rename_columns(dataset, column_mapping: dict[str, str] | None):
     columns = dataset.column_names
     if isinstance(columns, dict):  # DatasetDict: the columns of its first split
         columns = next(iter(columns.values()), [])
+    if columns is None:  # a stream read from files does not know its columns before its first row
+        columns = list(next(iter(dataset), {}))
     for source, target in column_mapping.items():
         flag = f"--{target}_column"
         if source not in columns:

@@ -367,8 +367,12 @@ def _best_subset(counts: dict[int, int], room: int) -> tuple[list[int], int]:
 # --------------------------------------------------------------------------------------------------
 
 
-def pack_dataset(dataset, seq_length: int, strategy: str = "bfd", map_kwargs: dict | None = None):
+def pack_dataset(dataset, seq_length: int, strategy: str = "bfd", map_kwargs: dict | None = None,
+                 buffer_rows: int | None = None):
     """Pack a `datasets.Dataset` (or each split of a `DatasetDict`) into rows of at most `seq_length` tokens.
+
+    A `datasets.IterableDataset` gives an IterableDataset: each buffer of `buffer_rows` sequences (default
+    `streaming.STREAM_BUFFER_ROWS`) is packed by this same function (data/streaming.py says why bounded).
 
     Every list column is packed with the same layout; other columns cannot be packed and are dropped
     (logged). Adds `seq_lengths` (segment lengths of the row) and `position_ids` (restarting at 0 at
@@ -385,6 +389,15 @@ def pack_dataset(dataset, seq_length: int, strategy: str = "bfd", map_kwargs: di
         return datasets.DatasetDict(
             {name: pack_dataset(split, seq_length, strategy) for name, split in dataset.items()}
         )
+    if isinstance(dataset, datasets.IterableDatasetDict):
+        return datasets.IterableDatasetDict(
+            {name: pack_dataset(split, seq_length, strategy, buffer_rows=buffer_rows)
+             for name, split in dataset.items()}
+        )
+    if isinstance(dataset, datasets.IterableDataset):
+        from .streaming import pack_stream
+
+        return pack_stream(dataset, seq_length, strategy, buffer_rows)
     if not isinstance(dataset, datasets.Dataset):
         raise TypeError(f"pack_dataset needs a datasets.Dataset or DatasetDict, got {type(dataset).__name__}.")
     if len(dataset) == 0:

@@ -23,6 +23,8 @@ from .preference_formats import (
     explicit_prompt_example,
     is_empty_completion,
 )
+from .report import NothingLeft
+from .streaming import is_stream, prepare_stream
 
 logger = logging.getLogger("leantune.data")
 TOKEN_COLUMNS = ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids")
@@ -68,6 +70,9 @@ def prepare_preference_dataset(dataset, tokenizer, args, split: str = "train", k
         return None, None
     if type(dataset).__name__ in ("DatasetDict", "IterableDatasetDict"):
         raise ValueError(f"Pass one split as the {split} dataset, not a DatasetDict with {list(dataset)}.")
+    if is_stream(dataset):  # the same recipe, one buffer at a time (data/streaming.py)
+        return prepare_stream(dataset, lambda buffer: prepare_preference_dataset(
+            buffer, tokenizer, args, split, keep_columns), split)
     report = PreferenceReport(split=split, num_pairs_in=len(dataset))
     if report.num_pairs_in == 0:
         raise ValueError(f"The {split} dataset is empty.")
@@ -108,7 +113,7 @@ def prepare_preference_dataset(dataset, tokenizer, args, split: str = "train", k
     report.num_pairs_out = len(dataset)
     report.log()
     if len(dataset) == 0:
-        raise ValueError(f"No {split} pair is left after preparation: {report.as_dict()}.")
+        raise NothingLeft(f"No {split} pair is left after preparation: {report.as_dict()}.", report)
     return dataset, report
 
 

@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass
 
 from .chat_template import require_chat_template
 from .formats import is_message_list
+from .report import NothingLeft
+from .streaming import is_stream, prepare_stream
 
 logger = logging.getLogger("leantune.data")
 
@@ -71,6 +73,9 @@ def prepare_prompt_dataset(dataset, tokenizer, args, split: str = "train", conte
     """(dataset with `prompt_ids` added, PromptReport). Raises when no prompt is left."""
     if dataset is None:
         return None, None
+    if is_stream(dataset):  # the same recipe, one buffer at a time (data/streaming.py)
+        return prepare_stream(dataset, lambda buffer: prepare_prompt_dataset(
+            buffer, tokenizer, args, split, context_limit), split, log_args=(args, context_limit))
     if "prompt" not in dataset.column_names:
         raise ValueError(f"The {split} dataset needs a 'prompt' column (text or a list of chat messages); "
                          f"it has {dataset.column_names}.")
@@ -111,5 +116,6 @@ def prepare_prompt_dataset(dataset, tokenizer, args, split: str = "train", conte
     report.num_prompts_out = len(tokenized)
     report.log(args, context_limit)
     if not len(tokenized):
-        raise ValueError(f"No {split} prompt is left after dropping empty and too-long prompts: {report.as_dict()}.")
+        raise NothingLeft(f"No {split} prompt is left after dropping empty and too-long prompts: {report.as_dict()}.",
+                          report)
     return tokenized, report

@@ -2,10 +2,28 @@
 
 from __future__ import annotations
 
+import contextvars
 import logging
 from dataclasses import asdict, dataclass
 
 logger = logging.getLogger("leantune.data")
+
+
+# True while data/streaming.py prepares one buffer of a stream (the recipes' few buffer-only rules read it).
+STREAM_BUFFER = contextvars.ContextVar("leantune_stream_buffer", default=False)
+
+
+def in_stream_buffer() -> bool:
+    return STREAM_BUFFER.get()
+
+
+class NothingLeft(ValueError):
+    """Preparation left no example. An error for a dataset; for one buffer of a stream (data/streaming.py) it only
+    means that buffer yields no row, and `report` holds its counts."""
+
+    def __init__(self, message: str, report):
+        super().__init__(message)
+        self.report = report
 
 
 @dataclass

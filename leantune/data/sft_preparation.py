@@ -7,10 +7,11 @@ import logging
 import numpy as np
 
 from ..profiling.summary import length_summary_line
-from .chat_template import require_chat_template, require_generation_markers
+from .chat_template import require_chat_template
 from .formats import SFTFormat, detect_sft_format
-from .report import PreparationReport
+from .report import NothingLeft, PreparationReport
 from .sft_tokenization import SFTTokenizer, is_empty_example
+from .streaming import STREAM_BUFFER_ROWS, is_stream, prepare_stream, without_shuffle
 from .truncation import sequence_lengths, truncate_dataset
 
 logger = logging.getLogger("leantune.data")
@@ -23,6 +24,12 @@ def prepare_sft_dataset(dataset, tokenizer, args, split: str = "train", formatti
         return None, None
     if type(dataset).__name__ in ("DatasetDict", "IterableDatasetDict"):
         raise ValueError(f"Pass one split as the {split} dataset, not a DatasetDict with {list(dataset)}.")
+    if is_stream(dataset):  # the same recipe, one buffer at a time (data/streaming.py)
+        if args.shuffle_dataset and split == "train":
+            dataset = dataset.shuffle(seed=args.seed, buffer_size=STREAM_BUFFER_ROWS)
+        buffer_args = without_shuffle(args)
+        return prepare_stream(dataset, lambda buffer: prepare_sft_dataset(
+            buffer, tokenizer, buffer_args, split, formatting_func, packing), split)
     report = PreparationReport(split=split, num_examples_in=len(dataset))
     if report.num_examples_in == 0:
         raise ValueError(f"The {split} dataset is empty.")
@@ -46,7 +53,7 @@ def prepare_sft_dataset(dataset, tokenizer, args, split: str = "train", formatti
         dataset = dataset.select(np.flatnonzero(keep)) if not all(keep) else dataset
         report.num_empty_dropped = report.num_examples_in - len(dataset)
         if len(dataset) == 0:
-            raise ValueError(f"Every example of the {split} dataset is empty.")
+            raise NothingLeft(f"Every example of the {split} dataset is empty.", report)
         eos_id = tokenizer.convert_tokens_to_ids(args.eos_token) if args.eos_token else tokenizer.eos_token_id
         encode = SFTTokenizer(tokenizer, fmt, text_field, args.assistant_only_loss, eos_id)
         dataset = dataset.map(
@@ -67,7 +74,8 @@ def prepare_sft_dataset(dataset, tokenizer, args, split: str = "train", formatti
     dataset, report.num_without_targets_dropped = drop_examples_without_targets(dataset, args, num_proc)
     report.num_examples_out = len(dataset)
     if len(dataset) == 0:
-        raise ValueError(f"No {split} example has a token to learn from after preparation: {report.as_dict()}.")
+        raise NothingLeft(f"No {split} example has a token to learn from after preparation: {report.as_dict()}.",
+                          report)
     if args.shuffle_dataset and split == "train":
         dataset = dataset.shuffle(seed=args.seed)
     if packing:
@@ -94,8 +102,6 @@ def _check_format_against_args(fmt: SFTFormat, tokenizer, args, dataset) -> None
                 f"lists); this dataset is {fmt.value}, columns {sorted(dataset.column_names)}. Map a column with "
                 "`messages_column`, or turn `assistant_only_loss` off."
             )
-        else:
-            require_generation_markers(tokenizer)
     has_completion = fmt in (SFTFormat.PROMPT_COMPLETION, SFTFormat.CONVERSATIONAL_PROMPT_COMPLETION) or (
         fmt is SFTFormat.TOKENIZED and "completion_mask" in dataset.column_names
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .chat_template import has_generation_markers
 from .formats import SFTFormat
 
 
@@ -33,6 +34,50 @@ def _split_at_prompt(prompt_ids: list[int], full_ids: list[int], completion_ids_
         return full_ids, [0] * n + [1] * (len(full_ids) - n)
     completion_ids = completion_ids_fallback()
     return prompt_ids + completion_ids, [0] * n + [1] * len(completion_ids)
+
+
+def _render_ids(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    encoded = tokenizer.apply_chat_template(
+        messages, tokenize=True, return_dict=True, add_generation_prompt=add_generation_prompt
+    )
+    return list(encoded["input_ids"])
+
+
+def assistant_masks_from_prefixes(tokenizer, messages: list[dict], ids: list[int]) -> list[int]:
+    """The assistant-token mask for a chat template without `{% generation %}` markers.
+
+    Any template that renders a conversation's first k messages as a token prefix of the whole conversation shows
+    where each assistant turn lies: its tokens are those between the conversation rendered up to the turn (with the
+    generation prompt, which is the model's cue, not its output) and rendered through the end of the turn. The prefix
+    property is checked for every turn; a template that breaks it is an error, never a guessed mask."""
+    mask = [0] * len(ids)
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        start = _render_ids(tokenizer, messages[:i], add_generation_prompt=True)
+        end = _render_ids(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        for prefix, what in ((start, f"the first {i} message(s) with add_generation_prompt=True"),
+                             (end, f"the first {i + 1} message(s)")):
+            if ids[: len(prefix)] != prefix:
+                raise _inconsistent_template(tokenizer, what, i, prefix, ids)
+        if len(end) < len(start):
+            raise _inconsistent_template(tokenizer, f"the first {i} message(s) with add_generation_prompt=True", i,
+                                         start, end)
+        mask[len(start):len(end)] = [1] * (len(end) - len(start))
+    return mask
+
+
+def _inconsistent_template(tokenizer, what: str, turn: int, prefix: list[int], whole: list[int]) -> ValueError:
+    at = next((j for j, (a, b) in enumerate(zip(prefix, whole)) if a != b), min(len(prefix), len(whole)))
+    return ValueError(
+        f"assistant_only_loss: the chat template has no {{% generation %}} markers, so leantune locates assistant "
+        f"message {turn} by rendering the conversation up to it and through it; but {what} render(s) to tokens that "
+        f"are not a prefix of the whole conversation (they differ at token {at}: "
+        f"{tokenizer.decode(prefix[at:at + 8])!r} vs {tokenizer.decode(whole[at:at + 8])!r}). The template renders "
+        "earlier turns differently depending on what follows (e.g. it drops reasoning from earlier turns, or its "
+        "generation prompt is not how it starts an assistant turn). Use a template whose prefixes are consistent, or "
+        "wrap assistant output in {% generation %} ... {% endgeneration %} (chat_template_path=)."
+    )
 
 
 class SFTTokenizer:
@@ -83,9 +128,9 @@ class SFTTokenizer:
             messages = row["messages"]
         else:
             messages = list(row["prompt"]) + list(row["completion"])
-        encoded = template(
-            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=self.assistant_only_loss
-        )
+        # Without {% generation %} markers the assistant turns are found from the template's prefixes.
+        marked = self.assistant_only_loss and has_generation_markers(self.tokenizer.chat_template)
+        encoded = template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=marked)
         ids = list(encoded["input_ids"])
         if self.fmt is SFTFormat.CONVERSATIONAL_PROMPT_COMPLETION:
             prompt_ids = list(template(list(row["prompt"]), tokenize=True, return_dict=True, add_generation_prompt=True)["input_ids"])
@@ -100,5 +145,7 @@ class SFTTokenizer:
             ids, mask = _split_at_prompt(prompt_ids, ids, apart)
             out["completion_mask"].append(mask)
         out["input_ids"].append(ids)
-        if self.assistant_only_loss:
+        if marked:
             out["assistant_masks"].append(list(encoded["assistant_masks"]))
+        elif self.assistant_only_loss:
+            out["assistant_masks"].append(assistant_masks_from_prefixes(self.tokenizer, messages, ids))

@@ -2,6 +2,6 @@
 the training process, a vLLM server), and the weight movement each needs (sync, sleep, ZeRO-3 gathering)."""
 
 from .backend import GenerationBackend, make_backend
-from .sampling import SamplingSettings
+from .sampling import Completions, SamplingSettings
 
-__all__ = ["GenerationBackend", "SamplingSettings", "make_backend"]
+__all__ = ["Completions", "GenerationBackend", "SamplingSettings", "make_backend"]

@@ -8,21 +8,22 @@ The online trainer calls, once per generation round:
     backend.sleep()              # before the optimisation steps (no-op unless vllm_enable_sleep_mode)
 
 `generate` takes token ids (one list per completion to produce: a prompt appears once per generation of it) and
-returns the completion ids of each, cut after the first EOS token (`sampling.cut_at_eos`), at most
-`sampling.max_new_tokens` long.
+returns `Completions`: the completion ids of each (a list of lists), cut after the first EOS token
+(`sampling.cut_at_eos`), at most `sampling.max_new_tokens` long, and, with `sampling.logprobs`, in `.logprobs` each
+token's log-prob under the distribution it was sampled from (GRPO's vLLM importance-sampling correction reads them).
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
-from .sampling import SamplingSettings
+from .sampling import Completions, SamplingSettings
 
 
 class GenerationBackend(Protocol):
     name: str
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingSettings) -> list[list[int]]: ...
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingSettings) -> Completions: ...
 
     def sync_weights(self, model) -> None: ...
 

@@ -19,6 +19,9 @@ class SamplingSettings:
     # Set by the trainer per round and process: completion i of the round samples with seed + i, so processes (and
     # the repeats of one prompt on one process) never draw the same sample stream; None: the backend's own RNG.
     seed: int | None = None
+    # Return each sampled token's log-probability under the distribution it was drawn from (`Completions.logprobs`):
+    # the logits after temperature, top-k/top-p/min-p filtering and repetition penalty (vLLM's "processed" log-probs).
+    logprobs: bool = True
 
     @classmethod
     def from_config(cls, args, tokenizer, model=None) -> SamplingSettings:
@@ -37,6 +40,7 @@ class SamplingSettings:
             eos_token_ids=eos_ids,
             pad_token_id=tokenizer.pad_token_id,
             extra=dict(args.generation_kwargs or {}),
+            logprobs=bool(getattr(args, "needs_sampling_logprobs", False)),  # read only by GRPO's vLLM correction
         )
 
 
@@ -44,6 +48,25 @@ def _ids(value) -> tuple[int, ...]:
     if value is None:
         return ()
     return tuple(int(v) for v in value) if isinstance(value, (list, tuple)) else (int(value),)
+
+
+class Completions(list):
+    """What `generate` returns: the completions' token ids (a list of lists, compared and sliced as one) and, in
+    `logprobs`, one list per completion of its tokens' sampling log-probs (float('nan') where the engine reported
+    none), or None when the sampling settings did not ask for them."""
+
+    def __init__(self, ids=(), logprobs: list[list[float]] | None = None):
+        super().__init__(ids)
+        if logprobs is not None and [len(lp) for lp in logprobs] != [len(t) for t in self]:
+            raise ValueError(f"sampling log-probs do not match the completions' lengths: "
+                             f"{[len(lp) for lp in logprobs]} vs {[len(t) for t in self]}")
+        self.logprobs = logprobs
+
+
+def cut_completion(tokens: list[int], logprobs: list[float] | None, sampling: SamplingSettings):
+    """A completion and its log-probs cut at max_new_tokens and after the first EOS (the same tokens kept)."""
+    kept = cut_at_eos(list(tokens)[: sampling.max_new_tokens], sampling.eos_token_ids)
+    return kept, None if logprobs is None else [float(v) for v in logprobs[: len(kept)]]
 
 
 def cut_at_eos(tokens: list[int], eos_token_ids: tuple[int, ...]) -> list[int]:

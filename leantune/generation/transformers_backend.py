@@ -2,13 +2,18 @@
 
 The policy generates in eval mode (no dropout, no activation checkpointing) with the KV cache on, on left-padded
 prompts, and goes back to training mode after. Nothing needs syncing: it is the training model.
+
+Sampling log-probs (`sampling.logprobs`) come from generate's `scores`: the logits after every processor and
+warper (repetition penalty, temperature, top-k/top-p/min-p), i.e. the distribution each token was drawn from, log-
+softmaxed at the drawn token. `scores` holds [new tokens, rows, vocabulary] fp32 until the call ends; rows are
+generated `max_batch_size` at a time to bound it.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .sampling import SamplingSettings, cut_at_eos
+from .sampling import Completions, SamplingSettings, cut_completion
 from .zero3 import gathered_for_generation
 
 
@@ -34,7 +39,7 @@ class TransformersBackend:
         pass
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingSettings) -> list[list[int]]:
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingSettings) -> Completions:
         model = self.model
         was_training = model.training
         model.eval()
@@ -46,14 +51,18 @@ class TransformersBackend:
                     torch.manual_seed(sampling.seed)  # the round's own stream; each row samples its own tokens
                 generator = self.accelerator.unwrap_model(model)  # a PEFT model stays one (its generate)
                 step = self.max_batch_size or len(prompt_ids)
-                out = []
+                ids, logprobs = [], []
                 for start in range(0, len(prompt_ids), step):
-                    out += self._generate_batch(generator, prompt_ids[start:start + step], sampling)
-                return out
+                    for tokens, token_logprobs in self._generate_batch(generator, prompt_ids[start:start + step],
+                                                                       sampling):
+                        ids.append(tokens)
+                        logprobs.append(token_logprobs)
+                return Completions(ids, logprobs if sampling.logprobs else None)
         finally:
             model.train(was_training)
 
-    def _generate_batch(self, model, prompt_ids: list[list[int]], sampling: SamplingSettings) -> list[list[int]]:
+    def _generate_batch(self, model, prompt_ids: list[list[int]], sampling: SamplingSettings):
+        """(tokens, their sampling log-probs or None) per prompt."""
         device = next(model.parameters()).device
         width = max(len(ids) for ids in prompt_ids)
         pad = sampling.pad_token_id if sampling.pad_token_id is not None else 0
@@ -76,6 +85,22 @@ class TransformersBackend:
         if sampling.min_p is not None:
             kwargs["min_p"] = sampling.min_p
         kwargs.update(sampling.extra)
+        if sampling.logprobs:
+            kwargs.update(output_scores=True, return_dict_in_generate=True)
         output = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **kwargs)
-        new_tokens = output[:, width:].tolist()
-        return [cut_at_eos(tokens, sampling.eos_token_ids) for tokens in new_tokens]
+        sequences = output.sequences if sampling.logprobs else output
+        new_tokens = sequences[:, width:]
+        logprobs = [None] * len(prompt_ids)
+        if sampling.logprobs:
+            logprobs = sampled_logprobs(output.scores, new_tokens).tolist()
+        return [cut_completion(tokens, token_logprobs, sampling)
+                for tokens, token_logprobs in zip(new_tokens.tolist(), logprobs)]
+
+
+def sampled_logprobs(scores: tuple[torch.Tensor, ...], tokens: torch.Tensor) -> torch.Tensor:
+    """[rows, steps] log-probs of the drawn tokens under generate's processed scores (one [rows, vocab] per step)."""
+    if not scores:
+        return tokens.new_zeros(tokens.shape, dtype=torch.float32)
+    columns = [torch.log_softmax(step.float(), dim=-1).gather(-1, tokens[:, i:i + 1].to(step.device)).squeeze(-1)
+               for i, step in enumerate(scores)]
+    return torch.stack(columns, dim=1).cpu()

@@ -19,8 +19,8 @@ import urllib.request
 
 import torch
 
-from .sampling import SamplingSettings, cut_at_eos
-from .vllm_server import sampling_to_json
+from .sampling import Completions, SamplingSettings, cut_completion
+from .vllm_server import logprobs_from_json, sampling_to_json
 from .weight_sync import base_model_name_or_path, policy_weights_for_sync
 from .zero3 import is_zero3
 
@@ -56,16 +56,25 @@ class VLLMServerClient:
                                           f"{timeout:g} s ({_reason(error)}).{hint}") from None
                 time.sleep(1.0)
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingSettings) -> list[list[int]]:
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingSettings) -> Completions:
         if not prompt_ids:
-            return []
+            return Completions([], [] if sampling.logprobs else None)
         answer = self._call("POST", "/generate", {"prompts": [list(map(int, ids)) for ids in prompt_ids],
                                                   "sampling": sampling_to_json(sampling)})
         completions = answer["completions"]
         if len(completions) != len(prompt_ids):
             raise VLLMServerError(f"{self.base_url} returned {len(completions)} completions for "
                                   f"{len(prompt_ids)} prompts.")
-        return [cut_at_eos(list(ids)[: sampling.max_new_tokens], sampling.eos_token_ids) for ids in completions]
+        logprobs = logprobs_from_json(answer.get("logprobs")) if sampling.logprobs else None
+        if sampling.logprobs and logprobs is None:
+            raise VLLMServerError(f"{self.base_url} returned no sampling log-probs (a server older than this "
+                                  f"client?); restart it with this leantune's `leantune vllm-serve`.")
+        ids, kept_logprobs = [], []
+        for i, tokens in enumerate(completions):
+            kept, token_logprobs = cut_completion(tokens, None if logprobs is None else logprobs[i], sampling)
+            ids.append(kept)
+            kept_logprobs.append(token_logprobs)
+        return Completions(ids, kept_logprobs if sampling.logprobs else None)
 
     def update_weights(self, named_tensors, dtype: str | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
         """Send `(name, tensor)` pairs in safetensors chunks of about `chunk_bytes` (a bigger tensor goes alone)."""
@@ -122,7 +131,7 @@ class VLLMServerBackend:
         logger.info("vLLM server at %s: %s engine, model %s, %s.", self.client.base_url, info.get("engine"),
                     info.get("model"), info.get("dtype"))
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingSettings) -> list[list[int]]:
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingSettings) -> Completions:
         return self.client.generate(prompt_ids, sampling)
 
     def sync_weights(self, model) -> None:

@@ -38,7 +38,7 @@ import tempfile
 import torch
 
 from ..utils.imports import require, require_cuda
-from .sampling import SamplingSettings, cut_at_eos
+from .sampling import Completions, SamplingSettings, cut_completion
 from .weight_sync import base_model_name_or_path, checkpoint_model, policy_weights_for_sync
 
 logger = logging.getLogger("leantune.generation")
@@ -90,7 +90,7 @@ class VLLMColocateBackend:
         self.needs_sync = False
         self._prefix_cache_stale = True
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingSettings) -> list[list[int]]:
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingSettings) -> Completions:
         if self.needs_sync:
             raise RuntimeError(
                 "The vLLM engine does not hold the current policy weights (it started from the checkpoint, or slept "
@@ -106,10 +106,9 @@ class VLLMColocateBackend:
             self._prefix_cache_stale = False
         prompts, params, own = self._group_requests(prompt_ids, sampling)
         if not prompts:
-            return []
+            return Completions([], [] if sampling.logprobs else None)
         outputs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in prompts], params, use_tqdm=False)
-        completions = [completion_ids(output, sampling) for output in outputs]
-        return completions[own]
+        return completions_of(outputs[own], sampling)
 
     def sleep(self) -> None:
         """Give the engine's GPU memory back (weights and KV cache) for the optimisation steps."""
@@ -175,6 +174,7 @@ class VLLMColocateBackend:
         if not source:
             source = self._scratch_checkpoint(model, tokenizer)
             kwargs["load_format"] = "dummy"  # nothing to load: the first sync brings the weights
+        kwargs.update(processed_logprobs_kwargs(warn=bool(getattr(args, "needs_sampling_logprobs", False))))
         kwargs.update(getattr(args, "vllm_engine_kwargs", None) or {})
         logger.info("Starting a colocated vLLM engine for %s (%s).", source,
                     ", ".join(f"{k}={v}" for k, v in kwargs.items()))
@@ -253,6 +253,8 @@ def to_vllm_sampling_params(sampling: SamplingSettings, index: int = 0):
         "stop_token_ids": list(sampling.eos_token_ids) or None,
         "detokenize": False,
     }
+    if sampling.logprobs:
+        kwargs["logprobs"] = 0  # the sampled token's log-prob only
     if sampling.seed is not None:
         kwargs["seed"] = sampling.seed + index
     kwargs.update(sampling.extra)
@@ -266,10 +268,51 @@ def vllm_sampling_params(sampling: SamplingSettings, count: int, as_list: bool =
     return [to_vllm_sampling_params(sampling, index) for index in range(count)]
 
 
-def completion_ids(output, sampling: SamplingSettings) -> list[int]:
-    """One vLLM RequestOutput's token ids, cut after the first EOS and at max_new_tokens."""
-    tokens = list(output.outputs[0].token_ids)[: sampling.max_new_tokens]
-    return cut_at_eos(tokens, sampling.eos_token_ids)
+def completions_of(outputs, sampling: SamplingSettings) -> Completions:
+    """vLLM RequestOutputs as `Completions`: ids cut after the first EOS and at max_new_tokens, and (when asked) the
+    sampled tokens' log-probs from `logprobs=0`, NaN where vLLM reported none."""
+    ids, logprobs = [], []
+    for output in outputs:
+        sample = output.outputs[0]
+        tokens, token_logprobs = cut_completion(sample.token_ids, sampled_token_logprobs(sample), sampling)
+        ids.append(tokens)
+        logprobs.append(token_logprobs)
+    return Completions(ids, logprobs if sampling.logprobs else None)
+
+
+def sampled_token_logprobs(sample) -> list[float]:
+    """Per token of one vLLM CompletionOutput, the log-prob vLLM reported for the token it drew (a position's
+    entry maps token id -> Logprob; NaN where the entry or the token is missing)."""
+    entries = getattr(sample, "logprobs", None) or []
+    values = []
+    for i, token in enumerate(sample.token_ids):
+        try:
+            found = entries[i][token]
+        except (IndexError, KeyError, TypeError):
+            found = None
+        values.append(float("nan") if found is None else float(getattr(found, "logprob", found)))
+    return values
+
+
+def processed_logprobs_kwargs(warn: bool = True) -> dict:
+    """`logprobs_mode="processed_logprobs"` where this vLLM has it: log-probs after temperature and top-k/top-p,
+    i.e. of the distribution each token was sampled from (the default, raw_logprobs, is before them and would bias
+    the importance-sampling correction). Older vLLM: a warning, and its raw log-probs."""
+    try:
+        import dataclasses
+
+        from vllm.engine.arg_utils import EngineArgs
+
+        supported = "logprobs_mode" in {f.name for f in dataclasses.fields(EngineArgs)}
+    except (ImportError, TypeError):
+        supported = False
+    if supported:
+        return {"logprobs_mode": "processed_logprobs"}
+    if warn:
+        logger.warning("This vLLM has no `logprobs_mode`: its sampling log-probs are taken before temperature and "
+                       "top-k/top-p, which biases `vllm_importance_sampling_correction` unless temperature is 1 "
+                       "and nothing is filtered.")
+    return {}
 
 
 def load_weights_on_worker(worker, weights: list[tuple[str, torch.Tensor]]) -> list[str] | None:

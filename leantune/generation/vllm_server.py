@@ -5,7 +5,9 @@ HTTP threads, but every engine call runs on the main thread, one at a time, in t
 
     GET  /health                 {"status": "ok", "engine", "model", "dtype", "max_request_bytes"}
     POST /generate               {"prompts": [[ids]], "sampling": {SamplingSettings fields}}
-                                 -> {"completions": [[ids]]}, each cut after its first EOS, at most max_new_tokens
+                                 -> {"completions": [[ids]], "logprobs": [[float or null]] or null}: each
+                                 completion cut after its first EOS, at most max_new_tokens; with
+                                 `sampling.logprobs`, its tokens' sampling log-probs (null: not reported)
     POST /update_weights         body: safetensors bytes of some checkpoint-named tensors (one bounded chunk)
                                  -> {"loaded": n}
     POST /update_weights/done    the update is complete: reset the prefix cache -> {"updates": count so far}
@@ -28,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import queue
 import threading
@@ -36,7 +39,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 
-from .sampling import SamplingSettings, cut_at_eos
+from .sampling import Completions, SamplingSettings, cut_completion
 
 logger = logging.getLogger("leantune.generation")
 
@@ -62,6 +65,19 @@ def sampling_from_json(data: dict) -> SamplingSettings:
     return SamplingSettings(**data)
 
 
+def logprobs_to_json(logprobs: list[list[float]] | None) -> list[list[float | None]] | None:
+    """NaN (not reported) and -inf travel as null: JSON has neither."""
+    if logprobs is None:
+        return None
+    return [[v if math.isfinite(v) else None for v in row] for row in logprobs]
+
+
+def logprobs_from_json(rows: list[list[float | None]] | None) -> list[list[float]] | None:
+    if rows is None:
+        return None
+    return [[float("nan") if v is None else float(v) for v in row] for row in rows]
+
+
 class TransformersEngine:
     """A transformers model on CPU behind the server's protocol (for tests and debugging, not for speed)."""
 
@@ -78,20 +94,26 @@ class TransformersEngine:
         self._names = set(self.model.state_dict())
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> Completions:
+        from .transformers_backend import sampled_logprobs
+
         if sampling.seed is not None:
             torch.manual_seed(sampling.seed)
         by_length: dict[int, list[int]] = {}
         for index, ids in enumerate(prompts):
             by_length.setdefault(len(ids), []).append(index)
         completions: list[list[int]] = [[] for _ in prompts]
+        logprobs: list[list[float]] = [[] for _ in prompts]
         for length, indices in by_length.items():  # equal lengths: no padding, so exact greedy results
             input_ids = torch.tensor([prompts[i] for i in indices], dtype=torch.long)
             output = self.model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                                         output_scores=sampling.logprobs, return_dict_in_generate=True,
                                          **self._generate_kwargs(sampling))
-            for i, row in zip(indices, output[:, length:].tolist()):
-                completions[i] = cut_at_eos(row[: sampling.max_new_tokens], sampling.eos_token_ids)
-        return completions
+            new_tokens = output.sequences[:, length:]
+            rows = sampled_logprobs(output.scores, new_tokens).tolist() if sampling.logprobs else [None] * len(indices)
+            for i, row, row_logprobs in zip(indices, new_tokens.tolist(), rows):
+                completions[i], logprobs[i] = cut_completion(row, row_logprobs, sampling)
+        return Completions(completions, logprobs if sampling.logprobs else None)
 
     def _generate_kwargs(self, sampling: SamplingSettings) -> dict:
         pad = sampling.pad_token_id
@@ -141,19 +163,22 @@ class VLLMEngine:
         from vllm import LLM
 
         self.model_path = model_path
+        from .vllm_colocate import processed_logprobs_kwargs
+
         self.llm = LLM(model=model_path, dtype=dtype, seed=seed, tensor_parallel_size=tensor_parallel_size,
                        gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
-                       enforce_eager=enforce_eager, trust_remote_code=trust_remote_code)
+                       enforce_eager=enforce_eager, trust_remote_code=trust_remote_code,
+                       **processed_logprobs_kwargs())
         self.dtype = str(self.llm.llm_engine.model_config.dtype).removeprefix("torch.")
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[list[int]]:
-        from .vllm_colocate import completion_ids, vllm_sampling_params
+    def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> Completions:
+        from .vllm_colocate import completions_of, vllm_sampling_params
 
         if not prompts:
-            return []
+            return Completions([], [] if sampling.logprobs else None)
         params = vllm_sampling_params(sampling, len(prompts))
         outputs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in prompts], params, use_tqdm=False)
-        return [completion_ids(output, sampling) for output in outputs]
+        return completions_of(outputs, sampling)
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> int:
         from .vllm_colocate import load_weights_on_worker
@@ -258,7 +283,8 @@ class _Handler(BaseHTTPRequestHandler):
         prompts = [[int(t) for t in ids] for ids in request["prompts"]]
         sampling = sampling_from_json(request["sampling"])
         completions = _on_engine_thread(self.server, self.server.engine.generate, prompts, sampling)
-        self._reply({"completions": completions})
+        self._reply({"completions": [list(ids) for ids in completions],
+                     "logprobs": logprobs_to_json(getattr(completions, "logprobs", None))})
 
     def _update_weights(self, body: bytes) -> None:
         from safetensors.torch import load

@@ -9,10 +9,16 @@ GRPO loss types (how token losses become one number), with the count each divide
 - dapo:    token losses summed;                                     / completion tokens of the step
 - dr_grpo: token losses summed;                                     / completions x max_completion_length
 - bnpo:    token losses summed, / the micro-batch's own tokens;     / micro-batches of the step
+
+`grpo_token_loss` composes GRPO's per-token loss in TRL 1.16's order: the clipped ratio (per token, or per sequence
+for GSPO; `delta` caps it for two-sided clipping), times the off-policy sequence mask, times the high-entropy token
+mask, times the truncated importance weight between the generation engine and the trainer, plus beta x the k3 KL
+(multiplied by the differentiable ratio with `use_bias_correction_kl`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -37,10 +43,20 @@ class ClippedTerms:
 
 
 def clipped_surrogate(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor,
-                      epsilon_low: float, epsilon_high: float) -> ClippedTerms:
+                      epsilon_low: float, epsilon_high: float, delta: float | None = None) -> ClippedTerms:
     """PPO's clipped surrogate, per unit; with old == current (on-policy) its value is -A and its gradient A."""
-    ratio = torch.exp(logps - old_logps)
+    return clipped_surrogate_of_log_ratio(logps - old_logps, advantages, epsilon_low, epsilon_high, delta)
+
+
+def clipped_surrogate_of_log_ratio(log_ratio: torch.Tensor, advantages: torch.Tensor, epsilon_low: float,
+                                   epsilon_high: float, delta: float | None = None) -> ClippedTerms:
+    """-min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) with r = exp(log_ratio); `delta` (INTELLECT-2's two-sided
+    clipping) also caps the unclipped r at delta, which bounds the loss of negative-advantage units whose ratio
+    grew large. As in TRL, the clip counts are taken on the capped ratio."""
+    ratio = torch.exp(log_ratio)
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+    if delta is not None:
+        ratio = torch.clamp(ratio, max=delta)
     loss = -torch.min(ratio * advantages, clipped * advantages)
     low = (ratio < 1 - epsilon_low) & (advantages < 0)
     high = (ratio > 1 + epsilon_high) & (advantages > 0)
@@ -81,3 +97,127 @@ def grpo_loss_items(loss_type: str, num_sequences: int, num_tokens: int, max_com
     if loss_type == "bnpo":
         return 1
     raise ValueError(f"Unknown GRPO loss_type {loss_type!r}; choose from {GRPO_LOSS_TYPES}.")
+
+
+# --- GRPO's per-token loss and the options that reshape it (TRL 1.16's meanings) --------------------------------
+
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+VLLM_IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def per_sequence_mean(values: torch.Tensor, sequence: torch.Tensor, num_sequences: int) -> torch.Tensor:
+    """Each sequence's mean over its tokens (0 for a sequence without tokens)."""
+    tokens = per_sequence_sum(torch.ones_like(values), sequence, num_sequences).clamp(min=1)
+    return per_sequence_sum(values, sequence, num_sequences) / tokens
+
+
+@dataclass(frozen=True)
+class GRPOObjective:
+    """The config fields that shape GRPO's per-token loss (TRL's names and defaults)."""
+
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    delta: float | None = None
+    importance_sampling_level: str = "token"
+    beta: float = 0.0
+    use_bias_correction_kl: bool = True
+
+    @classmethod
+    def from_config(cls, args) -> GRPOObjective:
+        return cls(args.epsilon, args.upper_epsilon, args.delta, args.importance_sampling_level, args.beta,
+                   args.use_bias_correction_kl)
+
+
+def grpo_token_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, sequence: torch.Tensor,
+                    num_sequences: int, objective: GRPOObjective, ref_logps: torch.Tensor | None = None,
+                    sampling_weights: torch.Tensor | None = None, token_mask: torch.Tensor | None = None,
+                    sequence_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(per-token loss, metrics) over the flat completion tokens; `advantages` and `sequence_mask` are per sequence.
+
+    importance_sampling_level="sequence" (GSPO) uses one ratio per completion, exp(mean over its tokens of
+    logp - old_logp), differentiable through every token's log-prob; the clipped loss of the completion is then given
+    to each of its tokens, so the loss types aggregate it as TRL's broadcast [B, 1] loss (grpo: the completion's
+    value; dapo/bnpo/dr_grpo: its value x its length). Clip metrics count completions at that level, tokens otherwise.
+    """
+    log_ratio = logps - old_logps
+    level = objective.importance_sampling_level
+    if level == "token":
+        terms = clipped_surrogate_of_log_ratio(log_ratio, advantages.index_select(0, sequence), objective.epsilon_low,
+                                               objective.epsilon_high, objective.delta)
+        token_loss, ratio, counted = terms.loss, torch.exp(log_ratio), terms
+    elif level == "sequence":
+        sequence_log_ratio = per_sequence_mean(log_ratio, sequence, num_sequences)
+        terms = clipped_surrogate_of_log_ratio(sequence_log_ratio, advantages, objective.epsilon_low,
+                                               objective.epsilon_high, objective.delta)
+        token_loss = terms.loss.index_select(0, sequence)
+        ratio = torch.exp(sequence_log_ratio).index_select(0, sequence)
+        scored = per_sequence_sum(torch.ones_like(logps), sequence, num_sequences) > 0
+        counted = ClippedTerms(terms.loss[scored], terms.ratio[scored], terms.low_clipped[scored],
+                               terms.high_clipped[scored])
+    else:
+        raise ValueError(f"`importance_sampling_level` must be one of {IMPORTANCE_SAMPLING_LEVELS}, got {level!r}.")
+    if sequence_mask is not None:
+        token_loss = token_loss * sequence_mask.to(token_loss.dtype).index_select(0, sequence)
+    if token_mask is not None:
+        token_loss = token_loss * token_mask.to(token_loss.dtype)
+    if sampling_weights is not None:
+        token_loss = token_loss * sampling_weights.to(token_loss.dtype)
+    metrics = counted.clip_metrics()
+    if objective.beta != 0.0:
+        kl = k3_kl(logps, ref_logps)
+        if objective.use_bias_correction_kl:
+            # times the (undetached, uncapped) ratio: equal to k3 on-policy, but its gradient gains k3 x dlogp
+            kl = kl * ratio
+        token_loss = token_loss + objective.beta * kl
+        metrics["kl"] = kl.detach().mean()  # NaN (left out of the logged mean) when nothing is scored
+    return token_loss, metrics
+
+
+@torch.no_grad()
+def sampling_correction_weights(old_logps: torch.Tensor, sampling_logps: torch.Tensor, sequence: torch.Tensor,
+                                num_sequences: int, mode: str, clip_min: float | None,
+                                clip_max: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-token weights, the ratios they came from) for the gap between the engine that sampled the completions
+    and the trainer: ratio = pi_old / pi_sampler per token (token_*) or per completion, the product over its tokens
+    (sequence_*); *_truncate clamps it to [clip_min, clip_max], *_mask sets ratios outside that range to 0. A
+    sampling log-prob the engine did not report (NaN) counts as no gap (ratio 1), as in TRL."""
+    if mode not in VLLM_IMPORTANCE_SAMPLING_MODES:
+        raise ValueError(f"`vllm_importance_sampling_mode` must be one of {VLLM_IMPORTANCE_SAMPLING_MODES}, "
+                         f"got {mode!r}.")
+    difference = torch.nan_to_num(old_logps - sampling_logps.to(old_logps.dtype), nan=0.0)
+    per_sequence = mode.startswith("sequence")
+    if per_sequence:
+        difference = per_sequence_sum(difference, sequence, num_sequences)
+    ratio = torch.exp(difference)
+    if mode.endswith("truncate"):
+        ratio = torch.clamp(ratio, min=clip_min, max=clip_max)
+    else:
+        low = -math.inf if clip_min is None else clip_min
+        high = math.inf if clip_max is None else clip_max
+        ratio = ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+    if per_sequence:
+        scored = per_sequence_sum(torch.ones_like(old_logps), sequence, num_sequences) > 0
+        return ratio.index_select(0, sequence), ratio[scored]
+    return ratio, ratio
+
+
+@torch.no_grad()
+def off_policy_sequence_mask(logps: torch.Tensor, behaviour_logps: torch.Tensor, advantages: torch.Tensor,
+                             sequence: torch.Tensor, num_sequences: int, threshold: float) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask, per completion (1 keep, 0 drop): a completion with a negative
+    advantage is dropped when the mean over its tokens of log pi_behaviour - log pi_current exceeds `threshold`.
+    NaN behaviour log-probs (not reported by the engine) count as no divergence."""
+    divergence = torch.nan_to_num(behaviour_logps.to(logps.dtype) - logps.detach(), nan=0.0)
+    mean_divergence = per_sequence_mean(divergence, sequence, num_sequences)
+    return ((advantages >= 0) | (mean_divergence <= threshold)).to(logps.dtype)
+
+
+@torch.no_grad()
+def high_entropy_mask(entropy: torch.Tensor, pooled_entropy: torch.Tensor, top_quantile: float) -> torch.Tensor:
+    """The tokens whose entropy is at least the (1 - top_quantile) quantile (linear interpolation) of
+    `pooled_entropy`: the completion tokens of this micro-batch on every process (TRL's definition). 0.0 keeps the
+    highest-entropy tokens only, 1.0 keeps all."""
+    if pooled_entropy.numel() == 0:
+        return torch.zeros_like(entropy, dtype=torch.bool)
+    threshold = torch.quantile(pooled_entropy.float(), 1.0 - top_quantile)
+    return entropy >= threshold

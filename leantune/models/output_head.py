@@ -12,6 +12,7 @@ slice, so no logits are computed and the model's post-processing costs nothing.
 from __future__ import annotations
 
 import contextlib
+import types
 from dataclasses import dataclass
 
 import torch
@@ -96,3 +97,28 @@ class OutputHead:
                 del module.forward
             else:
                 module.forward = previous
+
+
+def compute_head_in_fp32(model) -> None:
+    """`cast_lm_head_to_fp32`: the output head projects float32 hidden states with a float32 copy of its weight (and
+    bias), autocast off, wherever it runs (full logits, the chunked path's forward and backward, generate). The
+    stored weight keeps its dtype, so a head tied to the input embeddings stays tied and the embeddings' outputs
+    keep theirs. Refused for a head wrapped by a PEFT adapter, whose forward is the adapter's."""
+    module = OutputHead.of(model).module
+    if getattr(module, "_leantune_fp32", False):
+        return
+    if not isinstance(module, torch.nn.Linear) or hasattr(module, "base_layer"):
+        raise ValueError(f"`cast_lm_head_to_fp32=True` needs a plain linear output head, got {type(module).__name__} "
+                         "(a PEFT adapter on lm_head?); remove lm_head from the adapter's target modules or set "
+                         "`cast_lm_head_to_fp32=False`.")
+    if "forward" in module.__dict__:
+        raise ValueError("`cast_lm_head_to_fp32=True`: the output head's forward is already replaced (an accelerate "
+                         "device-map hook?); load the model on one device or set `cast_lm_head_to_fp32=False`.")
+    module.forward = types.MethodType(_fp32_linear_forward, module)  # a bound method: deep copies follow the copy
+    module._leantune_fp32 = True
+
+
+def _fp32_linear_forward(self: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
+    with torch.autocast(hidden.device.type, enabled=False):
+        bias = None if self.bias is None else self.bias.float()
+        return torch.nn.functional.linear(hidden.float(), self.weight.float(), bias)

@@ -19,6 +19,7 @@ from collections import defaultdict
 import torch
 from transformers import Trainer
 
+from ..data.streaming import is_stream, log_stream_report, require_max_steps, reset_counts, use_own_stream_reads
 from ..losses.causal_lm import count_targets
 from ..losses.dispatch import LogProbPath, choose_logprob_path
 from ..losses.liger import liger_can_run, liger_nll_sum
@@ -83,8 +84,18 @@ class LeantuneTrainer(Trainer):
 
     def prepare_datasets(self, train_dataset, eval_dataset, tokenizer, args):
         """(train, eval, reports): `train_dataset` is required (as in TRL); `eval_dataset` is one dataset, or a dict
-        / DatasetDict of named ones, each prepared (evaluation then reports `eval_<name>_...` per name)."""
+        / DatasetDict of named ones, each prepared (evaluation then reports `eval_<name>_...` per name). Any of them
+        may be a stream (datasets.IterableDataset), prepared lazily (data/streaming.py); a streamed train split needs
+        `max_steps`."""
         self.require_train_dataset(train_dataset)
+        evals = eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset]
+        if is_stream(train_dataset):
+            require_max_steps(args)
+        if any(map(is_stream, [train_dataset, *evals])):
+            use_own_stream_reads(args)
+        if getattr(args, "precompute_ref_log_probs", False) and any(map(is_stream, [train_dataset, *evals])):
+            raise ValueError("`precompute_ref_log_probs` reads the whole dataset before training, which a stream "
+                             "(datasets.IterableDataset) cannot give: turn it off, or pass a datasets.Dataset.")
         reports = {}
         train_dataset = self._prepare_and_remember(train_dataset, "train", tokenizer, args, reports)
         if isinstance(eval_dataset, dict):  # a DatasetDict is a dict too
@@ -104,12 +115,17 @@ class LeantuneTrainer(Trainer):
         dataset, report = self.prepare_split(dataset, split, tokenizer, args)
         if report is not None:
             reports[split] = report
-        self.remember_prepared(dataset)
+        self.remember_prepared(dataset, report)
         return dataset
 
-    def remember_prepared(self, dataset) -> None:
+    def remember_prepared(self, dataset, report=None) -> None:
         if not hasattr(self, "_prepared_fingerprints"):
             self._prepared_fingerprints = set()
+        if is_stream(dataset):  # no fingerprint: known by identity; its live report is logged as it is read
+            self._prepared_fingerprints.add(id(dataset))
+            if report is not None:
+                self.stream_reports[id(dataset)] = report
+            return
         fingerprint = getattr(dataset, "_fingerprint", None)
         if fingerprint is not None:
             self._prepared_fingerprints.add(fingerprint)
@@ -117,7 +133,7 @@ class LeantuneTrainer(Trainer):
     def is_prepared(self, dataset) -> bool:
         """Whether `dataset` is already this trainer's prepared form: one it prepared (same fingerprint), or one
         holding all of the trainer's `prepared_columns`."""
-        fingerprint = getattr(dataset, "_fingerprint", None)
+        fingerprint = id(dataset) if is_stream(dataset) else getattr(dataset, "_fingerprint", None)
         if fingerprint is not None and fingerprint in getattr(self, "_prepared_fingerprints", ()):
             return True
         columns = set(getattr(dataset, "column_names", None) or ())
@@ -149,13 +165,25 @@ class LeantuneTrainer(Trainer):
                                                       self.args)
             if report is not None:
                 self.data_reports[metric_key_prefix] = report
-            self.remember_prepared(eval_dataset)
+            self.remember_prepared(eval_dataset, report)
             eval_dataset = self.finish_eval_split(eval_dataset, metric_key_prefix)
+        stream_report = self.stream_reports.get(id(eval_dataset)) if is_stream(eval_dataset) else None
+        if stream_report is not None:
+            reset_counts(stream_report)  # an evaluation reads the stream from its start: count that pass
         previous, self._metric_prefix = self._metric_prefix, metric_key_prefix
         try:
             return self.evaluate_prepared(eval_dataset, ignore_keys, metric_key_prefix)
         finally:
             self._metric_prefix = previous
+            if stream_report is not None and self.is_world_process_zero():
+                log_stream_report(stream_report)
+
+    @property
+    def stream_reports(self) -> dict:
+        """Live reports of the streamed splits, by id of the prepared stream: counts of the rows read so far."""
+        if "_stream_reports" not in self.__dict__:
+            self._stream_reports = {}
+        return self._stream_reports
 
     def evaluate_prepared(self, eval_dataset, ignore_keys, metric_key_prefix: str):
         """Evaluate one prepared dataset (Trainer's evaluation loop; the online trainers generate instead)."""
@@ -278,6 +306,9 @@ class LeantuneTrainer(Trainer):
         reset_peak_memory(self.args.device)
         self.throughput.restart()
         output = super().train(*args, **kwargs)
+        train_report = self.stream_reports.get(id(self.train_dataset))
+        if train_report is not None and self.is_world_process_zero():
+            log_stream_report(train_report)
         summary = self.training_summary()
         output.metrics.update(summary)
         self.log_metrics("train", summary)

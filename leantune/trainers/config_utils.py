@@ -44,7 +44,6 @@ def non_default(args, *names: str) -> list[str]:
 # TRL fields that leantune accepts with TRL's default but does not implement yet, each with the closest thing leantune
 # offers. A config refuses any other value when it is built (refuse_unsupported_trl_fields); implementing one removes
 # its entry here. Fields a config does not have are skipped.
-_RECOMPUTED = "leantune recomputes generation-time log-probs with the training model rather than reading vLLM's"
 UNSUPPORTED_TRL_FIELDS: dict[str, str] = {
     # every causal-LM trainer
     "router_aux_loss_coef": "leantune trains on the language-modelling loss alone; leave it unset",
@@ -63,17 +62,13 @@ UNSUPPORTED_TRL_FIELDS: dict[str, str] = {
     "log_unique_prompts": "`num_completions_to_print` limits how many completions `log_completions` logs",
     "log_completions_hub_repo": "`log_completions=True` logs completions with the training log",
     # GRPO: objective
-    "cast_lm_head_to_fp32": "the chunked loss (`chunked_loss=True`, the default) already projects in float32",
-    "delta": "set the upper clipping range with `epsilon_high`",
     "sapo_temperature_neg": "it applies to `loss_type='sapo'`; use one of grpo, dapo, dr_grpo, bnpo",
     "sapo_temperature_pos": "it applies to `loss_type='sapo'`; use one of grpo, dapo, dr_grpo, bnpo",
     "vespo_k_pos": "it applies to `loss_type='vespo'`; use one of grpo, dapo, dr_grpo, bnpo",
     "vespo_lambda_pos": "it applies to `loss_type='vespo'`; use one of grpo, dapo, dr_grpo, bnpo",
     "vespo_k_neg": "it applies to `loss_type='vespo'`; use one of grpo, dapo, dr_grpo, bnpo",
     "vespo_lambda_neg": "it applies to `loss_type='vespo'`; use one of grpo, dapo, dr_grpo, bnpo",
-    "importance_sampling_level": "probability ratios are per token ('token')",
     "multi_objective_aggregation": "rewards are summed with `reward_weights`, then scaled as `scale_rewards` says",
-    "top_entropy_quantile": "every completion token is trained (1.0)",
     "entropy_coef": "leantune adds no entropy term to the loss; leave it at 0",
     "use_adaptive_entropy": "leantune adds no entropy term to the loss; leave it False",
     "entropy_coef_min": "it only matters with `use_adaptive_entropy=True`, which leantune does not have yet",
@@ -81,13 +76,6 @@ UNSUPPORTED_TRL_FIELDS: dict[str, str] = {
     "entropy_coef_delta": "it only matters with `use_adaptive_entropy=True`, which leantune does not have yet",
     "entropy_target": "it only matters with `use_adaptive_entropy=True`, which leantune does not have yet",
     "max_tool_calling_iterations": "leantune generates single-turn completions without tools",
-    "vllm_importance_sampling_correction": _RECOMPUTED,
-    "vllm_importance_sampling_mode": _RECOMPUTED,
-    "vllm_importance_sampling_clip_max": _RECOMPUTED,
-    "vllm_importance_sampling_clip_min": _RECOMPUTED,
-    "vllm_importance_sampling_cap": _RECOMPUTED,
-    "off_policy_mask_threshold": "every completion is trained; `mask_truncated_completions=True` masks cut ones",
-    "use_bias_correction_kl": "the KL term (`beta` > 0) is the plain k3 estimate on the current batch",
 }
 
 

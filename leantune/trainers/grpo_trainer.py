@@ -2,8 +2,15 @@
 
 For each prompt, `num_generations` completions are sampled and rewarded; a completion's advantage is its reward
 minus its group's mean (divided by the group's or batch's std, `scale_rewards`). The policy maximises the clipped
-ratio objective per token, with beta x the k3 KL estimate to the reference added to each token's loss; token losses
-are averaged as `loss_type` says (losses/policy_gradient.py).
+ratio objective per token (or per completion, GSPO), with beta x the k3 KL estimate to the reference added to each
+token's loss; token losses are averaged as `loss_type` says (losses/policy_gradient.py, which also holds the
+options that reshape the token loss: `delta`, `top_entropy_quantile`, `off_policy_mask_threshold`, vLLM's
+importance-sampling correction, `use_bias_correction_kl`).
+
+With `use_vllm` and `vllm_importance_sampling_correction` (TRL's default), the generation-time policy log-probs are
+always computed, and each token's policy loss is weighted by pi_old / pi_vLLM of its sampled token, from the
+log-probs vLLM returns with the completions. transformers' generate samples from the training model itself, so
+there, as in TRL, nothing is corrected.
 """
 
 from __future__ import annotations
@@ -12,7 +19,16 @@ import torch
 
 from ..losses.advantages import group_relative_advantages
 from ..losses.causal_lm import count_targets
-from ..losses.policy_gradient import clipped_surrogate, grpo_loss_items, grpo_loss_sum, k3_kl
+from ..losses.policy_gradient import (
+    GRPOObjective,
+    grpo_loss_items,
+    grpo_loss_sum,
+    grpo_token_loss,
+    high_entropy_mask,
+    off_policy_sequence_mask,
+    sampling_correction_weights,
+)
+from ..models.output_head import compute_head_in_fp32
 from .grpo_config import GRPOConfig
 from .online_trainer import OnlineTrainer
 
@@ -20,6 +36,22 @@ from .online_trainer import OnlineTrainer
 class GRPOTrainer(OnlineTrainer):
     method = "grpo"
     config_class = GRPOConfig
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.args.cast_lm_head_to_fp32:
+            for model in (self.model, self.ref_model):
+                if model is not None:
+                    compute_head_in_fp32(model)
+
+    @property
+    def corrects_sampling(self) -> bool:
+        """vLLM's importance-sampling correction applies (TRL: only when generating with vLLM)."""
+        return self.args.use_vllm and self.args.vllm_importance_sampling_correction
+
+    @property
+    def needs_old_logps(self) -> bool:
+        return self.corrects_sampling
 
     def round_advantages(self, rewards: torch.Tensor, batches: list[dict]) -> torch.Tensor:
         advantages, _ = group_relative_advantages(rewards, self.args.num_generations, self.args.scale_rewards)
@@ -31,16 +63,49 @@ class GRPOTrainer(OnlineTrainer):
 
     def policy_loss(self, logps: torch.Tensor, sequence: torch.Tensor, batch: dict):
         args = self.args
-        old = batch["old_logps"] if "old_logps" in batch else logps.detach()
-        advantages = batch["advantages"].to(logps.device, logps.dtype).index_select(0, sequence)
-        terms = clipped_surrogate(logps, old, advantages, args.epsilon, args.upper_epsilon)
-        token_loss = terms.loss
-        metrics = {}
-        if args.beta != 0.0:
-            kl = k3_kl(logps, batch["ref_logps"])
-            token_loss = token_loss + args.beta * kl
-            metrics["kl"] = kl.detach().mean()  # NaN (left out of the logged mean) when nothing is scored
-        loss_sum = grpo_loss_sum(token_loss, sequence, int(batch["num_sequences"]), args.loss_type,
-                                 args.max_completion_length)
-        metrics.update(terms.clip_metrics())
+        count = int(batch["num_sequences"])
+        old = batch["old_logps"].to(logps.dtype) if "old_logps" in batch else logps.detach()
+        advantages = batch["advantages"].to(logps.device, logps.dtype)
+        metrics, sampling_weights, sequence_mask, token_mask = {}, None, None, None
+        if self.corrects_sampling:
+            sampling_weights, ratios = sampling_correction_weights(
+                old, batch["sampling_logps"], sequence, count, args.vllm_importance_sampling_mode,
+                args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max)
+            metrics.update(sampling_metrics(old, batch["sampling_logps"], ratios))
+        if args.off_policy_mask_threshold is not None:
+            behaviour = batch["sampling_logps"] if "sampling_logps" in batch else old
+            sequence_mask = off_policy_sequence_mask(logps, behaviour, advantages, sequence, count,
+                                                     args.off_policy_mask_threshold)
+        if args.top_entropy_quantile < 1.0:
+            entropy = batch["token_entropy"]
+            token_mask = high_entropy_mask(entropy, self._pooled_over_processes(entropy), args.top_entropy_quantile)
+        token_loss, loss_metrics = grpo_token_loss(
+            logps, old, advantages, sequence, count, GRPOObjective.from_config(args),
+            ref_logps=batch.get("ref_logps"), sampling_weights=sampling_weights, token_mask=token_mask,
+            sequence_mask=sequence_mask)
+        metrics.update(loss_metrics)
+        loss_sum = grpo_loss_sum(token_loss, sequence, count, args.loss_type, args.max_completion_length)
         return loss_sum, metrics
+
+    def _pooled_over_processes(self, values: torch.Tensor) -> torch.Tensor:
+        """Every process's values of this micro-batch (lengths differ between processes)."""
+        if self.accelerator.num_processes == 1:
+            return values
+        padded = self.accelerator.pad_across_processes(values.float(), dim=0, pad_index=float("nan"))
+        gathered = self.accelerator.gather(padded)
+        return gathered[~torch.isnan(gathered)]
+
+
+@torch.no_grad()
+def sampling_metrics(old_logps: torch.Tensor, sampling_logps: torch.Tensor, ratios: torch.Tensor) -> dict:
+    """TRL's names: how far the engine's log-probs are from the trainer's, and the correction's ratios."""
+    gap = (old_logps.float() - sampling_logps.float()).abs()
+    gap = gap[~torch.isnan(gap)]
+    nan = torch.tensor(float("nan"), device=old_logps.device)
+    return {
+        "sampling/sampling_logp_difference/mean": gap.mean() if gap.numel() else nan,
+        "sampling/sampling_logp_difference/max": gap.max() if gap.numel() else nan,
+        "sampling/importance_sampling_ratio/min": ratios.min() if ratios.numel() else nan,
+        "sampling/importance_sampling_ratio/mean": ratios.mean() if ratios.numel() else nan,
+        "sampling/importance_sampling_ratio/max": ratios.max() if ratios.numel() else nan,
+    }

@@ -38,7 +38,8 @@ class OnlineConfig(MemoryOptions, CausalLMOptions, ReferenceSyncOptions, Trainin
         default=None,
         metadata={"help": "Keep at most this many prompt tokens (the end of the prompt); cut prompts are counted."},
     )
-    shuffle_dataset: bool = field(default=True, metadata={"help": "Shuffle the prompts."})
+    shuffle_dataset: bool = field(default=True, metadata={
+        "help": "Shuffle the prompts (a stream: a seeded shuffle buffer of 1000 rows, as in TRL)."})
     padding_free: bool = field(
         default=False,
         metadata={"help": "Score the completions of a batch in one row with restarting position_ids (no padding)."},

@@ -23,13 +23,15 @@ import logging
 from collections import defaultdict
 
 import torch
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 from ..data.collators import CausalLMCollator
 from ..data.preference_collator import sequence_starts
 from ..data.prompt_preparation import PROMPT_IDS, context_limit_of, prepare_prompt_dataset
-from ..generation import SamplingSettings, make_backend
+from ..data.streaming import STREAM_BUFFER_ROWS, is_stream
+from ..generation import Completions, SamplingSettings, make_backend
 from ..generation.backend import check_backend_requirements
+from ..losses.causal_lm import count_targets
 from ..losses.dispatch import LogProbPath
 from ..losses.token_logprobs import target_sequences
 from ..rewards import RewardFunctions, RewardScores
@@ -72,11 +74,58 @@ class RoundLoader(DataLoader):
     """A DataLoader whose epoch reaches its round sampler (the Trainer calls `set_epoch` on the loader)."""
 
     def set_epoch(self, epoch: int) -> None:
-        self.batch_sampler.set_epoch(epoch)
+        (self.batch_sampler or self.dataset).set_epoch(epoch)
+
+
+class StreamRounds(IterableDataset):
+    """`RoundSampler`'s rounds for a stream of prompts (datasets.IterableDataset, no length, no indices).
+
+    Rounds are consecutive rows of the stream, each yielded `repeats` times; an incomplete last round is left out.
+    With `shuffle` (GRPO/RLOO's `shuffle_dataset`, on by default, as in TRL) the stream first goes through datasets'
+    seeded buffered shuffle (`STREAM_BUFFER_ROWS` rows, reseeded each epoch): a full permutation needs the whole
+    dataset, a buffer is what a stream allows. Every process reads the whole stream and draws the same rounds, as
+    with the sampler; each keeps its own slice of the round's completions.
+    """
+
+    def __init__(self, stream, prompts_per_round: int, repeats: int, shuffle: bool, seed: int):
+        self.stream, self.prompts_per_round, self.repeats = stream, prompts_per_round, repeats
+        self.shuffle, self.seed, self.epoch = shuffle, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        stream = self.stream
+        if self.shuffle:
+            stream = stream.shuffle(seed=self.seed, buffer_size=STREAM_BUFFER_ROWS)
+            stream.set_epoch(self.epoch)
+        prompts = []
+        for row in stream:
+            prompts.append(row)
+            if len(prompts) == self.prompts_per_round:
+                for _ in range(self.repeats):
+                    yield prompts
+                prompts = []
 
 
 def _rows(rows: list[dict]) -> list[dict]:
     return rows
+
+
+def _row_batches(dataset, size: int):
+    """Consecutive lists of `size` rows (the last one shorter) of a dataset or a stream, in order."""
+    if not is_stream(dataset):
+        for start in range(0, len(dataset), size):
+            yield [dataset[i] for i in range(start, min(start + size, len(dataset)))]
+        return
+    rows = []
+    for row in dataset:
+        rows.append(row)
+        if len(rows) == size:
+            yield rows
+            rows = []
+    if rows:
+        yield rows
 
 
 class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
@@ -159,6 +208,11 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
 
     def get_train_dataloader(self):
         prompts_per_round = self.round_size // self.args.num_generations
+        repeats = self.steps_per_generation * self.args.num_iterations
+        if is_stream(self.train_dataset):
+            rounds = StreamRounds(self.train_dataset, prompts_per_round, repeats, self.args.shuffle_dataset,
+                                  self.args.seed)
+            return RoundLoader(rounds, batch_size=None, collate_fn=_rows)
         if len(self.train_dataset) < prompts_per_round:
             raise ValueError(f"The train dataset has {len(self.train_dataset)} prompts, fewer than one generation "
                              f"round needs ({prompts_per_round}).")
@@ -196,7 +250,7 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
             logger.info("%s generation backend: %s.", self.method.upper(), self.backend.name)
         return self.backend
 
-    def generate_completions(self, prompt_ids: list[list[int]], sampling: SamplingSettings) -> list[list[int]]:
+    def generate_completions(self, prompt_ids: list[list[int]], sampling: SamplingSettings) -> Completions:
         backend = self._backend()
         backend.wake_up()
         if self._synced_step != self.state.global_step or getattr(backend, "needs_sync", False):
@@ -226,7 +280,9 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         off_policy = self.steps_per_generation > args.gradient_accumulation_steps or args.num_iterations > 1
         for batch in batches:
             batch["num_sequences"] = torch.tensor(micro_size)
-        self._attach_logps(batches, off_policy or self.kl_in_reward)
+        if self.sampling.logprobs:
+            self._attach_sampling_logps(batches, examples, getattr(completion_ids, "logprobs", None), micro_size)
+        self._attach_logps(batches, off_policy or self.kl_in_reward or self.needs_old_logps)
         advantages = self.round_advantages(scored["rewards"], batches)
         local = advantages[self._local_slice(len(advantages))]
         for i, batch in enumerate(batches):
@@ -245,6 +301,19 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         if masked:
             self.round_counts["truncated_completions_masked"] += masked
         return examples
+
+    def _attach_sampling_logps(self, batches: list[dict], examples: list[dict], logprobs, micro_size: int) -> None:
+        """Per-target log-probs of the engine that sampled the completions ("sampling_logps"), in the flat target
+        order of each micro-batch: every kept completion's tokens, completion after completion."""
+        if logprobs is None:
+            raise RuntimeError(f"The {self._backend().name} generation backend returned no sampling log-probs.")
+        for i, batch in enumerate(batches):
+            part = range(i * micro_size, (i + 1) * micro_size)
+            values = [v for j in part if any(examples[j]["completion_mask"]) for v in logprobs[j]]
+            batch["sampling_logps"] = torch.tensor(values, dtype=torch.float32)
+            if len(values) != int(count_targets(batch["labels"])):
+                raise RuntimeError(f"{len(values)} sampling log-probs for {int(count_targets(batch['labels']))} "
+                                   f"completion tokens from the {self._backend().name} generation backend.")
 
     @torch.no_grad()
     def _attach_logps(self, batches: list[dict], policy_too: bool) -> None:
@@ -341,6 +410,11 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         """Whether the method needs generation-time policy and reference log-probs before its advantages."""
         return False
 
+    @property
+    def needs_old_logps(self) -> bool:
+        """Whether the method reads generation-time policy log-probs even on-policy (GRPO's vLLM correction)."""
+        return False
+
     def round_advantages(self, rewards: torch.Tensor, batches: list[dict]) -> torch.Tensor:
         """[completions of the round, all processes] advantages from the gathered rewards."""
         raise NotImplementedError
@@ -362,6 +436,7 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         logps, entropy, targets, _ = self.target_logprobs(model, model_inputs, batch["labels"],
                                                            self.args.temperature, with_entropy=True)
         sequence = target_sequences(targets, sequence_starts(batch))
+        batch["token_entropy"] = entropy  # per target, no gradient (GRPO's top_entropy_quantile reads it)
         loss_sum, metrics = self.policy_loss(logps, sequence, batch)
         metrics["entropy"] = entropy.mean()  # NaN when nothing is scored (left out of the logged mean)
         self.record_metrics(model, **{name: value.reshape(1) for name, value in metrics.items()})
@@ -375,9 +450,10 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         group = self.args.eval_num_generations
         size = max(1, self.args.per_device_eval_batch_size // group) * self.accelerator.num_processes
         self.metric_values["eval"].clear()
-        for start in range(0, len(dataset) - len(dataset) % self.accelerator.num_processes, size):
-            prompt_rows = [dataset[i] for i in range(start, min(start + size, len(dataset)))]
+        for prompt_rows in _row_batches(dataset, size):
             prompt_rows = prompt_rows[: len(prompt_rows) - len(prompt_rows) % self.accelerator.num_processes]
+            if not prompt_rows:
+                continue
             rows = [row for row in prompt_rows for _ in range(group)][self._local_slice(len(prompt_rows) * group)]
             completion_ids = self.generate_completions([row[PROMPT_IDS] for row in rows], self.sampling)
             self.score_completions(rows, completion_ids, training=False)

@@ -19,6 +19,8 @@ import torch
 from ..data.chat_template import load_chat_template
 from ..data.preference_collator import PreferenceCollator
 from ..data.preference_preparation import prepare_preference_dataset
+from ..data.report import NothingLeft
+from ..data.streaming import is_stream, prepare_stream
 from ..losses.reward import bradley_terry_loss
 from ..models.loading import (
     apply_peft,
@@ -262,6 +264,8 @@ def reward_positions(batch: dict, num_sequences: int, pad_token_id: int | None) 
 def prepare_reward_dataset(dataset, tokenizer, args, split: str):
     """Preference preparation shared with DPO (keeping a `margin` column), plus TRL's tokenised reward columns and
     the pairs that truncation left identical (no preference left to learn), dropped and counted."""
+    if is_stream(dataset):
+        return prepare_stream(dataset, lambda buffer: prepare_reward_dataset(buffer, tokenizer, args, split), split)
     if dataset is not None and type(dataset).__name__ == "Dataset":
         dataset = _from_trl_tokenized(dataset)
     dataset, report = prepare_preference_dataset(dataset, tokenizer, args, split, keep_columns=("margin",))
@@ -273,7 +277,7 @@ def prepare_reward_dataset(dataset, tokenizer, args, split: str):
         report.num_identical_dropped += int(same.sum())
         report.num_pairs_out -= int(same.sum())
         if same.all():
-            raise ValueError(f"No {split} pair is left after preparation: {report.as_dict()}.")
+            raise NothingLeft(f"No {split} pair is left after preparation: {report.as_dict()}.", report)
         dataset = dataset.select(np.flatnonzero(~same))
     return dataset, report
 

@@ -49,7 +49,8 @@ class SFTConfig(MemoryOptions, CausalLMOptions, TrainingArguments):
         default=None, metadata={"help": "Deprecated alias of max_length."}
     )
     truncation_mode: str = field(default="keep_start", metadata={"help": "keep_start or keep_end."})
-    shuffle_dataset: bool = field(default=False, metadata={"help": "Shuffle the training set before packing."})
+    shuffle_dataset: bool = field(default=False, metadata={
+        "help": "Shuffle the training set before packing (a stream: a seeded shuffle buffer of 1000 rows)."})
 
     # Packing and padding
     packing: bool = field(default=False, metadata={"help": "Pack examples into rows of max_length tokens."})
@@ -72,7 +73,8 @@ class SFTConfig(MemoryOptions, CausalLMOptions, TrainingArguments):
     )
     assistant_only_loss: bool = field(
         default=False,
-        metadata={"help": "Loss on assistant turns only (needs {%% generation %%} in the chat template). With "
+        metadata={"help": "Loss on assistant turns only: the chat template's {%% generation %%} blocks, or, in a "
+                  "template without them, the tokens each assistant turn adds to the rendered conversation. With "
                   "completion_only_loss on: assistant turns of the completion only."},
     )
     loss_type: str = field(default="nll", metadata={"help": "nll (token-mean cross-entropy)."})

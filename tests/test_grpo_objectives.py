@@ -1,0 +1,415 @@
+"""GRPO's TRL 1.16 objective options: by-hand float64 values of each loss variant, the trainer's chunked / full-logits
+and padded / padding-free paths equal with them on, and the sampling log-probs every generation backend returns
+(transformers' generate, the `leantune vllm-serve` protocol with its CPU engine, the colocated vLLM extraction)."""
+
+from __future__ import annotations
+
+import math
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+from accelerate import Accelerator
+
+from leantune import GRPOConfig, GRPOTrainer
+from leantune.defaults import build_default_tokenizer
+from leantune.generation.sampling import Completions, SamplingSettings
+from leantune.generation.transformers_backend import TransformersBackend
+from leantune.generation.vllm_client import VLLMServerClient
+from leantune.generation.vllm_colocate import completions_of
+from leantune.generation.vllm_server import TransformersEngine, logprobs_from_json, logprobs_to_json, make_server, serve
+from leantune.losses.dispatch import LogProbPath
+from leantune.losses.policy_gradient import (
+    GRPOObjective,
+    grpo_loss_sum,
+    grpo_token_loss,
+    high_entropy_mask,
+    off_policy_sequence_mask,
+    sampling_correction_weights,
+)
+from leantune.models.output_head import OutputHead, compute_head_in_fp32
+
+from .test_grpo import (
+    assert_grads_close,
+    char_model,
+    config,
+    count_a,
+    loss_and_grads,
+    one_round,
+    prompts,
+)
+
+F64 = torch.float64
+# The by-hand cases are float64 sums and products of a handful of terms: exact to ~1e-15 of values of order 1.
+EXACT = dict(rtol=1e-12, atol=1e-12)
+
+
+@pytest.fixture(scope="module")
+def char_tokenizer():
+    return build_default_tokenizer()
+
+
+def t(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=F64)
+
+
+# --- the loss variants, by hand ---------------------------------------------------------------------------------
+
+SEQUENCE = torch.tensor([0, 0, 1, 1, 2])
+LOGPS = [math.log(p) for p in (0.5, 0.5, 0.5, 0.5, 0.2)]
+OLD = [math.log(p) for p in (0.25, 0.25, 1.0, 0.5, 0.1)]  # ratios 2, 2, 0.5, 1, 2
+REF = [math.log(p) for p in (0.25, 0.5, 0.25, 0.5, 0.1)]  # ref / policy: 0.5, 1, 0.5, 1, 0.5
+ADVANTAGES = [1.0, -1.0, -2.0]  # per completion: tokens get 1, 1, -1, -1, -2
+K3_HALF = 0.5 - math.log(0.5) - 1  # k3 where ref / policy = 0.5
+
+
+def test_token_level_clip_delta_masks_weights_and_bias_corrected_kl_by_hand():
+    logps = t(LOGPS).requires_grad_()
+    objective = GRPOObjective(epsilon_low=0.2, epsilon_high=0.28, delta=1.5, beta=0.1)
+    token_mask = torch.tensor([True, False, True, True, True])
+    sequence_mask = t([1.0, 1.0, 0.0])  # completion 2 (token 4) dropped
+    weights = t([0.5, 1.0, 2.0, 1.0, 1.0])
+    loss, metrics = grpo_token_loss(logps, t(OLD), t(ADVANTAGES), SEQUENCE, 3, objective, ref_logps=t(REF),
+                                    sampling_weights=weights, token_mask=token_mask, sequence_mask=sequence_mask)
+    # clipped terms -min(r A, clip(r) A), r capped at delta=1.5:  token 0: -min(1.5, 1.28) = -1.28 (x weight 0.5);
+    # token 1: masked; token 2: -min(-0.5, -0.8) = 0.8 (x weight 2); token 3: 1; token 4: -min(-3, -2.56) = 3, dropped
+    policy = [-1.28 * 0.5, 0.0, 0.8 * 2.0, 1.0, 0.0]
+    kl = [K3_HALF * 2.0, 0.0, K3_HALF * 0.5, 0.0, K3_HALF * 2.0]  # k3 x ratio (2, 2, 0.5, 1, 2)
+    torch.testing.assert_close(loss.detach(), t([p + 0.1 * k for p, k in zip(policy, kl)]), **EXACT)
+    loss.sum().backward()
+    # d/dlogp: the clipped, capped and masked policy terms have none; token 3 is unclipped: -A r = 1.
+    # KL x r: d(k3 r)/dlogp = (1 - ref/policy) r + k3 r
+    kl_grad = [(0.5 * 2.0 + K3_HALF * 2.0), 0.0, (0.5 * 0.5 + K3_HALF * 0.5), 0.0, (0.5 * 2.0 + K3_HALF * 2.0)]
+    torch.testing.assert_close(logps.grad, t([0.1 * g for g in kl_grad]) + t([0, 0, 0, 1.0, 0]), **EXACT)
+    assert metrics["kl"].item() == pytest.approx(sum(kl) / 5, rel=1e-12)
+    # clip counts on the capped ratio: tokens 0, 1 high-clipped (A > 0), token 2 low-clipped (A < 0, r < 0.8)
+    assert metrics["clip_ratio/high_mean"].item() == pytest.approx(2 / 5)
+    assert metrics["clip_ratio/low_mean"].item() == pytest.approx(1 / 5)
+
+
+def test_bias_corrected_kl_changes_the_gradient_even_on_policy():
+    ref = t(REF)
+    grads = {}
+    for corrected in (True, False):
+        logps = t(LOGPS).requires_grad_()
+        objective = GRPOObjective(beta=1.0, use_bias_correction_kl=corrected)
+        loss, _ = grpo_token_loss(logps, logps.detach(), torch.zeros(3, dtype=F64), SEQUENCE, 3, objective,
+                                  ref_logps=ref)
+        loss.sum().backward()
+        grads[corrected] = logps.grad
+        # on-policy the ratio is 1: the value is the plain k3 either way
+        torch.testing.assert_close(loss.detach(), (ref - logps).exp().detach() - (ref - logps).detach() - 1, **EXACT)
+    k3 = [K3_HALF, 0.0, K3_HALF, 0.0, K3_HALF]
+    plain = [1 - 0.5, 0.0, 1 - 0.5, 0.0, 1 - 0.5]  # d k3 / d logp = 1 - ref / policy
+    torch.testing.assert_close(grads[False], t(plain), **EXACT)
+    torch.testing.assert_close(grads[True], t([p + k for p, k in zip(plain, k3)]), **EXACT)  # + k3 x d r
+
+
+def test_sequence_level_ratio_gspo_by_hand():
+    # completion 0: token ratios 2 and 1 -> one ratio sqrt(2) = exp(mean log-ratio); completion 1: ratio 1
+    logps = t([math.log(0.5), math.log(0.5), math.log(0.4)]).requires_grad_()
+    old = t([math.log(0.25), math.log(0.5), math.log(0.4)])
+    sequence = torch.tensor([0, 0, 1])
+    objective = GRPOObjective(epsilon_low=0.2, epsilon_high=0.5, importance_sampling_level="sequence")
+    token_loss, metrics = grpo_token_loss(logps, old, t([1.0, -1.0]), sequence, 2, objective)
+    root2 = math.sqrt(2.0)
+    torch.testing.assert_close(token_loss.detach(), t([-root2, -root2, 1.0]), **EXACT)  # each token: its completion's
+    loss = grpo_loss_sum(token_loss, sequence, 2, "grpo", 8)
+    assert loss.item() == pytest.approx(1.0 - root2, rel=1e-12)
+    loss.backward()
+    # d(-A exp(mean log-ratio)) / dlogp_i = -A s / |completion|
+    torch.testing.assert_close(logps.grad, t([-root2 / 2, -root2 / 2, 1.0]), **EXACT)
+    assert metrics["clip_ratio/high_mean"].item() == 0.0
+    # with epsilon_high 0.28, sqrt(2) is clipped: counted once per completion (1 of 2), not per token (2 of 3)
+    _, metrics = grpo_token_loss(logps, old, t([1.0, -1.0]), sequence, 2,
+                                 GRPOObjective(epsilon_high=0.28, importance_sampling_level="sequence"))
+    assert metrics["clip_ratio/high_mean"].item() == 0.5
+
+
+def test_vllm_importance_sampling_weights_by_hand():
+    old = t([-1.0, -1.0, -2.0, -0.5])
+    sampling = t([-1.5, float("nan"), -1.0, -0.5])  # log pi_old - log pi_vllm: 0.5, (unreported: 0), -1, 0
+    sequence = torch.tensor([0, 0, 1, 1])
+    e = math.exp
+
+    def weights(mode, low, high):
+        return sampling_correction_weights(old, sampling, sequence, 2, mode, low, high)[0]
+
+    torch.testing.assert_close(weights("token_truncate", None, 1.5), t([1.5, 1.0, e(-1), 1.0]), **EXACT)
+    torch.testing.assert_close(weights("token_mask", 0.5, 1.5), t([0.0, 1.0, 0.0, 1.0]), **EXACT)
+    # per completion: exp of the summed differences, 0.5 and -1
+    torch.testing.assert_close(weights("sequence_truncate", 0.5, 1.5), t([1.5, 1.5, 0.5, 0.5]), **EXACT)
+    torch.testing.assert_close(weights("sequence_mask", 0.5, 3.0), t([e(0.5), e(0.5), 0.0, 0.0]), **EXACT)
+    _, ratios = sampling_correction_weights(old, sampling, sequence, 2, "sequence_mask", 0.5, 3.0)
+    assert ratios.numel() == 2  # one ratio per completion for the metrics
+
+
+def test_off_policy_mask_and_high_entropy_mask_by_hand():
+    logps = t([-1.0, -1.0, -2.0, -0.5])
+    behaviour = t([-0.5, -0.7, -2.0, float("nan")])  # divergences 0.5, 0.3 (mean 0.4) | 0, unreported (mean 0)
+    sequence = torch.tensor([0, 0, 1, 1])
+    mask = off_policy_sequence_mask(logps, behaviour, t([-1.0, -1.0]), sequence, 2, 0.35)
+    assert mask.tolist() == [0.0, 1.0]  # negative advantage and mean divergence 0.4 > 0.35: dropped
+    assert off_policy_sequence_mask(logps, behaviour, t([-1.0, -1.0]), sequence, 2, 0.45).tolist() == [1.0, 1.0]
+    assert off_policy_sequence_mask(logps, behaviour, t([0.0, -1.0]), sequence, 2, 0.35).tolist() == [1.0, 1.0]
+    entropy = torch.tensor([0.1, 0.5, 0.2, 0.9, 0.4])
+    # top 40%: threshold = the 0.6 quantile, linear: sorted [.1 .2 .4 .5 .9] at position 2.4 -> 0.4 + 0.4 x 0.1
+    assert high_entropy_mask(entropy, entropy, 0.4).tolist() == [False, True, False, True, False]
+    assert high_entropy_mask(entropy, entropy, 1.0).all() and high_entropy_mask(entropy, entropy, 0.0).sum() == 1
+    # the threshold comes from the pooled values (all processes), not this process's alone
+    assert high_entropy_mask(entropy, torch.tensor([0.0, 0.0, 0.0, 0.0, 0.3]), 0.4).tolist() == [
+        True, True, True, True, True]
+
+
+# --- through the trainer ----------------------------------------------------------------------------------------
+
+OPTIONS = dict(beta=0.1, importance_sampling_level="sequence", delta=1.3, epsilon_high=0.28, top_entropy_quantile=0.5,
+               off_policy_mask_threshold=0.02, cast_lm_head_to_fp32=True, loss_type="grpo")
+
+
+def off_policy_batch(trainer, batch: dict) -> dict:
+    """The batch with generation-time log-probs moved by +0.3 on even completions and -0.35 on odd ones (plus a
+    +-0.05 ramp over the tokens), and reference log-probs by +-0.2 per token: ratios ~0.74 and ~1.42, so whatever the
+    advantages, the off-policy mask (even, A < 0), the delta cap (odd, A < 0), the clip and the KL all act."""
+    from leantune.data.preference_collator import sequence_starts
+    from leantune.losses.token_logprobs import select_targets, target_sequences
+
+    batch = dict(batch)
+    trainer._attach_logps([batch], policy_too=True)
+    sequence = target_sequences(select_targets(batch["labels"]), sequence_starts(batch))
+    n = len(sequence)
+    offsets = torch.where(sequence % 2 == 0, 0.3, -0.35) + torch.linspace(-0.05, 0.05, n)
+    batch["old_logps"] = batch["old_logps"] + offsets
+    batch["ref_logps"] = batch["ref_logps"] + 0.2 * (1 - 2 * (torch.arange(n) % 2))
+    return batch
+
+
+def test_new_options_give_the_same_loss_and_gradients_on_every_path(char_tokenizer):
+    """Padded / padding-free x chunked / full logits, all options on, off-policy (fp32). Loss: rel 1e-5 (sums of ~100
+    fp32 terms of order 1); gradients: `assert_grads_close` (rel 1e-5 of each tensor's largest entry)."""
+    results = {}
+    for padding_free in (False, True):
+        trainer = GRPOTrainer(char_model(char_tokenizer), count_a, args=config(padding_free=padding_free, **OPTIONS),
+                              train_dataset=prompts(), processing_class=char_tokenizer)
+        assert trainer.model.get_output_embeddings()._leantune_fp32
+        torch.manual_seed(5)
+        batch = off_policy_batch(trainer, one_round(trainer)[0])
+        for path in (LogProbPath.CHUNKED, LogProbPath.FULL):
+            trainer.logprob_path = path
+            trainer.metric_values["train"].clear()
+            loss, grads = loss_and_grads(trainer, batch)
+            results[padding_free, path] = (loss, grads, batch["input_ids"][batch["input_ids"] != 0].tolist())
+    expected_loss, expected_grads, expected_ids = results[False, LogProbPath.FULL]
+    for key, (loss, grads, ids) in results.items():
+        assert ids == expected_ids, f"{key}: a different round"
+        torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-7)
+        assert_grads_close(grads, expected_grads)
+    # the options matter: the plain objective on the same (padded, full-logits) batch gives another loss
+    plain = GRPOTrainer(char_model(char_tokenizer), count_a, args=config(loss_type="grpo", beta=0.1),
+                        train_dataset=prompts(), processing_class=char_tokenizer)
+    plain.logprob_path = LogProbPath.FULL
+    torch.manual_seed(5)
+    batch = off_policy_batch(plain, one_round(plain)[0])
+    assert abs(loss_and_grads(plain, batch)[0].item() - expected_loss.item()) > 1e-3
+
+
+def test_cast_lm_head_to_fp32_projects_in_float32_and_keeps_tied_weights(char_tokenizer):
+    model = char_model(char_tokenizer).to(torch.bfloat16)
+    head = OutputHead.of(model).module
+    hidden = torch.randn(3, 5, head.in_features, dtype=torch.bfloat16)
+    bf16_logits = head(hidden)
+    compute_head_in_fp32(model)
+    logits = head(hidden)
+    assert logits.dtype == torch.float32 and head.weight.dtype == torch.bfloat16
+    assert head.weight is model.get_input_embeddings().weight  # still tied; embeddings still give bf16
+    assert model.get_input_embeddings()(torch.tensor([[3, 4]])).dtype == torch.bfloat16
+    # exactly the fp32 product of the bf16 values (same matmul), and not the bf16 one
+    torch.testing.assert_close(logits, hidden.float() @ head.weight.float().T, rtol=1e-6, atol=1e-6)
+    assert (logits - bf16_logits.float()).abs().max() > 1e-3
+    with torch.no_grad():  # the model's own forward goes through it: fp32 logits
+        assert model(input_ids=torch.tensor([[1, 5, 6]])).logits.dtype == torch.float32
+
+
+def test_cast_lm_head_to_fp32_refuses_a_peft_adapter_on_the_head(char_tokenizer):
+    from peft import LoraConfig
+
+    args = config(cast_lm_head_to_fp32=True)
+    with pytest.raises(ValueError, match="cast_lm_head_to_fp32"):
+        GRPOTrainer(char_model(char_tokenizer), count_a, args=args, train_dataset=prompts(),
+                    processing_class=char_tokenizer,
+                    peft_config=LoraConfig(r=2, target_modules=["q_proj", "lm_head"]))
+
+
+def test_config_validation_of_the_new_fields(tmp_path):
+    def build(**fields):
+        return GRPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, **fields)
+
+    for fields, message in [
+        (dict(importance_sampling_level="seq"), "importance_sampling_level"),
+        (dict(vllm_importance_sampling_mode="token"), "vllm_importance_sampling_mode"),
+        (dict(vllm_importance_sampling_clip_min=3.0), "must be less than"),
+        (dict(vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=None), "clip_min"),
+        (dict(top_entropy_quantile=1.5), "top_entropy_quantile"),
+        (dict(delta=0.0), "delta"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            build(**fields)
+    assert build(vllm_importance_sampling_cap=2.0).vllm_importance_sampling_clip_max == 2.0  # TRL's old name
+    assert build(use_vllm=True).needs_sampling_logprobs and not build().needs_sampling_logprobs
+    assert not build(use_vllm=True, vllm_importance_sampling_correction=False).needs_sampling_logprobs
+
+
+# --- sampling log-probs from every backend ----------------------------------------------------------------------
+
+EOS = 2
+
+
+def own_logprobs(model, prompt: list[int], completion: list[int], temperature: float) -> torch.Tensor:
+    """The model's log-probs of `completion` after `prompt`, one unpadded row, at this temperature."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + completion])).logits[0].double()
+    rows = logits[len(prompt) - 1:-1] / temperature
+    return torch.log_softmax(rows, -1).gather(-1, torch.tensor(completion).unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_transformers_backend_returns_the_models_own_logprobs(char_tokenizer, temperature):
+    model = char_model(char_tokenizer).eval()
+    backend = TransformersBackend(model, Accelerator(cpu=True))
+    prompts_ = [[1, 40, 41, 42, 43, 44], [1, 50, 51], [1, 60, 61, 62]]  # different lengths: left padding
+    sampling = SamplingSettings(max_new_tokens=10, temperature=temperature, eos_token_ids=(EOS,), pad_token_id=0,
+                                seed=3)
+    completions = backend.generate(prompts_, sampling)
+    assert isinstance(completions, Completions) and len(completions.logprobs) == 3
+    for prompt, ids, logprobs in zip(prompts_, completions, completions.logprobs):
+        assert len(logprobs) == len(ids) > 0
+        # left-padded batched generation against one unpadded row: fp32 attention over the same real tokens, rounding
+        # ~1e-6 on log-probs of order 1-5 (measured max 5e-7); 1e-4 is far below any real mismatch (a wrong position
+        # or a missing temperature moves them by > 0.1)
+        expected = own_logprobs(model, prompt, ids, temperature or 1.0)
+        torch.testing.assert_close(torch.tensor(logprobs, dtype=F64), expected, rtol=0, atol=1e-4)
+    assert backend.generate(prompts_, SamplingSettings(max_new_tokens=4, logprobs=False)).logprobs is None
+
+
+def test_transformers_backend_logprobs_follow_top_k_filtering(char_tokenizer):
+    """The sampled distribution after top-k is the top-k logits renormalised: logp - logsumexp(top k)."""
+    model = char_model(char_tokenizer).eval()
+    sampling = SamplingSettings(max_new_tokens=6, temperature=0.8, top_k=5, eos_token_ids=(EOS,), pad_token_id=0,
+                                seed=1)
+    prompt = [1, 40, 41]
+    completions = TransformersBackend(model, Accelerator(cpu=True)).generate([prompt], sampling)
+    ids = completions[0]
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1].double() / 0.8
+    top = logits.topk(5, dim=-1).values
+    expected = logits.gather(-1, torch.tensor(ids).unsqueeze(-1)).squeeze(-1) - torch.logsumexp(top, -1)
+    torch.testing.assert_close(torch.tensor(completions.logprobs[0], dtype=F64), expected, rtol=0, atol=1e-4)
+
+
+@pytest.fixture
+def in_process_server(tmp_path):
+    """`leantune vllm-serve`'s HTTP server and transformers engine on a thread of this process; its base URL."""
+    started = []
+
+    def start(model) -> str:
+        path = tmp_path / f"served{len(started)}"
+        model.save_pretrained(path)
+        server = make_server(TransformersEngine(str(path)), host="127.0.0.1", port=0)
+        thread = threading.Thread(target=serve, args=(server,), daemon=True)
+        thread.start()
+        started.append((server, thread))
+        return f"http://127.0.0.1:{server.server_address[1]}"
+
+    yield start
+    for server, thread in started:
+        server.stopping.set()
+        thread.join(timeout=10)
+
+
+def test_server_returns_the_models_own_logprobs_to_its_client(char_tokenizer, in_process_server):
+    model = char_model(char_tokenizer).eval()
+    client = VLLMServerClient(in_process_server(model), request_timeout=30)
+    prompts_ = [[1, 40, 41, 42], [1, 40, 41, 42], [1, 50]]
+    for temperature in (0.0, 0.9):
+        sampling = SamplingSettings(max_new_tokens=8, temperature=temperature, eos_token_ids=(EOS,), pad_token_id=0,
+                                    seed=11)
+        completions = client.generate(prompts_, sampling)
+        assert len(completions.logprobs) == 3
+        for prompt, ids, logprobs in zip(prompts_, completions, completions.logprobs):
+            # the server generates unpadded rows: the same fp32 computation up to batch shape (1e-4: as above)
+            expected = own_logprobs(model, prompt, ids, temperature or 1.0)
+            torch.testing.assert_close(torch.tensor(logprobs, dtype=F64), expected, rtol=0, atol=1e-4)
+    plain = client.generate(prompts_, SamplingSettings(max_new_tokens=3, logprobs=False))
+    assert plain.logprobs is None and len(plain) == 3
+
+
+def test_logprobs_travel_as_json_with_unreported_values_as_null():
+    rows = [[-0.5, float("nan")], [], [float("-inf")]]
+    assert logprobs_to_json(rows) == [[-0.5, None], [], [None]]
+    back = logprobs_from_json(logprobs_to_json(rows))
+    assert back[0][0] == -0.5 and math.isnan(back[0][1]) and math.isnan(back[2][0]) and back[1] == []
+
+
+def test_colocated_vllm_outputs_become_completions_with_the_sampled_tokens_logprobs():
+    """vLLM's RequestOutput shape: outputs[0].token_ids and, with logprobs=0, one {token id: Logprob} per position
+    (the sampled token's entry; vLLM may add others). Cut after EOS; NaN where an entry is missing."""
+    def position(token, value, extra=()):
+        return {token: SimpleNamespace(logprob=value), **{t: SimpleNamespace(logprob=-9.0) for t in extra}}
+
+    outputs = [
+        SimpleNamespace(outputs=[SimpleNamespace(token_ids=(5, 6, EOS, 7), logprobs=[
+            position(5, -0.1, extra=(9,)), position(6, -0.2), position(EOS, -0.3), position(7, -0.4)])]),
+        SimpleNamespace(outputs=[SimpleNamespace(token_ids=(8, 9), logprobs=[position(8, -1.0), {}])]),
+        SimpleNamespace(outputs=[SimpleNamespace(token_ids=(4,), logprobs=None)]),
+    ]
+    sampling = SamplingSettings(max_new_tokens=8, eos_token_ids=(EOS,))
+    completions = completions_of(outputs, sampling)
+    assert completions == [[5, 6, EOS], [8, 9], [4]]
+    assert completions.logprobs[0] == [-0.1, -0.2, -0.3]
+    assert completions.logprobs[1][0] == -1.0 and math.isnan(completions.logprobs[1][1])
+    assert math.isnan(completions.logprobs[2][0])
+    assert completions_of(outputs, SamplingSettings(max_new_tokens=2, logprobs=False)).logprobs is None
+
+
+def test_vllm_sampling_params_ask_for_the_sampled_tokens_logprob(monkeypatch):
+    import sys
+    import types
+
+    from leantune.generation.vllm_colocate import to_vllm_sampling_params
+
+    module = types.ModuleType("vllm")
+    module.SamplingParams = lambda **kwargs: kwargs
+    monkeypatch.setitem(sys.modules, "vllm", module)
+    assert to_vllm_sampling_params(SamplingSettings(max_new_tokens=4))["logprobs"] == 0
+    assert "logprobs" not in to_vllm_sampling_params(SamplingSettings(max_new_tokens=4, logprobs=False))
+
+
+# --- vLLM's correction end to end, against the server's CPU engine ------------------------------------------------
+
+
+def test_grpo_with_the_server_corrects_by_the_engines_logprobs(char_tokenizer, in_process_server):
+    """The engine holds the policy's weights (synced), so its log-probs are the trainer's: ratio ~1. Moving the
+    sampling log-probs by +log 2 makes every token-level weight 1/2, which halves the policy gradient (beta = 0)."""
+    model = char_model(char_tokenizer)
+    url = in_process_server(char_model(char_tokenizer, seed=1))  # other weights until the first sync
+    args = config(use_vllm=True, vllm_mode="server", vllm_server_base_url=url, vllm_server_timeout=30,
+                  vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=3.0,
+                  loss_type="dapo")
+    trainer = GRPOTrainer(model, count_a, args=args, train_dataset=prompts(), processing_class=char_tokenizer)
+    batch = one_round(trainer)[0]
+    assert "old_logps" in batch and len(batch["sampling_logps"]) == len(batch["old_logps"])  # always, with vLLM
+    # engine (unpadded rows) vs trainer (padded scoring batch): fp32 rounding, as in the backend tests
+    torch.testing.assert_close(batch["sampling_logps"], batch["old_logps"], rtol=0, atol=1e-4)
+    _, grads = loss_and_grads(trainer, batch)
+    logged = trainer.metric_values["train"]
+    assert logged["sampling/sampling_logp_difference/max"][0] < 1e-4
+    assert logged["sampling/importance_sampling_ratio/mean"][0] == pytest.approx(1.0, abs=1e-4)
+    shifted = dict(batch, sampling_logps=batch["sampling_logps"] + math.log(2.0))
+    _, halved = loss_and_grads(trainer, shifted)
+    # on-policy the gradient is -sum(A x w x dlogp) / tokens: w = 1 to 1e-4 (above) against exactly 1/2, so each
+    # gradient entry halves to within 2e-4 of the tensor's largest entry
+    for name, grad in grads.items():
+        assert grad.abs().max() > 0
+        torch.testing.assert_close(halved[name], grad / 2, rtol=0, atol=2e-4 * float(grad.abs().max()))
+    assert trainer.metric_values["train"]["sampling/importance_sampling_ratio/mean"][1] == pytest.approx(0.5, abs=1e-4)
