@@ -284,7 +284,8 @@ def test_model_object_needs_a_tokenizer(mistral_tokenizer):
     model = tiny_reward_model(len(mistral_tokenizer))
     with pytest.raises(ValueError, match="reward_processing_classes"):
         RewardFunctions(model)
-    with pytest.raises(ValueError, match="reward_processing_classes` has 1 entries but there are 2"):
+    with pytest.raises(ValueError, match=r"`reward_processing_classes` \(1\) must match the number of reward "
+                                         r"functions \(2\)"):
         RewardFunctions([constant_one, model], reward_processing_classes=[mistral_tokenizer])
 
 

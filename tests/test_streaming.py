@@ -198,12 +198,20 @@ def test_eval_streams_give_the_dataset_metrics(tokenizer, gsm8k_rows, hh_pairs, 
     # a raw stream given to evaluate() is prepared there, by the same recipe
     assert streamed.evaluate(data.to_iterable_dataset())["eval_loss"] == pytest.approx(expected["eval_a_loss"],
                                                                                      rel=RTOL)
+    # ... also by a trainer built on map-style data only (its accelerator was set up to dispatch batches)
+    assert mapped.evaluate(data.to_iterable_dataset())["eval_loss"] == pytest.approx(expected["eval_a_loss"],
+                                                                                   rel=RTOL)
 
     pairs_map = dpo(tokenizer, hh_pairs, tmp_path)
     pairs_stream = dpo(tokenizer, hh_pairs.to_iterable_dataset(), tmp_path)
     expected, got = pairs_map.evaluate(hh_pairs), pairs_stream.evaluate(hh_pairs.to_iterable_dataset())
     for name in ("eval_loss", "eval_rewards/accuracies", "eval_logps/chosen", "eval_logps/rejected"):
         assert got[name] == pytest.approx(expected[name], rel=RTOL, abs=1e-6), name
+
+    # precomputed reference log-probs need a whole dataset: a stream given to evaluate() is refused, by name
+    precomputing = dpo(tokenizer, hh_pairs, tmp_path, precompute_ref_log_probs=True)
+    with pytest.raises(ValueError, match="precompute_ref_log_probs.*not supported with IterableDataset"):
+        precomputing.evaluate(hh_pairs.to_iterable_dataset())
 
     grpo_map = online(GRPOTrainer, GRPOConfig, char_tokenizer, prompts(), tmp_path)
     grpo_stream = online(GRPOTrainer, GRPOConfig, char_tokenizer, prompts().to_iterable_dataset(), tmp_path)

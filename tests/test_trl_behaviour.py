@@ -148,8 +148,18 @@ def test_named_eval_datasets_and_raw_evaluate(kind, make):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_train_dataset_is_required(kind, make):
-    with pytest.raises(ValueError, match="needs `train_dataset`"):
+    with pytest.raises(ValueError, match="`train_dataset` is required"):
         make(kind, train=None, eval_dataset=Dataset.from_dict({"prompt": ["x"]}))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_model_carries_trls_hub_tags_and_no_router_loss(kind, make):
+    """The model is tagged as TRL's trainers tag it (`trl`, the method) plus `leantune`, so a pushed model is found by
+    the same Hub filters; `aux_loss_enabled` says that no MoE router loss is added."""
+    trainer, _ = make(kind)
+    tags = trainer.accelerator.unwrap_model(trainer.model).model_tags
+    assert {"trl", "leantune", kind} <= set(tags)
+    assert trainer.aux_loss_enabled is False
 
 
 # --- 4. dtype: float32 unless model_init_kwargs says otherwise -----------------------------------------------------

@@ -133,13 +133,15 @@ def _processing_classes_by_position(processing_classes, funcs) -> list:
         return [None] * len(funcs)
     if isinstance(processing_classes, (list, tuple)):
         if len(processing_classes) != len(funcs):
-            raise ValueError(f"`reward_processing_classes` has {len(processing_classes)} entries but there are "
-                             f"{len(funcs)} reward functions; give one per reward function (None for callables).")
+            raise ValueError(f"the number of `reward_processing_classes` ({len(processing_classes)}) must match the "
+                             f"number of reward functions ({len(funcs)}); give one per reward function (None for "
+                             "callables).")
         return list(processing_classes)
     model_positions = [i for i, func in enumerate(funcs) if isinstance(func, str) or _is_model(func)]
     if len(model_positions) != 1:
         raise ValueError(f"a single `reward_processing_classes` needs exactly one reward model, found "
-                         f"{len(model_positions)}; give a list with one entry per reward function instead.")
+                         f"{len(model_positions)}: processing classes must match the reward functions, so give a list "
+                         "with one entry per reward function (None for callables).")
     return [processing_classes if i == model_positions[0] else None for i in range(len(funcs))]
 
 

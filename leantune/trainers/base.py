@@ -72,8 +72,21 @@ class LeantuneTrainer(Trainer):
         if config.activation_offloading:
             log_offloading_scope(logger)
         super().__init__(*args, **kwargs)
+        self.tag_model()
+        # TRL's attribute: whether a Mixture-of-Experts router loss is added to the loss; leantune trains on the
+        # method's loss alone (`router_aux_loss_coef` is refused until it is implemented).
+        self.aux_loss_enabled = False
         if config.memory_breakdown:
             self.add_callback(MemoryBreakdownCallback(self.args.device, self._record_memory_breakdown))
+
+    def tag_model(self) -> None:
+        """The Hub tags TRL's trainers put on the model (`trl`, the method) and leantune's own, so a pushed model is
+        found by the same filters as one trained with TRL."""
+        from ..models.model_card import method_of
+
+        model = self.accelerator.unwrap_model(self.model) if hasattr(self, "accelerator") else self.model
+        if hasattr(model, "add_model_tags"):
+            model.add_model_tags(["leantune", "trl", method_of(self)[1]])
 
     # --- data: the train split and each eval split, prepared once by the trainer's own recipe --------------------
 
@@ -94,8 +107,8 @@ class LeantuneTrainer(Trainer):
         if any(map(is_stream, [train_dataset, *evals])):
             use_own_stream_reads(args)
         if getattr(args, "precompute_ref_log_probs", False) and any(map(is_stream, [train_dataset, *evals])):
-            raise ValueError("`precompute_ref_log_probs` reads the whole dataset before training, which a stream "
-                             "(datasets.IterableDataset) cannot give: turn it off, or pass a datasets.Dataset.")
+            raise ValueError("`precompute_ref_log_probs` is not supported with IterableDataset (a stream): it reads "
+                             "the whole dataset before training; turn it off, or pass a datasets.Dataset.")
         reports = {}
         train_dataset = self._prepare_and_remember(train_dataset, "train", tokenizer, args, reports)
         if isinstance(eval_dataset, dict):  # a DatasetDict is a dict too
@@ -108,8 +121,8 @@ class LeantuneTrainer(Trainer):
     def require_train_dataset(self, train_dataset) -> None:
         """TRL's trainers refuse to be built without a train dataset (no eval-only use); so do leantune's."""
         if train_dataset is None:
-            raise ValueError(f"{type(self).__name__} needs `train_dataset` (as TRL's does): pass the dataset to train "
-                             "on, and `eval_dataset` for evaluation.")
+            raise ValueError(f"`train_dataset` is required by {type(self).__name__} (as by TRL's): pass the dataset "
+                             "to train on, and `eval_dataset` for evaluation.")
 
     def _prepare_and_remember(self, dataset, split: str, tokenizer, args, reports: dict):
         dataset, report = self.prepare_split(dataset, split, tokenizer, args)
@@ -161,6 +174,9 @@ class LeantuneTrainer(Trainer):
                 raise ValueError(f"evaluate({eval_dataset!r}): no eval dataset of that name was given to the trainer.")
             eval_dataset = self.eval_dataset[eval_dataset]
         elif not self.is_prepared(eval_dataset):
+            if is_stream(eval_dataset):  # the accelerator exists already: it must not dispatch this stream either
+                use_own_stream_reads(self.args)
+                self.accelerator.dataloader_config.dispatch_batches = False
             eval_dataset, report = self.prepare_split(eval_dataset, metric_key_prefix, self.processing_class,
                                                       self.args)
             if report is not None:

@@ -164,6 +164,8 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         # 2. rewards
         self.rewards = RewardFunctions(reward_funcs, args.reward_weights, reward_processing_classes,
                                        {"trust_remote_code": True} if args.trust_remote_code else None)
+        # TRL's attributes: the functions and their tokenizers by position (None for a callable)
+        self.reward_funcs, self.reward_processing_classes = self.rewards.funcs, self.rewards.tokenizers
 
         # 3. prompts, tokenised once; the rest of each row goes to the reward functions
         self._context_limit = context_limit_of(model)

@@ -148,12 +148,19 @@ class ReferenceModelMixin:
         now, while the reference is still at hand (adapter disabled, or the untrained policy before any step)."""
         if not getattr(self.args, "precompute_ref_log_probs", False):
             return dataset
+        from ..data.streaming import is_stream
+
+        if is_stream(dataset):
+            raise ValueError("`precompute_ref_log_probs` is not supported with IterableDataset (a stream): the "
+                             "reference log-probs are computed in one pass over a whole dataset; pass a "
+                             "datasets.Dataset, or turn `precompute_ref_log_probs` off.")
         if all(name in dataset.column_names for name in self.reference_columns(dataset)):
             return dataset
         if self.ref_model is None and not self.uses_adapter_as_reference and (
                 getattr(self, "_reference_dropped", False) or self.state.global_step > 0):
-            raise ValueError("With precompute_ref_log_probs and no reference kept in memory, evaluate() cannot score "
-                             "a new dataset after training started: pass it as eval_dataset to the trainer instead.")
+            raise ValueError("Cannot compute reference log-probs for a dataset passed to evaluate() after training "
+                             "started with `precompute_ref_log_probs` and no reference kept in memory: pass it as "
+                             "eval_dataset to the trainer instead.")
         return self.precompute_reference_logps(dataset, split)
 
     @torch.no_grad()

@@ -189,7 +189,8 @@ def load_reward_model(model, model_init_kwargs=None, trust_remote_code: bool = F
     model = load_causal_lm(model, model_init_kwargs)
     num_labels = getattr(unwrap_model(model).config, "num_labels", None)
     if num_labels != 1:
-        raise ValueError(f"A reward model outputs one score per sequence, but this model has num_labels={num_labels}. "
+        raise ValueError(f"reward models require `num_labels=1` (one score per sequence); this model has "
+                         f"num_labels={num_labels}. "
                          "Build it with num_labels=1 (e.g. AutoModelForSequenceClassification.from_pretrained(..., "
                          "num_labels=1)) or pass its name or path as a string.")
     return model
