@@ -159,6 +159,8 @@ def test_model_carries_trls_hub_tags_and_no_router_loss(kind, make):
     trainer, _ = make(kind)
     tags = trainer.accelerator.unwrap_model(trainer.model).model_tags
     assert {"trl", "leantune", kind} <= set(tags)
+    if kind == "reward":
+        assert "reward-trainer" in tags  # TRL's tag for reward models
     assert trainer.aux_loss_enabled is False
 
 

@@ -53,6 +53,8 @@ class LeantuneTrainer(Trainer):
     prepared_columns: tuple[str, ...] = ()
     # The key prefix of the evaluation running now ("eval", or "eval_<name>" for one of several eval datasets).
     _metric_prefix = "eval"
+    # The Hub tag TRL's trainer of the same method puts on the model, where it is not the method's name.
+    trl_tag: str | None = None
     def __init__(self, *args, **kwargs):
         self.throughput = TokenThroughput()
         self.data_reports: dict = {}
@@ -86,7 +88,8 @@ class LeantuneTrainer(Trainer):
 
         model = self.accelerator.unwrap_model(self.model) if hasattr(self, "accelerator") else self.model
         if hasattr(model, "add_model_tags"):
-            model.add_model_tags(["leantune", "trl", method_of(self)[1]])
+            method = method_of(self)[1]
+            model.add_model_tags(list(dict.fromkeys(["leantune", "trl", method, self.trl_tag or method])))
 
     # --- data: the train split and each eval split, prepared once by the trainer's own recipe --------------------
 

@@ -46,6 +46,7 @@ TRL_TOKENIZED = (("chosen_ids", "rejected_ids"), ("chosen_input_ids", "rejected_
 class RewardTrainer(LeantuneTrainer):
     """Train a reward model (num_labels=1) on chosen / rejected pairs with the pairwise Bradley-Terry loss."""
 
+    trl_tag = "reward-trainer"
     dataset_columns = ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids", "margin")
     prepared_columns = ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids")
 
