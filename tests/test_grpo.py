@@ -492,7 +492,9 @@ def test_two_processes_share_groups_rewards_and_weights(tmp_path):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     script = Path(__file__).parent / "scripts" / "grpo_two_processes.py"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    repo = str(Path(__file__).parent.parent)  # this checkout's leantune, whatever the installed one points at
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                           str(port), str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -91,32 +91,20 @@ def count_a(completions, **kwargs):
 # --- trainers: the stream trains like the same data read in order ---------------------------------------------------
 
 
-def sft(tokenizer, data, tmp_path, callbacks=(), **overrides):
-    args = SFTConfig(**{**COMMON, "output_dir": str(tmp_path), "max_length": 128, "per_device_train_batch_size": 4,
-                     "train_sampling_strategy": "sequential", **overrides})
-    return SFTTrainer(tiny_model(), args=args, train_dataset=data, processing_class=tokenizer,
-                      callbacks=list(callbacks))
+def offline(cls, config_cls, make_model, max_length):
+    """A builder of one offline trainer: (tokenizer, data, tmp_path, callbacks, **config overrides) -> trainer that
+    reads its data in order."""
+    def build(tokenizer, data, tmp_path, callbacks=(), **overrides):
+        args = config_cls(**{**COMMON, "output_dir": str(tmp_path), "max_length": max_length,
+                             "per_device_train_batch_size": 4, "train_sampling_strategy": "sequential", **overrides})
+        return cls(make_model(), args=args, train_dataset=data, processing_class=tokenizer, callbacks=list(callbacks))
+    return build
 
 
-def dpo(tokenizer, data, tmp_path, callbacks=(), **overrides):
-    args = DPOConfig(**{**COMMON, "output_dir": str(tmp_path), "max_length": 160, "per_device_train_batch_size": 4,
-                     "train_sampling_strategy": "sequential", **overrides})
-    return DPOTrainer(tiny_model(), args=args, train_dataset=data, processing_class=tokenizer,
-                      callbacks=list(callbacks))
-
-
-def kto(tokenizer, data, tmp_path, callbacks=(), **overrides):
-    args = KTOConfig(**{**COMMON, "output_dir": str(tmp_path), "max_length": 160, "per_device_train_batch_size": 4,
-                     "train_sampling_strategy": "sequential", **overrides})
-    return KTOTrainer(tiny_model(), args=args, train_dataset=data, processing_class=tokenizer,
-                      callbacks=list(callbacks))
-
-
-def reward(tokenizer, data, tmp_path, callbacks=(), **overrides):
-    args = RewardConfig(**{**COMMON, "output_dir": str(tmp_path), "max_length": 160, "per_device_train_batch_size": 4,
-                        "train_sampling_strategy": "sequential", **overrides})
-    return RewardTrainer(tiny_reward_model(), args=args, train_dataset=data, processing_class=tokenizer,
-                         callbacks=list(callbacks))
+sft = offline(SFTTrainer, SFTConfig, tiny_model, 128)
+dpo = offline(DPOTrainer, DPOConfig, tiny_model, 160)
+kto = offline(KTOTrainer, KTOConfig, tiny_model, 160)
+reward = offline(RewardTrainer, RewardConfig, tiny_reward_model, 160)
 
 
 def online(cls, config_cls, tokenizer, data, tmp_path, callbacks=(), **overrides):

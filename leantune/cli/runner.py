@@ -105,6 +105,7 @@ def train_on_data(method: Method, module, script_args, model_args, args, reward_
         if resume:
             print(f"resumed from {resume}")
         module.print_summary(trainer, result, time.perf_counter() - started)
+    trainer.accelerator.end_training()  # processes leave the group together, not torn down one by one at exit
     return 0
 
 

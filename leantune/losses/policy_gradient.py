@@ -105,9 +105,14 @@ IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 VLLM_IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
+def tokens_per_sequence(values: torch.Tensor, sequence: torch.Tensor, num_sequences: int) -> torch.Tensor:
+    """How many of the flat tokens belong to each sequence (0 for a completion with nothing scored)."""
+    return per_sequence_sum(torch.ones_like(values), sequence, num_sequences)
+
+
 def per_sequence_mean(values: torch.Tensor, sequence: torch.Tensor, num_sequences: int) -> torch.Tensor:
     """Each sequence's mean over its tokens (0 for a sequence without tokens)."""
-    tokens = per_sequence_sum(torch.ones_like(values), sequence, num_sequences).clamp(min=1)
+    tokens = tokens_per_sequence(values, sequence, num_sequences).clamp(min=1)
     return per_sequence_sum(values, sequence, num_sequences) / tokens
 
 
@@ -151,7 +156,7 @@ def grpo_token_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: to
                                                objective.epsilon_high, objective.delta)
         token_loss = terms.loss.index_select(0, sequence)
         ratio = torch.exp(sequence_log_ratio).index_select(0, sequence)
-        scored = per_sequence_sum(torch.ones_like(logps), sequence, num_sequences) > 0
+        scored = tokens_per_sequence(logps, sequence, num_sequences) > 0
         counted = ClippedTerms(terms.loss[scored], terms.ratio[scored], terms.low_clipped[scored],
                                terms.high_clipped[scored])
     else:
@@ -196,7 +201,7 @@ def sampling_correction_weights(old_logps: torch.Tensor, sampling_logps: torch.T
         high = math.inf if clip_max is None else clip_max
         ratio = ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
     if per_sequence:
-        scored = per_sequence_sum(torch.ones_like(old_logps), sequence, num_sequences) > 0
+        scored = tokens_per_sequence(old_logps, sequence, num_sequences) > 0
         return ratio.index_select(0, sequence), ratio[scored]
     return ratio, ratio
 

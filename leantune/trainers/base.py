@@ -107,9 +107,10 @@ class LeantuneTrainer(Trainer):
         evals = eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset]
         if is_stream(train_dataset):
             require_max_steps(args)
-        if any(map(is_stream, [train_dataset, *evals])):
+        streamed = any(map(is_stream, [train_dataset, *evals]))
+        if streamed:
             use_own_stream_reads(args)
-        if getattr(args, "precompute_ref_log_probs", False) and any(map(is_stream, [train_dataset, *evals])):
+        if streamed and getattr(args, "precompute_ref_log_probs", False):
             raise ValueError("`precompute_ref_log_probs` is not supported with IterableDataset (a stream): it reads "
                              "the whole dataset before training; turn it off, or pass a datasets.Dataset.")
         reports = {}

@@ -50,3 +50,5 @@ with open(f"{out}/rank{trainer.accelerator.process_index}.json", "w") as handle:
     json.dump({"prompts": seen["prompts"], "completions": seen["completions"], "rewards": seen["rewards"], "advantages": rounds,
                "logged_rewards": [e["reward"] for e in logged], "checksum": checksum,
                "world": trainer.accelerator.num_processes}, handle)
+# leave the process group together: a rank that exits while the other still holds gloo connections can abort
+trainer.accelerator.end_training()
