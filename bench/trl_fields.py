@@ -29,6 +29,29 @@ IMPLEMENTED = {
                          "name (model_init_kwargs' own value wins)",
     "pad_token": "sets the tokenizer's padding token (must be in its vocabulary)",
     "log_multimodal": "accepted, any value: leantune trains on text, so there is no media to log",
+    "sync_ref_model": "TR-DPO: every `ref_model_sync_steps` steps the reference becomes (1 - alpha) ref + alpha "
+                      "policy; refused with a PEFT adapter as reference, precomputed log-probs, or beta=0",
+    "ref_model_mixup_alpha": "alpha of `sync_ref_model`",
+    "ref_model_sync_steps": "the period of `sync_ref_model`",
+    "use_weighting": "WPO: each pair's loss times the policy's detached length-normalised probabilities of its "
+                     "chosen and rejected completions (refused with aot / aot_unpaired)",
+    "router_aux_loss_coef": "a Mixture-of-Experts model with output_router_logits=True gets this weight (None: the "
+                            "config's) x its load-balancing loss added, logged as aux_loss",
+    "entropy_coef": "loss - coef x the mean token entropy of the micro-batch (gradient through the chunked head)",
+    "use_adaptive_entropy": "the coefficient moves by `entropy_coef_delta` after each optimizer step, towards "
+                            "keeping the entropy at `entropy_target`; its state is saved with checkpoints",
+    "entropy_coef_min": "bound of the adaptive coefficient",
+    "entropy_coef_max": "bound of the adaptive coefficient",
+    "entropy_coef_delta": "step of the adaptive coefficient",
+    "entropy_target": "target of the adaptive coefficient",
+    "multi_objective_aggregation": "'normalize_then_sum' normalises each reward function in its group, sums them "
+                                   "with `reward_weights`, then normalises over the batch",
+    "sapo_temperature_neg": "loss_type='sapo'",
+    "sapo_temperature_pos": "loss_type='sapo'",
+    "vespo_k_pos": "loss_type='vespo'",
+    "vespo_lambda_pos": "loss_type='vespo'",
+    "vespo_k_neg": "loss_type='vespo'",
+    "vespo_lambda_neg": "loss_type='vespo'",
 }
 
 # (config or "*", field): why leantune's default or meaning differs from TRL's on purpose.
@@ -48,9 +71,20 @@ DIFFERS = {
 }
 
 # (config, field): a status written by hand where the rules above do not say it (fields owned by other work).
-NOTES = {
-    ("DPOConfig", "use_weighting"): "accepted, refuses True: WPO weighting is not implemented yet",
-}
+NOTES: dict[tuple[str, str], str] = {}
+
+# Trainer behaviour (not a config default) that differs from TRL's on purpose, and why.
+BEHAVIOUR = [
+    "**RewardTrainer with a LoRA config** (any task type): the reward head (`score`) is trained in full beside the "
+    "adapter (PEFT's SEQ_CLS task, or `modules_to_save`). TRL leaves a head that is not in `modules_to_save` "
+    "frozen at its random initialisation, so its rewards are a fixed random projection of what the adapter learns.",
+    "**SFT `padding_free=True` without packing**: leantune truncates to `max_length` and keeps the bound; TRL "
+    "refuses the combination when `max_length` is set.",
+    "**SFT `skip_prepare_dataset` with `completion_mask` / `assistant_masks` but no `labels`**: leantune's "
+    "collator applies the masks; TRL refuses the dataset because its collator would ignore them.",
+    "**SFT pre-tokenised data**: prepared rows hold `input_ids` and `labels` (TRL 1.16's form); a sequence's first "
+    "token is never a target, in every layout, so no prediction crosses a packed boundary.",
+]
 
 
 def _default(field: dataclasses.Field):
@@ -160,6 +194,7 @@ def render_docs(snapshot: dict) -> str:
                if status(config, field, fields[field]) != "same"]
         lines += ["", f"{len(inherited)} fields inherited from `TrainingArguments`: same"
                   + ("; except " + "; ".join(odd) if odd else "") + "."]
+    lines += ["", "## Trainer behaviour that differs deliberately", ""] + [f"- {item}" for item in BEHAVIOUR]
     return "\n".join(lines) + "\n"
 
 

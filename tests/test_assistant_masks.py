@@ -94,7 +94,10 @@ def test_sft_preparation_uses_prefix_masks_without_markers(family, tokenizer_dir
         prepared, _ = prepare_sft_dataset(data, tok, args)
         rows[marked] = prepared.to_list()
     assert [r["input_ids"] for r in rows[False]] == [r["input_ids"] for r in rows[True]]
-    assert [r["assistant_masks"] for r in rows[False]] == [r["assistant_masks"] for r in rows[True]]
+    # the masks become labels (TRL's prepared form): the same targets either way, and some of each kind
+    assert [r["labels"] for r in rows[False]] == [r["labels"] for r in rows[True]]
+    labels = [label for r in rows[True] for label in r["labels"]]
+    assert -100 in labels and any(label != -100 for label in labels)
 
 
 # A template that renders an earlier assistant turn differently once later turns follow (as Qwen3's drops the

@@ -5,10 +5,17 @@ Tolerance: relative difference <= 1e-5 in fp32 (max abs difference over max magn
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from leantune.losses.token_logprobs import chunked_logprobs, logprobs_from_logits, select_targets
+from leantune.losses.token_logprobs import (
+    chunked_logprobs,
+    logprobs_from_logits,
+    select_targets,
+    token_stats_from_logits,
+)
 from leantune.metrics.memory_breakdown import StepMemoryMeter
 from leantune.models.output_head import OutputHead
 
@@ -131,8 +138,48 @@ def test_entropy_matches_full_logits():
         head = OutputHead.of(model)
         with head.capture_hidden_states() as captured:
             model(input_ids=input_ids)
-        _, entropy = chunked_logprobs(captured["hidden"], head, targets, chunk_size=5, with_entropy=True)
+        # every other target made the argmax, so that the top-1 flags have both values
+        hits = torch.arange(len(targets.tokens)) % 2 == 0
+        targets = dataclasses.replace(targets, tokens=torch.where(hits, logits.argmax(-1), targets.tokens))
+        _, entropy, top1, log_sum_sq = chunked_logprobs(captured["hidden"], head, targets, chunk_size=5,
+                                                        with_entropy=True, stats=("top1", "log_sum_sq_probs"))
     assert rel_diff(entropy, expected) <= RTOL  # entropies ~ln(1000) ~ 7, fp32 sums over 1000 probabilities
+    # the per-target statistics: argmax hits, and log sum p^2 (~ -ln 1000, the same fp32 sums), as from full logits
+    full_top1, full_log_sum_sq = token_stats_from_logits(logits, targets.tokens, ("top1", "log_sum_sq_probs"))
+    assert top1.dtype == torch.bool and torch.equal(top1, full_top1)
+    assert top1[hits].all() and top1.sum() < len(top1)
+    expected_sq = torch.log((torch.softmax(logits, -1) ** 2).sum(-1))
+    assert rel_diff(log_sum_sq, expected_sq) <= RTOL and rel_diff(full_log_sum_sq, expected_sq) <= RTOL
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma2_softcap", "cohere_scale"])
+def test_entropy_gradient_matches_full_logits(kind):
+    """An entropy bonus needs d(entropy)/d(weights): the chunked backward's -p (log p + H) term, through the head's
+    scale, soft-cap and temperature, against autograd on the full logits, with log-prob weights beside it."""
+    model = small_config_model(kind)
+    input_ids, labels = batch(seed=4)
+    targets = select_targets(labels)
+    weights = torch.linspace(0.5, 1.5, len(targets))
+    results = []
+    for chunked in (False, True):
+        model.zero_grad()
+        if chunked:
+            head = OutputHead.of(model, 0.7)
+            with head.capture_hidden_states() as captured:
+                model(input_ids=input_ids)
+            logps, entropy = chunked_logprobs(captured["hidden"], head, targets, chunk_size=7, with_entropy=True,
+                                              entropy_grad=True)
+        else:
+            logits = model(input_ids=input_ids).logits
+            flat = logits.reshape(-1, VOCAB).index_select(0, targets.index).float() / 0.7
+            logps = logprobs_from_logits(logits, targets, 0.7)
+            entropy = -(torch.softmax(flat, -1) * torch.log_softmax(flat, -1)).sum(-1)
+        ((logps * weights).sum() - 0.3 * (entropy * weights.flip(0)).sum()).backward()
+        results.append((torch.cat([logps.detach(), entropy.detach()]), grads(model)))
+    assert_same(*results)  # the same tolerance as the log-probs alone: entropies ~7, fp32 sums over 1000 terms
+    # the entropy term is there: without it the gradients differ
+    plain = chunked_path(model, input_ids, labels, temperature=0.7)[1]
+    assert max(rel_diff(plain[name], results[1][1][name]) for name in plain) > 1e-3
 
 
 def test_no_targets_gives_zero_loss_and_gradients():

@@ -164,11 +164,24 @@ def test_loss_types_against_hand_computed_values():
 def test_implicit_prompt_is_the_shared_dialogue(tokenizer, hh_pairs, tmp_path):
     trainer = make_trainer(tokenizer, hh_pairs, tmp_path, max_length=None)
     row = trainer.train_dataset[0]
-    prompt = tokenizer.decode(row["prompt_input_ids"], skip_special_tokens=True)
-    chosen = tokenizer.decode(row["chosen_input_ids"], skip_special_tokens=True)
+    prompt = tokenizer.decode(row["prompt_ids"], skip_special_tokens=True)
+    chosen = tokenizer.decode(row["chosen_ids"], skip_special_tokens=True)
     assert prompt.rstrip().endswith("Assistant:")
     assert hh_pairs[0]["chosen"].strip().endswith(chosen.strip())
-    assert row["chosen_input_ids"][-1] == tokenizer.eos_token_id
+    assert row["chosen_ids"][-1] == tokenizer.eos_token_id
+
+
+def test_pretokenised_pairs_in_trl_and_legacy_column_names(tokenizer, hh_pairs, tmp_path):
+    prepared = make_trainer(tokenizer, hh_pairs.select(range(6)), tmp_path / "text", max_length=None).train_dataset
+    # TRL 1.16's names are what leantune writes, and read back as they are
+    assert prepared.column_names == ["prompt_ids", "chosen_ids", "rejected_ids"]
+    again = make_trainer(tokenizer, prepared, tmp_path / "ids", max_length=None).train_dataset
+    assert again.to_dict() == prepared.to_dict()
+    # the names of older TRL releases still train, with a FutureWarning naming the new ones
+    legacy = prepared.rename_columns({f"{c}_ids": f"{c}_input_ids" for c in ("prompt", "chosen", "rejected")})
+    with pytest.warns(FutureWarning, match="`prompt_input_ids` -> `prompt_ids`"):
+        renamed = make_trainer(tokenizer, legacy, tmp_path / "legacy", max_length=None).train_dataset
+    assert renamed.to_dict() == prepared.to_dict()
 
 
 def test_bad_pairs_are_counted_or_rejected(tokenizer, tmp_path, caplog):

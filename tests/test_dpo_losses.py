@@ -15,7 +15,7 @@ import torch
 from datasets import Dataset
 
 from leantune import DPOConfig, DPOTrainer
-from leantune.losses.preference import DPO_LOSS_TYPES, dpo_loss, pair_sequence_logps
+from leantune.losses.preference import DPO_LOSS_TYPES, dpo_loss, pair_sequence_logps, wpo_weights
 from leantune.losses.token_logprobs import select_targets
 
 from .conftest import HH_PAIRS, tiny_model
@@ -197,12 +197,26 @@ def test_ld_alpha_weights_tokens_beyond_the_shared_length_padded_and_padding_fre
         assert got.raw_logps.tolist() == pytest.approx(raw, rel=1e-12), name
 
 
+def test_wpo_weights_by_hand():
+    # two sequences in padded rows: targets 3 and 1; weight = exp(mean over targets of logp - log sum p^2)
+    labels = torch.full((2, 6), -100)
+    labels[0, 2:5] = 7
+    labels[1, 3] = 7
+    targets = select_targets(labels)
+    logps = torch.tensor([-1.0, -2.0, -3.0, -0.5], dtype=torch.float64)
+    log_sum_sq = torch.tensor([-0.5, -0.5, -1.0, -0.25], dtype=torch.float64)
+    weights = wpo_weights(logps, log_sum_sq, targets, torch.arange(2) * 6, torch.tensor([3, 1]))
+    expected = [math.exp(((-1.0 + 0.5) + (-2.0 + 0.5) + (-3.0 + 1.0)) / 3), math.exp(-0.5 + 0.25)]
+    assert weights.tolist() == pytest.approx(expected, rel=1e-12)
+
+
 def test_config_keeps_trl_types_and_refuses_what_leantune_lacks():
     assert DPOConfig(output_dir="x", use_cpu=True).loss_type == ["sigmoid"]  # TRL's default: a list
     assert DPOConfig(output_dir="x", use_cpu=True, loss_type="ipo").loss_type == "ipo"  # not rewritten
     DPOConfig(output_dir="x", use_cpu=True, loss_type=["sigmoid", "sft"], loss_weights=[1.0, 0.5], ld_alpha=0.5,
               f_divergence_type="js_divergence")
-    for bad, field_name in ((dict(use_weighting=True), "use_weighting"), (dict(loss_type="nope"), "loss_type"),
+    for bad, field_name in ((dict(use_weighting=True, loss_type="aot"), "use_weighting"),
+                            (dict(loss_type="nope"), "loss_type"),
                             (dict(loss_type=["sigmoid", "ipo"], loss_weights=[1.0]), "loss_weights"),
                             (dict(loss_type="exo_pair"), "label_smoothing"),
                             (dict(label_smoothing=0.1), "label_smoothing"),  # no effect on sigmoid in TRL 1.16
@@ -241,7 +255,8 @@ def one_step(tokenizer, dataset, tmp_path, **overrides):
     dict(loss_type="sigmoid"), dict(loss_type="ipo"), dict(loss_type="apo_zero"), dict(loss_type="sft"),
     dict(loss_type=["sigmoid", "sft"], loss_weights=[1.0, 0.5]),
     dict(loss_type=["sigmoid_norm", "aot"], ld_alpha=0.5),
-], ids=["sigmoid", "ipo", "apo_zero", "sft", "sigmoid+sft", "sigmoid_norm+aot+ld_alpha"])
+    dict(loss_type=["sigmoid", "ipo"], use_weighting=True),
+], ids=["sigmoid", "ipo", "apo_zero", "sft", "sigmoid+sft", "sigmoid_norm+aot+ld_alpha", "sigmoid+ipo+wpo"])
 def test_chunked_and_padding_free_give_the_same_loss_and_gradients(loss, tokenizer, pairs, tmp_path):
     reference_grads, reference_log = one_step(tokenizer, pairs, tmp_path / "ref", chunked_loss=False, **loss)
     assert math.isfinite(reference_log["loss"]) and reference_log["loss"] != 0
@@ -255,3 +270,6 @@ def test_chunked_and_padding_free_give_the_same_loss_and_gradients(loss, tokeniz
         assert log["loss"] == pytest.approx(reference_log["loss"], rel=1e-5), (chunked, padding_free)
         for name, expected in reference_grads.items():
             assert rel_diff(grads[name], expected) <= 1e-5, (chunked, padding_free, name)
+    if loss.get("use_weighting"):  # the weights are there: without them the loss is another one
+        _, unweighted = one_step(tokenizer, pairs, tmp_path / "plain", **dict(loss, use_weighting=False))
+        assert abs(unweighted["loss"] - reference_log["loss"]) > 1e-3 * abs(unweighted["loss"])

@@ -13,7 +13,11 @@ from datasets import Dataset
 
 from leantune import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 from leantune.defaults import build_default_model_config, build_default_tokenizer
-from leantune.losses.advantages import group_relative_advantages, leave_one_out_advantages
+from leantune.losses.advantages import (
+    group_relative_advantages,
+    leave_one_out_advantages,
+    normalize_then_sum_advantages,
+)
 from leantune.losses.causal_lm import count_targets
 from leantune.losses.dispatch import LogProbPath
 from leantune.losses.policy_gradient import clipped_surrogate, grpo_loss_items, grpo_loss_sum, k3_kl
@@ -105,6 +109,22 @@ def test_unscored_completions_leave_the_group_statistics_and_get_no_advantage():
     loo, _ = leave_one_out_advantages(rewards, 4)
     # others' mean: (3 + 5) / 2 = 4 for the first; (1 + 5) / 2 = 3 for the third; (1 + 3) / 2 = 2 for the last
     torch.testing.assert_close(loo, torch.tensor([-3.0, 0.0, 0.0, 3.0]))
+
+
+def test_normalize_then_sum_advantages_by_hand():
+    # two functions, two groups of 2: function a is [1, 0 | 2, 2], function b [0, 4 | nan, 1] (b skipped the third)
+    nan = float("nan")
+    per_function = torch.tensor([[1.0, 0.0], [0.0, 4.0], [2.0, nan], [2.0, 1.0]], dtype=torch.float64)
+    weights = torch.tensor([1.0, 0.5])
+    got = normalize_then_sum_advantages(per_function, weights, 2)
+    s = math.sqrt(0.5)  # sample std of a group of two values 1 apart; b's first group: 4 apart -> 4 x s
+    a = [0.5 / (s + 1e-4), -0.5 / (s + 1e-4), 0.0, 0.0]
+    b = [-2.0 / (4 * s + 1e-4), 2.0 / (4 * s + 1e-4), nan, 0.0]  # a group of one: (x - x) / (0 + eps) = 0
+    sums = torch.tensor([a[i] + 0.5 * (0.0 if b[i] != b[i] else b[i]) for i in range(4)], dtype=torch.float64)
+    expected = (sums - sums.mean()) / (sums.std() + 1e-4)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)  # float64 throughout: exact but for rounding
+    unscored = normalize_then_sum_advantages(per_function.index_fill(0, torch.tensor([3]), nan), weights, 2)
+    assert unscored[3] == 0.0  # no function scored it: no learning signal
 
 
 def test_leave_one_out_advantages_by_hand():

@@ -22,6 +22,7 @@ from leantune.generation.vllm_server import TransformersEngine, logprobs_from_js
 from leantune.losses.dispatch import LogProbPath
 from leantune.losses.policy_gradient import (
     GRPOObjective,
+    grpo_loss_items,
     grpo_loss_sum,
     grpo_token_loss,
     high_entropy_mask,
@@ -160,6 +161,73 @@ def test_off_policy_mask_and_high_entropy_mask_by_hand():
     # the threshold comes from the pooled values (all processes), not this process's alone
     assert high_entropy_mask(entropy, torch.tensor([0.0, 0.0, 0.0, 0.0, 0.3]), 0.4).tolist() == [
         True, True, True, True, True]
+
+
+def test_cispo_sapo_luspo_vespo_by_hand():
+    """The four TRL 1.16 loss types beyond the clipped ones, on the shared case: token ratios 2, 2, 0.5, 1, 2 and
+    token advantages 1, 1, -1, -1, -2 (three completions: tokens 0-1, 2-3, 4)."""
+    logp_values, a_tok = LOGPS, [1.0, 1.0, -1.0, -1.0, -2.0]
+    ratios = [2.0, 2.0, 0.5, 1.0, 2.0]
+
+    def run(objective, **kwargs):
+        logps = t(logp_values).requires_grad_()
+        loss, metrics = grpo_token_loss(logps, t(OLD), t(ADVANTAGES), SEQUENCE, 3, objective, **kwargs)
+        loss.sum().backward()
+        return loss.detach(), logps.grad, metrics
+
+    # cispo: the ratio capped at epsilon_high (1.5) and detached, times -A x logp; gradient -w A
+    loss, grad, metrics = run(GRPOObjective(epsilon_high=1.5, loss_type="cispo"))
+    w = [min(r, 1.5) for r in ratios]
+    torch.testing.assert_close(loss, t([-wi * a * lp for wi, a, lp in zip(w, a_tok, logp_values)]), **EXACT)
+    torch.testing.assert_close(grad, t([-wi * a for wi, a in zip(w, a_tok)]), **EXACT)
+    assert metrics["cispo_clip_ratio"].item() == pytest.approx(2 / 5)  # ratio above the cap where A > 0
+    # sapo: -sigmoid(tau (r - 1)) x 4 / tau x A, tau 1 where A > 0 else 1.05; d/dlogp = -4 s (1 - s) r A
+    loss, grad, _ = run(GRPOObjective(loss_type="sapo", sapo_temperature_pos=1.0, sapo_temperature_neg=1.05))
+    taus = [1.0 if a > 0 else 1.05 for a in a_tok]
+    gates = [1 / (1 + math.exp(-tau * (r - 1))) for tau, r in zip(taus, ratios)]
+    torch.testing.assert_close(loss, t([-g * 4 / tau * a for g, tau, a in zip(gates, taus, a_tok)]), **EXACT)
+    torch.testing.assert_close(grad, t([-4 * g * (1 - g) * r * a for g, r, a in zip(gates, ratios, a_tok)]), **EXACT)
+    assert grpo_loss_sum(loss, SEQUENCE, 3, "sapo", 8).item() == pytest.approx(
+        sum((loss[i] + loss[j]).item() / 2 for i, j in ((0, 1), (2, 3))) + loss[4].item(), rel=1e-12)  # per completion
+    # luspo (sequence level): each completion's clipped loss on all its tokens, summed: a completion's loss x length
+    loss, _, _ = run(GRPOObjective(epsilon_low=0.2, epsilon_high=0.2, importance_sampling_level="sequence",
+                                   loss_type="luspo"))
+    # sequence ratios exp(mean log r): 2, sqrt(0.5), 2 -> -min(2, 1.2) = -1.2; -min(-0.707, -0.8) = 0.8; 4
+    assert grpo_loss_sum(loss, SEQUENCE, 3, "luspo", 8).item() == pytest.approx(2 * -1.2 + 2 * 0.8 + 4.0, rel=1e-12)
+    assert grpo_loss_items("luspo", 3, 5, 8) == 3 and grpo_loss_items("cispo", 3, 5, 8) == 5
+    # vespo: phi(w) = exp(lam + k log w - lam w), w = the completion's product of token ratios; loss -phi A logp
+    loss, grad, metrics = run(GRPOObjective(loss_type="vespo"))
+    w_seq, a_seq = [4.0, 0.5, 2.0], ADVANTAGES
+    kl_pairs = [(2.0, 3.0) if a >= 0 else (3.0, 2.0) for a in a_seq]  # (k, lambda) by the advantage's sign
+    phi = [math.exp(lam + k * math.log(wv) - lam * wv) for wv, (k, lam) in zip(w_seq, kl_pairs)]
+    phi_tok = [phi[i] for i in SEQUENCE.tolist()]
+    torch.testing.assert_close(grad, t([-p * a for p, a in zip(phi_tok, a_tok)]), **EXACT)
+    torch.testing.assert_close(loss, t([-p * a * lp for p, a, lp in zip(phi_tok, a_tok, logp_values)]), **EXACT)
+    assert metrics["vespo/phi_seq_mean"].item() == pytest.approx(sum(phi) / 3, rel=1e-12)
+    # vLLM's per-token weights enter w (and multiply nothing else): halving token 4's weight halves w of completion 2
+    loss, grad, _ = run(GRPOObjective(loss_type="vespo"), sampling_weights=t([1.0, 1.0, 1.0, 1.0, 0.5]))
+    k, lam = kl_pairs[2]
+    assert grad[4].item() == pytest.approx(-math.exp(lam + k * math.log(1.0) - lam * 1.0) * -2.0, rel=1e-12)
+
+
+@pytest.mark.parametrize("loss_type", ["cispo", "sapo", "luspo", "vespo"])
+def test_new_loss_types_give_the_same_loss_and_gradients_padded_and_padding_free(loss_type, char_tokenizer):
+    """Padded + full logits against padding-free + chunked log-probs, off-policy (fp32): loss rel 1e-5 (sums of ~100
+    fp32 terms of order 1), gradients `assert_grads_close` (rel 1e-5 of each tensor's largest entry)."""
+    options = dict(OPTIONS, loss_type=loss_type, epsilon_high=1.2 if loss_type == "cispo" else 0.28,
+                   importance_sampling_level="sequence" if loss_type == "luspo" else "token")
+    results = []
+    for padding_free, path in ((False, LogProbPath.FULL), (True, LogProbPath.CHUNKED)):
+        trainer = GRPOTrainer(char_model(char_tokenizer), count_a, args=config(padding_free=padding_free, **options),
+                              train_dataset=prompts(), processing_class=char_tokenizer)
+        torch.manual_seed(5)
+        batch = off_policy_batch(trainer, one_round(trainer)[0])
+        trainer.logprob_path = path
+        results.append(loss_and_grads(trainer, batch))
+    (loss, grads), (expected_loss, expected_grads) = results
+    assert torch.isfinite(expected_loss) and expected_loss.abs() > 1e-6
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-7)
+    assert_grads_close(grads, expected_grads)
 
 
 # --- through the trainer ----------------------------------------------------------------------------------------
@@ -413,3 +481,56 @@ def test_grpo_with_the_server_corrects_by_the_engines_logprobs(char_tokenizer, i
         assert grad.abs().max() > 0
         torch.testing.assert_close(halved[name], grad / 2, rtol=0, atol=2e-4 * float(grad.abs().max()))
     assert trainer.metric_values["train"]["sampling/importance_sampling_ratio/mean"][1] == pytest.approx(0.5, abs=1e-4)
+
+
+# --- the entropy bonus ------------------------------------------------------------------------------------------
+
+
+def test_entropy_bonus_is_coef_times_mean_entropy_on_every_path(char_tokenizer):
+    """loss(coef) = loss(0) - coef x mean token entropy, whatever the loss type's normaliser; its gradient is the
+    same through chunked and full logits, padded and padding-free (rel 1e-5: sums of ~100 fp32 terms of order 1)."""
+    results = {}
+    for loss_type in ("dapo", "dr_grpo"):
+        for padding_free, path in ((False, LogProbPath.FULL), (True, LogProbPath.CHUNKED)):
+            losses = {}
+            for coef in (0.0, 0.5):
+                trainer = GRPOTrainer(char_model(char_tokenizer), count_a,
+                                      args=config(padding_free=padding_free, loss_type=loss_type, entropy_coef=coef,
+                                                  beta=0.1),
+                                      train_dataset=prompts(), processing_class=char_tokenizer)
+                trainer.current_gradient_accumulation_steps = 1
+                torch.manual_seed(5)
+                batch = off_policy_batch(trainer, one_round(trainer)[0])
+                trainer.logprob_path = path
+                trainer.metric_values["train"].clear()
+                losses[coef] = loss_and_grads(trainer, batch)
+                entropy = trainer.metric_values["train"]["entropy"][-1]
+            (plain, _), (with_bonus, grads) = losses[0.0], losses[0.5]
+            assert with_bonus.item() == pytest.approx(plain.item() - 0.5 * entropy, rel=1e-5)
+            assert trainer.metric_values["train"]["policy_loss"][-1] == pytest.approx(plain.item(), rel=1e-5)
+            results[loss_type, padding_free] = grads
+        assert_grads_close(results[loss_type, True], results[loss_type, False])
+
+
+def test_adaptive_entropy_moves_once_per_optimizer_step_and_resumes(char_tokenizer, tmp_path):
+    from leantune.losses.entropy_bonus import EntropyBonus
+
+    args = config(entropy_coef=0.01, use_adaptive_entropy=True, entropy_target=100.0, entropy_coef_delta=0.005,
+                  gradient_accumulation_steps=2, per_device_train_batch_size=4, max_steps=3, save_strategy="steps",
+                  save_steps=3, output_dir=str(tmp_path))
+    trainer = GRPOTrainer(char_model(char_tokenizer), count_a, args=args, train_dataset=prompts(),
+                          processing_class=char_tokenizer)
+    trainer.train()
+    # entropy (~ln 60 at most) is below the target at every step: +delta per optimizer step, not per micro-batch
+    assert trainer.entropy_coef == pytest.approx(0.01 + 3 * 0.005)
+    assert [e["entropy_coef"] for e in trainer.state.log_history if "entropy_coef" in e][:3] == pytest.approx(
+        [0.015, 0.02, 0.025])
+    resumed = EntropyBonus.from_config(args)
+    resumed.load(str(tmp_path / "checkpoint-3"))
+    assert resumed.coef == pytest.approx(0.025) and resumed.last_step_entropy < 100.0
+    # above the target it decreases towards entropy_coef_min and the bonus is off while entropy stays above it
+    bonus = EntropyBonus(0.01, adaptive=True, target=0.5, coef_min=0.0, delta=0.005)
+    assert bonus.applied_coef == 0.0  # nothing measured yet
+    bonus.observe(torch.tensor([1.0, 2.0]))
+    bonus.end_step(lambda totals: totals)
+    assert (bonus.coef, bonus.last_step_entropy, bonus.applied_coef) == (pytest.approx(0.005), 1.5, 0.0)

@@ -248,17 +248,17 @@ def test_paired_hh_data_is_unpaired_automatically(tokenizer, hh_pairs, tmp_path)
     assert data["label"] == [True, False] * len(hh_pairs)  # chosen then rejected, side by side
     assert report.num_desirable == report.num_undesirable == len(hh_pairs)
     chosen, rejected = data[0], data[1]
-    assert chosen["prompt_input_ids"] == rejected["prompt_input_ids"]
-    prompt = tokenizer.decode(chosen["prompt_input_ids"], skip_special_tokens=True)
+    assert chosen["prompt_ids"] == rejected["prompt_ids"]
+    prompt = tokenizer.decode(chosen["prompt_ids"], skip_special_tokens=True)
     assert prompt.rstrip().endswith("Assistant:")
-    assert hh_pairs[0]["chosen"].strip().endswith(tokenizer.decode(chosen["completion_input_ids"],
+    assert hh_pairs[0]["chosen"].strip().endswith(tokenizer.decode(chosen["completion_ids"],
                                                                    skip_special_tokens=True).strip())
-    assert chosen["completion_input_ids"][-1] == tokenizer.eos_token_id
+    assert chosen["completion_ids"][-1] == tokenizer.eos_token_id
     # each prompt's KL completion was written for another prompt
-    completions = [tuple(c) for c in data["completion_input_ids"]]
+    completions = [tuple(c) for c in data["completion_ids"]]
     for row in data:
         j = completions.index(tuple(row[KL_COLUMN]))
-        assert data[j]["prompt_input_ids"] != row["prompt_input_ids"]
+        assert data[j]["prompt_ids"] != row["prompt_ids"]
 
 
 def test_kl_partners_are_other_prompts_from_a_seeded_permutation():
@@ -276,16 +276,27 @@ def test_unpaired_text_and_conversational_data(tokenizer, tmp_path):
     rows = [{"prompt": f"Q{i}:", "completion": f" answer {i}", "label": i % 3 != 0} for i in range(6)]
     trainer = make_trainer(tokenizer, Dataset.from_list(rows), tmp_path / "t")
     row = trainer.train_dataset[1]
-    assert tokenizer.decode(row["completion_input_ids"], skip_special_tokens=True).strip() == "answer 1"
-    assert row["prompt_input_ids"][0] == tokenizer.bos_token_id and row["label"] is True
+    assert tokenizer.decode(row["completion_ids"], skip_special_tokens=True).strip() == "answer 1"
+    assert row["prompt_ids"][0] == tokenizer.bos_token_id and row["label"] is True
     chat = [{"prompt": [{"role": "user", "content": f"Say {w}."}],
              "completion": [{"role": "assistant", "content": w}], "label": w != "no"} for w in ("yes", "no", "ok")]
     trainer = make_trainer(tokenizer, Dataset.from_list(chat), tmp_path / "c")
     row = trainer.train_dataset[0]
     full = tokenizer.apply_chat_template(chat[0]["prompt"] + chat[0]["completion"], tokenize=True,
                                          return_dict=True)["input_ids"]
-    assert list(row["prompt_input_ids"]) + list(row["completion_input_ids"]) == list(full)
-    assert tokenizer.decode(row["completion_input_ids"], skip_special_tokens=True).strip() == "yes"
+    assert list(row["prompt_ids"]) + list(row["completion_ids"]) == list(full)
+    assert tokenizer.decode(row["completion_ids"], skip_special_tokens=True).strip() == "yes"
+
+
+def test_pretokenised_examples_in_trl_and_legacy_column_names(tokenizer, tmp_path):
+    rows = [{"prompt": f"Q{i}:", "completion": f" answer {i}", "label": i % 3 != 0} for i in range(6)]
+    prepared = make_trainer(tokenizer, Dataset.from_list(rows), tmp_path / "text").train_dataset
+    assert {"prompt_ids", "completion_ids", "label", "KL_completion_ids"} <= set(prepared.column_names)  # TRL's
+    legacy = prepared.rename_columns({"prompt_ids": "prompt_input_ids", "completion_ids": "completion_input_ids",
+                                      "KL_completion_ids": "kl_completion_input_ids"})
+    with pytest.warns(FutureWarning, match="will not be supported in v1"):
+        renamed = make_trainer(tokenizer, legacy, tmp_path / "legacy").train_dataset
+    assert renamed.to_dict() == prepared.to_dict()
 
 
 def test_bad_examples_are_counted_or_rejected(tokenizer, tmp_path, caplog):
@@ -302,8 +313,8 @@ def test_bad_examples_are_counted_or_rejected(tokenizer, tmp_path, caplog):
     assert (report.num_rows_in, report.num_empty_dropped, report.num_prompt_too_long_dropped,
             report.num_completion_truncated, report.num_examples_out) == (5, 1, 1, 1, 3)
     assert (report.num_desirable, report.num_undesirable) == (1, 2)
-    assert all(len(p) + len(c) <= 64 for p, c in zip(trainer.train_dataset["prompt_input_ids"],
-                                                      trainer.train_dataset["completion_input_ids"]))
+    assert all(len(p) + len(c) <= 64 for p, c in zip(trainer.train_dataset["prompt_ids"],
+                                                      trainer.train_dataset["completion_ids"]))
     assert "empty completion" in caplog.text and "fills max_length" in caplog.text and "eq. 8" in caplog.text
 
     pairs = [{"prompt": "Say hi.", "chosen": " Hi!", "rejected": " Go away."},

@@ -292,7 +292,7 @@ def test_empty_sft_rows_are_counted_not_profiled(mistral):
 def test_pre_tokenised_data_needs_no_tokenisation(mistral):
     sft = profile_dataset([{"input_ids": [1] * n} for n in (3, 0, 70)], mistral)
     assert sorted(sft.lengths.tolist()) == [3, 70] and sft.num_empty == 1
-    pref = profile_dataset([{"prompt_input_ids": [1] * 5, "chosen_input_ids": [2] * 3, "rejected_input_ids": [3]}],
+    pref = profile_dataset([{"prompt_ids": [1] * 5, "chosen_ids": [2] * 3, "rejected_ids": [3]}],
                            mistral)
     assert pref.lengths.tolist() == [8, 6]
 

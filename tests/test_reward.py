@@ -216,8 +216,7 @@ def test_unusable_pairs_are_dropped_and_counted(tmp_path, tokenizer):
     # keep_end (the default) cuts the start of an over-long prompt instead: truncated, counted, kept.
     kept, report = prepare_reward_dataset(data, tokenizer, config(tmp_path, max_length=64), "train")
     assert (report.num_prompt_truncated, report.num_prompt_too_long_dropped, report.num_pairs_out) == (1, 0, 3)
-    assert max(len(p) + max(len(c), len(r)) for p, c, r in zip(
-        kept["prompt_input_ids"], kept["chosen_input_ids"], kept["rejected_input_ids"])) <= 64
+    assert max(max(len(c), len(r)) for c, r in zip(kept["chosen_ids"], kept["rejected_ids"])) <= 64  # whole sequences
 
 
 def test_pairs_identical_after_truncation_are_dropped_and_counted(tmp_path, tokenizer):
@@ -271,12 +270,19 @@ def test_conversational_and_trl_tokenized_pairs(tmp_path):
     conversations = pairs(chosen=[[user, {"role": "assistant", "content": "cba"}]],
                           rejected=[[user, {"role": "assistant", "content": "abc"}]])
     data, _ = prepare_reward_dataset(conversations, tok, config(tmp_path), "train")
-    assert tok.decode(data[0]["chosen_input_ids"]) == "cba<eos>"
-    assert tok.decode(data[0]["prompt_input_ids"]).endswith("<|assistant|>")
+    # TRL's prepared form: whole sequences, prompt included, and no prompt column
+    assert data.column_names == ["chosen_ids", "rejected_ids"]
+    chosen = tok.decode(data[0]["chosen_ids"])
+    assert chosen.endswith("<|assistant|>cba<eos>") and "reverse: abc =" in chosen
     tokenized = pairs(chosen_ids=[[1, 5, 6, 7, 2]], rejected_ids=[[1, 5, 6, 8, 2]], margin=[1.0])
-    data, _ = prepare_reward_dataset(tokenized, tok, config(tmp_path), "train")
-    assert (data[0]["prompt_input_ids"], data[0]["chosen_input_ids"], data[0]["rejected_input_ids"],
-            data[0]["margin"]) == ([1, 5, 6], [7, 2], [8, 2], 1.0)
+    data, _ = prepare_reward_dataset(tokenized, tok, config(tmp_path, max_length=4), "train")
+    # the shared start is the prompt: keep_end truncation cuts it, not the completions
+    assert (data[0]["chosen_ids"], data[0]["rejected_ids"], data[0]["margin"]) == ([5, 6, 7, 2], [5, 6, 8, 2], 1.0)
+    with pytest.warns(FutureWarning, match="will not be supported in v1"):  # the older names, read as the new ones
+        legacy, _ = prepare_reward_dataset(tokenized.rename_columns({"chosen_ids": "chosen_input_ids",
+                                                                     "rejected_ids": "rejected_input_ids"}),
+                                           tok, config(tmp_path), "train")
+    assert (legacy[0]["chosen_ids"], legacy[0]["rejected_ids"]) == ([1, 5, 6, 7, 2], [1, 5, 6, 8, 2])
 
 
 # --- real runs ------------------------------------------------------------------------------------------------------

@@ -42,9 +42,11 @@ def test_prompt_completion_masks_exactly_the_completion_and_eos(tokenizer, tmp_p
     prompt_ids = tokenizer("Question: 3+4?")["input_ids"]
     assert row["input_ids"][: len(prompt_ids)] == prompt_ids
     assert row["input_ids"][-1] == tokenizer.eos_token_id
-    mask = np.array(row["completion_mask"])
-    assert mask[: len(prompt_ids)].sum() == 0 and mask[len(prompt_ids):].all()
-    assert tokenizer.decode(np.array(row["input_ids"])[mask == 1], skip_special_tokens=True).strip() == "Answer: 7"
+    assert set(trainer.train_dataset.column_names) == {"input_ids", "labels"}  # TRL's prepared form
+    mask = np.array(row["labels"]) != IGNORE_INDEX
+    assert not mask[: len(prompt_ids)].any() and mask[len(prompt_ids):].all()
+    assert (np.array(row["labels"])[mask] == np.array(row["input_ids"])[mask]).all()
+    assert tokenizer.decode(np.array(row["input_ids"])[mask], skip_special_tokens=True).strip() == "Answer: 7"
     batch = trainer.data_collator([row])
     assert (batch["labels"][0, : len(prompt_ids)] == IGNORE_INDEX).all()
     assert (batch["labels"][0, len(prompt_ids):] == torch.tensor(row["input_ids"][len(prompt_ids):])).all()
@@ -128,7 +130,7 @@ def test_truncation_keeps_the_start_and_counts(tokenizer, gsm8k_rows, tmp_path):
     assert report.tokens_dropped == int(np.maximum(lengths - 128, 0).sum())
     for before, after in zip(full, cut.train_dataset):
         assert after["input_ids"] == before["input_ids"][:128]
-        assert after["completion_mask"] == before["completion_mask"][:128]
+        assert after["labels"] == before["labels"][:128]
 
 
 def test_examples_left_without_loss_tokens_are_dropped_and_counted(tokenizer, tmp_path):
@@ -229,3 +231,51 @@ def test_eval_dataset_gives_eval_loss(tokenizer, gsm8k_rows, tmp_path):
                          train_dataset=data.select(range(8)), eval_dataset=data.select(range(8, 12)))
     metrics = trainer.evaluate()
     assert 9.0 < metrics["eval_loss"] < 11.5  # near log(32000) = 10.37 for random weights (measured 10.38)
+
+
+def test_pretokenised_masks_become_labels_and_given_labels_are_kept(tokenizer, tmp_path):
+    # assistant_masks given with the tokens apply without assistant_only_loss (the user wrote them to be used), as
+    # in TRL; the labels column replaces them, is truncated with the tokens, and is packed alongside them.
+    masked = Dataset.from_list([{"input_ids": [1, 2, 3, 4, 5], "assistant_masks": [0, 0, 0, 1, 1]},
+                                {"input_ids": [6, 7, 8, 9], "assistant_masks": [0, 1, 0, 1]}])
+    trainer = trainer_for(masked, tokenizer, tmp_path / "m", max_length=None)
+    assert trainer.train_dataset[:]["labels"] == [[-100, -100, -100, 4, 5], [-100, 7, -100, 9]]
+    assert trainer.train_dataset.column_names == ["input_ids", "labels"]
+    cut = trainer_for(masked, tokenizer, tmp_path / "c", max_length=3, truncation_mode="keep_start")
+    assert cut.train_dataset[:]["labels"] == [[-100, 7, -100]]  # the first row kept no target: dropped, counted
+    assert cut.data_reports["train"].num_without_targets_dropped == 1
+    # a labels column is taken as it is, whatever masks sit beside it
+    given = masked.add_column("labels", [[1, -100, 3, -100, 5], [-100, 7, 8, -100]])
+    trainer = trainer_for(given, tokenizer, tmp_path / "g", max_length=None)
+    assert trainer.train_dataset[:]["labels"] == given["labels"]
+    batch = trainer.data_collator([trainer.train_dataset[0]])
+    assert batch["labels"][0].tolist() == [-100, -100, 3, -100, 5]  # a sequence's first token is never a target
+    packed = trainer_for(given, tokenizer, tmp_path / "p", max_length=16, packing=True).train_dataset
+    assert packed.column_names == ["input_ids", "labels", "seq_lengths", "position_ids"]
+    assert sorted(map(tuple, np.split(np.array(packed[0]["labels"]), np.cumsum(packed[0]["seq_lengths"])[:-1]))) \
+        == sorted(map(tuple, given["labels"]))
+
+
+def test_sharegpt_conversations_are_read_as_messages(tokenizer, tmp_path):
+    sharegpt = Dataset.from_list([{"conversations": [{"from": "human", "value": m["content"]} if m["role"] == "user"
+                                                     else {"from": "gpt" if m["role"] == "assistant" else m["role"],
+                                                           "value": m["content"]} for m in row["messages"]]}
+                                  for row in CONVERSATIONS])
+    from_messages = trainer_for(Dataset.from_list(CONVERSATIONS), tokenizer, tmp_path / "m", max_length=None,
+                                assistant_only_loss=True)
+    from_sharegpt = trainer_for(sharegpt, tokenizer, tmp_path / "s", max_length=None, assistant_only_loss=True)
+    assert from_sharegpt.train_dataset[:] == from_messages.train_dataset[:]  # same tokens, same assistant labels
+
+
+def test_a_dataset_transform_needs_skip_prepare_dataset(tokenizer, tmp_path):
+    """A with_transform() transform runs when rows are read, after preparation: a clear error, unless the data is
+    given trainer-ready (skip_prepare_dataset), in which case the transform's rows are what the collator gets."""
+    raw = Dataset.from_dict({"text": ["hello world"] * 4})
+    transformed = raw.with_transform(lambda batch: {"text": [t + " <AUG>" for t in batch["text"]]})
+    with pytest.raises(ValueError, match=r"with_transform\(\).*skip_prepare_dataset"):
+        trainer_for(transformed, tokenizer, tmp_path / "t")
+    ids = tokenizer("hello world")["input_ids"]
+    ready = raw.with_transform(lambda batch: {"input_ids": [ids] * len(batch["text"])})
+    trainer = trainer_for(ready, tokenizer, tmp_path / "r", dataset_kwargs={"skip_prepare_dataset": True},
+                          remove_unused_columns=False)
+    assert trainer.train_dataset[0]["input_ids"] == ids

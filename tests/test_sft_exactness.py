@@ -167,6 +167,51 @@ def test_logged_loss_is_token_mean_of_the_step(tokenizer, gsm8k_rows, tmp_path):
     assert trainer.state.log_history[0]["loss"] == pytest.approx(expected, rel=1e-5)
 
 
+def test_dft_loss_and_token_metrics_by_hand(tokenizer, gsm8k_rows, tmp_path):
+    """loss_type="dft" is the step's token mean of NLL x p (p detached); `mean_token_accuracy` the share of targets
+    that are the argmax, `entropy` the targets' mean entropy, as TRL logs them; a `compute_loss_func` replaces the
+    loss and gets the full logits. Values: fp32 sums over ~1000 targets, rel 1e-5 as above; accuracy is a count."""
+    from leantune.losses.causal_lm import shifted_targets
+
+    dataset = gsm8k_prompt_completion(gsm8k_rows, 8)
+    model = tiny_model("llama")
+    batch = None
+    for loss_type in ("dft", "nll"):
+        trainer = make_trainer(model, tokenizer, dataset, tmp_path / loss_type, per_device_train_batch_size=8,
+                               learning_rate=0.0, loss_type=loss_type, padding_free=loss_type == "dft")
+        batch = whole_dataset_batch(make_trainer(model, tokenizer, dataset, tmp_path / "padded",
+                                                 per_device_train_batch_size=8))
+        trainer.train()
+        logged = trainer.state.log_history[0]
+        inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask")}
+        with torch.no_grad():
+            logits = model(**inputs).logits.float()
+        nll = token_nll(logits, batch["labels"])
+        targets = shifted_targets(batch["labels"])
+        is_target = targets != -100
+        per_token = nll * torch.exp(-nll) if loss_type == "dft" else nll
+        assert logged["loss"] == pytest.approx(float(per_token[is_target].sum() / is_target.sum()), rel=RTOL)
+        top1 = (logits.argmax(-1) == targets)[is_target].float().mean()
+        assert logged["mean_token_accuracy"] == pytest.approx(float(top1), abs=1e-6)
+        entropy = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)[is_target].mean()
+        assert logged["entropy"] == pytest.approx(float(entropy), rel=RTOL)
+    seen = []
+
+    def doubled(outputs, labels, num_items_in_batch=None):
+        seen.append(outputs.logits.shape[-1])
+        return 2 * token_nll(outputs.logits, labels).sum() / count_targets(labels)
+
+    trainer = make_trainer(model, tokenizer, dataset, tmp_path / "func", per_device_train_batch_size=8,
+                           learning_rate=0.0)
+    trainer.compute_loss_func = doubled
+    trainer.train()
+    assert seen and seen[0] == model.config.vocab_size
+    assert trainer.state.log_history[0]["loss"] == pytest.approx(2 * logged["loss"], rel=RTOL)
+    with pytest.raises(ValueError, match="dft"):
+        SFTTrainer(model=model, args=SFTConfig(output_dir=str(tmp_path / "x"), loss_type="dft", report_to=[]),
+                   train_dataset=dataset, processing_class=tokenizer, compute_loss_func=doubled)
+
+
 def test_bfd_split_keeps_every_token(tokenizer, gsm8k_rows, tmp_path):
     dataset = gsm8k_prompt_completion(gsm8k_rows, 24)
     full = make_trainer(tiny_model(), tokenizer, dataset, tmp_path / "full", max_length=None).train_dataset

@@ -259,8 +259,8 @@ def test_preference_kto_and_prompt_stream_counts_equal_the_dataset(tokenizer, hh
                                                                     **short)
     got_rows = list(streamed.train_dataset)
     expected_rows = [mapped.train_dataset[i] for i in range(len(mapped.train_dataset))]
-    without_kl = [{k: v for k, v in r.items() if k != "kl_completion_input_ids"} for r in got_rows]
-    assert without_kl == [{k: v for k, v in r.items() if k != "kl_completion_input_ids"} for r in expected_rows]
+    without_kl = [{k: v for k, v in r.items() if k != "KL_completion_ids"} for r in got_rows]
+    assert without_kl == [{k: v for k, v in r.items() if k != "KL_completion_ids"} for r in expected_rows]
     expected, got = counts_of(mapped.data_reports["train"]), counts_of(stream_report(streamed))
     # KL partners are drawn inside each buffer of 3 rows, so only the same-prompt fallback count may differ.
     expected.pop("num_kl_partner_same_prompt"), got.pop("num_kl_partner_same_prompt")

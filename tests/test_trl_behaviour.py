@@ -125,7 +125,11 @@ def test_named_eval_datasets_and_raw_evaluate(kind, make):
     # A DatasetDict given at construction: every split prepared (the prepared columns are there), metrics per name.
     trainer, _ = make(kind, eval_dataset=DatasetDict({"a": raw_a, "b": raw_b}), eval_strategy="steps", eval_steps=1)
     assert set(trainer.eval_dataset) == {"a", "b"}
-    assert all(trainer.is_prepared(split) for split in trainer.eval_dataset.values())
+    online = kind in ("grpo", "rloo")
+    if online:  # as TRL's online trainers: the eval datasets stay the objects given, prepared aside
+        assert trainer.eval_dataset["a"] is raw_a and trainer.eval_dataset["b"] is raw_b
+    else:
+        assert all(trainer.is_prepared(split) for split in trainer.eval_dataset.values())
     output = trainer.train()  # one optimizer step, evaluated on both splits
     assert output.global_step == 1
     logged = {name for entry in trainer.state.log_history for name in entry}
@@ -133,14 +137,15 @@ def test_named_eval_datasets_and_raw_evaluate(kind, make):
     metrics = trainer.evaluate()
     per_a = {name.removeprefix("eval_a_") for name in metric_names(metrics, "eval_a_")}
     per_b = {name.removeprefix("eval_b_") for name in metric_names(metrics, "eval_b_")}
-    assert per_a and per_a == per_b
+    assert per_a and per_a == per_b and "loss" in per_a  # the online methods' loss on their eval completions too
     # A raw dataset passed to evaluate() is prepared first (it crashed before); a dict of raw ones, per name.
     single = trainer.evaluate(eval_dataset=raw_a)
     assert {name.removeprefix("eval_") for name in single} >= per_a - {"runtime"}
     named = trainer.evaluate(eval_dataset={"x": raw_b})
     assert metric_names(named, "eval_x_")
     # Prepared data is recognised and not prepared again.
-    assert trainer.is_prepared(trainer.eval_dataset["a"]) and not trainer.is_prepared(raw_a)
+    if not online:
+        assert trainer.is_prepared(trainer.eval_dataset["a"]) and not trainer.is_prepared(raw_a)
 
 
 # --- 3. train_dataset is required at construction, as in TRL ------------------------------------------------------
@@ -233,3 +238,109 @@ def test_sft_converts_plain_training_arguments(tokenizer, gsm8k_rows, tmp_path):
     assert isinstance(trainer.args, SFTConfig)
     assert trainer.args.learning_rate == 3e-4 and trainer.args.max_steps == 1
     assert trainer.train().global_step == 1
+
+
+# --- the online trainers' reward-function callbacks, unscored warning and closing log -----------------------------
+
+
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_reward_functions_log_through_trls_callbacks(kind, make, caplog):
+    """TRL hands reward functions `log_extra(column, values)` and `log_metric(name, value)`; a completion no function
+    scores is named in a warning; values recorded after the last step's log reach the run's closing summary."""
+    calls = []
+
+    def judged(completions, log_extra=None, log_metric=None, **kwargs):
+        log_extra("first_letter", [text[:1] for text in completions])
+        log_metric("judge_calls", float(len(calls) + 1))
+        calls.append(len(completions))
+        return [None] * len(completions) if len(calls) == 1 else [1.0] * len(completions)
+
+    trainer, _ = make(kind, max_steps=2, logging_steps=5)  # no step log: only the closing summary
+    trainer.rewards.funcs[0] = judged
+    with caplog.at_level("WARNING", logger="leantune"):
+        trainer.train()
+    assert "All reward functions returned None for the following kwargs" in caplog.text
+    assert list(trainer._logs["extra"]["first_letter"])[-calls[-1]:] and len(calls) == 2
+    summary = trainer.state.log_history[-1]
+    assert "train_loss" in summary and summary["judge_calls"] == pytest.approx(1.5)  # the mean of 1 and 2
+    assert summary["reward"] == pytest.approx(1.0)  # the unscored round has no reward to average
+
+
+# --- TR-DPO's reference sync (sync_ref_model) ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["dpo", "kto", "grpo", "rloo"])
+def test_sync_ref_model_mixes_the_policy_into_the_reference(kind, make):
+    """After each optimizer step (ref_model_sync_steps=1): ref = (1 - alpha) ref + alpha policy, per parameter
+    (fp32: one multiply-add per entry, so rel 1e-6)."""
+    beta = {"grpo": dict(beta=0.04), "rloo": dict(beta=0.05)}.get(kind, {})
+    trainer, _ = make(kind, sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.25, **beta)
+    if kind in ("grpo", "rloo"):  # rewards that tell completions apart, so that the first step has a gradient
+        trainer.rewards.funcs[0] = lambda completions, **kwargs: [float(sum(map(ord, c)) % 7) for c in completions]
+    before = {n: p.detach().clone() for n, p in trainer.ref_model.named_parameters()}
+    trainer.train()  # one step
+    policy = dict(trainer.model.named_parameters())
+    moved = 0
+    for name, parameter in trainer.ref_model.named_parameters():
+        expected = 0.75 * before[name] + 0.25 * policy[name].detach()
+        torch.testing.assert_close(parameter.detach(), expected, rtol=1e-6, atol=1e-7)
+        moved += not torch.equal(parameter, before[name])
+    assert moved  # the step changed the policy, and the reference followed it
+
+
+def test_sync_ref_model_refuses_what_cannot_sync(make):
+    with pytest.raises(ValueError, match="precompute_ref_log_probs"):
+        make("dpo", sync_ref_model=True, precompute_ref_log_probs=True)
+    with pytest.raises(ValueError, match="beta=0.0"):
+        make("grpo", sync_ref_model=True, beta=0.0)
+
+
+# --- Mixture-of-Experts: the router's load-balancing loss ---------------------------------------------------------
+
+
+def moe_model(tokenizer, output_router_logits: bool):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                            num_experts=4, num_experts_per_tok=2, output_router_logits=output_router_logits,
+                            router_aux_loss_coef=0.5, pad_token_id=tokenizer.pad_token_id)
+    return Qwen3MoeForCausalLM(config)
+
+
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_moe_router_loss_is_added_and_logged(padding_free, tokenizer, gsm8k_rows, tmp_path):
+    """With output_router_logits=True the model's load-balancing loss, times router_aux_loss_coef (the config's 0.5
+    unless set), is added to the method's loss and logged as aux_loss (TRL's rule); without it, nothing is added.
+    The total equals the plain loss + coef x the model's own aux_loss (fp32, a handful of ops: rel 1e-5)."""
+    from leantune.losses.causal_lm import count_targets
+
+    data = gsm8k_prompt_completion(gsm8k_rows, 4)
+    results = {}
+    for with_router in (False, True):
+        args = SFTConfig(output_dir=str(tmp_path / str(with_router)), max_length=256, padding_free=padding_free,
+                         **dict(COMMON, learning_rate=0.0))
+        trainer = SFTTrainer(moe_model(tokenizer, with_router), args=args, train_dataset=data,
+                             processing_class=tokenizer)
+        assert trainer.aux_loss_enabled is with_router and trainer.router_aux_loss_coef == 0.5
+        batch = trainer._prepare_inputs(trainer.data_collator(list(trainer.train_dataset)))
+        trainer.model.train()
+        trainer.current_gradient_accumulation_steps = 1
+        loss = trainer.compute_loss(trainer.model, dict(batch), num_items_in_batch=count_targets(batch["labels"]))
+        inputs = {k: v for k, v in batch.items() if k not in ("labels", "num_real_tokens")}
+        results[with_router] = (loss.item(), trainer.model(**inputs).aux_loss)
+        trainer.train()
+        logged = trainer.state.log_history[0]
+        assert ("aux_loss" in logged) is with_router
+    (plain, none), (total, aux) = results[False], results[True]
+    assert none is None and aux is not None
+    assert total == pytest.approx(plain + 0.5 * aux.item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("cls,config", [(DPOTrainer, DPOConfig), (KTOTrainer, KTOConfig)])
+def test_the_policy_itself_is_refused_as_its_reference(cls, config, tokenizer, hh_pairs, tmp_path):
+    model = tiny_model()
+    with pytest.raises(ValueError, match="ref_model"):
+        cls(model=model, ref_model=model, args=config(output_dir=str(tmp_path), **COMMON),
+            train_dataset=hh_pairs.select(range(8)), processing_class=tokenizer)

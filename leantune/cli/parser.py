@@ -22,7 +22,7 @@ GROUP_TITLES = {
     "MemoryOptions": "memory engine (every trainer)",
     "ModelLoadingOptions": "model loading (every trainer)",
     "CausalLMOptions": "model loading (every trainer)",
-    "ReferenceSyncOptions": "reference model sync (TR-DPO; not supported yet)",
+    "ReferenceSyncOptions": "reference model sync (TR-DPO)",
 }
 
 

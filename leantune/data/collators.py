@@ -1,7 +1,8 @@
 """Batch layouts for causal-LM training: padded, padding-free (one flat row) and packed rows.
 
-Every layout carries the same loss tokens: a token is a target when its loss masks allow it and it is not the
-first token of its sequence, so that no prediction crosses from one sequence into the next.
+Every layout carries the same loss tokens: a token is a target when its `labels` entry (prepared SFT data) and its
+loss masks allow it and it is not the first token of its sequence, so that no prediction crosses from one sequence
+into the next.
 """
 
 from __future__ import annotations
@@ -60,7 +61,11 @@ class CausalLMCollator:
         target = positions > 0
         for name in self.loss_mask_columns:
             target &= np.asarray(example[name], dtype=bool)
-        labels = np.where(target, ids, IGNORE_INDEX)
+        given = example.get("labels")  # prepared SFT data: the targets themselves, -100 where there is none
+        if given is not None:
+            given = np.asarray(given, dtype=np.int64)
+            target &= given != IGNORE_INDEX
+        labels = np.where(target, ids if given is None else given, IGNORE_INDEX)
         return ids, labels, positions
 
     def _stack_padded(self, rows) -> dict[str, torch.Tensor]:

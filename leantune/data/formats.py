@@ -16,7 +16,7 @@ class SFTFormat(str, Enum):
 ACCEPTED_SFT_FORMATS = (
     "language modelling {'<dataset_text_field>': str}; "
     "prompt-completion {'prompt': str, 'completion': str}; "
-    "conversational {'messages': [{'role', 'content'}, ...]}; "
+    "conversational {'messages': [{'role', 'content'}, ...]} (or ShareGPT's {'conversations': [{'from', 'value'}]}); "
     "conversational prompt-completion {'prompt': [messages], 'completion': [messages]}; "
     "pre-tokenised {'input_ids': [int], optional 'completion_mask'/'assistant_masks'}"
 )
@@ -43,9 +43,12 @@ def detect_sft_format(dataset, text_field: str = "text") -> SFTFormat:
     columns = set(dataset.column_names)
     if "input_ids" in columns:
         return SFTFormat.TOKENIZED
+    if "messages" not in columns and "conversations" in columns and _is_sharegpt(
+            _first_non_null(dataset, "conversations")):
+        return SFTFormat.CONVERSATIONAL  # ShareGPT, read as messages (from_sharegpt)
     if "messages" in columns:
         sample = _first_non_null(dataset, "messages")
-        if sample is None or is_message_list(sample):
+        if sample is None or is_message_list(sample) or _is_sharegpt(sample):
             return SFTFormat.CONVERSATIONAL
         raise ValueError(
             "Column 'messages' must hold lists of {'role': ..., 'content': ...} dicts; "
@@ -73,3 +76,59 @@ def detect_sft_format(dataset, text_field: str = "text") -> SFTFormat:
         f"Could not recognise the dataset format. Columns found: {sorted(columns)}. "
         f"Accepted formats: {ACCEPTED_SFT_FORMATS}. For text in another column, set dataset_text_field."
     )
+
+
+# Pre-tokenised columns under the names older TRL releases (and leantune before TRL 1.16's names) used.
+LEGACY_TOKEN_COLUMNS = {"prompt_input_ids": "prompt_ids", "chosen_input_ids": "chosen_ids",
+                        "rejected_input_ids": "rejected_ids", "completion_input_ids": "completion_ids",
+                        "kl_completion_input_ids": "KL_completion_ids"}
+
+
+def current_column_names(column_names) -> set[str]:
+    """The column names as `rename_legacy_token_columns` will leave them (for format checks before renaming)."""
+    columns = set(column_names)
+    return {LEGACY_TOKEN_COLUMNS.get(c, c) if LEGACY_TOKEN_COLUMNS.get(c) not in columns else c for c in columns}
+
+
+def rename_legacy_token_columns(dataset):
+    """Read `prompt_input_ids`-style columns as TRL 1.16's `prompt_ids`-style ones, with a FutureWarning, so data
+    tokenised for an older TRL still trains; a column whose new name is present too is left alone."""
+    columns = set(dataset.column_names or ())
+    renames = {old: new for old, new in LEGACY_TOKEN_COLUMNS.items() if old in columns and new not in columns}
+    if not renames:
+        return dataset
+    import warnings
+
+    listed = ", ".join(f"`{old}` -> `{new}`" for old, new in renames.items())
+    warnings.warn(f"Pre-tokenised columns under their old names are read as the new ones ({listed}); the old names "
+                  "are deprecated and will not be supported in v1: rename the columns.", FutureWarning, stacklevel=3)
+    return dataset.rename_columns(renames)
+
+
+# ShareGPT's message lists: {"from": "human" | "gpt" | "system" | ..., "value": text}, in a `conversations` column.
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant"}
+MESSAGE_COLUMNS = ("prompt", "completion", "chosen", "rejected", "messages", "conversations")
+
+
+def _is_sharegpt(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(m, dict) and "from" in m and "value" in m for m in value)
+
+
+def from_sharegpt(dataset):
+    """ShareGPT data as leantune's (and TRL's) messages: `from`/`value` become `role`/`content` (human -> user,
+    gpt -> assistant, other roles as they are) in every message-list column, and `conversations` becomes
+    `messages`. Other data is returned as it is."""
+    columns = [c for c in MESSAGE_COLUMNS if c in (dataset.column_names or ())]
+    sharegpt = [c for c in columns if _is_sharegpt(_first_non_null(dataset, c))]
+    if not sharegpt:
+        return dataset
+
+    def convert(batch):
+        return {c: [[{"role": SHAREGPT_ROLES.get(m["from"], m["from"]), "content": m["value"]} for m in messages]
+                    if messages is not None else None for messages in batch[c]] for c in sharegpt}
+
+    converted = dataset.map(convert, batched=True, remove_columns=sharegpt, desc="Reading ShareGPT messages")
+    if "conversations" in sharegpt and "messages" not in dataset.column_names:
+        converted = converted.rename_column("conversations", "messages")
+    return converted

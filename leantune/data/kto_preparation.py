@@ -5,8 +5,8 @@ Accepted formats:
 
 - unpaired ``{prompt, completion, label}``: strings, or message lists (conversational, through the chat
   template); ``label`` is a bool, True for a desirable completion;
-- pre-tokenised unpaired ``{prompt_input_ids, completion_input_ids, label}`` (optionally
-  ``kl_completion_input_ids``, ``ref_logps``, ``ref_kl_logps``, kept as given);
+- pre-tokenised unpaired ``{prompt_ids, completion_ids, label}`` (optionally
+  ``KL_completion_ids``, ``ref_logps``, ``ref_kl_logps``, kept as given);
 - any preference-pair format (`preference_formats`), implicit prompts included: each pair becomes a desirable
   (chosen) and an undesirable (rejected) example, next to each other.
 
@@ -32,7 +32,7 @@ import torch
 from ..profiling.summary import length_summary_line
 from .chat_template import require_chat_template
 from .collators import CausalLMCollator
-from .formats import is_message_list
+from .formats import current_column_names, is_message_list, rename_legacy_token_columns
 from .preference_formats import (
     PreferenceFormat,
     PreferenceTokenizer,
@@ -47,14 +47,14 @@ from .streaming import is_stream, prepare_stream
 logger = logging.getLogger("leantune.data")
 
 UNPAIRED_COLUMNS = ("prompt", "completion", "label")
-TOKENIZED_UNPAIRED_COLUMNS = ("prompt_input_ids", "completion_input_ids", "label")
-KL_COLUMN = "kl_completion_input_ids"
+TOKENIZED_UNPAIRED_COLUMNS = ("prompt_ids", "completion_ids", "label")
+KL_COLUMN = "KL_completion_ids"
 REFERENCE_COLUMNS = ("ref_logps", "ref_kl_logps")
 ACCEPTED_KTO_FORMATS = (
     "unpaired {'prompt': str, 'completion': str, 'label': bool} or the same with message lists; pre-tokenised "
-    "{'prompt_input_ids', 'completion_input_ids', 'label'}; or preference pairs (unpaired automatically): "
+    "{'prompt_ids', 'completion_ids', 'label'}; or preference pairs (unpaired automatically): "
     "{'prompt', 'chosen', 'rejected'}, {'chosen', 'rejected'} with an implicit prompt, or pre-tokenised "
-    "{'prompt_input_ids', 'chosen_input_ids', 'rejected_input_ids'}"
+    "{'prompt_ids', 'chosen_ids', 'rejected_ids'}"
 )
 FLAGS = ("__empty__", "__identical__")
 
@@ -101,7 +101,7 @@ class KTOReport:
 
 
 def prepare_kto_dataset(dataset, tokenizer, args, split: str = "train"):
-    """Return (dataset of prompt/completion ids, label and, for the KL term, kl_completion_input_ids; KTOReport)."""
+    """Return (dataset of prompt/completion ids, label and, for the KL term, KL_completion_ids; KTOReport)."""
     if dataset is None:
         return None, None
     if type(dataset).__name__ in ("DatasetDict", "IterableDatasetDict"):
@@ -111,11 +111,12 @@ def prepare_kto_dataset(dataset, tokenizer, args, split: str = "train"):
     report = KTOReport(split=split, num_rows_in=len(dataset))
     if report.num_rows_in == 0:
         raise ValueError(f"The {split} dataset is empty.")
+    dataset = rename_legacy_token_columns(dataset)
     num_proc = args.dataset_num_proc
     dataset = _to_unpaired_ids(dataset, tokenizer, report, num_proc, split)
 
-    lengths = np.fromiter((len(p) + len(c) for p, c in zip(dataset["prompt_input_ids"],
-                                                           dataset["completion_input_ids"])), np.int64, len(dataset))
+    lengths = np.fromiter((len(p) + len(c) for p, c in zip(dataset["prompt_ids"],
+                                                           dataset["completion_ids"])), np.int64, len(dataset))
     logger.info(length_summary_line(lengths, args.max_length, split, unit="sequences (prompt + completion)"))
     truncate = CompletionTruncation(args.max_prompt_length, args.max_completion_length, args.max_length,
                                     args.truncation_mode)
@@ -139,7 +140,7 @@ def prepare_kto_dataset(dataset, tokenizer, args, split: str = "train"):
 
 def detect_kto_format(dataset) -> None:
     """Raise the format error _to_unpaired_ids would raise, without a tokenizer (for checks before loading)."""
-    columns = set(dataset.column_names)
+    columns = current_column_names(dataset.column_names)
     if is_preference_dataset(columns):
         detect_preference_format(dataset)
     elif set(TOKENIZED_UNPAIRED_COLUMNS) <= columns:
@@ -149,7 +150,7 @@ def detect_kto_format(dataset) -> None:
 
 
 def _to_unpaired_ids(dataset, tokenizer, report: KTOReport, num_proc, split: str):
-    """Any accepted format -> prompt_input_ids, completion_input_ids, label; empty / identical dropped, counted."""
+    """Any accepted format -> prompt_ids, completion_ids, label; empty / identical dropped, counted."""
     columns = set(dataset.column_names)
     if is_preference_dataset(columns):
         fmt = detect_preference_format(dataset)
@@ -164,7 +165,7 @@ def _to_unpaired_ids(dataset, tokenizer, report: KTOReport, num_proc, split: str
         _check_labels(dataset)
         keep = [c for c in dataset.column_names if c in TOKENIZED_UNPAIRED_COLUMNS + (KL_COLUMN, *REFERENCE_COLUMNS)]
         dataset = dataset.select_columns(keep).map(
-            lambda b: {"__empty__": [len(c) == 0 for c in b["completion_input_ids"]],
+            lambda b: {"__empty__": [len(c) == 0 for c in b["completion_ids"]],
                        "__identical__": [False] * len(b["label"])},
             batched=True, num_proc=num_proc, desc=f"Checking {split}")
     else:
@@ -232,7 +233,7 @@ class UnpairedTokenizer(PreferenceTokenizer):
     def __call__(self, batch: dict) -> dict:
         prompt_ids, (completion_ids,) = self.encode_sides(batch["prompt"], [batch["completion"]])
         size = len(batch["label"])
-        return {"prompt_input_ids": prompt_ids, "completion_input_ids": completion_ids, "label": batch["label"],
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "label": batch["label"],
                 "__empty__": [is_empty_completion(c) for c in batch["completion"]], "__identical__": [False] * size}
 
     def encode_sides(self, prompts: list, sides: list[list]) -> tuple[list, list[list]]:
@@ -289,8 +290,8 @@ class PairUnpairer(UnpairedTokenizer):
 
 def _unpair_tokenized(batch: dict) -> dict:
     out = {name: [] for name in (*TOKENIZED_UNPAIRED_COLUMNS, *FLAGS)}
-    for prompt, chosen, rejected in zip(batch["prompt_input_ids"], batch["chosen_input_ids"],
-                                        batch["rejected_input_ids"]):
+    for prompt, chosen, rejected in zip(batch["prompt_ids"], batch["chosen_ids"],
+                                        batch["rejected_ids"]):
         identical = list(chosen) == list(rejected)
         _append_row(out, prompt, chosen, True, len(chosen) == 0, identical)
         _append_row(out, prompt, rejected, False, len(rejected) == 0, identical)
@@ -298,8 +299,8 @@ def _unpair_tokenized(batch: dict) -> dict:
 
 
 def _append_row(out: dict, prompt, completion, label: bool, empty: bool, identical: bool) -> None:
-    out["prompt_input_ids"].append(list(prompt))
-    out["completion_input_ids"].append(list(completion))
+    out["prompt_ids"].append(list(prompt))
+    out["completion_ids"].append(list(completion))
     out["label"].append(label)
     out["__empty__"].append(empty)
     out["__identical__"].append(identical)
@@ -321,12 +322,12 @@ class CompletionTruncation:
         return self.rules.active
 
     def __call__(self, batch: dict) -> dict:
-        out = {name: [] for name in ("prompt_input_ids", "completion_input_ids", *self.COUNT_COLUMNS)}
-        for prompt, completion in zip(batch["prompt_input_ids"], batch["completion_input_ids"]):
+        out = {name: [] for name in ("prompt_ids", "completion_ids", *self.COUNT_COLUMNS)}
+        for prompt, completion in zip(batch["prompt_ids"], batch["completion_ids"]):
             new_prompt, new_completion, _, too_long = self.rules.truncate(list(prompt), list(completion),
                                                                           list(completion))
-            out["prompt_input_ids"].append(new_prompt)
-            out["completion_input_ids"].append(new_completion)
+            out["prompt_ids"].append(new_prompt)
+            out["completion_ids"].append(new_completion)
             out["__prompt_truncated__"].append(len(new_prompt) < len(prompt))
             out["__completion_truncated__"].append(int(len(new_completion) < len(completion)))
             out["__tokens_dropped__"].append(len(prompt) + len(completion) - len(new_prompt) - len(new_completion))
@@ -373,23 +374,23 @@ def kl_partners(prompt_keys: np.ndarray, seed: int, tries: int = 8) -> tuple[np.
 
 
 def add_kl_completions(dataset, max_length, seed: int, report: KTOReport, num_proc):
-    """Add kl_completion_input_ids (unless given): a partner's completion, cut (keeping its start) to fit max_length
+    """Add KL_completion_ids (unless given): a partner's completion, cut (keeping its start) to fit max_length
     after the example's own prompt."""
     from datasets import concatenate_datasets
 
     if KL_COLUMN not in dataset.column_names:
-        keys = dataset.map(lambda b: {"__key__": [hash(tuple(p)) for p in b["prompt_input_ids"]]}, batched=True,
+        keys = dataset.map(lambda b: {"__key__": [hash(tuple(p)) for p in b["prompt_ids"]]}, batched=True,
                            remove_columns=dataset.column_names, num_proc=num_proc, desc="Hashing prompts")["__key__"]
         partner, report.num_kl_partner_same_prompt = kl_partners(np.asarray(keys, dtype=np.int64), seed)
-        partners = dataset.select(partner).select_columns(["completion_input_ids"]).rename_column(
-            "completion_input_ids", KL_COLUMN)
+        partners = dataset.select(partner).select_columns(["completion_ids"]).rename_column(
+            "completion_ids", KL_COLUMN)
         dataset = concatenate_datasets([dataset.flatten_indices(), partners.flatten_indices()], axis=1)
     if max_length is None:
         return dataset
 
     def fit(batch):
         return {KL_COLUMN: [list(kl)[: max(1, max_length - len(p))]
-                            for p, kl in zip(batch["prompt_input_ids"], batch[KL_COLUMN])]}
+                            for p, kl in zip(batch["prompt_ids"], batch[KL_COLUMN])]}
 
     return dataset.map(fit, batched=True, num_proc=num_proc, desc="Fitting KL completions")
 
@@ -438,11 +439,11 @@ class KTOCollator:
                                           self.pad_to_multiple_of)
 
     def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
-        batch = self.sequences([_sequence(ex["prompt_input_ids"], ex["completion_input_ids"]) for ex in examples])
+        batch = self.sequences([_sequence(ex["prompt_ids"], ex["completion_ids"]) for ex in examples])
         batch["desirable"] = torch.tensor([bool(ex["label"]) for ex in examples])
         batch["num_examples"] = torch.tensor(len(examples))
         if KL_COLUMN in examples[0]:
-            kl = self.sequences([_sequence(ex["prompt_input_ids"], ex[KL_COLUMN]) for ex in examples])
+            kl = self.sequences([_sequence(ex["prompt_ids"], ex[KL_COLUMN]) for ex in examples])
             batch.update({f"kl_{name}": value for name, value in kl.items()})
         for name in REFERENCE_COLUMNS:
             if name in examples[0]:

@@ -28,7 +28,8 @@ class PreferenceCollator:
                                           self.pad_to_multiple_of)
 
     def __call__(self, pairs: list[dict]) -> dict[str, torch.Tensor]:
-        sequences = [_sequence(pair["prompt_input_ids"], pair[f"{side}_input_ids"])
+        # Whole-sequence pairs (the reward trainer's) have no `prompt_ids`.
+        sequences = [_sequence(pair.get("prompt_ids", ()), pair[f"{side}_ids"])
                      for side in ("chosen", "rejected") for pair in pairs]
         batch = self.sequences(sequences)
         batch["num_pairs"] = torch.tensor(len(pairs))

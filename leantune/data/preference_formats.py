@@ -9,7 +9,7 @@ Accepted formats:
 - implicit prompt: ``{chosen, rejected}`` only, whole strings or whole message lists that share a beginning;
   the shared beginning, cut back to a turn boundary, is the prompt (see `split_shared_prompt_text` and
   `split_shared_prompt_messages`);
-- pre-tokenised: ``{prompt_input_ids, chosen_input_ids, rejected_input_ids}``.
+- pre-tokenised: ``{prompt_ids, chosen_ids, rejected_ids}``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from enum import Enum
 
-from .formats import is_message_list
+from .formats import current_column_names, is_message_list
 
 
 class PreferenceFormat(str, Enum):
@@ -25,7 +25,7 @@ class PreferenceFormat(str, Enum):
     CONVERSATIONAL_EXPLICIT_PROMPT = "conversational_explicit_prompt"  # same, message lists
     IMPLICIT_PROMPT = "implicit_prompt"  # {chosen, rejected} strings sharing a prefix
     CONVERSATIONAL_IMPLICIT_PROMPT = "conversational_implicit_prompt"  # same, message lists
-    TOKENIZED = "tokenized"  # {prompt_input_ids, chosen_input_ids, rejected_input_ids}
+    TOKENIZED = "tokenized"  # {prompt_ids, chosen_ids, rejected_ids}
 
     @property
     def conversational(self) -> bool:
@@ -39,15 +39,15 @@ class PreferenceFormat(str, Enum):
 ACCEPTED_PREFERENCE_FORMATS = (
     "explicit prompt {'prompt': str, 'chosen': str, 'rejected': str} or the same with message lists; "
     "implicit prompt {'chosen': str, 'rejected': str} (whole dialogues sharing all but the last reply) or the same "
-    "with message lists; pre-tokenised {'prompt_input_ids', 'chosen_input_ids', 'rejected_input_ids'}"
+    "with message lists; pre-tokenised {'prompt_ids', 'chosen_ids', 'rejected_ids'}"
 )
-TOKENIZED_COLUMNS = ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids")
+TOKENIZED_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 # Where an assistant turn starts in dialogues written as text (Anthropic HH-RLHF style).
 ASSISTANT_MARKERS = ("\n\nAssistant:",)
 
 
 def is_preference_dataset(column_names) -> bool:
-    columns = set(column_names)
+    columns = current_column_names(column_names)
     return {"chosen", "rejected"} <= columns or set(TOKENIZED_COLUMNS) <= columns
 
 
@@ -68,7 +68,7 @@ def _kind(value) -> str:
 
 def detect_preference_format(dataset) -> PreferenceFormat:
     """Decide the preference format from the columns and the types of the first non-empty values."""
-    columns = set(dataset.column_names)
+    columns = current_column_names(dataset.column_names)
     if set(TOKENIZED_COLUMNS) <= columns:
         return PreferenceFormat.TOKENIZED
     if not {"chosen", "rejected"} <= columns:
@@ -170,6 +170,9 @@ class PreferenceTokenizer:
         self.tokenizer = tokenizer
         self.fmt = fmt
         self.eos_token_id = eos_token_id
+        # Part of the object's state, so the fingerprint `datasets` caches a map under changes with the columns it
+        # writes: a cache written under other column names is never reused.
+        self.columns = TOKENIZED_COLUMNS
 
     def __call__(self, batch: dict) -> dict:
         return self.encode(self.explicit_rows(batch))
@@ -188,7 +191,7 @@ class PreferenceTokenizer:
             prompt_ids = self.tokenizer([r["prompt"] for r in rows])["input_ids"]
             chosen_ids = self._completions([r["chosen"] for r in rows])
             rejected_ids = self._completions([r["rejected"] for r in rows])
-        return {"prompt_input_ids": prompt_ids, "chosen_input_ids": chosen_ids, "rejected_input_ids": rejected_ids}
+        return dict(zip(self.columns, (prompt_ids, chosen_ids, rejected_ids)))
 
     def _completions(self, texts: list[str]) -> list[list[int]]:
         encoded = self.tokenizer(texts, add_special_tokens=False)["input_ids"]

@@ -23,11 +23,12 @@ from .preference_formats import (
     explicit_prompt_example,
     is_empty_completion,
 )
+from .formats import rename_legacy_token_columns
 from .report import NothingLeft
 from .streaming import is_stream, prepare_stream
 
 logger = logging.getLogger("leantune.data")
-TOKEN_COLUMNS = ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids")
+TOKEN_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 
 
 @dataclass
@@ -76,6 +77,7 @@ def prepare_preference_dataset(dataset, tokenizer, args, split: str = "train", k
     report = PreferenceReport(split=split, num_pairs_in=len(dataset))
     if report.num_pairs_in == 0:
         raise ValueError(f"The {split} dataset is empty.")
+    dataset = rename_legacy_token_columns(dataset)
     fmt = detect_preference_format(dataset)
     num_proc = args.dataset_num_proc
     if fmt.conversational:
@@ -91,8 +93,8 @@ def prepare_preference_dataset(dataset, tokenizer, args, split: str = "train", k
                                           if c in TOKEN_COLUMNS or c.startswith("ref_") or c in keep_columns])
     dataset = _drop_identical_token_pairs(dataset, report, num_proc)
 
-    prompt = np.fromiter((len(x) for x in dataset["prompt_input_ids"]), np.int64, len(dataset))
-    lengths = np.concatenate([prompt + np.fromiter((len(x) for x in dataset[f"{side}_input_ids"]), np.int64,
+    prompt = np.fromiter((len(x) for x in dataset["prompt_ids"]), np.int64, len(dataset))
+    lengths = np.concatenate([prompt + np.fromiter((len(x) for x in dataset[f"{side}_ids"]), np.int64,
                                                    len(dataset)) for side in ("chosen", "rejected")])
     logger.info(length_summary_line(lengths, args.max_length, split, unit="sequences (prompt + chosen/rejected)"))
 
@@ -137,7 +139,7 @@ def _drop_unusable_pairs(dataset, fmt: PreferenceFormat, report: PreferenceRepor
 
 
 def _drop_identical_token_pairs(dataset, report: PreferenceReport, num_proc):
-    same = np.fromiter((c == r for c, r in zip(dataset["chosen_input_ids"], dataset["rejected_input_ids"])), bool,
+    same = np.fromiter((c == r for c, r in zip(dataset["chosen_ids"], dataset["rejected_ids"])), bool,
                        len(dataset))
     report.num_identical_dropped += int(same.sum())
     return dataset if not same.any() else dataset.select(np.flatnonzero(~same))
@@ -157,15 +159,15 @@ class PairTruncation:
         return any(v is not None for v in (self.max_prompt, self.max_completion, self.max_length))
 
     def __call__(self, batch: dict) -> dict:
-        out = {name: [] for name in ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids",
+        out = {name: [] for name in ("prompt_ids", "chosen_ids", "rejected_ids",
                                      *self.COUNT_COLUMNS)}
-        for prompt, chosen, rejected in zip(batch["prompt_input_ids"], batch["chosen_input_ids"],
-                                            batch["rejected_input_ids"]):
+        for prompt, chosen, rejected in zip(batch["prompt_ids"], batch["chosen_ids"],
+                                            batch["rejected_ids"]):
             before = 2 * len(prompt) + len(chosen) + len(rejected)
             new_prompt, new_chosen, new_rejected, too_long = self.truncate(list(prompt), list(chosen), list(rejected))
-            out["prompt_input_ids"].append(new_prompt)
-            out["chosen_input_ids"].append(new_chosen)
-            out["rejected_input_ids"].append(new_rejected)
+            out["prompt_ids"].append(new_prompt)
+            out["chosen_ids"].append(new_chosen)
+            out["rejected_ids"].append(new_rejected)
             out["__prompt_truncated__"].append(len(new_prompt) < len(prompt))
             out["__completion_truncated__"].append(int(len(new_chosen) < len(chosen))
                                                    + int(len(new_rejected) < len(rejected)))

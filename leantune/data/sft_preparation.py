@@ -8,7 +8,8 @@ import numpy as np
 
 from ..profiling.summary import length_summary_line
 from .chat_template import require_chat_template
-from .formats import SFTFormat, detect_sft_format
+from .collators import IGNORE_INDEX
+from .formats import SFTFormat, detect_sft_format, from_sharegpt
 from .report import NothingLeft, PreparationReport
 from .sft_tokenization import SFTTokenizer, is_empty_example
 from .streaming import STREAM_BUFFER_ROWS, is_stream, prepare_stream, without_shuffle
@@ -34,6 +35,7 @@ def prepare_sft_dataset(dataset, tokenizer, args, split: str = "train", formatti
     if report.num_examples_in == 0:
         raise ValueError(f"The {split} dataset is empty.")
     num_proc = args.dataset_num_proc
+    dataset = from_sharegpt(dataset)
     if formatting_func is not None:
         dataset = dataset.map(lambda ex: {"text": formatting_func(ex)}, remove_columns=dataset.column_names, num_proc=num_proc)
         text_field = "text"
@@ -65,13 +67,14 @@ def prepare_sft_dataset(dataset, tokenizer, args, split: str = "train", formatti
         if report.num_empty_dropped:
             dataset = dataset.select(non_empty)
 
+    dataset = bake_labels(dataset, args, num_proc)
     splits_long = packing and args.packing_strategy in ("bfd_split", "wrapped")
     logger.info(length_summary_line(sequence_lengths(dataset), args.max_length, split, truncates=not splits_long))
     if args.max_length is not None and not splits_long:
         dataset, report.num_truncated, report.tokens_dropped = truncate_dataset(
             dataset, args.max_length, args.truncation_mode, num_proc
         )
-    dataset, report.num_without_targets_dropped = drop_examples_without_targets(dataset, args, num_proc)
+    dataset, report.num_without_targets_dropped = drop_examples_without_targets(dataset, num_proc)
     report.num_examples_out = len(dataset)
     if len(dataset) == 0:
         raise NothingLeft(f"No {split} example has a token to learn from after preparation: {report.as_dict()}.",
@@ -114,27 +117,43 @@ def _check_format_against_args(fmt: SFTFormat, tokenizer, args, dataset) -> None
 
 
 def loss_mask_columns(dataset, args) -> list[str]:
-    """The mask columns that select loss tokens under the current settings."""
+    """The mask columns that select loss tokens under the current settings: `completion_mask` unless
+    completion_only_loss is False, `assistant_masks` whenever present (tokenisation writes it only for
+    assistant_only_loss; in pre-tokenised data the user gave it to be used), as in TRL."""
     names = []
     if args.completion_only_loss is not False and "completion_mask" in dataset.column_names:
         names.append("completion_mask")
-    if args.assistant_only_loss and "assistant_masks" in dataset.column_names:
+    if "assistant_masks" in dataset.column_names:
         names.append("assistant_masks")
     return names
 
 
-def drop_examples_without_targets(dataset, args, num_proc=None):
-    """An example whose loss mask selects no predicted token (position >= 1) would add nothing: drop, count."""
+def bake_labels(dataset, args, num_proc=None):
+    """TRL's prepared form: a `labels` column (the token where its masks allow it, -100 elsewhere) in place of the
+    mask columns, so truncation and packing carry the targets like any token column. A `labels` column the data
+    already has is kept as it is (the masks beside it are dropped)."""
     masks = loss_mask_columns(dataset, args)
+    dropped = [name for name in LOSS_MASK_COLUMNS if name in dataset.column_names]
+    if "labels" in dataset.column_names:
+        return dataset.remove_columns(dropped) if dropped else dataset
+
+    def labels(batch):
+        out = []
+        for i, ids in enumerate(batch["input_ids"]):
+            keep = np.ones(len(ids), dtype=bool)
+            for name in masks:
+                keep &= np.asarray(batch[name][i], dtype=bool)
+            out.append(np.where(keep, np.asarray(ids, dtype=np.int64), IGNORE_INDEX).tolist())
+        return {"labels": out}
+
+    return dataset.map(labels, batched=True, remove_columns=dropped, num_proc=num_proc, desc="Building labels")
+
+
+def drop_examples_without_targets(dataset, num_proc=None):
+    """An example whose labels select no predicted token (position >= 1) would add nothing: drop, count."""
 
     def has_target(batch):
-        keep = []
-        for i, ids in enumerate(batch["input_ids"]):
-            selected = np.ones(len(ids), dtype=bool)
-            for name in masks:
-                selected &= np.asarray(batch[name][i], dtype=bool)
-            keep.append(bool(selected[1:].any()))
-        return {"__keep__": keep}
+        return {"__keep__": [any(label != IGNORE_INDEX for label in labels[1:]) for labels in batch["labels"]]}
 
     keep = dataset.map(
         has_target, batched=True, remove_columns=dataset.column_names, num_proc=num_proc, desc="Checking targets"

@@ -58,8 +58,8 @@ def use_own_stream_reads(args) -> None:
     for streams): dispatching would concatenate batches of different widths and the per-batch counts, which fails."""
     config = args.accelerator_config
     if getattr(config, "dispatch_batches", None):
-        raise ValueError("A stream (datasets.IterableDataset) needs `accelerator_config.dispatch_batches=False` "
-                         "(each process reads its own batches); it is set to True.")
+        raise ValueError("Iterable datasets require `dispatch_batches=False`: a stream (datasets.IterableDataset) is "
+                         "read by each process on its own; set accelerator_config={'dispatch_batches': False}.")
     config.dispatch_batches = False
     if args.dataloader_num_workers:
         logger.warning("Streamed data with dataloader_num_workers=%d: its buffers are prepared in the loader's worker "

@@ -51,6 +51,24 @@ def group_relative_advantages(rewards: torch.Tensor, num_generations: int, scale
     return torch.nan_to_num(advantages.reshape(-1), nan=0.0), group_std
 
 
+def normalize_then_sum_advantages(per_function: torch.Tensor, weights: torch.Tensor, num_generations: int):
+    """GRPO's multi_objective_aggregation="normalize_then_sum" (GDPO): each reward function's values are first
+    normalised within their group ((r - group mean) / (group std + eps)), then weighted and summed, and the sums
+    normalised over the whole batch; a function that did not score a completion adds nothing to its sum.
+
+    `per_function` is [N, F] (NaN: not scored); returns advantages [N] (0 for a completion no function scored)."""
+    count = per_function.shape[1]
+    groups = per_function.reshape(-1, num_generations, count)
+    mean = torch.nanmean(groups, dim=1, keepdim=True)
+    std = torch.nan_to_num(nan_std(groups, dim=1, keepdim=True), nan=0.0)
+    normalised = ((groups - mean) / (std + STD_EPS)).reshape(-1, count)
+    combined = (normalised * weights.to(normalised.dtype).unsqueeze(0)).nansum(dim=1)
+    combined[torch.isnan(per_function).all(dim=1)] = float("nan")
+    spread = nan_std(combined) if combined.numel() > 1 else torch.zeros(())
+    advantages = (combined - torch.nanmean(combined)) / (torch.nan_to_num(spread, nan=0.0) + STD_EPS)
+    return torch.nan_to_num(advantages, nan=0.0)
+
+
 def leave_one_out_advantages(rewards: torch.Tensor, num_generations: int, normalize: bool = False):
     """RLOO: reward minus the mean reward of the other scored completions of its group; optionally normalised
     over the batch. Returns (advantages [N], group std [N / num_generations])."""

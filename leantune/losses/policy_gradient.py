@@ -5,10 +5,16 @@ Inputs are 1-D over the scored completion tokens of a micro-batch (the memory en
 the whole optimizer step (`loss_items`), so micro-batching and gradient accumulation do not change the result.
 
 GRPO loss types (how token losses become one number), with the count each divides by:
-- grpo:    each completion's mean token loss, summed;               / completions of the step
-- dapo:    token losses summed;                                     / completion tokens of the step
-- dr_grpo: token losses summed;                                     / completions x max_completion_length
-- bnpo:    token losses summed, / the micro-batch's own tokens;     / micro-batches of the step
+- grpo, sapo:          each completion's mean token loss, summed;   / completions of the step
+- dapo, cispo, vespo:  token losses summed;                         / completion tokens of the step
+- dr_grpo:             token losses summed;                         / completions x max_completion_length
+- bnpo:                token losses summed, / the micro-batch's own tokens; / micro-batches of the step
+- luspo:               token losses summed (a completion's loss times its length); / completions of the step
+
+Per-token terms: grpo, dapo, dr_grpo, bnpo and luspo use the clipped surrogate; cispo (MiniMax-M1) the ratio capped
+at epsilon_high and detached, times A x logp; sapo a soft gate sigmoid(tau (r - 1)) x 4 / tau in place of the clip;
+vespo a detached Gamma weight phi(w) = exp(lambda + k log w - lambda w) of the completion's summed log-ratio, times
+A x logp.
 
 `grpo_token_loss` composes GRPO's per-token loss in TRL 1.16's order: the clipped ratio (per token, or per sequence
 for GSPO; `delta` caps it for two-sided clipping), times the off-policy sequence mask, times the high-entropy token
@@ -23,7 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-GRPO_LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")
+GRPO_LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo")
+CLIPPED_LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "luspo")
 
 
 @dataclass
@@ -76,10 +83,10 @@ def per_sequence_sum(values: torch.Tensor, sequence: torch.Tensor, num_sequences
 def grpo_loss_sum(token_loss: torch.Tensor, sequence: torch.Tensor, num_sequences: int, loss_type: str,
                   max_completion_length: int) -> torch.Tensor:
     """The micro-batch's share of the GRPO loss (before division by the step's `loss_items`, see above)."""
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         tokens = per_sequence_sum(torch.ones_like(token_loss), sequence, num_sequences).clamp(min=1)
         return (per_sequence_sum(token_loss, sequence, num_sequences) / tokens).sum()
-    if loss_type in ("dapo", "dr_grpo"):
+    if loss_type in ("dapo", "dr_grpo", "cispo", "vespo", "luspo"):
         return token_loss.sum()
     if loss_type == "bnpo":
         return token_loss.sum() / max(int(token_loss.numel()), 1)
@@ -88,9 +95,9 @@ def grpo_loss_sum(token_loss: torch.Tensor, sequence: torch.Tensor, num_sequence
 
 def grpo_loss_items(loss_type: str, num_sequences: int, num_tokens: int, max_completion_length: int) -> int:
     """What one micro-batch adds to the step's divisor for this loss type."""
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo", "luspo"):
         return num_sequences
-    if loss_type == "dapo":
+    if loss_type in ("dapo", "cispo", "vespo"):
         return num_tokens
     if loss_type == "dr_grpo":
         return num_sequences * max_completion_length
@@ -126,11 +133,19 @@ class GRPOObjective:
     importance_sampling_level: str = "token"
     beta: float = 0.0
     use_bias_correction_kl: bool = True
+    loss_type: str = "dapo"
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
 
     @classmethod
     def from_config(cls, args) -> GRPOObjective:
         return cls(args.epsilon, args.upper_epsilon, args.delta, args.importance_sampling_level, args.beta,
-                   args.use_bias_correction_kl)
+                   args.use_bias_correction_kl, args.loss_type, args.sapo_temperature_pos, args.sapo_temperature_neg,
+                   args.vespo_k_pos, args.vespo_lambda_pos, args.vespo_k_neg, args.vespo_lambda_neg)
 
 
 def grpo_token_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, sequence: torch.Tensor,
@@ -145,29 +160,58 @@ def grpo_token_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: to
     value; dapo/bnpo/dr_grpo: its value x its length). Clip metrics count completions at that level, tokens otherwise.
     """
     log_ratio = logps - old_logps
-    level = objective.importance_sampling_level
+    level, loss_type = objective.importance_sampling_level, objective.loss_type
     if level == "token":
-        terms = clipped_surrogate_of_log_ratio(log_ratio, advantages.index_select(0, sequence), objective.epsilon_low,
-                                               objective.epsilon_high, objective.delta)
-        token_loss, ratio, counted = terms.loss, torch.exp(log_ratio), terms
+        unit_log_ratio, unit_advantages = log_ratio, advantages.index_select(0, sequence)
+        scored = None  # every unit (token) is scored
+
+        def to_tokens(values):
+            return values
     elif level == "sequence":
-        sequence_log_ratio = per_sequence_mean(log_ratio, sequence, num_sequences)
-        terms = clipped_surrogate_of_log_ratio(sequence_log_ratio, advantages, objective.epsilon_low,
-                                               objective.epsilon_high, objective.delta)
-        token_loss = terms.loss.index_select(0, sequence)
-        ratio = torch.exp(sequence_log_ratio).index_select(0, sequence)
+        unit_log_ratio, unit_advantages = per_sequence_mean(log_ratio, sequence, num_sequences), advantages
         scored = tokens_per_sequence(logps, sequence, num_sequences) > 0
-        counted = ClippedTerms(terms.loss[scored], terms.ratio[scored], terms.low_clipped[scored],
-                               terms.high_clipped[scored])
+
+        def to_tokens(values):
+            return values.index_select(0, sequence)
     else:
         raise ValueError(f"`importance_sampling_level` must be one of {IMPORTANCE_SAMPLING_LEVELS}, got {level!r}.")
+    ratio = torch.exp(unit_log_ratio)
+
+    def counted(values):  # the units the metrics average over: completions with scored tokens, or tokens
+        return values if scored is None else values[scored]
+
+    if loss_type in CLIPPED_LOSS_TYPES:
+        terms = clipped_surrogate_of_log_ratio(unit_log_ratio, unit_advantages, objective.epsilon_low,
+                                               objective.epsilon_high, objective.delta)
+        token_loss = to_tokens(terms.loss)
+        metrics = ClippedTerms(counted(terms.loss), counted(terms.ratio), counted(terms.low_clipped),
+                               counted(terms.high_clipped)).clip_metrics()
+    elif loss_type == "cispo":
+        weight = torch.clamp(ratio, max=objective.epsilon_high).detach()  # the ratio itself capped, no gradient
+        token_loss = -to_tokens(weight * unit_advantages) * logps
+        clipped = (ratio > objective.epsilon_high) & (unit_advantages > 0)
+        metrics = {"cispo_clip_ratio": counted(clipped).float().mean()}
+    elif loss_type == "sapo":
+        temperature = torch.full_like(unit_advantages, objective.sapo_temperature_neg).masked_fill(
+            unit_advantages > 0, objective.sapo_temperature_pos)  # in the advantages' dtype, not float32
+        gate = torch.sigmoid(temperature * (ratio - 1)) * 4 / temperature
+        token_loss = to_tokens(-gate * unit_advantages)
+        metrics = {}
+    elif loss_type == "vespo":
+        phi = vespo_weights(log_ratio, advantages, sequence, num_sequences, objective, sampling_weights)
+        token_loss = -(phi * advantages).index_select(0, sequence) * logps
+        sampling_weights = None  # folded into phi
+        has_tokens = tokens_per_sequence(logps, sequence, num_sequences) > 0
+        metrics = {"vespo/phi_seq_mean": phi[has_tokens].mean()}
+    else:
+        raise ValueError(f"Unknown GRPO loss_type {loss_type!r}; choose from {GRPO_LOSS_TYPES}.")
+    ratio = to_tokens(ratio)
     if sequence_mask is not None:
         token_loss = token_loss * sequence_mask.to(token_loss.dtype).index_select(0, sequence)
     if token_mask is not None:
         token_loss = token_loss * token_mask.to(token_loss.dtype)
     if sampling_weights is not None:
         token_loss = token_loss * sampling_weights.to(token_loss.dtype)
-    metrics = counted.clip_metrics()
     if objective.beta != 0.0:
         kl = k3_kl(logps, ref_logps)
         if objective.use_bias_correction_kl:
@@ -176,6 +220,26 @@ def grpo_token_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: to
         token_loss = token_loss + objective.beta * kl
         metrics["kl"] = kl.detach().mean()  # NaN (left out of the logged mean) when nothing is scored
     return token_loss, metrics
+
+
+@torch.no_grad()
+def vespo_weights(log_ratio: torch.Tensor, advantages: torch.Tensor, sequence: torch.Tensor, num_sequences: int,
+                  objective: GRPOObjective, sampling_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """VESPO's per-completion Gamma weight phi(w) = exp(lambda + k log w - lambda w) (phi(1) = 1), w the
+    completion's ratio exp(sum of its token log-ratios, each clamped to [-20, 20]) times the engine-to-trainer
+    weights when vLLM's correction is on; k and lambda by the advantage's sign; log w kept in [log 1e-8, 20]."""
+    floor = math.log(1e-8)
+    log_w = per_sequence_sum(torch.clamp(log_ratio, -20.0, 20.0), sequence, num_sequences)
+    if sampling_weights is not None:
+        log_w = log_w + per_sequence_sum(torch.clamp(torch.log(sampling_weights.to(log_ratio.dtype)), floor, 20.0),
+                                         sequence, num_sequences)
+    log_w = torch.clamp(log_w, floor, 20.0)
+    positive = advantages >= 0
+    k = torch.full_like(log_w, objective.vespo_k_neg).masked_fill(positive, objective.vespo_k_pos)
+    lam = torch.full_like(log_w, objective.vespo_lambda_neg).masked_fill(positive, objective.vespo_lambda_pos).clamp(
+        min=1e-4)
+    phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+    return torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 @torch.no_grad()

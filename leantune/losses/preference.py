@@ -36,6 +36,7 @@ class PairSequenceLogps:
     logps: torch.Tensor  # summed target log-probs (LD-DPO weighted when ld_alpha is set)
     raw_logps: torch.Tensor  # plain sums (the same tensor without ld_alpha)
     lengths: torch.Tensor  # target (completion) tokens of each sequence
+    weights: torch.Tensor | None = None  # WPO's per-sequence weights (wpo_weights), when asked for
 
 
 def pair_sequence_logps(logps: torch.Tensor, targets: Targets, starts: torch.Tensor, num_pairs: int,
@@ -58,6 +59,17 @@ def pair_sequence_logps(logps: torch.Tensor, targets: Targets, starts: torch.Ten
     weights = torch.where(rank < shared[sequence], 1.0, float(ld_alpha)).to(logps.dtype)
     weighted = logps.new_zeros(num_sequences).index_add(0, sequence, logps * weights)
     return PairSequenceLogps(weighted, raw, lengths)
+
+
+@torch.no_grad()
+def wpo_weights(logps: torch.Tensor, log_sum_sq_probs: torch.Tensor, targets: Targets, starts: torch.Tensor,
+                lengths: torch.Tensor) -> torch.Tensor:
+    """WPO (arXiv 2406.11827, eq. 2), per sequence: exp(mean over its completion tokens of
+    log p(y_t) - log sum_v p(v)^2), i.e. the token probabilities normalised by the distribution's own sharpness.
+    A pair's loss is weighted by its chosen weight times its rejected weight; no gradient flows through them."""
+    aligned = logps.detach() - log_sum_sq_probs
+    sums = sequence_logps(aligned, targets, starts, lengths.numel())
+    return torch.exp(sums / lengths.clamp(min=1).to(sums.dtype))
 
 
 def f_divergence_scores(logratios: torch.Tensor, f_divergence_type: str = "reverse_kl",

@@ -67,18 +67,46 @@ def chunked_logprobs(
     targets: Targets,
     chunk_size: int | None = None,
     with_entropy: bool = False,
+    entropy_grad: bool = False,
+    stats: tuple[str, ...] = (),
 ):
-    """Log-probabilities (and, without gradient, entropies) of the targets from the last hidden states.
+    """Log-probabilities (and entropies: without gradient, or with it for an entropy bonus; and the `stats` named in
+    TOKEN_STATS, without gradient) of the targets from the last hidden states, never holding more than one chunk's
+    logits.
 
-    `hidden` is [batch, time, hidden] (or already flat); returns fp32 [num_targets] (and [num_targets]).
+    `hidden` is [batch, time, hidden] (or already flat); returns fp32 [num_targets], then [num_targets] entropies
+    with `with_entropy`, then one [num_targets] tensor per name in `stats`.
     """
     flat = hidden.reshape(-1, hidden.shape[-1]).index_select(0, targets.index)
     if chunk_size is None:
         chunk_size = chunk_tokens_for(_vocab_size(head))
-    logps, entropy = _ChunkedHeadLogProbs.apply(
-        flat, targets.tokens, head, int(chunk_size), with_entropy, *head.trainable_parameters
+    unknown = set(stats) - set(TOKEN_STATS)
+    if unknown:
+        raise ValueError(f"Unknown token statistics {sorted(unknown)}; known: {sorted(TOKEN_STATS)}.")
+    logps, entropy, values = _ChunkedHeadLogProbs.apply(
+        flat, targets.tokens, head, int(chunk_size), with_entropy, with_entropy and entropy_grad, tuple(stats),
+        *head.trainable_parameters
     )
-    return (logps, entropy) if with_entropy else logps
+    extra = ([entropy] if with_entropy else []) + [values[:, i] if name != "top1" else values[:, i].bool()
+                                                   for i, name in enumerate(stats)]
+    return (logps, *extra) if extra else logps
+
+
+# Per-target statistics of the logits (no gradient), from one [tokens, vocabulary] chunk L of them and its log-norm:
+# top1: whether the target is the argmax (TRL's mean_token_accuracy); log_sum_sq_probs: log sum_v p_v^2 (WPO).
+TOKEN_STATS = {
+    "top1": lambda logits, log_norm, tokens: (logits.argmax(dim=-1) == tokens).float(),
+    "log_sum_sq_probs": lambda logits, log_norm, tokens: torch.logsumexp(2 * logits, dim=-1) - 2 * log_norm,
+}
+
+
+def token_stats_from_logits(logits: torch.Tensor, tokens: torch.Tensor, stats: tuple[str, ...]) -> list[torch.Tensor]:
+    """The same statistics from full [targets, vocabulary] logits."""
+    with torch.no_grad():
+        logits = logits.float()
+        log_norm = torch.logsumexp(logits, dim=-1)
+        return [TOKEN_STATS[name](logits, log_norm, tokens) if name != "top1" else
+                TOKEN_STATS[name](logits, log_norm, tokens).bool() for name in stats]
 
 
 def _vocab_size(head: OutputHead) -> int:
@@ -94,20 +122,34 @@ def _target_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.
     return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - log_norm, log_norm
 
 
-def _projection_gradient(raw: torch.Tensor, tokens: torch.Tensor, grad_logps: torch.Tensor, head: OutputHead):
-    """d(sum grad_logps * logp)/d raw, written out so one chunk needs two [chunk, vocabulary] buffers at most.
+def _projection_gradient(raw: torch.Tensor, tokens: torch.Tensor, grad_logps: torch.Tensor, head: OutputHead,
+                         grad_entropy: torch.Tensor | None = None):
+    """d(sum grad_logps * logp + sum grad_entropy * H)/d raw, written out so one chunk needs two [chunk, vocabulary]
+    buffers at most.
 
-    logp = L[y] - logsumexp(L) with L = softcap(raw * scale) / temperature, so
-    dlogp/draw = (onehot(y) - softmax(L)) * scale / temperature * (1 - tanh^2), tanh = L * temperature / softcap.
+    logp = L[y] - logsumexp(L) and H = -sum p log p with L = softcap(raw * scale) / temperature, so
+    dlogp/dL = onehot(y) - p, dH/dL = -p (log p + H), and dL/draw = scale / temperature * (1 - tanh^2) with
+    tanh = L * temperature / softcap.
     """
     logits = head.transform(raw)
     log_norm = torch.logsumexp(logits, dim=-1, keepdim=True)
     capped = None
     if head.softcap is not None:
         capped = 1.0 - (logits * (head.temperature / head.softcap)).square()
-    grad = logits.sub_(log_norm).exp_().neg_()  # -softmax, in place
-    grad[torch.arange(grad.shape[0], device=grad.device), tokens] += 1.0
-    grad.mul_((grad_logps.float() * (head.scale / head.temperature)).unsqueeze(-1))
+    rows = torch.arange(logits.shape[0], device=logits.device)
+    if grad_entropy is None:
+        grad = logits.sub_(log_norm).exp_().neg_()  # -softmax, in place
+        grad[rows, tokens] += 1.0
+        grad.mul_(grad_logps.float().unsqueeze(-1))
+    else:
+        log_p = logits.sub_(log_norm)
+        p = log_p.exp()
+        entropy = -(p * log_p).sum(-1, keepdim=True)
+        grad = log_p.add_(entropy).mul_(p).mul_(-grad_entropy.float().unsqueeze(-1))  # dH/dL, weighted
+        grad.sub_(p.mul_(grad_logps.float().unsqueeze(-1)))  # - p of dlogp/dL, weighted
+        grad[rows, tokens] += grad_logps.float()
+        del p
+    grad.mul_(head.scale / head.temperature)
     if capped is not None:
         grad.mul_(capped)
     return grad.to(raw.dtype)
@@ -115,28 +157,36 @@ def _projection_gradient(raw: torch.Tensor, tokens: torch.Tensor, grad_logps: to
 
 class _ChunkedHeadLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, tokens, head, chunk_size, with_entropy, *params):
+    def forward(ctx, hidden, tokens, head, chunk_size, with_entropy, entropy_grad, stats, *params):
         logps = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         entropy = torch.empty_like(logps) if with_entropy else logps.new_empty(0)
+        values = logps.new_empty(hidden.shape[0], len(stats))
         for start in range(0, hidden.shape[0], chunk_size):
             end = start + chunk_size
             logits = head.logits(hidden[start:end])
             logps[start:end], log_norm = _target_logprobs(logits, tokens[start:end])
             if with_entropy:
                 entropy[start:end] = log_norm - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+            for i, name in enumerate(stats):
+                values[start:end, i] = TOKEN_STATS[name](logits, log_norm, tokens[start:end])
             del logits
         ctx.save_for_backward(hidden, tokens)
         ctx.head, ctx.chunk_size, ctx.params = head, chunk_size, params
         device_type = hidden.device.type
         ctx.autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
-        ctx.mark_non_differentiable(entropy)
-        return logps, entropy
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
+        ctx.mark_non_differentiable(values)
+        ctx.entropy_grad = entropy_grad
+        return logps, entropy, values
 
     @staticmethod
-    def backward(ctx, grad_logps, _grad_entropy):
+    def backward(ctx, grad_logps, grad_entropy, _grad_stats):
         hidden, tokens = ctx.saved_tensors
         want_hidden = ctx.needs_input_grad[0]
-        wanted = [p for p, need in zip(ctx.params, ctx.needs_input_grad[5:]) if need]
+        wanted = [p for p, need in zip(ctx.params, ctx.needs_input_grad[7:]) if need]
+        if not ctx.entropy_grad:
+            grad_entropy = None
         grad_hidden = torch.zeros_like(hidden) if want_hidden else None
         param_grads = [None] * len(wanted)
         device_type, autocast_on, autocast_dtype = ctx.autocast
@@ -148,7 +198,8 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
                 break
             with torch.enable_grad(), torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_on):
                 raw = ctx.head.project(piece)
-            grad_raw = _projection_gradient(raw.detach(), tokens[start:end], grad_logps[start:end], ctx.head)
+            grad_raw = _projection_gradient(raw.detach(), tokens[start:end], grad_logps[start:end], ctx.head,
+                                            None if grad_entropy is None else grad_entropy[start:end])
             grads = torch.autograd.grad(raw, inputs, grad_raw)
             del raw, grad_raw
             if want_hidden:
@@ -156,5 +207,5 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
                 grads = grads[1:]
             param_grads = [g if acc is None else acc.add_(g) for acc, g in zip(param_grads, grads)]
         grads_in = iter(param_grads)
-        per_param = [next(grads_in) if need else None for need in ctx.needs_input_grad[5:]]
-        return (grad_hidden, None, None, None, None, *per_param)
+        per_param = [next(grads_in) if need else None for need in ctx.needs_input_grad[7:]]
+        return (grad_hidden, None, None, None, None, None, None, *per_param)

@@ -144,7 +144,7 @@ def _sft_lengths(dataset, tokenizer, fmt: SFTFormat, text_field: str, eos_id, nu
 def _preference_lengths(dataset, tokenizer, fmt: PreferenceFormat, eos_id, num_proc) -> DatasetLengths:
     if fmt is PreferenceFormat.TOKENIZED:
         prompt, chosen, rejected = (sequence_lengths(dataset, name) for name in TOKENIZED_COLUMNS)
-        same = zip(dataset["chosen_input_ids"], dataset["rejected_input_ids"])
+        same = zip(dataset["chosen_ids"], dataset["rejected_ids"])
         identical = np.fromiter((c == r for c, r in same), bool, len(dataset))
         empty = np.zeros(len(dataset), dtype=bool)
     else:
@@ -194,11 +194,11 @@ class PreferenceLengthCounter:
     def __call__(self, batch: dict) -> dict:
         rows = self.encoder.explicit_rows(batch)
         encoded = self.encoder.encode(rows)
-        same_ids = [c == r for c, r in zip(encoded["chosen_input_ids"], encoded["rejected_input_ids"])]
+        same_ids = [c == r for c, r in zip(encoded["chosen_ids"], encoded["rejected_ids"])]
         return {
-            "prompt": [len(ids) for ids in encoded["prompt_input_ids"]],
-            "chosen": [len(ids) for ids in encoded["chosen_input_ids"]],
-            "rejected": [len(ids) for ids in encoded["rejected_input_ids"]],
+            "prompt": [len(ids) for ids in encoded["prompt_ids"]],
+            "chosen": [len(ids) for ids in encoded["chosen_ids"]],
+            "rejected": [len(ids) for ids in encoded["rejected_ids"]],
             "identical": [row["chosen"] == row["rejected"] or same for row, same in zip(rows, same_ids)],
             "empty": [is_empty_completion(row["chosen"]) or is_empty_completion(row["rejected"]) for row in rows],
         }

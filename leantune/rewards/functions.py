@@ -84,11 +84,14 @@ class RewardFunctions:
         return self
 
     def score(self, prompts: list, completions: list, completion_ids: list[list[int]],
-              columns: dict[str, list] | None = None, trainer_state=None) -> RewardScores:
+              columns: dict[str, list] | None = None, trainer_state=None, log_extra=None,
+              log_metric=None) -> RewardScores:
         """Rewards of N completions from every function: [N, F] float32 on CPU.
 
         `prompts[i]` is the prompt completion i was generated from (repeated per generation); `columns` are the other
-        dataset columns, one entry per completion, passed to callables as keyword arguments as TRL does."""
+        dataset columns, one entry per completion, passed to callables as keyword arguments as TRL does, with TRL's
+        `log_extra(column, values)` (one value per completion, shown with the logged completions) and
+        `log_metric(name, value)` (averaged into the next log) callbacks."""
         n = len(completions)
         columns = dict(columns or {})
         _check_inputs(prompts, completion_ids, columns, n)
@@ -99,7 +102,7 @@ class RewardFunctions:
                 columns_out[index] = _score_with_model(func, tokenizer, prompts, completions)
                 continue
             result = _call(func, name, n, prompts=prompts, completions=completions, completion_ids=completion_ids,
-                           trainer_state=trainer_state, **columns)
+                           trainer_state=trainer_state, log_extra=log_extra, log_metric=log_metric, **columns)
             if inspect.isawaitable(result):
                 pending[index] = result
             else:

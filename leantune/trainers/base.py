@@ -28,6 +28,7 @@ from ..losses.token_logprobs import (
     chunked_logprobs,
     logprobs_from_logits,
     select_targets,
+    token_stats_from_logits,
 )
 from ..memory import offloading
 from ..memory.offloading import log_offloading_scope
@@ -35,7 +36,7 @@ from ..metrics.memory import memory_kind, peak_memory_bytes, reset_peak_memory
 from ..metrics.memory_breakdown import MemoryBreakdown, MemoryBreakdownCallback
 from ..metrics.throughput import TokenThroughput
 from ..models import model_card
-from ..models.output_head import OutputHead
+from ..models.output_head import OutputHead, unwrap_model
 from .distributed import check_world_size
 from .memory_options import validate_memory_options
 
@@ -55,6 +56,9 @@ class LeantuneTrainer(Trainer):
     _metric_prefix = "eval"
     # The Hub tag TRL's trainer of the same method puts on the model, where it is not the method's name.
     trl_tag: str | None = None
+    # Whether `trainer.eval_dataset` stays the object the user passed (TRL's online trainers), its prepared form
+    # kept aside for evaluate(), rather than being replaced by the prepared dataset.
+    keeps_eval_dataset_as_given = False
     def __init__(self, *args, **kwargs):
         self.throughput = TokenThroughput()
         self.data_reports: dict = {}
@@ -75,11 +79,23 @@ class LeantuneTrainer(Trainer):
             log_offloading_scope(logger)
         super().__init__(*args, **kwargs)
         self.tag_model()
-        # TRL's attribute: whether a Mixture-of-Experts router loss is added to the loss; leantune trains on the
-        # method's loss alone (`router_aux_loss_coef` is refused until it is implemented).
-        self.aux_loss_enabled = False
+        # TRL's attributes: a Mixture-of-Experts model whose config asks for router logits gets its load-balancing
+        # loss added to the method's loss (see `_with_router_loss`)
+        self.aux_loss_enabled, self.router_aux_loss_coef = router_loss_settings(self.model, config)
+        self._router_loss = None
         if config.memory_breakdown:
             self.add_callback(MemoryBreakdownCallback(self.args.device, self._record_memory_breakdown))
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "compute_loss" in cls.__dict__:  # every method's loss gets the MoE router loss of its policy's forwards
+            cls.compute_loss = _with_router_loss(cls.__dict__["compute_loss"])
+
+    def note_router_loss(self, model, outputs) -> None:
+        """Keep the router loss of a forward pass of the trained policy (not the reference, not a no-grad pass)."""
+        aux = getattr(outputs, "aux_loss", None)
+        if self.aux_loss_enabled and aux is not None and aux.requires_grad:
+            self._router_loss = aux if self._router_loss is None else self._router_loss + aux
 
     def tag_model(self) -> None:
         """The Hub tags TRL's trainers put on the model (`trl`, the method) and leantune's own, so a pushed model is
@@ -105,21 +121,27 @@ class LeantuneTrainer(Trainer):
         `max_steps`."""
         self.require_train_dataset(train_dataset)
         evals = eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset]
-        if is_stream(train_dataset):
-            require_max_steps(args)
         streamed = any(map(is_stream, [train_dataset, *evals]))
         if streamed:
             use_own_stream_reads(args)
+        if is_stream(train_dataset):
+            require_max_steps(args)
         if streamed and getattr(args, "precompute_ref_log_probs", False):
             raise ValueError("`precompute_ref_log_probs` is not supported with IterableDataset (a stream): it reads "
                              "the whole dataset before training; turn it off, or pass a datasets.Dataset.")
         reports = {}
         train_dataset = self._prepare_and_remember(train_dataset, "train", tokenizer, args, reports)
+        given = eval_dataset
         if isinstance(eval_dataset, dict):  # a DatasetDict is a dict too
             eval_dataset = {name: self._prepare_and_remember(data, f"eval_{name}", tokenizer, args, reports)
                             for name, data in eval_dataset.items()}
         elif eval_dataset is not None:
             eval_dataset = self._prepare_and_remember(eval_dataset, "eval", tokenizer, args, reports)
+        if self.keeps_eval_dataset_as_given and given is not None:
+            pairs = given.items() if isinstance(given, dict) else [(None, given)]
+            self._prepared_eval_splits = [(data, eval_dataset[name] if name is not None else eval_dataset)
+                                          for name, data in pairs]
+            eval_dataset = given
         return train_dataset, eval_dataset, reports
 
     def require_train_dataset(self, train_dataset) -> None:
@@ -128,7 +150,16 @@ class LeantuneTrainer(Trainer):
             raise ValueError(f"`train_dataset` is required by {type(self).__name__} (as by TRL's): pass the dataset "
                              "to train on, and `eval_dataset` for evaluation.")
 
+    def skips_preparation(self, args) -> bool:
+        """Whether the data is given trainer-ready (SFT's `dataset_kwargs={"skip_prepare_dataset": True}`)."""
+        return False
+
     def _prepare_and_remember(self, dataset, split: str, tokenizer, args, reports: dict):
+        if getattr(dataset, "_format_type", None) == "custom" and not self.skips_preparation(args):
+            raise ValueError(f"The {split} dataset has a Dataset.with_transform() / set_transform() transform, which "
+                             "runs when rows are read, after preparation would have tokenised them. Apply it with "
+                             "dataset.map() instead, or make it return trainer-ready rows and pass "
+                             "dataset_kwargs={'skip_prepare_dataset': True} (SFT).")
         dataset, report = self.prepare_split(dataset, split, tokenizer, args)
         if report is not None:
             reports[split] = report
@@ -177,6 +208,10 @@ class LeantuneTrainer(Trainer):
             if not isinstance(self.eval_dataset, dict) or eval_dataset not in self.eval_dataset:
                 raise ValueError(f"evaluate({eval_dataset!r}): no eval dataset of that name was given to the trainer.")
             eval_dataset = self.eval_dataset[eval_dataset]
+        prepared = next((ready for given, ready in getattr(self, "_prepared_eval_splits", ()) if given is eval_dataset),
+                        None)
+        if prepared is not None:
+            eval_dataset = prepared
         elif not self.is_prepared(eval_dataset):
             if is_stream(eval_dataset):  # the accelerator exists already: it must not dispatch this stream either
                 use_own_stream_reads(self.args)
@@ -197,6 +232,20 @@ class LeantuneTrainer(Trainer):
             self._metric_prefix = previous
             if stream_report is not None and self.is_world_process_zero():
                 log_stream_report(stream_report)
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        """A streamed eval set is read by this process alone (its counts stay here); a map-style train set keeps
+        its `dataloader_num_workers`: the override is scoped to this loader."""
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if isinstance(dataset, str) and isinstance(self.eval_dataset, dict):
+            dataset = self.eval_dataset[dataset]
+        if not is_stream(dataset) or not self.args.dataloader_num_workers:
+            return super().get_eval_dataloader(eval_dataset)
+        workers, self.args.dataloader_num_workers = self.args.dataloader_num_workers, 0
+        try:
+            return super().get_eval_dataloader(eval_dataset)
+        finally:
+            self.args.dataloader_num_workers = workers
 
     @property
     def stream_reports(self) -> dict:
@@ -267,32 +316,45 @@ class LeantuneTrainer(Trainer):
         with self.offloading_scope(model), head.capture_hidden_states() as captured:
             outputs = model(**inputs, use_cache=False)
         outputs.logits = None
+        self.note_router_loss(model, outputs)
         return captured["hidden"], outputs
 
     def target_logprobs(self, model, inputs: dict, labels: torch.Tensor, temperature: float = 1.0,
-                        with_entropy: bool = False):
-        """(per-target fp32 log-probs[, entropies], Targets, model outputs), by the configured path."""
+                        with_entropy: bool = False, entropy_grad: bool = False, stats: tuple[str, ...] = ()):
+        """(per-target fp32 log-probs[, entropies], one tensor per name in `stats` (losses/token_logprobs.py's
+        TOKEN_STATS), Targets, model outputs), by the configured path; the entropies carry a gradient only with
+        `entropy_grad` (an entropy bonus in the loss)."""
         targets = select_targets(labels)
         if self._needs_full_logits(model):
             with self.offloading_scope(model):
                 outputs = model(**inputs, use_cache=False)
+            self.note_router_loss(model, outputs)
             logps = logprobs_from_logits(outputs.logits, targets, temperature)
+            extra = []
             if with_entropy:
-                return logps, _entropy_from_logits(outputs.logits, targets, temperature), targets, outputs
-            return logps, targets, outputs
+                extra.append(_entropy_from_logits(outputs.logits, targets, temperature, entropy_grad))
+            if stats:
+                flat = outputs.logits.reshape(-1, outputs.logits.shape[-1]).index_select(0, targets.index)
+                extra.extend(token_stats_from_logits(flat / temperature, targets.tokens, stats))
+            return logps, *extra, targets, outputs
         head = OutputHead.of(model, temperature)
         hidden, outputs = self._forward_hidden(model, inputs, head)
-        result = chunked_logprobs(hidden, head, targets, self.args.loss_chunk_size, with_entropy)
-        return (*result, targets, outputs) if with_entropy else (result, targets, outputs)
+        result = chunked_logprobs(hidden, head, targets, self.args.loss_chunk_size, with_entropy, entropy_grad,
+                                  stats)
+        return (*result, targets, outputs) if with_entropy or stats else (result, targets, outputs)
+
+    def fused_nll_runs(self, model) -> bool:
+        """Whether the summed NLL comes from Liger's fused kernel (no per-token values) rather than log-probs."""
+        return (self.logprob_path is LogProbPath.LIGER and not self._needs_full_logits(model)
+                and liger_can_run(OutputHead.of(model)))
 
     def target_nll_sum(self, model, inputs: dict, labels: torch.Tensor) -> tuple[torch.Tensor, Targets, object]:
         """Summed next-token NLL of the targets: Liger's fused kernel where it runs, else -sum(target_logprobs)."""
-        if self.logprob_path is LogProbPath.LIGER and not self._needs_full_logits(model):
+        if self.fused_nll_runs(model):
             head = OutputHead.of(model)
-            if liger_can_run(head):
-                targets = select_targets(labels)
-                hidden, outputs = self._forward_hidden(model, inputs, head)
-                return liger_nll_sum(hidden, head, targets), targets, outputs
+            targets = select_targets(labels)
+            hidden, outputs = self._forward_hidden(model, inputs, head)
+            return liger_nll_sum(hidden, head, targets), targets, outputs
         logps, targets, outputs = self.target_logprobs(model, inputs, labels)
         return -logps.sum(), targets, outputs
 
@@ -370,7 +432,8 @@ class LeantuneTrainer(Trainer):
         return summary
 
     def log(self, logs: dict, start_time: float | None = None) -> None:
-        mode = "train" if "loss" in logs else "eval"
+        # A training step's log, or the run's closing summary (which takes the values since the last step's log)
+        mode = "train" if "loss" in logs or "train_loss" in logs else "eval"
         prefix = f"{self._metric_prefix}_" if mode == "eval" else ""
         store = self.metric_values[mode]
         if store:
@@ -383,7 +446,49 @@ class LeantuneTrainer(Trainer):
         super().log(logs, start_time)
 
 
-def _entropy_from_logits(logits: torch.Tensor, targets: Targets, temperature: float) -> torch.Tensor:
-    with torch.no_grad():
+def router_loss_settings(model, args) -> tuple[bool, float]:
+    """(whether the MoE router loss is added, its weight): on when the model's config has output_router_logits=True
+    (TRL's rule); the weight is `router_aux_loss_coef`, else the config's own."""
+    config = getattr(unwrap_model(model), "config", None)
+    if config is None:
+        return False, 0.0
+    enabled = bool(getattr(config, "output_router_logits", False))
+    coef = getattr(args, "router_aux_loss_coef", None)
+    if coef is None:
+        coef = getattr(config, "router_aux_loss_coef", 0.0) or 0.0
+    return enabled, float(coef)
+
+
+def _with_router_loss(compute_loss):
+    """A trainer's compute_loss, plus router_aux_loss_coef x the router loss of its policy forwards (divided by the
+    accumulation steps in training, where each micro-batch's loss is its share of the step), logged as aux_loss."""
+    import functools
+
+    @functools.wraps(compute_loss)
+    def wrapped(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        outer = not getattr(self, "_in_router_scope", False)  # a subclass's compute_loss calling its parent's
+        if outer:
+            self._in_router_scope, self._router_loss = True, None
+        try:
+            result = compute_loss(self, model, inputs, return_outputs=return_outputs,
+                                  num_items_in_batch=num_items_in_batch)
+        finally:
+            if outer:
+                self._in_router_scope = False
+        if not outer or self._router_loss is None:
+            return result
+        aux, self._router_loss = self._router_loss, None
+        steps = getattr(self, "current_gradient_accumulation_steps", 1) if model.training else 1
+        loss = result[0] if return_outputs else result
+        loss = loss + self.router_aux_loss_coef * aux.to(loss.dtype) / steps
+        self.record_metrics(model, aux_loss=aux.detach().float().reshape(1))
+        return (loss, result[1]) if return_outputs else loss
+
+    return wrapped
+
+
+def _entropy_from_logits(logits: torch.Tensor, targets: Targets, temperature: float,
+                         grad: bool = False) -> torch.Tensor:
+    with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
         flat = logits.reshape(-1, logits.shape[-1]).index_select(0, targets.index).float() / temperature
         return torch.logsumexp(flat, -1) - (torch.softmax(flat, -1) * flat).sum(-1)

@@ -45,12 +45,6 @@ def non_default(args, *names: str) -> list[str]:
 # offers. A config refuses any other value when it is built (refuse_unsupported_trl_fields); implementing one removes
 # its entry here. Fields a config does not have are skipped.
 UNSUPPORTED_TRL_FIELDS: dict[str, str] = {
-    # every causal-LM trainer
-    "router_aux_loss_coef": "leantune trains on the language-modelling loss alone; leave it unset",
-    # DPO, KTO, GRPO, RLOO
-    "sync_ref_model": "the reference stays fixed (a frozen copy, the adapter disabled, or precomputed log-probs)",
-    "ref_model_mixup_alpha": "it only matters with `sync_ref_model=True`, which leantune does not have yet",
-    "ref_model_sync_steps": "it only matters with `sync_ref_model=True`, which leantune does not have yet",
     # GRPO, RLOO: generation
     "cache_implementation": "transformers' generate uses the model's default cache; `use_vllm=True` generates faster",
     "vllm_model_impl": "leantune's vLLM engine uses vLLM's own model implementation",
@@ -62,19 +56,6 @@ UNSUPPORTED_TRL_FIELDS: dict[str, str] = {
     "log_unique_prompts": "`num_completions_to_print` limits how many completions `log_completions` logs",
     "log_completions_hub_repo": "`log_completions=True` logs completions with the training log",
     # GRPO: objective
-    "sapo_temperature_neg": "it applies to `loss_type='sapo'`; use one of grpo, dapo, dr_grpo, bnpo",
-    "sapo_temperature_pos": "it applies to `loss_type='sapo'`; use one of grpo, dapo, dr_grpo, bnpo",
-    "vespo_k_pos": "it applies to `loss_type='vespo'`; use one of grpo, dapo, dr_grpo, bnpo",
-    "vespo_lambda_pos": "it applies to `loss_type='vespo'`; use one of grpo, dapo, dr_grpo, bnpo",
-    "vespo_k_neg": "it applies to `loss_type='vespo'`; use one of grpo, dapo, dr_grpo, bnpo",
-    "vespo_lambda_neg": "it applies to `loss_type='vespo'`; use one of grpo, dapo, dr_grpo, bnpo",
-    "multi_objective_aggregation": "rewards are summed with `reward_weights`, then scaled as `scale_rewards` says",
-    "entropy_coef": "leantune adds no entropy term to the loss; leave it at 0",
-    "use_adaptive_entropy": "leantune adds no entropy term to the loss; leave it False",
-    "entropy_coef_min": "it only matters with `use_adaptive_entropy=True`, which leantune does not have yet",
-    "entropy_coef_max": "it only matters with `use_adaptive_entropy=True`, which leantune does not have yet",
-    "entropy_coef_delta": "it only matters with `use_adaptive_entropy=True`, which leantune does not have yet",
-    "entropy_target": "it only matters with `use_adaptive_entropy=True`, which leantune does not have yet",
     "max_tool_calling_iterations": "leantune generates single-turn completions without tools",
 }
 
@@ -122,3 +103,20 @@ def validate_shared_options(args) -> None:
     validate_memory_options(args)
     refuse_unsupported_trl_fields(args)
     validate_batch_sizes(args)
+    validate_reference_sync(args)
+
+
+def validate_reference_sync(args) -> None:
+    """TR-DPO's reference sync (DPO, KTO, GRPO, RLOO) needs a reference model that training reads."""
+    if not getattr(args, "sync_ref_model", False):
+        return
+    if getattr(args, "precompute_ref_log_probs", False):
+        raise ValueError("`sync_ref_model=True` moves the reference during training, so reference log-probs computed "
+                         "once (`precompute_ref_log_probs=True`) would go stale: turn one of them off.")
+    if getattr(args, "beta", None) == 0.0 and hasattr(args, "num_generations"):
+        raise ValueError("`sync_ref_model=True` with `beta=0.0`: no reference model is used, so there is nothing to "
+                         "synchronize; set `sync_ref_model=False`, or a non-zero `beta`.")
+    if not 0.0 <= args.ref_model_mixup_alpha <= 1.0:
+        raise ValueError(f"`ref_model_mixup_alpha` must be in [0, 1], got {args.ref_model_mixup_alpha}.")
+    if not isinstance(args.ref_model_sync_steps, int) or args.ref_model_sync_steps < 1:
+        raise ValueError(f"`ref_model_sync_steps` must be a positive integer, got {args.ref_model_sync_steps!r}.")

@@ -93,7 +93,8 @@ class DPOConfig(MemoryOptions, CausalLMOptions, ReferenceSyncOptions, TrainingAr
     )
     beta: float = field(default=0.1, metadata={"help": "Strength of the pull towards the reference (IPO: tau)."})
     use_weighting: bool = field(
-        default=False, metadata={"help": "WPO weighting of pairs (not implemented in leantune: must stay False)."}
+        default=False, metadata={"help": "WPO: weight each pair's loss by the policy's (detached) length-normalised "
+                                 "probability of its chosen and of its rejected completion."}
     )
     discopop_tau: float = field(default=0.05, metadata={"help": "Temperature of the discopop loss."})
 
@@ -157,5 +158,6 @@ def validate_dpo_loss(args) -> None:
         raise ValueError(f"`ld_alpha` must be in [0, 1] or None, got {args.ld_alpha}.")
     if args.discopop_tau <= 0:
         raise ValueError(f"`discopop_tau` must be positive, got {args.discopop_tau}.")
-    if args.use_weighting:
-        raise ValueError("`use_weighting` (WPO) is not implemented in leantune; leave it False.")
+    if args.use_weighting and {"aot", "aot_unpaired"} & set(types):
+        raise ValueError("`use_weighting` (WPO) cannot weight the aot / aot_unpaired losses: they sort the batch's "
+                         "margins, so a pair's weight has no pair loss to go to. Use another loss_type.")

@@ -8,7 +8,7 @@ import torch
 
 from ..data.preference_collator import REFERENCE_COLUMNS, PreferenceCollator, sequence_starts
 from ..data.preference_preparation import prepare_preference_dataset
-from ..losses.preference import PairSequenceLogps, dpo_loss, pair_sequence_logps
+from ..losses.preference import PairSequenceLogps, dpo_loss, pair_sequence_logps, wpo_weights
 from .base import LeantuneTrainer
 from .dpo_config import DPOConfig, dpo_loss_types, dpo_loss_weights
 from .reference import MODEL_INPUTS, ReferenceModelMixin, load_policy_and_reference
@@ -19,8 +19,8 @@ logger = logging.getLogger("leantune.dpo")
 class DPOTrainer(ReferenceModelMixin, LeantuneTrainer):
     """Train a causal LM to prefer chosen over rejected completions, relative to a frozen reference."""
 
-    dataset_columns = ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids", *REFERENCE_COLUMNS)
-    prepared_columns = ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids")
+    dataset_columns = ("prompt_ids", "chosen_ids", "rejected_ids", *REFERENCE_COLUMNS)
+    prepared_columns = ("prompt_ids", "chosen_ids", "rejected_ids")
 
     def __init__(
         self,
@@ -91,12 +91,20 @@ class DPOTrainer(ReferenceModelMixin, LeantuneTrainer):
         when `ld_alpha` is set, for the policy and the reference alike)."""
         return self.pair_logps(model, batch).logps
 
-    def pair_logps(self, model, batch: dict) -> PairSequenceLogps:
-        """Per-sequence sums, plain sums and completion lengths, all from the one set of per-target log-probs."""
+    def pair_logps(self, model, batch: dict, wpo: bool = False) -> PairSequenceLogps:
+        """Per-sequence sums, plain sums and completion lengths, all from the one set of per-target log-probs (and,
+        for `wpo`, each sequence's WPO weight from the same forward pass)."""
         inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
-        logps, targets, _ = self.target_logprobs(model, inputs, batch["labels"])
         starts = sequence_starts(batch)
-        return pair_sequence_logps(logps, targets, starts, int(batch["num_pairs"]), self.args.ld_alpha)
+        if wpo:
+            logps, log_sum_sq, targets, _ = self.target_logprobs(model, inputs, batch["labels"],
+                                                                 stats=("log_sum_sq_probs",))
+        else:
+            logps, targets, _ = self.target_logprobs(model, inputs, batch["labels"])
+        sequences = pair_sequence_logps(logps, targets, starts, int(batch["num_pairs"]), self.args.ld_alpha)
+        if wpo:
+            sequences.weights = wpo_weights(logps, log_sum_sq, targets, starts, sequences.lengths)
+        return sequences
 
     @torch.no_grad()
     def reference_logps(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,7 +129,7 @@ class DPOTrainer(ReferenceModelMixin, LeantuneTrainer):
         self.count_tokens(model, batch)
         pairs = int(batch["num_pairs"])
         ref_chosen, ref_rejected = self.reference_logps(batch)
-        sequences = self.pair_logps(model, batch)
+        sequences = self.pair_logps(model, batch, wpo=self.args.use_weighting)
         policy, lengths = sequences.logps, sequences.lengths
         args = self.args
         losses, chosen_rewards, rejected_rewards = dpo_loss(
@@ -131,6 +139,8 @@ class DPOTrainer(ReferenceModelMixin, LeantuneTrainer):
             chosen_raw_logps=sequences.raw_logps[:pairs], f_divergence_type=args.f_divergence_type,
             f_alpha_divergence_coef=args.f_alpha_divergence_coef, discopop_tau=args.discopop_tau,
         )
+        if args.use_weighting:  # WPO: each pair's loss times its chosen and rejected weights
+            losses = losses * (sequences.weights[:pairs] * sequences.weights[pairs:]).to(losses.dtype)
         loss = self.normalise(losses.sum(), pairs, num_items_in_batch)
         self.record_metrics(model, **{
             "rewards/chosen": chosen_rewards, "rewards/rejected": rejected_rewards,

@@ -12,14 +12,19 @@ from .online_config import OnlineConfig
 logger = logging.getLogger("leantune.grpo")
 
 
+MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+
+
 @dataclass
 class GRPOConfig(OnlineConfig):
     """Group Relative Policy Optimization. Defaults match TRL's."""
 
     loss_type: str = field(
         default="dapo",
-        metadata={"help": "How token losses are averaged: grpo (per completion), dapo (per token of the step), "
-                  "dr_grpo (per completion x max_completion_length), bnpo (per token of each micro-batch)."},
+        metadata={"help": "The objective and how token losses are averaged: grpo (per completion), dapo (per token of "
+                  "the step), dr_grpo (per completion x max_completion_length), bnpo (per token of each "
+                  "micro-batch), cispo (capped detached ratio x logp, per token), sapo (soft gate, per completion), "
+                  "luspo (completion loss x length, per completion), vespo (Gamma-weighted logp, per token)."},
     )
     scale_rewards: str = field(
         default="group",
@@ -89,11 +94,14 @@ class GRPOConfig(OnlineConfig):
     vespo_lambda_neg: float = field(default=2.0, metadata={"help": "loss_type='vespo': decay, advantage <= 0."})
     multi_objective_aggregation: str = field(
         default="sum_then_normalize",
-        metadata={"help": "How several rewards combine: weighted sum, then scaling. Other orders not supported yet."},
+        metadata={"help": "How several rewards combine: sum_then_normalize (weighted sum, then scale_rewards) or "
+                  "normalize_then_sum (each normalised in its group, weighted sum, then normalised over the batch)."},
     )
-    entropy_coef: float = field(default=0.0, metadata={"help": "Weight of an entropy bonus. Not supported yet: 0."})
+    entropy_coef: float = field(
+        default=0.0, metadata={"help": "Entropy bonus: loss - entropy_coef x mean token entropy (0: none)."}
+    )
     use_adaptive_entropy: bool = field(
-        default=False, metadata={"help": "Adjust entropy_coef towards entropy_target. Not supported yet."}
+        default=False, metadata={"help": "Move entropy_coef after each step towards keeping entropy at entropy_target."}
     )
     entropy_coef_min: float = field(default=0.0, metadata={"help": "Adaptive entropy: lowest coefficient."})
     entropy_coef_max: float = field(default=1.0, metadata={"help": "Adaptive entropy: highest coefficient."})
@@ -110,6 +118,9 @@ class GRPOConfig(OnlineConfig):
         self.scale_rewards = normalise_scale_rewards(self.scale_rewards)
         if self.loss_type not in GRPO_LOSS_TYPES:
             raise ValueError(f"`loss_type` must be one of {GRPO_LOSS_TYPES}, got {self.loss_type!r}.")
+        if self.multi_objective_aggregation not in MULTI_OBJECTIVE_AGGREGATIONS:
+            raise ValueError(f"`multi_objective_aggregation` must be one of {MULTI_OBJECTIVE_AGGREGATIONS}, got "
+                             f"{self.multi_objective_aggregation!r}.")
         if self.vllm_importance_sampling_cap is not None:
             logger.warning("`vllm_importance_sampling_cap` is deprecated (as in TRL); its value %s is used as "
                            "`vllm_importance_sampling_clip_max`.", self.vllm_importance_sampling_cap)
@@ -128,9 +139,20 @@ def validate_grpo_objective(args: GRPOConfig) -> None:
     if args.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
         raise ValueError(f"`importance_sampling_level` must be one of {IMPORTANCE_SAMPLING_LEVELS}, got "
                          f"{args.importance_sampling_level!r}.")
-    if args.importance_sampling_level == "sequence" and args.loss_type != "grpo":
-        logger.warning("importance_sampling_level='sequence' with loss_type=%r weights each completion's sequence-level "
-                       "loss by its length; GSPO's setup is loss_type='grpo'.", args.loss_type)
+    if args.loss_type == "luspo" and args.importance_sampling_level != "sequence":
+        logger.warning("loss_type='luspo' is defined on sequence-level ratios: its paper's setup is "
+                       "importance_sampling_level='sequence'.")
+    if args.loss_type == "vespo" and args.importance_sampling_level != "token":
+        logger.warning("loss_type='vespo' forms its own sequence-level weights from the token ratios; "
+                       "importance_sampling_level does not change it (leave it 'token').")
+    if args.loss_type == "vespo" and args.use_vllm and args.vllm_importance_sampling_correction and \
+            not args.vllm_importance_sampling_mode.startswith("token"):
+        raise ValueError("loss_type='vespo' folds vLLM's per-token importance weights into its sequence weight: set "
+                         "vllm_importance_sampling_mode to 'token_truncate' or 'token_mask'.")
+    if args.importance_sampling_level == "sequence" and args.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
+        logger.warning("importance_sampling_level='sequence' with loss_type=%r sums per-token terms, so it weights each "
+                       "sequence by its completion length (GSPO's objective is one term per sequence: "
+                       "loss_type='grpo').", args.loss_type)
     if args.vllm_importance_sampling_mode not in VLLM_IMPORTANCE_SAMPLING_MODES:
         raise ValueError(f"`vllm_importance_sampling_mode` must be one of {VLLM_IMPORTANCE_SAMPLING_MODES}, got "
                          f"{args.vllm_importance_sampling_mode!r}.")

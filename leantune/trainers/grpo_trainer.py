@@ -5,7 +5,9 @@ minus its group's mean (divided by the group's or batch's std, `scale_rewards`).
 ratio objective per token (or per completion, GSPO), with beta x the k3 KL estimate to the reference added to each
 token's loss; token losses are averaged as `loss_type` says (losses/policy_gradient.py, which also holds the
 options that reshape the token loss: `delta`, `top_entropy_quantile`, `off_policy_mask_threshold`, vLLM's
-importance-sampling correction, `use_bias_correction_kl`).
+importance-sampling correction, `use_bias_correction_kl`). `entropy_coef` subtracts an entropy bonus, fixed or
+adapted to a target (losses/entropy_bonus.py); `multi_objective_aggregation="normalize_then_sum"` normalises each
+reward function within its group before the weighted sum (losses/advantages.py).
 
 With `use_vllm` and `vllm_importance_sampling_correction` (TRL's default), the generation-time policy log-probs are
 always computed, and each token's policy loss is weighted by pi_old / pi_vLLM of its sampled token, from the
@@ -15,10 +17,13 @@ there, as in TRL, nothing is corrected.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from ..losses.advantages import group_relative_advantages
+from ..losses.advantages import group_relative_advantages, normalize_then_sum_advantages
 from ..losses.causal_lm import count_targets
+from ..losses.entropy_bonus import EntropyBonus
 from ..losses.policy_gradient import (
     GRPOObjective,
     grpo_loss_items,
@@ -39,6 +44,7 @@ class GRPOTrainer(OnlineTrainer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        self.entropy_bonus = EntropyBonus.from_config(self.args)
         if self.args.cast_lm_head_to_fp32:
             for model in (self.model, self.ref_model):
                 if model is not None:
@@ -53,9 +59,25 @@ class GRPOTrainer(OnlineTrainer):
     def needs_old_logps(self) -> bool:
         return self.corrects_sampling
 
-    def round_advantages(self, rewards: torch.Tensor, batches: list[dict]) -> torch.Tensor:
-        advantages, _ = group_relative_advantages(rewards, self.args.num_generations, self.args.scale_rewards)
+    def round_advantages(self, rewards: torch.Tensor, batches: list[dict], group: int,
+                         per_function: torch.Tensor | None = None) -> torch.Tensor:
+        if self.args.multi_objective_aggregation == "normalize_then_sum":
+            return normalize_then_sum_advantages(per_function, self.rewards.weights, group)
+        advantages, _ = group_relative_advantages(rewards, group, self.args.scale_rewards)
         return advantages
+
+    @staticmethod
+    def get_off_policy_mask(advantages: torch.Tensor, per_token_logps: torch.Tensor,
+                            sampling_per_token_logps: torch.Tensor, mask: torch.Tensor,
+                            off_policy_threshold: float) -> torch.Tensor:
+        """TRL's padded form of the off-policy mask: [B, 1] from [B, T] log-probs and completion mask (the loss uses
+        `off_policy_sequence_mask` on the flat targets; this is the same rule, for code written against TRL)."""
+        keep = mask.bool()
+        rows = mask.shape[0]
+        sequence = torch.arange(rows, device=mask.device).unsqueeze(1).expand_as(keep)[keep]
+        result = off_policy_sequence_mask(per_token_logps[keep], sampling_per_token_logps[keep],
+                                          advantages.reshape(-1), sequence, rows, off_policy_threshold)
+        return result.reshape(rows, 1)
 
     def loss_items(self, batch: dict) -> int:
         return grpo_loss_items(self.args.loss_type, int(batch["num_sequences"]), int(count_targets(batch["labels"])),
@@ -79,6 +101,7 @@ class GRPOTrainer(OnlineTrainer):
         if args.top_entropy_quantile < 1.0:
             entropy = batch["token_entropy"]
             token_mask = high_entropy_mask(entropy, self._pooled_over_processes(entropy), args.top_entropy_quantile)
+            batch["entropy_token_mask"] = token_mask  # the entropy bonus acts on the same tokens
         token_loss, loss_metrics = grpo_token_loss(
             logps, old, advantages, sequence, count, GRPOObjective.from_config(args),
             ref_logps=batch.get("ref_logps"), sampling_weights=sampling_weights, token_mask=token_mask,
@@ -86,6 +109,24 @@ class GRPOTrainer(OnlineTrainer):
         metrics.update(loss_metrics)
         loss_sum = grpo_loss_sum(token_loss, sequence, count, args.loss_type, args.max_completion_length)
         return loss_sum, metrics
+
+    @property
+    def entropy_coef(self) -> float | None:
+        """The entropy bonus's coefficient now (it moves with use_adaptive_entropy); TRL's attribute."""
+        return None if self.entropy_bonus is None else self.entropy_bonus.coef
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        if self.entropy_bonus is not None and self.entropy_bonus.adaptive and self.args.should_save:
+            from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+            folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            self.entropy_bonus.save(os.path.join(self._get_output_dir(trial=trial), folder))
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None and self.entropy_bonus is not None and self.entropy_bonus.adaptive:
+            self.entropy_bonus.load(checkpoint)
 
     def _pooled_over_processes(self, values: torch.Tensor) -> torch.Tensor:
         """Every process's values of this micro-batch (lengths differ between processes)."""

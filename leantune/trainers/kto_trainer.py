@@ -25,7 +25,7 @@ logger = logging.getLogger("leantune.kto")
 class KTOTrainer(ReferenceModelMixin, LeantuneTrainer):
     """Train a causal LM towards desirable and away from undesirable completions, relative to a frozen reference."""
 
-    dataset_columns = ("prompt_input_ids", "completion_input_ids", "label", KL_COLUMN, *REFERENCE_COLUMNS)
+    dataset_columns = ("prompt_ids", "completion_ids", "label", KL_COLUMN, *REFERENCE_COLUMNS)
 
     def __init__(
         self,
@@ -84,7 +84,7 @@ class KTOTrainer(ReferenceModelMixin, LeantuneTrainer):
 
     def is_prepared(self, dataset) -> bool:
         columns = set(getattr(dataset, "column_names", None) or ())
-        return super().is_prepared(dataset) or ({"prompt_input_ids", "completion_input_ids", "label"} <= columns and (
+        return super().is_prepared(dataset) or ({"prompt_ids", "completion_ids", "label"} <= columns and (
             not self.args.uses_kl or KL_COLUMN in columns))
 
     def _reference_note(self, loaded, args) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections import defaultdict
+from collections import defaultdict, deque
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler
@@ -33,6 +33,7 @@ from ..generation import Completions, SamplingSettings, make_backend
 from ..generation.backend import check_backend_requirements
 from ..losses.causal_lm import count_targets
 from ..losses.dispatch import LogProbPath
+from ..losses.entropy_bonus import EntropyBonus
 from ..losses.token_logprobs import target_sequences
 from ..rewards import RewardFunctions, RewardScores
 from .base import LeantuneTrainer
@@ -131,6 +132,9 @@ def _row_batches(dataset, size: int):
 class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
     """Shared machinery of the online methods; a subclass supplies `round_advantages` and `policy_loss`."""
 
+    keeps_eval_dataset_as_given = True  # as TRL's online trainers: prompts are prepared aside, for evaluate()
+    entropy_bonus: EntropyBonus | None = None  # GRPO's entropy_coef (losses/entropy_bonus.py)
+
     method = "online"
     config_class: type = None
     prepared_columns = (PROMPT_IDS,)
@@ -170,6 +174,10 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         # 3. prompts, tokenised once; the rest of each row goes to the reward functions
         self._context_limit = context_limit_of(model)
         train_dataset, eval_dataset, reports = self.prepare_datasets(train_dataset, eval_dataset, tokenizer, args)
+        if is_stream(train_dataset) and args.dataloader_num_workers:
+            logger.info("A streamed train set is read in rounds by the main process (worker processes would split "
+                        "its generation groups): dataloader_num_workers=%d set to 0.", args.dataloader_num_workers)
+            args.dataloader_num_workers = 0
 
         super().__init__(
             model=model,
@@ -202,6 +210,8 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         self._synced_step = -1
         self._rounds_generated = 0
         self.round_counts: dict[str, int] = defaultdict(int)  # counted decisions over the run (logged)
+        # What reward functions hand to `log_extra`, per column, for the last round_size completions (TRL's `_logs`)
+        self._logs = {"extra": defaultdict(lambda: deque(maxlen=self.round_size))}
 
     def prepare_split(self, dataset, split, tokenizer, args):
         return prepare_prompt_dataset(dataset, tokenizer, args, split, self._context_limit)
@@ -276,21 +286,27 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         rows = [row for row in prompt_rows for _ in range(group)][self._local_slice(len(prompt_rows) * group)]
         completion_ids = self.generate_completions([row[PROMPT_IDS] for row in rows], self.sampling)
         scored = self.score_completions(rows, completion_ids, training=True)
-        examples = self._scoring_examples(rows, completion_ids, scored["terminated"])
-        micro_size = len(rows) // self.steps_per_generation
-        batches = [self.scoring_collator(examples[i:i + micro_size]) for i in range(0, len(rows), micro_size)]
         off_policy = self.steps_per_generation > args.gradient_accumulation_steps or args.num_iterations > 1
+        batches = self.scored_batches(rows, completion_ids, scored, len(rows) // self.steps_per_generation, group,
+                                      off_policy or self.kl_in_reward or self.needs_old_logps)
+        return [dict(batch) for _ in range(args.num_iterations) for batch in batches]
+
+    def scored_batches(self, rows, completion_ids, scored: dict, micro_size: int, group: int,
+                       policy_logps: bool) -> list[dict]:
+        """The micro-batches of scored completions, with what the loss reads: log-probs, advantages, item counts."""
+        examples = self._scoring_examples(rows, completion_ids, scored["terminated"])
+        batches = [self.scoring_collator(examples[i:i + micro_size]) for i in range(0, len(rows), micro_size)]
         for batch in batches:
             batch["num_sequences"] = torch.tensor(micro_size)
         if self.sampling.logprobs:
             self._attach_sampling_logps(batches, examples, getattr(completion_ids, "logprobs", None), micro_size)
-        self._attach_logps(batches, off_policy or self.kl_in_reward or self.needs_old_logps)
-        advantages = self.round_advantages(scored["rewards"], batches)
+        self._attach_logps(batches, policy_logps)
+        advantages = self.round_advantages(scored["rewards"], batches, group, scored["per_function"])
         local = advantages[self._local_slice(len(advantages))]
         for i, batch in enumerate(batches):
             batch["advantages"] = local[i * micro_size:(i + 1) * micro_size]
             batch["loss_items"] = self.loss_items(batch)
-        return [dict(batch) for _ in range(args.num_iterations) for batch in batches]
+        return batches
 
     def _scoring_examples(self, rows, completion_ids, terminated) -> list[dict]:
         examples, masked = [], 0
@@ -348,9 +364,18 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         conversational = isinstance(rows[0]["prompt"], list)
         completions = [[{"role": "assistant", "content": text}] for text in texts] if conversational else texts
         columns = {name: [row[name] for row in rows] for name in rows[0] if name not in ("prompt", PROMPT_IDS)}
+        mode = "train" if training else "eval"
+        extra = self._logs["extra"]
+
+        def log_extra(column: str, values: list) -> None:
+            extra[column].extend(values)
+
+        def log_metric(name: str, value: float) -> None:
+            self.metric_values[mode][name].append(float(value))
+
         scores = self.rewards.score([row["prompt"] for row in rows], completions, completion_ids, columns,
-                                    trainer_state=self.state)
-        self._count_reward_gaps(scores)
+                                    trainer_state=self.state, log_extra=log_extra, log_metric=log_metric)
+        self._count_reward_gaps(scores, rows, texts)
         eos = set(self.sampling.eos_token_ids)
         terminated = [bool(ids) and ids[-1] in eos for ids in completion_ids]
         device = self.accelerator.device
@@ -363,7 +388,7 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
             self._log_examples(rows, texts, rewards[self._local_slice(len(rewards))])
         return {"rewards": rewards, "terminated": terminated, "per_function": per_function}
 
-    def _count_reward_gaps(self, scores) -> None:
+    def _count_reward_gaps(self, scores, rows: list[dict], texts: list[str]) -> None:
         for name, missing, nan in zip(scores.names, scores.missing, scores.nan):
             if missing:
                 self.round_counts[f"no_reward/{name}"] += missing
@@ -371,9 +396,14 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
                 self.round_counts[f"nan_reward/{name}"] += nan
                 logger.warning("Reward function %r returned NaN for %d completion(s): treated as no reward from it "
                                "(a completion no function scores gets advantage 0).", name, nan)
-        unscored = int(scores.unscored().sum())
-        if unscored:
-            self.round_counts["unscored_completions"] += unscored
+        unscored = scores.unscored()
+        if unscored.any():
+            self.round_counts["unscored_completions"] += int(unscored.sum())
+            first = int(unscored.nonzero()[0])
+            example = {name: value for name, value in rows[first].items() if name != PROMPT_IDS}
+            logger.warning("All reward functions returned None for the following kwargs: %s (completion %r); %d "
+                           "completion(s) of this round have no reward and get advantage 0.",
+                           example, texts[first], int(unscored.sum()))
 
     def _record_round_metrics(self, per_function, rewards, lengths, terminated, training: bool) -> None:
         store = self.metric_values["train" if training else "eval"]
@@ -417,8 +447,10 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         """Whether the method reads generation-time policy log-probs even on-policy (GRPO's vLLM correction)."""
         return False
 
-    def round_advantages(self, rewards: torch.Tensor, batches: list[dict]) -> torch.Tensor:
-        """[completions of the round, all processes] advantages from the gathered rewards."""
+    def round_advantages(self, rewards: torch.Tensor, batches: list[dict], group: int,
+                         per_function: torch.Tensor | None = None) -> torch.Tensor:
+        """[completions of the round, all processes] advantages from the gathered rewards (weighted sums; also
+        each function's, [N, F]), in groups of `group` completions of one prompt."""
         raise NotImplementedError
 
     def loss_items(self, batch: dict) -> int:
@@ -435,36 +467,74 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         batch = dict(inputs)
         self.count_tokens(model, batch)
         model_inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
-        logps, entropy, targets, _ = self.target_logprobs(model, model_inputs, batch["labels"],
-                                                           self.args.temperature, with_entropy=True)
+        bonus = self.entropy_bonus
+        logps, entropy, targets, _ = self.target_logprobs(model, model_inputs, batch["labels"], self.args.temperature,
+                                                           with_entropy=True, entropy_grad=bonus is not None)
         sequence = target_sequences(targets, sequence_starts(batch))
-        batch["token_entropy"] = entropy  # per target, no gradient (GRPO's top_entropy_quantile reads it)
+        batch["token_entropy"] = entropy.detach()  # per target (GRPO's top_entropy_quantile reads it)
         loss_sum, metrics = self.policy_loss(logps, sequence, batch)
-        metrics["entropy"] = entropy.mean()  # NaN when nothing is scored (left out of the logged mean)
-        self.record_metrics(model, **{name: value.reshape(1) for name, value in metrics.items()})
+        metrics["entropy"] = entropy.detach().mean()  # NaN when nothing is scored (left out of the logged mean)
         loss = self.normalise(loss_sum, batch["loss_items"], num_items_in_batch)
+        if bonus is not None:
+            loss = self._with_entropy_bonus(model, loss, entropy, batch, metrics)
+        self.record_metrics(model, **{name: value.reshape(1) for name, value in metrics.items()})
         return (loss, {}) if return_outputs else loss
+
+    def _with_entropy_bonus(self, model, loss, entropy, batch: dict, metrics: dict) -> torch.Tensor:
+        """loss - coef x H (losses/entropy_bonus.py), over the tokens the policy term acts on (top_entropy_quantile's
+        mask), divided by the accumulation steps only; the adaptive coefficient moves at each step's end."""
+        bonus = self.entropy_bonus
+        steps = getattr(self, "current_gradient_accumulation_steps", 1) if model.training else 1
+        mask = batch.get("entropy_token_mask")
+        acted = entropy if mask is None else entropy[mask]
+        metrics["policy_loss"] = loss.detach() * steps  # the policy term alone, at the scale of the logged loss
+        loss = loss + bonus.term(acted, steps)
+        if model.training:
+            if bonus.adaptive:
+                bonus.observe(acted)
+            if self.accelerator.sync_gradients:
+                if bonus.adaptive:
+                    device = self.accelerator.device
+                    bonus.end_step(lambda totals: self.accelerator.reduce(totals.to(device), reduction="sum").cpu())
+                metrics["entropy_coef"] = torch.tensor(bonus.coef, device=loss.device)
+        return loss
 
     # --- evaluation: generate for the held-out prompts and report their rewards -----------------------------------
 
     def evaluate_prepared(self, dataset, ignore_keys, metric_key_prefix: str) -> dict:
-        """One prepared eval split (the base `evaluate` prepares raw ones and runs each of a dict)."""
+        """One prepared eval split (the base `evaluate` prepares raw ones and runs each of a dict): the held-out
+        prompts' completions are rewarded, and the method's loss on them is reported as `<prefix>_loss` (on-policy:
+        ratios of 1, advantages from the eval groups), as TRL does."""
         group = self.args.eval_num_generations
         size = max(1, self.args.per_device_eval_batch_size // group) * self.accelerator.num_processes
         self.metric_values["eval"].clear()
-        for prompt_rows in _row_batches(dataset, size):
-            prompt_rows = prompt_rows[: len(prompt_rows) - len(prompt_rows) % self.accelerator.num_processes]
-            if not prompt_rows:
-                continue
-            rows = [row for row in prompt_rows for _ in range(group)][self._local_slice(len(prompt_rows) * group)]
-            completion_ids = self.generate_completions([row[PROMPT_IDS] for row in rows], self.sampling)
-            self.score_completions(rows, completion_ids, training=False)
+        model = self.model_wrapped
+        was_training = model.training
+        model.eval()
+        try:
+            for prompt_rows in _row_batches(dataset, size):
+                prompt_rows = prompt_rows[: len(prompt_rows) - len(prompt_rows) % self.accelerator.num_processes]
+                if not prompt_rows:
+                    continue
+                rows = [row for row in prompt_rows for _ in range(group)][self._local_slice(len(prompt_rows) * group)]
+                completion_ids = self.generate_completions([row[PROMPT_IDS] for row in rows], self.sampling)
+                scored = self.score_completions(rows, completion_ids, training=False)
+                self._record_eval_loss(model, self.scored_batches(rows, completion_ids, scored, len(rows), group,
+                                                                  self.kl_in_reward or self.needs_old_logps))
+        finally:
+            model.train(was_training)
         metrics = {f"{metric_key_prefix}_{name}": value
                    for name, value in self.summarise_metrics(self.metric_values["eval"]).items()}
         self.metric_values["eval"].clear()
         self.log(dict(metrics))
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
+
+    @torch.no_grad()
+    def _record_eval_loss(self, model, batches: list[dict]) -> None:
+        for batch in batches:
+            loss = self.compute_loss(model, self._prepare_inputs(batch))
+            self.metric_values["eval"]["loss"].append(self.accelerator.gather(loss.detach().reshape(1)).mean().item())
 
     def train(self, *args, **kwargs):
         try:

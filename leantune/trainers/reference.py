@@ -1,8 +1,9 @@
-"""Policy and reference models for the trainers that compare against a frozen reference (DPO, KTO).
+"""Policy and reference models for the trainers that compare against a reference (DPO, KTO, GRPO, RLOO).
 
 The reference costs no second copy when it can be avoided: with a PEFT adapter it is the policy with the adapter
 disabled; with `precompute_ref_log_probs` its log-probs are computed once before training; otherwise it is a frozen
-copy (the given `ref_model`, or a deep copy of the initial policy) in eval mode.
+copy (the given `ref_model`, or a deep copy of the initial policy) in eval mode, which `sync_ref_model` (TR-DPO) moves
+towards the policy every `ref_model_sync_steps` steps.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
+from transformers import TrainerCallback
 
 from ..models.loading import apply_peft, ensure_pad_token, load_causal_lm, load_tokenizer, with_quantization_config
 from ..models.output_head import unwrap_model
@@ -49,6 +51,10 @@ def load_policy_and_reference(model, ref_model, processing_class, peft_config, a
                               needs_reference: bool = True, quantization_config=None) -> PolicyAndReference:
     """Load the policy (and tokenizer), apply PEFT, and choose the reference by the rules above (none at all when
     the objective does not use one, e.g. GRPO with beta=0)."""
+    if ref_model is not None and ref_model is model and not isinstance(model, str):
+        raise ValueError("`ref_model` is the policy `model` itself, so the reference would train with it: pass a "
+                         "separate copy (or a model id / path), or leave ref_model=None for a frozen copy of the "
+                         "initial policy.")
     model_source = model
     model = load_causal_lm(model, with_quantization_config(model, args.model_init_kwargs, quantization_config),
                            trust_remote_code=args.trust_remote_code)
@@ -137,7 +143,21 @@ class ReferenceModelMixin:
 
     def train(self, *args, **kwargs):
         self.prepare_reference()
+        self._install_reference_sync()
         return super().train(*args, **kwargs)
+
+    def _install_reference_sync(self) -> None:
+        if not getattr(self.args, "sync_ref_model", False) or getattr(self, "_reference_sync", None) is not None:
+            return
+        if self.ref_model is None:
+            raise ValueError("`sync_ref_model=True` needs a separate reference model to move; with a PEFT adapter the "
+                             "reference is the base model with the adapter off, which has nothing to sync. Train "
+                             "without PEFT, or set `sync_ref_model=False`.")
+        if self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
+            raise ValueError("`sync_ref_model=True` under DeepSpeed ZeRO-3 is not supported yet (the sharded weights "
+                             "would have to be gathered to mix them); use ZeRO-2, FSDP or DDP.")
+        self._reference_sync = ReferenceSync(self)
+        self.add_callback(self._reference_sync)
 
     def evaluate(self, *args, **kwargs):
         self.prepare_reference()  # evaluating before training must find the reference log-probs too
@@ -187,3 +207,26 @@ class ReferenceModelMixin:
             dataset = dataset.remove_columns(name) if name in dataset.column_names else dataset
             dataset = dataset.add_column(name, values)
         return dataset
+
+
+class ReferenceSync(TrainerCallback):
+    """TR-DPO's reference update (TRL's `sync_ref_model`): every `ref_model_sync_steps` optimizer steps,
+    ref <- (1 - alpha) ref + alpha policy, parameter by parameter, alpha = `ref_model_mixup_alpha`."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    @torch.no_grad()
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step % args.ref_model_sync_steps:
+            return
+        unwrap = self.trainer.accelerator.unwrap_model
+        mix_into(unwrap(self.trainer.ref_model), unwrap(self.trainer.model), args.ref_model_mixup_alpha)
+
+
+@torch.no_grad()
+def mix_into(target: torch.nn.Module, source: torch.nn.Module, alpha: float) -> None:
+    """target <- (1 - alpha) target + alpha source, matching parameters by name."""
+    sources = dict(source.named_parameters())
+    for name, parameter in target.named_parameters():
+        parameter.mul_(1.0 - alpha).add_(sources[name].to(parameter.dtype), alpha=alpha)

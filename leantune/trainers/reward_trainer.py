@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ..data.chat_template import load_chat_template
+from ..data.formats import rename_legacy_token_columns
 from ..data.preference_collator import PreferenceCollator
 from ..data.preference_preparation import prepare_preference_dataset
 from ..data.report import NothingLeft
@@ -40,15 +41,15 @@ logger = logging.getLogger("leantune.reward")
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
                 "max_length_k")
 SCORE_HEAD = "score"  # the per-token reward head of decoder *ForSequenceClassification models (Llama, Qwen2, GPT-2...)
-TRL_TOKENIZED = (("chosen_ids", "rejected_ids"), ("chosen_input_ids", "rejected_input_ids"))
 
 
 class RewardTrainer(LeantuneTrainer):
     """Train a reward model (num_labels=1) on chosen / rejected pairs with the pairwise Bradley-Terry loss."""
 
     trl_tag = "reward-trainer"
-    dataset_columns = ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids", "margin")
-    prepared_columns = ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids")
+    dataset_columns = ("chosen_ids", "rejected_ids", "margin")
+    # No prepared_columns: TRL's tokenised input has the prepared columns' names, so only a dataset this trainer
+    # prepared (its fingerprint) skips preparation; preparing prepared data again changes nothing.
 
     def __init__(
         self,
@@ -264,14 +265,15 @@ def reward_positions(batch: dict, num_sequences: int, pad_token_id: int | None) 
 
 
 def prepare_reward_dataset(dataset, tokenizer, args, split: str):
-    """Preference preparation shared with DPO (keeping a `margin` column), plus TRL's tokenised reward columns and
-    the pairs that truncation left identical (no preference left to learn), dropped and counted."""
+    """Preference preparation shared with DPO (keeping a `margin` column), dropping (and counting) the pairs that
+    truncation left identical (no preference left to learn); the pairs come out as TRL's whole sequences,
+    `chosen_ids` / `rejected_ids` (prompt included)."""
     if is_stream(dataset):
         return prepare_stream(dataset, lambda buffer: prepare_reward_dataset(buffer, tokenizer, args, split), split)
     if dataset is not None and type(dataset).__name__ == "Dataset":
-        dataset = _from_trl_tokenized(dataset)
+        dataset = split_whole_sequences(rename_legacy_token_columns(dataset))
     dataset, report = prepare_preference_dataset(dataset, tokenizer, args, split, keep_columns=("margin",))
-    same = np.fromiter((c == r for c, r in zip(dataset["chosen_input_ids"], dataset["rejected_input_ids"])), bool,
+    same = np.fromiter((c == r for c, r in zip(dataset["chosen_ids"], dataset["rejected_ids"])), bool,
                        len(dataset))
     if same.any():
         logger.warning("%s: dropped %d pair(s) whose chosen and rejected are identical after truncation.", split,
@@ -281,30 +283,32 @@ def prepare_reward_dataset(dataset, tokenizer, args, split: str):
         if same.all():
             raise NothingLeft(f"No {split} pair is left after preparation: {report.as_dict()}.", report)
         dataset = dataset.select(np.flatnonzero(~same))
+
+    def whole(batch):
+        return {side: [list(p) + list(c) for p, c in zip(batch["prompt_ids"], batch[side])]
+                for side in ("chosen_ids", "rejected_ids")}
+
+    dataset = dataset.map(whole, batched=True, remove_columns=["prompt_ids"], desc=f"Joining {split} sequences")
     return dataset, report
 
 
-def _from_trl_tokenized(dataset):
-    """TRL's tokenised reward data ({chosen_ids, rejected_ids} whole sequences) as prompt / chosen / rejected ids:
-    the tokens both share are the prompt, so truncation cuts both sequences alike."""
+def split_whole_sequences(dataset):
+    """Whole-sequence pairs ({chosen_ids, rejected_ids}, no `prompt_ids`: TRL's tokenised reward data, or this
+    trainer's own output) as prompt / chosen / rejected ids: the tokens both share are the prompt, so truncation
+    cuts both sequences alike."""
     columns = set(dataset.column_names)
-    if "prompt_input_ids" in columns:
-        return dataset
-    for chosen, rejected in TRL_TOKENIZED:
-        if {chosen, rejected} <= columns:
-            break
-    else:
+    if "prompt_ids" in columns or not {"chosen_ids", "rejected_ids"} <= columns:
         return dataset
 
     def split(batch):
-        out = {"prompt_input_ids": [], "chosen_input_ids": [], "rejected_input_ids": []}
-        for c, r in zip(batch[chosen], batch[rejected]):
+        out = {"prompt_ids": [], "chosen_ids": [], "rejected_ids": []}
+        for c, r in zip(batch["chosen_ids"], batch["rejected_ids"]):
             shared = 0
             while shared < min(len(c), len(r)) - 1 and c[shared] == r[shared]:
                 shared += 1
-            out["prompt_input_ids"].append(list(c[:shared]))
-            out["chosen_input_ids"].append(list(c[shared:]))
-            out["rejected_input_ids"].append(list(r[shared:]))
+            out["prompt_ids"].append(list(c[:shared]))
+            out["chosen_ids"].append(list(c[shared:]))
+            out["rejected_ids"].append(list(r[shared:]))
         return out
 
     removed = [c for c in dataset.column_names if c != "margin"]

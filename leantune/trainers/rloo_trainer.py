@@ -26,16 +26,17 @@ class RLOOTrainer(OnlineTrainer):
     def kl_in_reward(self) -> bool:
         return self.args.beta != 0.0
 
-    def round_advantages(self, rewards: torch.Tensor, batches: list[dict]) -> torch.Tensor:
+    def round_advantages(self, rewards: torch.Tensor, batches: list[dict], group: int,
+                         per_function: torch.Tensor | None = None) -> torch.Tensor:
         args = self.args
         if args.reward_clip_range is not None:
             rewards = rewards.clamp(*args.reward_clip_range)
         if args.beta != 0.0:
             kl = torch.cat([self._sequence_kl(batch) for batch in batches])
             kl = self.accelerator.gather(kl.to(self.accelerator.device)).cpu()
-            self.metric_values["train"]["kl"].append(kl.mean().item())
+            self.metric_values["train" if self.model.training else "eval"]["kl"].append(kl.mean().item())
             rewards = rewards - args.beta * kl
-        advantages, _ = leave_one_out_advantages(rewards, args.num_generations, args.normalize_advantages)
+        advantages, _ = leave_one_out_advantages(rewards, group, args.normalize_advantages)
         return advantages
 
     @staticmethod

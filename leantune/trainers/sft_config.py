@@ -14,7 +14,7 @@ from .trl_options import CausalLMOptions
 
 PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")
 TRUNCATION_MODES = ("keep_start", "keep_end")
-SFT_LOSS_TYPES = ("nll",)
+SFT_LOSS_TYPES = ("nll", "dft")
 
 
 @dataclass
@@ -77,7 +77,8 @@ class SFTConfig(MemoryOptions, CausalLMOptions, TrainingArguments):
                   "template without them, the tokens each assistant turn adds to the rendered conversation. With "
                   "completion_only_loss on: assistant turns of the completion only."},
     )
-    loss_type: str = field(default="nll", metadata={"help": "nll (token-mean cross-entropy)."})
+    loss_type: str = field(default="nll", metadata={
+        "help": "nll (token-mean cross-entropy) or dft (each token's NLL weighted by its detached probability)."})
     use_liger_kernel: bool = field(
         default=False,
         metadata={"help": "Never hold the full logits: liger-kernel's fused kernels on CUDA, else leantune's chunked loss."},

@@ -28,7 +28,7 @@ logger = logging.getLogger("leantune.sft")
 class SFTTrainer(LeantuneTrainer):
     """Train a causal LM on text, prompt-completion or conversational data."""
 
-    dataset_columns = ("input_ids", "completion_mask", "assistant_masks", "seq_lengths")
+    dataset_columns = ("input_ids", "labels", "completion_mask", "assistant_masks", "seq_lengths")
 
     def __init__(
         self,
@@ -56,6 +56,9 @@ class SFTTrainer(LeantuneTrainer):
             values["hub_token"] = args.hub_token  # to_dict hides it
             args = SFTConfig(**values)  # as TRL does: the given values, SFT's defaults for the rest
         self.require_train_dataset(train_dataset)
+        if args.loss_type == "dft" and compute_loss_func is not None:
+            raise ValueError("`loss_type='dft'` is the loss itself; a `compute_loss_func` would replace it. Pass one "
+                             "or the other.")
 
         # 1. model and tokenizer
         model_source = model
@@ -99,22 +102,42 @@ class SFTTrainer(LeantuneTrainer):
         )
         self.data_reports = reports
 
+    def skips_preparation(self, args) -> bool:
+        return bool(parse_kwargs(args.dataset_kwargs).get("skip_prepare_dataset", False))
+
     def prepare_split(self, dataset, split, tokenizer, args):
-        if parse_kwargs(args.dataset_kwargs).get("skip_prepare_dataset", False):
+        if self.skips_preparation(args):
             return dataset, None
         packing = args.packing if split == "train" or args.eval_packing is None else args.eval_packing
         return prepare_sft_dataset(dataset, tokenizer, args, split, self._formatting_func, packing=packing)
 
     def is_prepared(self, dataset) -> bool:
-        """One this trainer prepared, or token ids with nothing but the collator's columns (already prepared)."""
+        """One this trainer prepared, or TRL's prepared form: token ids and labels (maybe packed), nothing else."""
         columns = set(getattr(dataset, "column_names", None) or ())
-        return super().is_prepared(dataset) or ("input_ids" in columns and columns <= {*self.dataset_columns,
-                                                                                         "position_ids"})
+        return super().is_prepared(dataset) or ({"input_ids", "labels"} <= columns
+                                                 and columns <= {"input_ids", "labels", "seq_lengths", "position_ids"})
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The token-mean NLL (or DFT's probability-weighted NLL), with TRL's `entropy` and `mean_token_accuracy`
+        metrics of the targets; a `compute_loss_func` given to the trainer gets the model's full-logits outputs."""
         inputs = dict(inputs)
         labels = inputs.pop("labels")
         self.count_tokens(model, inputs)
-        nll_sum, _, outputs = self.target_nll_sum(model, inputs, labels)
-        loss = self.normalise(nll_sum, count_targets(labels), num_items_in_batch)
+        if self.compute_loss_func is not None:
+            with self.offloading_scope(model):
+                outputs = model(**inputs, use_cache=False)
+            loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
+            return (loss, outputs) if return_outputs else loss
+        if self.args.loss_type == "nll" and self.fused_nll_runs(model):  # Liger's kernel: no per-token values
+            loss_sum, _, outputs = self.target_nll_sum(model, inputs, labels)
+        else:
+            logps, entropy, top1, _, outputs = self.target_logprobs(model, inputs, labels, with_entropy=True,
+                                                                    stats=("top1",))
+            token_loss = -logps
+            if self.args.loss_type == "dft":  # DFT (arXiv 2508.05629): the NLL times the token's own probability
+                token_loss = token_loss * logps.detach().exp()
+            loss_sum = token_loss.sum()
+            self.record_metrics(model, entropy=entropy.mean().reshape(1),
+                                mean_token_accuracy=top1.float().mean().reshape(1))
+        loss = self.normalise(loss_sum, count_targets(labels), num_items_in_batch)
         return (loss, outputs) if return_outputs else loss

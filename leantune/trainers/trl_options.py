@@ -27,8 +27,8 @@ class CausalLMOptions(ModelLoadingOptions):
 
     router_aux_loss_coef: float | None = field(
         default=None,
-        metadata={"help": "Weight of a Mixture-of-Experts model's load-balancing loss (None: the model's own "
-                  "setting). Not supported yet: leave unset."},
+        metadata={"help": "Weight of a Mixture-of-Experts model's load-balancing loss, added when the model's config "
+                  "has output_router_logits=True (None: the config's router_aux_loss_coef)."},
     )
 
 
@@ -38,8 +38,8 @@ class ReferenceSyncOptions:
 
     sync_ref_model: bool = field(
         default=False,
-        metadata={"help": "Every `ref_model_sync_steps` steps, move the reference towards the policy (TR-DPO). Not "
-                  "supported yet: leave False."},
+        metadata={"help": "Every `ref_model_sync_steps` steps, move the reference towards the policy (TR-DPO); needs "
+                  "a separate reference model (not a PEFT adapter's base, not precomputed log-probs)."},
     )
     ref_model_mixup_alpha: float = field(
         default=0.6,
