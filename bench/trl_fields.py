@@ -75,9 +75,10 @@ NOTES: dict[tuple[str, str], str] = {}
 
 # Trainer behaviour (not a config default) that differs from TRL's on purpose, and why.
 BEHAVIOUR = [
-    "**RewardTrainer with a LoRA config** (any task type): the reward head (`score`) is trained in full beside the "
-    "adapter (PEFT's SEQ_CLS task, or `modules_to_save`). TRL leaves a head that is not in `modules_to_save` "
-    "frozen at its random initialisation, so its rewards are a fixed random projection of what the adapter learns.",
+    "**RewardTrainer with a LoRA config**: the reward head (`score`) is trained too: in full with PEFT's SEQ_CLS task "
+    "(as given), otherwise through a LoRA adapter added on it (exact for a one-output head, whose updates all have "
+    "rank 1). TRL leaves a head that is not targeted frozen at its random initialisation, so its rewards are a fixed "
+    "random projection of what the adapter learns.",
     "**SFT `padding_free=True` without packing**: leantune truncates to `max_length` and keeps the bound; TRL "
     "refuses the combination when `max_length` is set.",
     "**SFT `skip_prepare_dataset` with `completion_mask` / `assistant_masks` but no `labels`**: leantune's "

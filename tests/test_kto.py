@@ -268,8 +268,8 @@ def test_kl_partners_are_other_prompts_from_a_seeded_permutation():
     assert np.array_equal(partner, kl_partners(keys, seed=0)[0])
     partner, left = kl_partners(np.array([5, 5, 5]), seed=0)  # impossible: counted, never the example itself
     assert left == 3 and not np.any(partner == np.arange(3))
-    with pytest.raises(ValueError, match="at least 2"):
-        kl_partners(np.array([1]), seed=0)
+    # one example has no other completion: its own, counted (as TRL, which pairs it with itself)
+    assert kl_partners(np.array([1]), seed=0)[0].tolist() == [0] and kl_partners(np.array([1]), seed=0)[1] == 1
 
 
 def test_unpaired_text_and_conversational_data(tokenizer, tmp_path):
@@ -402,3 +402,16 @@ def test_cli_trains_on_paired_hh_data(tokenizer, hh_pairs, tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0 and "steps: 2" in out and "train reward margin" in out
     assert (tmp_path / "out" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_collated_batch_carries_trls_completion_mask(tokenizer, tmp_path, padding_free):
+    rows = [{"prompt": f"Q{i}:", "completion": f" answer {i}" * (i + 1), "label": i % 2 == 0} for i in range(4)]
+    trainer = make_trainer(tokenizer, Dataset.from_list(rows), tmp_path, padding_free=padding_free)
+    examples = [trainer.train_dataset[i] for i in range(4)]
+    batch = trainer.data_collator(examples)
+    mask = batch["completion_mask"]
+    assert mask.shape == batch["input_ids"].shape
+    assert int(mask.sum()) == sum(len(ex["completion_ids"]) for ex in examples)
+    # the targets are exactly the completion tokens (prompts are not empty here, so no completion starts a sequence)
+    assert torch.equal(batch["labels"] != -100, mask.bool())

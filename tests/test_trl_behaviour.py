@@ -344,3 +344,56 @@ def test_the_policy_itself_is_refused_as_its_reference(cls, config, tokenizer, h
     with pytest.raises(ValueError, match="ref_model"):
         cls(model=model, ref_model=model, args=config(output_dir=str(tmp_path), **COMMON),
             train_dataset=hh_pairs.select(range(8)), processing_class=tokenizer)
+
+
+# --- a row's own chat-template arguments (TRL's `chat_template_kwargs` and `tools` columns) -----------------------
+
+SHOUTING_TEMPLATE = ("{% if tools %}{{ '<tools:' + tools | length | string + '>' }}{% endif %}"
+                     "{% for m in messages %}{{ '<' + (m['role'].upper() if shout else m['role']) + '>' + m['content'] }}"
+                     "{% endfor %}{% if add_generation_prompt %}{{ '<ASSISTANT>' if shout else '<assistant>' }}"
+                     "{% endif %}")
+
+
+@pytest.mark.parametrize("kind", ["sft", "dpo", "kto", "grpo"])
+def test_rows_chat_template_kwargs_and_tools_reach_the_template(kind, char_tokenizer, tmp_path):
+    import copy
+
+    tok = copy.deepcopy(char_tokenizer)
+    tok.chat_template = SHOUTING_TEMPLATE
+    user = [{"role": "user", "content": "hi"}]
+    answer = [{"role": "assistant", "content": "yo"}]
+    rows = [{"chat_template_kwargs": {"shout": bool(i % 2)}, "tools": '[{"name": "f"}]' if i == 3 else None}
+            for i in range(4)]
+    if kind == "sft":
+        data = [dict(row, messages=user + answer) for row in rows]
+    elif kind == "dpo":
+        data = [dict(row, prompt=user, chosen=answer, rejected=[{"role": "assistant", "content": "no"}])
+                for row in rows]
+    elif kind == "kto":
+        data = [dict(row, prompt=user, completion=answer, label=i % 2 == 0) for i, row in enumerate(rows)]
+    else:
+        data = [dict(row, prompt=user) for row in rows]
+    cls, config = {"sft": (SFTTrainer, SFTConfig), "dpo": (DPOTrainer, DPOConfig), "kto": (KTOTrainer, KTOConfig),
+                   "grpo": (GRPOTrainer, GRPOConfig)}[kind]
+    settings = dict(COMMON, output_dir=str(tmp_path))
+    extra = dict(reward_funcs=count_a) if kind == "grpo" else {}
+    if kind == "grpo":
+        settings.update(num_generations=2, per_device_train_batch_size=2, max_completion_length=4)
+    trainer = cls(char_model(tok), args=config(**settings), train_dataset=Dataset.from_list(data),
+                  processing_class=tok, **extra)
+    prepared = trainer.train_dataset
+    column = {"sft": "input_ids", "grpo": "prompt_ids"}.get(kind, "prompt_ids")
+    texts = [tok.decode(row[column]) for row in prepared]
+    assert sum("<USER>hi" in text for text in texts) == 2 and sum("<user>hi" in text for text in texts) == 2
+    assert sum("<tools:1>" in text for text in texts) == 1
+
+
+def test_grpo_takes_trls_keywords_and_names_what_it_lacks(char_tokenizer, tmp_path):
+    args = GRPOConfig(num_generations=2, max_completion_length=4,
+                      **dict(COMMON, output_dir=str(tmp_path), per_device_train_batch_size=2))
+    with pytest.raises(ValueError, match="No reward source provided"):
+        GRPOTrainer(char_model(char_tokenizer), args=args, train_dataset=prompts(8), processing_class=char_tokenizer)
+    for keyword in ("tools", "rollout_func", "environment_factory"):
+        with pytest.raises(ValueError, match=f"`{keyword}`.*not supported"):
+            GRPOTrainer(char_model(char_tokenizer), count_a, args=args, train_dataset=prompts(8),
+                        processing_class=char_tokenizer, **{keyword: object()})

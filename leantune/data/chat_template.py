@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 
@@ -33,3 +34,22 @@ def load_chat_template(tokenizer, path: str) -> None:
         with open(path, encoding="utf-8") as handle:
             template = handle.read()
     tokenizer.chat_template = template
+
+
+def row_template_kwargs(row: dict) -> dict:
+    """A row's own chat-template arguments, read as TRL reads them: a `tools` column (a list of tool schemas, or its
+    JSON text) and a `chat_template_kwargs` column (a dict, e.g. {"enable_thinking": False})."""
+    kwargs = {}
+    tools = row.get("tools")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"Column 'tools' holds text that is not JSON ({error}); give the tool schemas as a "
+                             "list, or as their JSON text.") from error
+    if tools:
+        kwargs["tools"] = tools
+    extra = row.get("chat_template_kwargs")
+    if extra:
+        kwargs.update({key: value for key, value in dict(extra).items() if value is not None})
+    return kwargs

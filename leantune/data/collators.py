@@ -108,3 +108,17 @@ class CausalLMCollator:
             "max_length_k": max_length,
             "num_real_tokens": torch.tensor(real),
         }
+
+
+def layout_like(batch: dict, values: list[list[int]], fill: int = 0) -> torch.Tensor:
+    """Per-token values of the batch's sequences (one list per example, in order) in the batch's own layout: padded
+    rows (with an attention mask), or the examples laid end to end in one padding-free row."""
+    shape = batch["input_ids"].shape
+    out = torch.full(shape, fill, dtype=torch.long)
+    if "attention_mask" in batch:
+        for row, row_values in enumerate(values):
+            out[row, : len(row_values)] = torch.as_tensor(row_values, dtype=torch.long)
+        return out
+    flat = [v for row_values in values for v in row_values]
+    out.view(-1)[: len(flat)] = torch.as_tensor(flat, dtype=torch.long)
+    return out

@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from ..profiling.summary import length_summary_line
-from .chat_template import require_chat_template
-from .collators import CausalLMCollator
+from .chat_template import require_chat_template, row_template_kwargs
+from .collators import CausalLMCollator, layout_like
 from .formats import current_column_names, is_message_list, rename_legacy_token_columns
 from .preference_formats import (
     PreferenceFormat,
@@ -41,7 +41,7 @@ from .preference_formats import (
     is_preference_dataset,
 )
 from .preference_preparation import PairTruncation
-from .report import NothingLeft, in_stream_buffer
+from .report import NothingLeft
 from .streaming import is_stream, prepare_stream
 
 logger = logging.getLogger("leantune.data")
@@ -231,13 +231,16 @@ class UnpairedTokenizer(PreferenceTokenizer):
     """
 
     def __call__(self, batch: dict) -> dict:
-        prompt_ids, (completion_ids,) = self.encode_sides(batch["prompt"], [batch["completion"]])
         size = len(batch["label"])
+        kwargs = [row_template_kwargs({k: batch[k][i] for k in batch}) for i in range(size)]
+        prompt_ids, (completion_ids,) = self.encode_sides(batch["prompt"], [batch["completion"]], kwargs)
         return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "label": batch["label"],
                 "__empty__": [is_empty_completion(c) for c in batch["completion"]], "__identical__": [False] * size}
 
-    def encode_sides(self, prompts: list, sides: list[list]) -> tuple[list, list[list]]:
-        """Prompt ids once per row, and the ids of each side's completion for it (empty completions: [])."""
+    def encode_sides(self, prompts: list, sides: list[list],
+                     template_kwargs: list[dict] | None = None) -> tuple[list, list[list]]:
+        """Prompt ids once per row, and the ids of each side's completion for it (empty completions: []); each row's
+        chat-template arguments (`tools`, `chat_template_kwargs`) go to its template calls."""
         empty = [] if self.fmt.conversational else ""
         prompts = [p if p is not None else empty for p in prompts]
         if not self.fmt.conversational:
@@ -247,22 +250,24 @@ class UnpairedTokenizer(PreferenceTokenizer):
             return self.tokenizer(prompts)["input_ids"], blank
         prompt_ids, out = [], [[] for _ in sides]
         for i, prompt in enumerate(prompts):
-            ids = self._prompt_ids(prompt)
+            kwargs = template_kwargs[i] if template_kwargs else {}
+            ids = self._prompt_ids(prompt, **kwargs)
             prompt_ids.append(ids)
             for side, column in zip(sides, out):
-                column.append([] if is_empty_completion(side[i]) else self._after_prompt(prompt, ids, side[i]))
+                column.append([] if is_empty_completion(side[i]) else self._after_prompt(prompt, ids, side[i],
+                                                                                          **kwargs))
         return prompt_ids, out
 
-    def _prompt_ids(self, prompt: list) -> list[int]:
+    def _prompt_ids(self, prompt: list, **template_kwargs) -> list[int]:
         if not prompt:
             return []
         rendered = self.tokenizer.apply_chat_template(prompt, tokenize=True, return_dict=True,
-                                                      add_generation_prompt=True)
+                                                      add_generation_prompt=True, **template_kwargs)
         return list(rendered["input_ids"])
 
-    def _after_prompt(self, prompt: list, prompt_ids: list[int], completion: list) -> list[int]:
+    def _after_prompt(self, prompt: list, prompt_ids: list[int], completion: list, **template_kwargs) -> list[int]:
         full = list(self.tokenizer.apply_chat_template(list(prompt) + list(completion), tokenize=True,
-                                                       return_dict=True)["input_ids"])
+                                                       return_dict=True, **template_kwargs)["input_ids"])
         if full[: len(prompt_ids)] != prompt_ids:
             raise ValueError(
                 "The chat template renders the prompt differently alone (with add_generation_prompt=True) than as "
@@ -278,7 +283,8 @@ class PairUnpairer(UnpairedTokenizer):
     def __call__(self, batch: dict) -> dict:
         rows = self.explicit_rows(batch)
         prompt_ids, (chosen_ids, rejected_ids) = self.encode_sides(
-            [r["prompt"] for r in rows], [[r["chosen"] for r in rows], [r["rejected"] for r in rows]])
+            [r["prompt"] for r in rows], [[r["chosen"] for r in rows], [r["rejected"] for r in rows]],
+            [r["template_kwargs"] for r in rows])
         out = {name: [] for name in (*TOKENIZED_UNPAIRED_COLUMNS, *FLAGS)}
         for i, row in enumerate(rows):
             identical = row["chosen"] == row["rejected"]
@@ -353,11 +359,8 @@ def kl_partners(prompt_keys: np.ndarray, seed: int, tries: int = 8) -> tuple[np.
     """partner[i]: the example whose completion is paired with prompt i; the next one in a seeded permutation, or a
     later one when that has the same prompt. Returns (partners, examples left with a same-prompt partner)."""
     n = len(prompt_keys)
-    if n == 1 and in_stream_buffer():  # a stream's buffer left with one example: its own completion (counted)
+    if n == 1:  # one example (a tiny dataset, or a stream's last buffer): its own completion, counted and logged
         return np.zeros(1, dtype=np.int64), 1
-    if n < 2:
-        raise ValueError("The KL term of the KTO loss needs at least 2 examples (a completion of another prompt); "
-                         "use more data or loss_type='apo_zero_unpaired'.")
     order = np.random.default_rng(seed).permutation(n)
     partner = np.empty(n, dtype=np.int64)
     partner[order] = np.roll(order, -1)
@@ -439,7 +442,10 @@ class KTOCollator:
                                           self.pad_to_multiple_of)
 
     def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
-        batch = self.sequences([_sequence(ex["prompt_ids"], ex["completion_ids"]) for ex in examples])
+        sequences = [_sequence(ex["prompt_ids"], ex["completion_ids"]) for ex in examples]
+        batch = self.sequences(sequences)
+        # TRL's key: 1 on completion tokens, 0 on prompt and padding (the loss reads `labels`)
+        batch["completion_mask"] = layout_like(batch, [seq["completion_mask"] for seq in sequences])
         batch["desirable"] = torch.tensor([bool(ex["label"]) for ex in examples])
         batch["num_examples"] = torch.tensor(len(examples))
         if KL_COLUMN in examples[0]:

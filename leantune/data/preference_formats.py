@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 from enum import Enum
 
+from .chat_template import row_template_kwargs
 from .formats import current_column_names, is_message_list
 
 
@@ -180,7 +181,8 @@ class PreferenceTokenizer:
     def explicit_rows(self, batch: dict) -> list[dict]:
         """The rows of a `Dataset.map` batch as {prompt, chosen, rejected} dicts."""
         size = len(next(iter(batch.values())))
-        return [explicit_prompt_example({k: batch[k][i] for k in batch}, self.fmt) for i in range(size)]
+        rows = [{k: batch[k][i] for k in batch} for i in range(size)]
+        return [{**explicit_prompt_example(row, self.fmt), "template_kwargs": row_template_kwargs(row)} for row in rows]
 
     def encode(self, rows: list[dict]) -> dict:
         """Token ids of {prompt, chosen, rejected} rows, as three list columns."""
@@ -200,13 +202,15 @@ class PreferenceTokenizer:
         return [list(ids) + [self.eos_token_id] for ids in encoded]
 
     def _conversation(self, row: dict) -> tuple[list[int], list[int], list[int]]:
-        template = self.tokenizer.apply_chat_template
-        prompt_ids = list(template(row["prompt"], tokenize=True, return_dict=True, add_generation_prompt=True)[
-            "input_ids"
-        ]) if row["prompt"] else []
+        kwargs = row.get("template_kwargs") or {}  # the row's `tools` and `chat_template_kwargs`, as in TRL
+
+        def template(messages, **options):
+            return self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **options, **kwargs)
+
+        prompt_ids = list(template(row["prompt"], add_generation_prompt=True)["input_ids"]) if row["prompt"] else []
         completions = []
         for completion in (row["chosen"], row["rejected"]):
-            full_ids = list(template(row["prompt"] + completion, tokenize=True, return_dict=True)["input_ids"])
+            full_ids = list(template(row["prompt"] + completion)["input_ids"])
             if full_ids[: len(prompt_ids)] != prompt_ids:
                 raise ValueError(
                     "The chat template renders the prompt differently alone (with add_generation_prompt=True) "

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from dataclasses import asdict, dataclass
 
-from .chat_template import require_chat_template
+from .chat_template import require_chat_template, row_template_kwargs
 from .formats import is_message_list
 from .report import NothingLeft
 from .streaming import is_stream, prepare_stream
@@ -92,7 +92,8 @@ def prepare_prompt_dataset(dataset, tokenizer, args, split: str = "train", conte
         prompt = row["prompt"]
         if not prompt or (isinstance(prompt, str) and not prompt.strip()):
             return {PROMPT_IDS: [], "_status": "empty", "_cut": 0}
-        text = prompt_text(prompt, tokenizer, report.conversational, args.chat_template_kwargs)
+        text = prompt_text(prompt, tokenizer, report.conversational,
+                           {**(args.chat_template_kwargs or {}), **row_template_kwargs(row)})
         ids = tokenizer(text, add_special_tokens=not report.conversational)["input_ids"]
         cut = 0
         if args.max_prompt_length is not None and len(ids) > args.max_prompt_length:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .chat_template import has_generation_markers
+from .chat_template import has_generation_markers, row_template_kwargs
 from .formats import SFTFormat
 
 
@@ -36,14 +36,14 @@ def _split_at_prompt(prompt_ids: list[int], full_ids: list[int], completion_ids_
     return prompt_ids + completion_ids, [0] * n + [1] * len(completion_ids)
 
 
-def _render_ids(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+def _render_ids(tokenizer, messages: list[dict], add_generation_prompt: bool, **template_kwargs) -> list[int]:
     encoded = tokenizer.apply_chat_template(
-        messages, tokenize=True, return_dict=True, add_generation_prompt=add_generation_prompt
+        messages, tokenize=True, return_dict=True, add_generation_prompt=add_generation_prompt, **template_kwargs
     )
     return list(encoded["input_ids"])
 
 
-def assistant_masks_from_prefixes(tokenizer, messages: list[dict], ids: list[int]) -> list[int]:
+def assistant_masks_from_prefixes(tokenizer, messages: list[dict], ids: list[int], **template_kwargs) -> list[int]:
     """The assistant-token mask for a chat template without `{% generation %}` markers.
 
     Any template that renders a conversation's first k messages as a token prefix of the whole conversation shows
@@ -54,8 +54,8 @@ def assistant_masks_from_prefixes(tokenizer, messages: list[dict], ids: list[int
     for i, message in enumerate(messages):
         if message.get("role") != "assistant":
             continue
-        start = _render_ids(tokenizer, messages[:i], add_generation_prompt=True)
-        end = _render_ids(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        start = _render_ids(tokenizer, messages[:i], add_generation_prompt=True, **template_kwargs)
+        end = _render_ids(tokenizer, messages[: i + 1], add_generation_prompt=False, **template_kwargs)
         for prefix, what in ((start, f"the first {i} message(s) with add_generation_prompt=True"),
                              (end, f"the first {i + 1} message(s)")):
             if ids[: len(prefix)] != prefix:
@@ -130,10 +130,12 @@ class SFTTokenizer:
             messages = list(row["prompt"]) + list(row["completion"])
         # Without {% generation %} markers the assistant turns are found from the template's prefixes.
         marked = self.assistant_only_loss and has_generation_markers(self.tokenizer.chat_template)
-        encoded = template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=marked)
+        kwargs = row_template_kwargs(row)  # the row's `tools` and `chat_template_kwargs`, as in TRL
+        encoded = template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=marked, **kwargs)
         ids = list(encoded["input_ids"])
         if self.fmt is SFTFormat.CONVERSATIONAL_PROMPT_COMPLETION:
-            prompt_ids = list(template(list(row["prompt"]), tokenize=True, return_dict=True, add_generation_prompt=True)["input_ids"])
+            prompt_ids = list(template(list(row["prompt"]), tokenize=True, return_dict=True, add_generation_prompt=True,
+                                       **kwargs)["input_ids"])
 
             def apart():
                 raise ValueError(
@@ -148,4 +150,4 @@ class SFTTokenizer:
         if marked:
             out["assistant_masks"].append(list(encoded["assistant_masks"]))
         elif self.assistant_only_loss:
-            out["assistant_masks"].append(assistant_masks_from_prefixes(self.tokenizer, messages, ids))
+            out["assistant_masks"].append(assistant_masks_from_prefixes(self.tokenizer, messages, ids, **kwargs))

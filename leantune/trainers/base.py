@@ -158,8 +158,8 @@ class LeantuneTrainer(Trainer):
         if getattr(dataset, "_format_type", None) == "custom" and not self.skips_preparation(args):
             raise ValueError(f"The {split} dataset has a Dataset.with_transform() / set_transform() transform, which "
                              "runs when rows are read, after preparation would have tokenised them. Apply it with "
-                             "dataset.map() instead, or make it return trainer-ready rows and pass "
-                             "dataset_kwargs={'skip_prepare_dataset': True} (SFT).")
+                             "dataset.map() instead, or pass dataset_kwargs={'skip_prepare_dataset': True} (SFT) with "
+                             "a transform that returns trainer-ready rows (input_ids, labels).")
         dataset, report = self.prepare_split(dataset, split, tokenizer, args)
         if report is not None:
             reports[split] = report

@@ -42,8 +42,22 @@ class GRPOTrainer(OnlineTrainer):
     method = "grpo"
     config_class = GRPOConfig
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, model, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None,
+                 processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
+                 quantization_config=None, peft_config=None, tools=None, rollout_func=None, environment_factory=None):
+        agentic = [name for name, value in (("tools", tools), ("rollout_func", rollout_func),
+                                            ("environment_factory", environment_factory)) if value is not None]
+        if agentic:
+            raise ValueError(f"`{agentic[0]}` (TRL's tool-calling / custom rollouts) is not supported by leantune yet: "
+                             "completions are single-turn samples of the policy; score tool use in a reward "
+                             "function, or train with TRL.")
+        if reward_funcs is None:
+            raise ValueError("No reward source provided: pass `reward_funcs` (callables, reward model ids or paths, "
+                             "or reward models).")
+        super().__init__(model, reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                         processing_class=processing_class, reward_processing_classes=reward_processing_classes,
+                         callbacks=callbacks, optimizers=optimizers, quantization_config=quantization_config,
+                         peft_config=peft_config)
         self.entropy_bonus = EntropyBonus.from_config(self.args)
         if self.args.cast_lm_head_to_fp32:
             for model in (self.model, self.ref_model):

@@ -98,7 +98,7 @@ class RewardTrainer(LeantuneTrainer):
                         type(model).__name__, SCORE_HEAD)
         if args.padding_free and use_segment_attention(model):
             logger.info("Padding-free batches: attention runs per sequence (%s).", SEGMENT_SDPA)
-        model = apply_peft(model, reward_peft_config(peft_config), args)
+        model = apply_peft(model, reward_peft_config(peft_config, model), args)
         if args.disable_dropout:
             disable_dropout(model)
         if args.use_liger_loss:
@@ -198,9 +198,15 @@ def load_reward_model(model, model_init_kwargs=None, trust_remote_code: bool = F
     return model
 
 
-def reward_peft_config(peft_config):
-    """The adapter config with the reward head trained in full: its weights are new, so an adapter on a frozen random
-    head would learn little. PEFT's SEQ_CLS task saves `score`/`classifier` itself; other task types get `score`."""
+def reward_peft_config(peft_config, model=None):
+    """The adapter config with the reward head trained too: its weights are new, so a frozen random head would score
+    with a fixed random projection of what the adapter learns.
+
+    PEFT's SEQ_CLS task trains the head in full (`modules_to_save`): kept as given. Otherwise (no task type, or
+    CAUSAL_LM, whose wrapper would treat the reward model as a language model) the task type is left unset and the
+    head `score` gets a LoRA adapter beside the target modules (PEFT's defaults for the model type when none are
+    named). For a one-output head that is no restriction: every update of a [1, hidden] matrix has rank 1. A target
+    given as a pattern string (e.g. "all-linear", which leaves output layers out) gets the head in modules_to_save."""
     if peft_config is None:
         return None
     task = getattr(peft_config, "task_type", None)
@@ -208,14 +214,22 @@ def reward_peft_config(peft_config):
     if task == "SEQ_CLS":
         return peft_config
     config = copy.deepcopy(peft_config)
-    if task in (None, "CAUSAL_LM"):
-        config.task_type = "SEQ_CLS"  # a causal-LM wrapper would treat the reward model as a language model
-        logger.info("PEFT: task_type %s -> SEQ_CLS, so the reward head `%s` is trained in full.", task, SCORE_HEAD)
-    else:
+    if task == "CAUSAL_LM":
+        config.task_type = None
+    targets = getattr(config, "target_modules", None)
+    if isinstance(targets, str):
         saved = list(getattr(config, "modules_to_save", None) or [])
         if SCORE_HEAD not in saved:
             config.modules_to_save = [*saved, SCORE_HEAD]
             logger.info("PEFT: `%s` added to modules_to_save (the reward head is trained in full).", SCORE_HEAD)
+        return config
+    if targets is None and model is not None:
+        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULTS
+
+        targets = DEFAULTS.get(getattr(unwrap_model(model).config, "model_type", None))
+    if targets is not None and SCORE_HEAD not in targets:
+        config.target_modules = [*targets, SCORE_HEAD]
+        logger.info("PEFT: a LoRA adapter on the reward head `%s` too, so it is trained.", SCORE_HEAD)
     return config
 
 
