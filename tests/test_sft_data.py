@@ -279,3 +279,22 @@ def test_a_dataset_transform_needs_skip_prepare_dataset(tokenizer, tmp_path):
     trainer = trainer_for(ready, tokenizer, tmp_path / "r", dataset_kwargs={"skip_prepare_dataset": True},
                           remove_unused_columns=False)
     assert trainer.train_dataset[0]["input_ids"] == ids
+
+
+def test_tokenisation_fingerprints_follow_leantunes_data_code(tokenizer):
+    """`datasets` caches a map's result under a fingerprint of the callable's state; the tokenisers keep a digest
+    of leantune's data code in it, so a cache written by other code (an older leantune) is never reused."""
+    import copy
+
+    from datasets.fingerprint import Hasher
+
+    from leantune.data.formats import SFTFormat, data_code_digest
+    from leantune.data.preference_formats import PreferenceFormat, PreferenceTokenizer
+    from leantune.data.sft_tokenization import SFTTokenizer
+
+    for tok in (SFTTokenizer(tokenizer, SFTFormat.LANGUAGE_MODELING, "text", False, tokenizer.eos_token_id),
+                PreferenceTokenizer(tokenizer, PreferenceFormat.EXPLICIT_PROMPT, tokenizer.eos_token_id)):
+        assert tok.code == data_code_digest()
+        other = copy.copy(tok)
+        other.code = "other code"
+        assert Hasher.hash(other) != Hasher.hash(tok) and Hasher.hash(copy.copy(tok)) == Hasher.hash(tok)

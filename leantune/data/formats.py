@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
 from enum import Enum
+from pathlib import Path
 
 
 class SFTFormat(str, Enum):
@@ -20,6 +23,17 @@ ACCEPTED_SFT_FORMATS = (
     "conversational prompt-completion {'prompt': [messages], 'completion': [messages]}; "
     "pre-tokenised {'input_ids': [int], optional 'completion_mask'/'assistant_masks'}"
 )
+
+
+@functools.lru_cache(maxsize=1)
+def data_code_digest() -> str:
+    """A digest of leantune's data code. The callables given to `Dataset.map` keep it in their state, so the
+    fingerprint `datasets` caches a map's result under changes with the code: a cache written by other code (an
+    older leantune) is never reused."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def is_message_list(value) -> bool:

@@ -18,7 +18,7 @@ import os
 from enum import Enum
 
 from .chat_template import row_template_kwargs
-from .formats import current_column_names, is_message_list
+from .formats import current_column_names, data_code_digest, is_message_list
 
 
 class PreferenceFormat(str, Enum):
@@ -171,9 +171,8 @@ class PreferenceTokenizer:
         self.tokenizer = tokenizer
         self.fmt = fmt
         self.eos_token_id = eos_token_id
-        # Part of the object's state, so the fingerprint `datasets` caches a map under changes with the columns it
-        # writes: a cache written under other column names is never reused.
         self.columns = TOKENIZED_COLUMNS
+        self.code = data_code_digest()  # a datasets cache written by other code is not reused
 
     def __call__(self, batch: dict) -> dict:
         return self.encode(self.explicit_rows(batch))

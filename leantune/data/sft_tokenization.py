@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .chat_template import has_generation_markers, row_template_kwargs
-from .formats import SFTFormat
+from .formats import SFTFormat, data_code_digest
 
 
 def is_empty_example(example: dict, fmt: SFTFormat, text_field: str) -> bool:
@@ -89,6 +89,7 @@ class SFTTokenizer:
         self.text_field = text_field
         self.assistant_only_loss = assistant_only_loss
         self.eos_token_id = eos_token_id
+        self.code = data_code_digest()  # a datasets cache written by other code is not reused
 
     def __call__(self, batch: dict) -> dict:
         size = len(next(iter(batch.values())))
