@@ -87,8 +87,7 @@ def chunked_logprobs(
         flat, targets.tokens, head, int(chunk_size), with_entropy, with_entropy and entropy_grad, tuple(stats),
         *head.trainable_parameters
     )
-    extra = ([entropy] if with_entropy else []) + [values[:, i] if name != "top1" else values[:, i].bool()
-                                                   for i, name in enumerate(stats)]
+    extra = ([entropy] if with_entropy else []) + [_as_stat(name, values[:, i]) for i, name in enumerate(stats)]
     return (logps, *extra) if extra else logps
 
 
@@ -100,13 +99,19 @@ TOKEN_STATS = {
 }
 
 
+BOOL_STATS = ("top1",)  # computed as floats (one buffer for every statistic), returned as bools
+
+
+def _as_stat(name: str, values: torch.Tensor) -> torch.Tensor:
+    return values.bool() if name in BOOL_STATS else values
+
+
 def token_stats_from_logits(logits: torch.Tensor, tokens: torch.Tensor, stats: tuple[str, ...]) -> list[torch.Tensor]:
     """The same statistics from full [targets, vocabulary] logits."""
     with torch.no_grad():
         logits = logits.float()
         log_norm = torch.logsumexp(logits, dim=-1)
-        return [TOKEN_STATS[name](logits, log_norm, tokens) if name != "top1" else
-                TOKEN_STATS[name](logits, log_norm, tokens).bool() for name in stats]
+        return [_as_stat(name, TOKEN_STATS[name](logits, log_norm, tokens)) for name in stats]
 
 
 def _vocab_size(head: OutputHead) -> int:

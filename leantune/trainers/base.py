@@ -80,16 +80,11 @@ class LeantuneTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self.tag_model()
         # TRL's attributes: a Mixture-of-Experts model whose config asks for router logits gets its load-balancing
-        # loss added to the method's loss (see `_with_router_loss`)
+        # loss added to the method's loss (see `normalise`)
         self.aux_loss_enabled, self.router_aux_loss_coef = router_loss_settings(self.model, config)
         self._router_loss = None
         if config.memory_breakdown:
             self.add_callback(MemoryBreakdownCallback(self.args.device, self._record_memory_breakdown))
-
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        if "compute_loss" in cls.__dict__:  # every method's loss gets the MoE router loss of its policy's forwards
-            cls.compute_loss = _with_router_loss(cls.__dict__["compute_loss"])
 
     def note_router_loss(self, model, outputs) -> None:
         """Keep the router loss of a forward pass of the trained policy (not the reference, not a no-grad pass)."""
@@ -276,14 +271,25 @@ class LeantuneTrainer(Trainer):
         return count
 
     def normalise(self, loss_sum: torch.Tensor, local_count, num_items_in_batch) -> torch.Tensor:
-        """Divide a summed loss by the optimizer step's item count (the batch's own count outside training)."""
+        """Divide a summed loss by the optimizer step's item count (the batch's own count outside training), and add
+        the MoE router loss of this micro-batch's policy forwards (every trainer's loss ends here)."""
         local_count = torch.as_tensor(local_count, device=loss_sum.device)
         if num_items_in_batch is None or not self.model.training:
-            return loss_sum / local_count.clamp(min=1)
+            return self._plus_router_loss(loss_sum / local_count.clamp(min=1))
         loss = loss_sum / torch.as_tensor(num_items_in_batch, device=loss_sum.device).clamp(min=1)
         if self.args.average_tokens_across_devices and self.args.world_size > 1:
             loss = loss * self.args.world_size  # DDP averages gradients over processes
-        return loss
+        return self._plus_router_loss(loss)
+
+    def _plus_router_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """router_aux_loss_coef x the noted router loss (divided by the accumulation steps in training, where each
+        micro-batch's loss is its share of the step), logged as aux_loss."""
+        aux, self._router_loss = self._router_loss, None
+        if aux is None:
+            return loss
+        steps = getattr(self, "current_gradient_accumulation_steps", 1) if self.model.training else 1
+        self.record_metrics(self.model, aux_loss=aux.detach().float().reshape(1))
+        return loss + self.router_aux_loss_coef * aux.to(loss.dtype) / steps
 
     def count_tokens(self, model, inputs: dict) -> None:
         real = inputs.pop("num_real_tokens", None)
@@ -457,34 +463,6 @@ def router_loss_settings(model, args) -> tuple[bool, float]:
     if coef is None:
         coef = getattr(config, "router_aux_loss_coef", 0.0) or 0.0
     return enabled, float(coef)
-
-
-def _with_router_loss(compute_loss):
-    """A trainer's compute_loss, plus router_aux_loss_coef x the router loss of its policy forwards (divided by the
-    accumulation steps in training, where each micro-batch's loss is its share of the step), logged as aux_loss."""
-    import functools
-
-    @functools.wraps(compute_loss)
-    def wrapped(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        outer = not getattr(self, "_in_router_scope", False)  # a subclass's compute_loss calling its parent's
-        if outer:
-            self._in_router_scope, self._router_loss = True, None
-        try:
-            result = compute_loss(self, model, inputs, return_outputs=return_outputs,
-                                  num_items_in_batch=num_items_in_batch)
-        finally:
-            if outer:
-                self._in_router_scope = False
-        if not outer or self._router_loss is None:
-            return result
-        aux, self._router_loss = self._router_loss, None
-        steps = getattr(self, "current_gradient_accumulation_steps", 1) if model.training else 1
-        loss = result[0] if return_outputs else result
-        loss = loss + self.router_aux_loss_coef * aux.to(loss.dtype) / steps
-        self.record_metrics(model, aux_loss=aux.detach().float().reshape(1))
-        return (loss, result[1]) if return_outputs else loss
-
-    return wrapped
 
 
 def _entropy_from_logits(logits: torch.Tensor, targets: Targets, temperature: float,
