@@ -44,6 +44,8 @@ def test_peak_memory_is_cuda_max_allocated(tokenizer, gsm8k_rows, tmp_path):
 @cuda
 @pytest.mark.skipif(not is_available("bitsandbytes"), reason="needs leantune[bitsandbytes]")
 def test_4bit_lora_trains(tokenizer, gsm8k_rows, tmp_path):
+    """The CUDA path of 4-bit LoRA: the model loads on the current GPU. Gradients, every trainer, the CPU repacking
+    guard and the CLI are tested on CPU in tests/test_quantization.py."""
     from peft import LoraConfig
 
     model_dir = tmp_path / "model"
@@ -56,6 +58,7 @@ def test_4bit_lora_trains(tokenizer, gsm8k_rows, tmp_path):
         train_dataset=gsm8k_prompt_completion(gsm8k_rows, 8),
         peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
     )
+    assert next(p for n, p in trainer.model.named_parameters() if "lora" in n).device.type == "cuda"
     assert trainer.train().metrics["train_loss"] > 0
 
 

@@ -60,8 +60,8 @@ class ModelConfig:
     lora_modules_to_save: list[str] | None = field(default=None, metadata={"help": "Modules trained in full."})
     lora_task_type: str = field(default="CAUSAL_LM", metadata={"help": "PEFT task type."})
     use_rslora: bool = field(default=False, metadata={"help": "Rank-stabilised LoRA scaling."})
-    load_in_8bit: bool = field(default=False, metadata={"help": "8-bit weights (bitsandbytes, CUDA)."})
-    load_in_4bit: bool = field(default=False, metadata={"help": "4-bit weights (bitsandbytes, CUDA)."})
+    load_in_8bit: bool = field(default=False, metadata={"help": "8-bit weights (bitsandbytes; GPU or CPU)."})
+    load_in_4bit: bool = field(default=False, metadata={"help": "4-bit weights (bitsandbytes; GPU or CPU)."})
     bnb_4bit_quant_type: str = field(default="nf4", metadata={"help": "fp4 or nf4."})
     use_bnb_nested_quant: bool = field(default=False, metadata={"help": "Quantise the quantisation constants too."})
 

@@ -9,7 +9,7 @@ import warnings
 
 import torch
 
-from ..utils.imports import require, require_cuda
+from ..utils.imports import require
 
 logger = logging.getLogger("leantune.models")
 
@@ -36,17 +36,78 @@ def _resolve_dtype(kwargs: dict) -> None:
         kwargs["dtype"] = DTYPES[dtype]
 
 
+def _import_bitsandbytes():
+    require("bitsandbytes", "4/8-bit quantisation")
+    import bitsandbytes
+
+    return bitsandbytes
+
+
+def _quantized_device_map(bitsandbytes) -> dict:
+    """Where a 4/8-bit model is loaded: the trainer's device (accelerate's), as one block, because the Trainer never
+    moves a quantised model: on CUDA the current device; on CPU (recent bitsandbytes runs there; tested: 0.50.2)
+    "cpu"."""
+    from accelerate import PartialState
+
+    device = PartialState().device
+    supported = set(getattr(bitsandbytes, "supported_torch_devices", {"cuda"}))
+    if device.type not in supported:
+        raise RuntimeError(
+            f"4/8-bit quantisation: the installed bitsandbytes {getattr(bitsandbytes, '__version__', '?')} has no "
+            f"backend for this machine's training device ({device.type}; it supports {', '.join(sorted(supported))}). "
+            "Upgrade it (pip install -U 'leantune[bitsandbytes]'), train in bf16/fp32, or pass your own `device_map` "
+            "in model_init_kwargs.")
+    if device.type == "cuda":
+        return {"": torch.cuda.current_device()}
+    if device.type == "cpu":
+        return {"": "cpu"}
+    return {"": str(device)}
+
+
 def _resolve_quantization(kwargs: dict) -> None:
     config = kwargs.get("quantization_config")
     if config is None:
         return
-    require("bitsandbytes", "4/8-bit quantisation")
-    require_cuda("4/8-bit quantisation with bitsandbytes")
+    bitsandbytes = _import_bitsandbytes()
     if isinstance(config, dict):
         from transformers import BitsAndBytesConfig
 
         kwargs["quantization_config"] = BitsAndBytesConfig(**config)
-    kwargs.setdefault("device_map", {"": torch.cuda.current_device()})
+    if "device_map" not in kwargs:
+        kwargs["device_map"] = _quantized_device_map(bitsandbytes)
+
+
+def keep_4bit_layers_trainable(model) -> int:
+    """Keep bitsandbytes' 4-bit layers on their differentiable path; return how many were repacked before.
+
+    On a CPU with AVX512-BF16, bitsandbytes' `Linear4bit` repacks its weights in place into an inference-only layout
+    the first time it runs in eval mode on an input that does not require grad (a no-grad forward right after
+    `from_pretrained`, an evaluation, a reference or generation pass). From then on every forward, in training too,
+    goes through `gemv_4bit`, which has no backward: the input gradient through the frozen base weight is lost and
+    the LoRA gradients of every earlier layer are wrong, silently (at most a UserWarning). Switching the layout off
+    on every layer keeps all forwards on the dequantise-and-matmul path (the gradients of an fp32 model holding the
+    dequantised weights). A layer already repacked is unpacked; its block scales were rounded to bf16 by the
+    repacking, so it now holds slightly different weights than the checkpoint (a warning says so).
+    """
+    repacked = 0
+    for module in model.modules():
+        if not hasattr(module, "support_avx512bf16_for_cpu"):
+            continue
+        module.support_avx512bf16_for_cpu = False
+        state = getattr(module.weight, "quant_state", None)
+        if state is not None and getattr(state, "packing_format_for_cpu", False):
+            from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
+
+            module.weight.data, module.weight.quant_state = _convert_weight_packed_for_cpu_inverse(
+                module.weight.data, state)
+            repacked += 1
+    if repacked:
+        logger.warning(
+            "%d 4-bit layers had been repacked by bitsandbytes for CPU inference (an eval-mode forward without "
+            "gradient before training); they were unpacked for training, with their block scales rounded to bf16 by "
+            "the repacking. Load the model again and pass it untouched (or pass its name or path) to train on the "
+            "checkpoint's exact 4-bit weights.", repacked)
+    return repacked
 
 
 def resolve_source(name: str) -> str:
@@ -92,7 +153,10 @@ def load_causal_lm(model, model_init_kwargs=None, auto_class=None, trust_remote_
     _resolve_dtype(kwargs)
     kwargs.setdefault("dtype", torch.float32)
     _resolve_quantization(kwargs)
-    return auto_class.from_pretrained(resolve_source(model), **kwargs)
+    loaded = auto_class.from_pretrained(resolve_source(model), **kwargs)
+    if is_quantized(loaded):
+        keep_4bit_layers_trainable(loaded)  # before anything runs it in eval mode (from_pretrained returns eval mode)
+    return loaded
 
 
 def load_tokenizer(model, processing_class=None, trust_remote_code: bool = False):
@@ -124,6 +188,8 @@ def is_quantized(model) -> bool:
 
 def apply_peft(model, peft_config, args):
     """Wrap the model in a PEFT adapter, ready for (k-bit) training with gradient checkpointing."""
+    if is_quantized(model):
+        keep_4bit_layers_trainable(model)  # a model object may not have come through load_causal_lm
     if peft_config is None:
         if is_quantized(model):
             raise ValueError("A quantised model can only be trained through an adapter: pass `peft_config`.")
