@@ -255,6 +255,9 @@ def test_colocated_real_vllm_syncs_and_never_generates_stale(tmp_path, tokenizer
     assert result["greedy_equal_after_first_sync"] and result["greedy_equal_after_second_sync"]
     assert result["second_differs_from_first"]  # the new weights reached the engine
     assert result["max_logprob_gap"] < LOGPROB_TOL
+    # a never-saved LoRA policy: the engine starts from dummy weights; the sync serves the merged adapter
+    assert result["unsaved_policy_load_format"] == "dummy"
+    assert result["peft_greedy_equal"] and result["peft_adapter_mattered"]
     # sleep mode: vLLM on CPU has none; leantune says so when the trainer is built, and vLLM itself refuses it
     assert "needs a GPU" in result["sleep_mode_error"]
     assert "Sleep mode is not supported on current platform" in result["vllm_sleep_mode_error"]

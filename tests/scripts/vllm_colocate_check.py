@@ -4,7 +4,8 @@
 
 Writes what tests/test_vllm_cpu.py asserts: the backend refuses to generate before a sync, its greedy completions
 equal transformers' after each sync (and change with the weights), vLLM's sampling log-probs against transformers',
-what sleep mode does on CPU, and a two-step GRPO run with the colocated engine. vLLM needs the `__main__` guard
+a never-saved LoRA policy (dummy start, merged adapter synced), what sleep mode does on CPU, and a two-step GRPO run
+with the colocated engine (where leantune's configs load on the venv's transformers). vLLM needs the `__main__` guard
 (its workers may re-import this file).
 """
 
@@ -87,6 +88,30 @@ def main(model_dir: str, result_path: str) -> None:
     second = backend.generate(prompts, greedy)
     result["greedy_equal_after_second_sync"] = second == local_greedy(policy)
     result["second_differs_from_first"] = second != first
+    backend.close()
+
+    # A policy that was never saved, with a LoRA adapter: the engine starts from its config with dummy weights, and
+    # the sync brings the merged weights.
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(model_dir)
+    config._name_or_path = ""
+    torch.manual_seed(4)
+    peft_policy = get_peft_model(AutoModelForCausalLM.from_config(config, dtype=torch.float32),
+                                 LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, param in peft_policy.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.5)
+    peft_policy.eval()
+    backend = VLLMColocateBackend(args, peft_policy, AutoTokenizer.from_pretrained(model_dir), Accelerator(cpu=True))
+    result["unsaved_policy_load_format"] = backend.llm.llm_engine.vllm_config.load_config.load_format
+    backend.sync_weights(peft_policy)
+    served = backend.generate(prompts, greedy)
+    result["peft_greedy_equal"] = served == local_greedy(peft_policy)
+    with peft_policy.disable_adapter():
+        result["peft_adapter_mattered"] = served != local_greedy(peft_policy)
     backend.close()
 
     # Sleep mode on CPU: leantune refuses it when the backend (and so the trainer) is built, naming why ...
