@@ -17,6 +17,21 @@ HH_PAIRS = SHARED / "data" / "hh-rlhf-harmless" / "test.jsonl.gz"
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
+# Before anything imports triton: Liger's kernels on CPU need Triton's interpreter from the start (tests/liger_cpu.py)
+from .liger_cpu import hide_interpreter, interpreter_on_for_imports  # noqa: E402
+
+interpreter_on_for_imports(cuda=torch.cuda.is_available())
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "liger_interpreter: runs with TRITON_INTERPRET=1 (Liger's kernels on CPU)")
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_only_for_liger_tests(request, monkeypatch):
+    if request.node.get_closest_marker("liger_interpreter") is None:
+        hide_interpreter(monkeypatch)
+
 
 def _require(path: Path) -> Path:
     if not path.exists():

@@ -1,4 +1,16 @@
-"""liger-kernel's fused linear cross-entropy, fed the same targets as leantune's own losses (CUDA only)."""
+"""liger-kernel's fused linear cross-entropy, fed the same targets as leantune's own losses.
+
+leantune uses one piece of Liger for every trainer: the fused linear cross-entropy kernel (a Triton kernel: no
+[tokens, vocabulary] logits are kept). With `reduction="none"` it gives minus the log-probability of every target,
+and its backward takes a different upstream gradient per target (liger-kernel >= 0.8 recomputes each chunk's logits
+in backward for that), so every loss leantune writes over per-target log-probs (DPO's, KTO's, GRPO's and RLOO's, in
+any layout) runs on it unchanged. SFT's plain NLL uses `reduction="sum"`, whose gradient Liger forms in the forward
+pass. Liger's `chunked_loss` classes are not used: they are plain torch, like leantune's chunked head, cover a subset
+of the loss options and only the padded layout (docs/liger.md has the measurements).
+
+The kernels run on CUDA, or on CPU tensors when Triton's interpreter is on (TRITON_INTERPRET=1 before liger-kernel is
+imported); losses/dispatch.py decides.
+"""
 
 from __future__ import annotations
 
@@ -8,16 +20,61 @@ from ..models.output_head import OutputHead
 from .token_logprobs import Targets
 
 
-def liger_can_run(head: OutputHead) -> bool:
-    """Liger fuses a plain Linear head (optionally soft-capped); other heads go through the chunked path."""
-    return type(head.module) is torch.nn.Linear and head.scale == 1.0 and head.temperature == 1.0
+def liger_head_problem(head: OutputHead, device_type: str) -> str | None:
+    """Why Liger's kernel cannot compute this head's log-probs here (None: it can). It fuses a plain Linear head:
+    optionally soft-capped, its logit scale and (without soft-capping) the sampling temperature folded into its inputs.
+    Other heads take the chunked head."""
+    module = head.module
+    if type(module) is not torch.nn.Linear:
+        return f"the output head is a {type(module).__name__}, not a plain Linear (a PEFT adapter on lm_head?)"
+    if "forward" in module.__dict__ and not getattr(module, "_leantune_fp32", False):
+        return "the output head's forward is replaced (an accelerate hook?)"
+    if head.softcap is not None and head.temperature != 1.0:
+        return "soft-capped logits divided by a sampling temperature are not one fused linear cross-entropy"
+    if head.softcap is not None and device_type != "cuda":
+        return "Triton's CPU interpreter cannot pass the soft-capping value to Liger's kernel (a float argument)"
+    return None
 
 
-def liger_nll_sum(hidden: torch.Tensor, head: OutputHead, targets: Targets) -> torch.Tensor:
-    """Summed negative log-likelihood of the targets, computed by Liger without materialising the logits."""
+def liger_can_run(head: OutputHead, device_type: str = "cuda") -> bool:
+    return liger_head_problem(head, device_type) is None
+
+
+def _fused_inputs(hidden: torch.Tensor, head: OutputHead, targets: Targets):
+    """(target rows of `hidden`, weight, bias), scaled so that Liger's softcap(x @ W.T + b) equals the head's logits:
+    softcap(raw * scale) / temperature, the temperature only without soft-capping (liger_can_run)."""
+    module = head.module
+    flat = hidden.reshape(-1, hidden.shape[-1]).index_select(0, targets.index)
+    weight, bias = module.weight, module.bias
+    if getattr(module, "_leantune_fp32", False):  # cast_lm_head_to_fp32: project in fp32, as the head's forward does
+        flat, weight = flat.float(), weight.float()
+        bias = None if bias is None else bias.float()
+    factor = head.scale / head.temperature
+    if factor != 1.0:
+        flat = flat * factor
+        bias = None if bias is None else bias * factor
+    return flat, weight, bias
+
+
+def liger_target_logprobs(hidden: torch.Tensor, head: OutputHead, targets: Targets, with_top1: bool = False):
+    """fp32 log-probabilities of the targets (and, with `with_top1`, whether each target is the argmax), from Liger's
+    fused kernel with reduction="none": differentiable per target, logits never held whole."""
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
-    flat = hidden.reshape(-1, hidden.shape[-1]).index_select(0, targets.index)
-    loss_fn = LigerFusedLinearCrossEntropyLoss(reduction="sum", softcap=head.softcap)
-    loss = loss_fn(head.module.weight, flat, targets.tokens, head.module.bias)
-    return (loss[0] if isinstance(loss, tuple) else loss).float()
+    flat, weight, bias = _fused_inputs(hidden, head, targets)
+    loss_fn = LigerFusedLinearCrossEntropyLoss(reduction="none", softcap=head.softcap, return_token_accuracy=with_top1)
+    out = loss_fn(weight, flat, targets.tokens, bias)
+    if with_top1:
+        return -out.loss.float(), out.token_accuracy.bool()
+    return -out.float()
+
+
+def liger_nll_sum(hidden: torch.Tensor, head: OutputHead, targets: Targets) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed negative log-likelihood of the targets, their top-1 accuracy), by Liger's fused kernel with
+    reduction="sum" (its gradient is formed in the forward pass: no recomputation in backward)."""
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+    flat, weight, bias = _fused_inputs(hidden, head, targets)
+    loss_fn = LigerFusedLinearCrossEntropyLoss(reduction="sum", softcap=head.softcap, return_token_accuracy=True)
+    out = loss_fn(weight, flat, targets.tokens, bias)
+    return out.loss.float(), out.token_accuracy.float()

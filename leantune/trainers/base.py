@@ -22,7 +22,7 @@ from transformers import Trainer
 from ..data.streaming import is_stream, log_stream_report, require_max_steps, reset_counts, use_own_stream_reads
 from ..losses.causal_lm import count_targets
 from ..losses.dispatch import LogProbPath, choose_logprob_path
-from ..losses.liger import liger_can_run, liger_nll_sum
+from ..losses.liger import liger_can_run, liger_head_problem, liger_nll_sum, liger_target_logprobs
 from ..losses.token_logprobs import (
     Targets,
     chunked_logprobs,
@@ -59,6 +59,8 @@ class LeantuneTrainer(Trainer):
     # Whether `trainer.eval_dataset` stays the object the user passed (TRL's online trainers), its prepared form
     # kept aside for evaluate(), rather than being replaced by the prepared dataset.
     keeps_eval_dataset_as_given = False
+    # Whether the trainer's log-probs are of logits divided by `args.temperature` (the online trainers').
+    scores_at_temperature = False
     def __init__(self, *args, **kwargs):
         self.throughput = TokenThroughput()
         self.data_reports: dict = {}
@@ -72,19 +74,38 @@ class LeantuneTrainer(Trainer):
         flags = [name for name in ("use_liger_kernel", "use_liger_loss") if getattr(config, name, False)]
         self.logprob_path = choose_logprob_path(bool(flags), config.device.type, " / ".join(flags) or "-",
                                                 chunked=getattr(config, "chunked_loss", True))
-        if self.logprob_path is not LogProbPath.LIGER and getattr(config, "use_liger_kernel", False):
-            config.use_liger_kernel = False  # transformers would try to patch the model with liger's kernels
+        if getattr(config, "use_liger_kernel", False) and (self.logprob_path is not LogProbPath.LIGER
+                                                           or config.device.type != "cuda"):
+            # transformers would patch the model with liger's kernels (RMSNorm, RoPE, SwiGLU, ...): on CUDA only,
+            # where they are compiled; under Triton's CPU interpreter they save no memory and cost time (docs/liger.md)
+            config.use_liger_kernel = False
+            if self.logprob_path is LogProbPath.LIGER:
+                logger.info("use_liger_kernel=True on %s: Liger's fused linear cross-entropy computes the loss; its "
+                            "model patches (RMSNorm, RoPE, SwiGLU) are applied on CUDA only.", config.device.type)
         self._offloader = None
         if config.activation_offloading:
             log_offloading_scope(logger)
         super().__init__(*args, **kwargs)
         self.tag_model()
+        if self.logprob_path is LogProbPath.LIGER:
+            self._note_liger_head()
         # TRL's attributes: a Mixture-of-Experts model whose config asks for router logits gets its load-balancing
         # loss added to the method's loss (see `normalise`)
         self.aux_loss_enabled, self.router_aux_loss_coef = router_loss_settings(self.model, config)
         self._router_loss = None
         if config.memory_breakdown:
             self.add_callback(MemoryBreakdownCallback(self.args.device, self._record_memory_breakdown))
+
+    def _note_liger_head(self) -> None:
+        """The one-line notice when the model's head keeps Liger from running (the chunked head runs instead)."""
+        try:
+            head = OutputHead.of(self.model, self.args.temperature if self.scores_at_temperature else 1.0)
+        except ValueError:
+            return
+        problem = liger_head_problem(head, self.args.device.type)
+        if problem is not None:
+            logger.warning("Liger was asked for, but %s; using leantune's chunked loss instead (same memory saving, "
+                           "exact).", problem)
 
     def note_router_loss(self, model, outputs) -> None:
         """Keep the router loss of a forward pass of the trained policy (not the reference, not a no-grad pass)."""
@@ -345,24 +366,43 @@ class LeantuneTrainer(Trainer):
             return logps, *extra, targets, outputs
         head = OutputHead.of(model, temperature)
         hidden, outputs = self._forward_hidden(model, inputs, head)
+        if self.liger_scores(head, with_entropy, stats) and len(targets):
+            result = liger_target_logprobs(hidden, head, targets, with_top1=bool(stats))
+            return (*result, targets, outputs) if stats else (result, targets, outputs)
         result = chunked_logprobs(hidden, head, targets, self.args.loss_chunk_size, with_entropy, entropy_grad,
                                   stats)
         return (*result, targets, outputs) if with_entropy or stats else (result, targets, outputs)
 
-    def fused_nll_runs(self, model) -> bool:
-        """Whether the summed NLL comes from Liger's fused kernel (no per-token values) rather than log-probs."""
-        return (self.logprob_path is LogProbPath.LIGER and not self._needs_full_logits(model)
-                and liger_can_run(OutputHead.of(model)))
+    def liger_scores(self, head: OutputHead, with_entropy: bool = False, stats: tuple[str, ...] = ()) -> bool:
+        """Whether Liger's fused kernel gives these per-target values: it yields each target's log-prob and whether
+        the target is the argmax (`top1`), nothing else (no entropies, no other statistics: those batches take the
+        chunked head, as the trainers say when they start)."""
+        return (self.logprob_path is LogProbPath.LIGER and liger_can_run(head, self.args.device.type)
+                and not with_entropy and set(stats) <= {"top1"} and len(stats) <= 1)
 
-    def target_nll_sum(self, model, inputs: dict, labels: torch.Tensor) -> tuple[torch.Tensor, Targets, object]:
-        """Summed next-token NLL of the targets: Liger's fused kernel where it runs, else -sum(target_logprobs)."""
+    def liger_head_runs(self, model) -> bool:
+        """Whether this forward pass's target log-probs come from Liger's fused kernel (per target)."""
+        return not self._needs_full_logits(model) and self.liger_scores(OutputHead.of(model))
+
+    def fused_nll_runs(self, model) -> bool:
+        """Whether the summed NLL comes from Liger's summing kernel (its gradient formed in the forward pass, no
+        per-token values). CUDA only: its backward scales the weight gradient one vocabulary row per Triton program,
+        which Triton's CPU interpreter runs one at a time (measured ~70 s per step at a 32000 vocabulary, against
+        ~1 s for the per-target kernel), so on CPU the per-target kernel computes the NLL."""
+        return self.args.device.type == "cuda" and self.liger_head_runs(model)
+
+    def target_nll_sum(self, model, inputs: dict, labels: torch.Tensor):
+        """(summed next-token NLL of the targets, their top-1 accuracy or None, Targets, model outputs): Liger's
+        fused kernel where it runs, else -sum(target_logprobs)."""
         if self.fused_nll_runs(model):
             head = OutputHead.of(model)
             targets = select_targets(labels)
             hidden, outputs = self._forward_hidden(model, inputs, head)
-            return liger_nll_sum(hidden, head, targets), targets, outputs
+            if len(targets):
+                return (*liger_nll_sum(hidden, head, targets), targets, outputs)
+            return -chunked_logprobs(hidden, head, targets, self.args.loss_chunk_size).sum(), None, targets, outputs
         logps, targets, outputs = self.target_logprobs(model, inputs, labels)
-        return -logps.sum(), targets, outputs
+        return -logps.sum(), None, targets, outputs
 
     # --- saving: the output folder says what it holds (README.md, models/model_card.py) --------------------------
 

@@ -8,6 +8,7 @@ import torch
 
 from ..data.preference_collator import REFERENCE_COLUMNS, PreferenceCollator, sequence_starts
 from ..data.preference_preparation import prepare_preference_dataset
+from ..losses.dispatch import LogProbPath
 from ..losses.preference import PairSequenceLogps, dpo_loss, pair_sequence_logps, wpo_weights
 from .base import LeantuneTrainer
 from .dpo_config import DPOConfig, dpo_loss_types, dpo_loss_weights
@@ -73,6 +74,10 @@ class DPOTrainer(ReferenceModelMixin, LeantuneTrainer):
         self.data_reports = reports
         self.ref_model = self.accelerator.prepare_model(ref_model, evaluation_mode=True) if ref_model else None
         self._reference_ready = not args.precompute_ref_log_probs
+        if self.logprob_path is LogProbPath.LIGER and args.use_weighting:
+            logger.info("use_liger_loss=True with use_weighting: WPO's weights need sum_v p_v^2 of every target, which "
+                        "Liger's fused kernel does not compute, so the policy is scored through leantune's chunked "
+                        "head (exact); the reference goes through Liger.")
 
     def prepare_split(self, dataset, split, tokenizer, args):
         return prepare_preference_dataset(dataset, tokenizer, args, split)

@@ -35,6 +35,7 @@ from ..losses.causal_lm import count_targets
 from ..losses.dispatch import LogProbPath
 from ..losses.entropy_bonus import EntropyBonus
 from ..losses.token_logprobs import target_sequences
+from ..models.output_head import OutputHead
 from ..rewards import RewardFunctions, RewardScores
 from .base import LeantuneTrainer
 from .reference import MODEL_INPUTS, ReferenceModelMixin, load_policy_and_reference
@@ -133,6 +134,7 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
     """Shared machinery of the online methods; a subclass supplies `round_advantages` and `policy_loss`."""
 
     keeps_eval_dataset_as_given = True  # as TRL's online trainers: prompts are prepared aside, for evaluate()
+    scores_at_temperature = True  # log-probs of the logits divided by args.temperature, as sampled
     entropy_bonus: EntropyBonus | None = None  # GRPO's entropy_coef (losses/entropy_bonus.py)
 
     method = "online"
@@ -200,8 +202,7 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
                              f"processes x steps_per_generation) must be a multiple of num_generations "
                              f"({args.num_generations}).")
         if self.logprob_path is LogProbPath.LIGER:
-            logger.info("use_liger_loss: completions are scored through leantune's chunked log-probs (exact, never "
-                        "the full logits); Liger's fused GRPO loss is not used.")
+            logger.info(self._liger_notice(args))
         self.sampling = SamplingSettings.from_config(args, tokenizer, self.model)
         self.scoring_collator = CausalLMCollator(tokenizer.pad_token_id, ("completion_mask",), args.padding_free,
                                                  args.pad_to_multiple_of)
@@ -352,6 +353,22 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         finally:
             model.train(was_training)
 
+    def entropies_in_loss(self, args=None) -> bool:
+        """Whether the loss reads per-token entropies: GRPO's entropy bonus or its high-entropy token mask."""
+        args = args or self.args
+        bonus = getattr(args, "entropy_coef", 0.0) != 0.0 or getattr(args, "use_adaptive_entropy", False)
+        return bonus or getattr(args, "top_entropy_quantile", 1.0) < 1.0
+
+    def _liger_notice(self, args) -> str:
+        if self.entropies_in_loss(args):
+            return ("use_liger_loss=True: the loss reads per-token entropies (entropy_coef / use_adaptive_entropy / "
+                    "top_entropy_quantile), which Liger's fused kernel does not compute, so the training forward "
+                    "passes score through leantune's chunked head (exact, never the full logits); generation-time "
+                    "and reference log-probs go through Liger's fused linear cross-entropy.")
+        return ("use_liger_loss=True: completions are scored by Liger's fused linear cross-entropy (per-token "
+                "log-probs, the method's loss written over them); it computes no entropies, so the `entropy` metric "
+                "is not logged.")
+
     def _scored_logps(self, model, batch: dict) -> torch.Tensor:
         inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
         logps, _, _ = self.target_logprobs(model, inputs, batch["labels"], self.args.temperature)
@@ -468,8 +485,14 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         self.count_tokens(model, batch)
         model_inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
         bonus = self.entropy_bonus
-        logps, entropy, targets, _ = self.target_logprobs(model, model_inputs, batch["labels"], self.args.temperature,
-                                                           with_entropy=True, entropy_grad=bonus is not None)
+        temperature = self.args.temperature
+        # Entropies for the metric come with the chunked head at no extra pass; Liger's kernel computes none
+        if self.entropies_in_loss() or not self.liger_scores(OutputHead.of(model, temperature)):
+            logps, entropy, targets, _ = self.target_logprobs(model, model_inputs, batch["labels"], temperature,
+                                                               with_entropy=True, entropy_grad=bonus is not None)
+        else:
+            logps, targets, _ = self.target_logprobs(model, model_inputs, batch["labels"], temperature)
+            entropy = torch.full_like(logps.detach(), float("nan"))  # NaN: left out of the logged mean
         sequence = target_sequences(targets, sequence_starts(batch))
         batch["token_entropy"] = entropy.detach()  # per target (GRPO's top_entropy_quantile reads it)
         loss_sum, metrics = self.policy_loss(logps, sequence, batch)

@@ -128,16 +128,24 @@ class SFTTrainer(LeantuneTrainer):
                 outputs = model(**inputs, use_cache=False)
             loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
             return (loss, outputs) if return_outputs else loss
-        if self.args.loss_type == "nll" and self.fused_nll_runs(model):  # Liger's kernel: no per-token values
-            loss_sum, _, outputs = self.target_nll_sum(model, inputs, labels)
+        # Liger's kernel gives no entropies: on its path the entropy metric is not logged (noted at the start)
+        liger = self.liger_head_runs(model)
+        if self.args.loss_type == "nll" and self.fused_nll_runs(model):  # Liger's summed NLL (CUDA)
+            loss_sum, accuracy, _, outputs = self.target_nll_sum(model, inputs, labels)
+            if accuracy is not None:
+                self.record_metrics(model, mean_token_accuracy=accuracy.reshape(1))
         else:
-            logps, entropy, top1, _, outputs = self.target_logprobs(model, inputs, labels, with_entropy=True,
-                                                                    stats=("top1",))
+            metrics = {}
+            if liger:
+                logps, top1, _, outputs = self.target_logprobs(model, inputs, labels, stats=("top1",))
+            else:
+                logps, entropy, top1, _, outputs = self.target_logprobs(model, inputs, labels, with_entropy=True,
+                                                                        stats=("top1",))
+                metrics["entropy"] = entropy.mean().reshape(1)
             token_loss = -logps
             if self.args.loss_type == "dft":  # DFT (arXiv 2508.05629): the NLL times the token's own probability
                 token_loss = token_loss * logps.detach().exp()
             loss_sum = token_loss.sum()
-            self.record_metrics(model, entropy=entropy.mean().reshape(1),
-                                mean_token_accuracy=top1.float().mean().reshape(1))
+            self.record_metrics(model, **metrics, mean_token_accuracy=top1.float().mean().reshape(1))
         loss = self.normalise(loss_sum, count_targets(labels), num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
