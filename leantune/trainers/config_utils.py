@@ -76,18 +76,22 @@ def resolve_checkpointing(args, default: bool = True) -> None:
     transformers 5 renamed `gradient_checkpointing*` to `activation_checkpointing*`; both are accepted here and the
     old name is cleared so that transformers does not warn about a name our users are told to use.
     """
-    enabled = args.activation_checkpointing
+    renamed = hasattr(args, "activation_checkpointing")  # transformers before the rename (5.19): only the old name
+    enabled = args.activation_checkpointing if renamed else None
     if enabled is None:
         enabled = args.gradient_checkpointing
     if enabled is None:
         enabled = default
-    kwargs = args.activation_checkpointing_kwargs or args.gradient_checkpointing_kwargs
+    kwargs = (args.activation_checkpointing_kwargs if renamed else None) or args.gradient_checkpointing_kwargs
     if isinstance(kwargs, str):
         import json
 
         kwargs = json.loads(kwargs)
     if enabled:
         kwargs = {"use_reentrant": False, **(kwargs or {})}
+    if not renamed:
+        args.gradient_checkpointing, args.gradient_checkpointing_kwargs = enabled, kwargs
+        return
     args.activation_checkpointing, args.activation_checkpointing_kwargs = enabled, kwargs
     args.gradient_checkpointing = args.gradient_checkpointing_kwargs = None
 
