@@ -8,12 +8,13 @@ tests). leantune's dispatch, though, reads TRITON_INTERPRET when a trainer start
 the environment it always did (Liger asked for on CPU -> the chunked head with a notice), so conftest takes the
 variable away around every test except those marked `liger_interpreter` (tests/test_liger_cpu.py).
 
-`bridge_interpreter_gaps` is only for Liger's model patches (RMSNorm, RoPE, SwiGLU), which leantune applies on CUDA
-only; the fused linear cross-entropy that leantune uses needs no bridge.
+`bridge_interpreter_gaps` is for what leantune keeps off Liger on CPU: the model patches (RMSNorm, RoPE, SwiGLU,
+applied on CUDA only) and a soft-capped head; the plain fused linear cross-entropy that leantune uses needs no bridge.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -67,6 +68,7 @@ class FusedKernelCalls:
         self.count = 0
         original = module.fused_linear_cross_entropy_forward
 
+        @functools.wraps(original)  # its signature is what leantune's feature check reads
         def counted(*args, **kwargs):
             self.count += 1
             return original(*args, **kwargs)
@@ -107,3 +109,16 @@ def bridge_interpreter_gaps(monkeypatch) -> None:
                 if getattr(getattr(module, function, None), "__module__", "").startswith("triton.language.extra"):
                     monkeypatch.setattr(module, function, replacement)
 
+
+
+def keep_llama_unpatched(monkeypatch) -> None:
+    """Liger's Llama patching also replaces module-level names of transformers' modeling_llama (RMSNorm, MLP, RoPE)
+    and may replace torch's cross_entropy: all restored when the test ends, so later models are the plain ones."""
+    import torch
+    from transformers.models.llama import modeling_llama
+
+    for name, value in list(vars(modeling_llama).items()):
+        if not name.startswith("__"):
+            monkeypatch.setattr(modeling_llama, name, value)
+    monkeypatch.setattr(modeling_llama.LlamaForCausalLM, "forward", modeling_llama.LlamaForCausalLM.forward)
+    monkeypatch.setattr(torch.nn.functional, "cross_entropy", torch.nn.functional.cross_entropy)

@@ -38,7 +38,13 @@ from leantune import (
 from leantune.losses.dispatch import LogProbPath, choose_logprob_path
 
 from .conftest import HH_PAIRS, gsm8k_prompt_completion, tiny_model
-from .liger_cpu import FusedKernelCalls, bridge_interpreter_gaps, forget_liger, liger_kernels_interpreted
+from .liger_cpu import (
+    FusedKernelCalls,
+    bridge_interpreter_gaps,
+    forget_liger,
+    keep_llama_unpatched,
+    liger_kernels_interpreted,
+)
 from .test_sft_exactness import GradientRecorder, rel_diff
 
 pytest.importorskip("liger_kernel", reason="needs leantune[liger]")
@@ -350,6 +356,7 @@ def test_liger_model_patches_with_the_fused_loss_train_as_the_plain_model(tokeni
     from transformers.integrations.liger import apply_liger_kernel
 
     bridge_interpreter_gaps(monkeypatch)
+    keep_llama_unpatched(monkeypatch)
     dataset = gsm8k_prompt_completion(gsm8k_rows, 2)
     patched = sft_trainer(tokenizer, dataset, tmp_path / "p", use_liger_kernel=True, padding_free=True,
                           max_length=40, max_steps=1)
@@ -361,3 +368,40 @@ def test_liger_model_patches_with_the_fused_loss_train_as_the_plain_model(tokeni
     expected = train_steps(sft_trainer(tokenizer, dataset, tmp_path / "c", padding_free=True, max_length=40,
                                        max_steps=1))
     assert_same_step(got, expected, "plain model, chunked head", grad_rtol=1e-4)
+
+
+def test_bf16_model_liger_matches_the_chunked_head(tokenizer, gsm8k_rows, tmp_path, kernel_calls):
+    """A bf16 model (the GPU test's case, here on CPU): Liger projects in bf16 and takes the softmax in fp32, the
+    chunked head projects in fp32. Tolerance: loss 1e-2 relative, gradients 5e-2 of their largest, as the GPU test:
+    bf16 logits carry ~4e-3 relative rounding (8 mantissa bits), which moves each log-prob by ~|logit| x 4e-3 and the
+    bf16 gradients by a few of their own ulps; a wrong target or scale moves the loss by > 10%."""
+    dataset = gsm8k_prompt_completion(gsm8k_rows, 2)
+    trainer = sft_trainer(tokenizer, dataset, tmp_path, use_liger_kernel=True, padding_free=True)
+    trainer.model.to(torch.bfloat16)
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(2)])
+    liger_loss, liger_grads = loss_and_grads(trainer, batch, LogProbPath.LIGER)
+    assert kernel_calls.take() == 2
+    loss, grads = loss_and_grads(trainer, batch, LogProbPath.CHUNKED)
+    assert float(liger_loss) == pytest.approx(float(loss), rel=1e-2)
+    for name, reference in grads.items():
+        assert rel_diff(liger_grads[name].float(), reference.float()) <= 5e-2, name
+
+
+def test_a_liger_without_per_token_gradients_trains_per_token_losses_on_the_chunked_head(
+        tokenizer, hh_pairs, tmp_path, kernel_calls, monkeypatch, caplog):
+    """liger-kernel < 0.8.2 scales every token's gradient by the first token's with reduction="none": with such a
+    version (its feature check answering no), DPO's policy pass takes the chunked head, announced; the reference's
+    (no gradient) still goes through Liger."""
+    from leantune.trainers import base
+
+    monkeypatch.setattr(base, "per_target_gradients_supported", lambda: False)
+    with caplog.at_level(logging.WARNING, logger="leantune"):
+        trainer = preference_trainer(DPOTrainer, DPOConfig, tokenizer, hh_pairs, tmp_path, use_liger_loss=True)
+    assert "fixed in 0.8.2" in caplog.text
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(trainer.train_dataset))])
+    loss, grads = loss_and_grads(trainer, batch, LogProbPath.LIGER)
+    assert kernel_calls.take() == 1  # the reference only
+    chunked_loss, chunked_grads = loss_and_grads(trainer, batch, LogProbPath.CHUNKED)
+    torch.testing.assert_close(loss, chunked_loss, rtol=RTOL, atol=1e-7)  # log 2 on both: policy == reference
+    for name, reference in chunked_grads.items():
+        assert rel_diff(grads[name], reference) <= GRAD_RTOL, name

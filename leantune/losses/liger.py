@@ -14,6 +14,8 @@ imported); losses/dispatch.py decides.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from ..models.output_head import OutputHead
@@ -34,6 +36,20 @@ def liger_head_problem(head: OutputHead, device_type: str) -> str | None:
     if head.softcap is not None and device_type != "cuda":
         return "Triton's CPU interpreter cannot pass the soft-capping value to Liger's kernel (a float argument)"
     return None
+
+
+def per_target_gradients_supported() -> bool:
+    """Whether liger-kernel's reduction="none" backward applies each target's own upstream gradient: since 0.8.2
+    (Liger-Kernel PR #1298); before, every target's gradient was scaled by the first target's, silently wrong for any
+    loss but a plain sum. Checked by the feature, not the version number."""
+    from liger_kernel.ops import fused_linear_cross_entropy as ops
+
+    return "token_grad_output" in inspect.signature(ops.fused_linear_cross_entropy_forward).parameters
+
+
+OLD_LIGER = ("this liger-kernel's reduction='none' backward scales every token's gradient by the first token's "
+             "(fixed in 0.8.2), so per-token losses that train (DPO, KTO, GRPO, RLOO, SFT's dft) use leantune's "
+             "chunked head; pip install -U 'liger-kernel>=0.8.2'")
 
 
 def liger_can_run(head: OutputHead, device_type: str = "cuda") -> bool:

@@ -22,7 +22,14 @@ from transformers import Trainer
 from ..data.streaming import is_stream, log_stream_report, require_max_steps, reset_counts, use_own_stream_reads
 from ..losses.causal_lm import count_targets
 from ..losses.dispatch import LogProbPath, choose_logprob_path
-from ..losses.liger import liger_can_run, liger_head_problem, liger_nll_sum, liger_target_logprobs
+from ..losses.liger import (
+    OLD_LIGER,
+    liger_can_run,
+    liger_head_problem,
+    liger_nll_sum,
+    liger_target_logprobs,
+    per_target_gradients_supported,
+)
 from ..losses.token_logprobs import (
     Targets,
     chunked_logprobs,
@@ -106,6 +113,8 @@ class LeantuneTrainer(Trainer):
         if problem is not None:
             logger.warning("Liger was asked for, but %s; using leantune's chunked loss instead (same memory saving, "
                            "exact).", problem)
+        elif not per_target_gradients_supported():
+            logger.warning("Liger was asked for, but %s.", OLD_LIGER)
 
     def note_router_loss(self, model, outputs) -> None:
         """Keep the router loss of a forward pass of the trained policy (not the reference, not a no-grad pass)."""
@@ -366,7 +375,9 @@ class LeantuneTrainer(Trainer):
             return logps, *extra, targets, outputs
         head = OutputHead.of(model, temperature)
         hidden, outputs = self._forward_hidden(model, inputs, head)
-        if self.liger_scores(head, with_entropy, stats) and len(targets):
+        liger = self.liger_scores(head, with_entropy, stats) and len(targets)
+        trains = torch.is_grad_enabled() and (hidden.requires_grad or bool(head.trainable_parameters))
+        if liger and (not trains or per_target_gradients_supported()):
             result = liger_target_logprobs(hidden, head, targets, with_top1=bool(stats))
             return (*result, targets, outputs) if stats else (result, targets, outputs)
         result = chunked_logprobs(hidden, head, targets, self.args.loss_chunk_size, with_entropy, entropy_grad,
