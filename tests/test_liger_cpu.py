@@ -8,8 +8,8 @@ log-probs differ by ~1e-6 on values of ~10 (1e-7 relative), and a sum of <= ~200
 of itself. Gradients: max |difference| / max |gradient| (rel_diff) <= 5e-5 (GRAD_RTOL). Liger forms the logits'
 gradient (softmax - onehot) in its own arithmetic, each entry a few ulps from torch's; backpropagated through the
 model, that rounding compounds where the gradient's terms cancel (the largest entries of layer 1's MLP and of the
-embeddings are sums of larger terms of both signs): measured up to 7e-6 (5e-7 between the chunked and full paths),
-so 5e-5 leaves a 7x margin for thread counts and orderings. A wrong target, shift, scale or per-target upstream
+embeddings are sums of larger terms of both signs): measured up to 9.4e-6 (5e-7 between the chunked and full
+paths; OMP_NUM_THREADS 1, 2 and 4 alike), so 5e-5 leaves a 5x margin for other orderings. A wrong target, shift, scale or per-target upstream
 gradient moves the gradients by >= 1e-3.
 """
 
@@ -286,8 +286,9 @@ def count_a(completions, **kwargs):
 
 
 def online_trainer(cls, config_cls, tokenizer, tmp_path, **overrides):
+    # temperature 0.7: the log-probs are of logits / 0.7, folded into Liger's inputs (losses/liger.py)
     settings = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
-                    max_completion_length=8, max_steps=1, beta=0.1, **COMMON)
+                    max_completion_length=8, max_steps=1, beta=0.1, temperature=0.7, **COMMON)
     settings.update(overrides)
     return cls(model=tiny_model(), reward_funcs=count_a, args=config_cls(**settings), train_dataset=online_prompts(),
                processing_class=tokenizer)
