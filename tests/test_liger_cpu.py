@@ -135,9 +135,11 @@ def test_sft_liger_training_equals_chunked_and_full(layout, tokenizer, gsm8k_row
         liger = sft_trainer(tokenizer, dataset, tmp_path / "l", use_liger_kernel=True, **LAYOUTS[layout])
     assert liger.logprob_path is LogProbPath.LIGER
     assert "model patches" in caplog.text  # on CPU Liger computes the loss; the model is not patched
+    assert "no entropies" in caplog.text
     got = train_steps(liger)
     assert kernel_calls.take() == 4  # per step: the fused forward and its recomputation in backward
     assert liger.state.log_history[0]["mean_token_accuracy"] >= 0.0  # Liger's own accuracy, logged
+    assert "entropy" not in liger.state.log_history[0]  # Liger computes none (announced: "no entropies")
     for path, flags in (("chunked", {}), ("full", {"chunked_loss": False})):
         expected = train_steps(sft_trainer(tokenizer, dataset, tmp_path / path, **flags, **LAYOUTS[layout]))
         assert_same_step(got, expected, path)

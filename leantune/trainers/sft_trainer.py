@@ -10,6 +10,7 @@ from ..data.chat_template import load_chat_template
 from ..data.collators import CausalLMCollator
 from ..data.sft_preparation import loss_mask_columns, prepare_sft_dataset
 from ..losses.causal_lm import count_targets
+from ..losses.dispatch import LogProbPath
 from ..models.loading import (
     apply_peft,
     ensure_pad_token,
@@ -101,6 +102,9 @@ class SFTTrainer(LeantuneTrainer):
             preprocess_logits_for_metrics=preprocess_logits_for_metrics,
         )
         self.data_reports = reports
+        if self.logprob_path is LogProbPath.LIGER:
+            logger.info("use_liger_kernel=True: Liger's fused linear cross-entropy gives the loss and "
+                        "mean_token_accuracy; it computes no entropies, so the `entropy` metric is not logged.")
 
     def skips_preparation(self, args) -> bool:
         return bool(parse_kwargs(args.dataset_kwargs).get("skip_prepare_dataset", False))
@@ -128,7 +132,7 @@ class SFTTrainer(LeantuneTrainer):
                 outputs = model(**inputs, use_cache=False)
             loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
             return (loss, outputs) if return_outputs else loss
-        # Liger's kernel gives no entropies: on its path the entropy metric is not logged (noted at the start)
+        # Liger's kernel gives no entropies: on its path the entropy metric is not logged (noted in __init__)
         liger = self.liger_head_runs(model)
         if self.args.loss_type == "nll" and self.fused_nll_runs(model):  # Liger's summed NLL (CUDA)
             loss_sum, accuracy, _, outputs = self.target_nll_sum(model, inputs, labels)
