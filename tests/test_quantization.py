@@ -288,3 +288,19 @@ def test_a_device_without_a_bitsandbytes_backend_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(bitsandbytes, "supported_torch_devices", {"some-accelerator"})
     with pytest.raises(RuntimeError, match=r"has no backend for this machine's training device \(cpu"):
         loading.load_causal_lm("unused", {"quantization_config": QUANT[8]})
+
+
+@needs_bnb
+def test_bitsandbytes_8bit_adamw_trains_4bit_lora(model_dir, gsm8k_rows, tmp_path):
+    """`optim="adamw_bnb_8bit"` (bitsandbytes' AdamW with 8-bit states; tensors under 4,096 values keep 32-bit
+    states, as bitsandbytes decides) runs where bitsandbytes runs, CPU included."""
+    import bitsandbytes as bnb
+
+    from leantune import SFTConfig, SFTTrainer
+
+    trainer = SFTTrainer(model=str(model_dir), train_dataset=gsm8k_prompt_completion(gsm8k_rows, 8), peft_config=lora(),
+                         args=SFTConfig(**settings(tmp_path, optim="adamw_bnb_8bit",
+                                                   model_init_kwargs={"quantization_config": QUANT[4]})))
+    assert math.isfinite(trainer.train().metrics["train_loss"])
+    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    assert isinstance(optimizer, bnb.optim.optimizer.Optimizer8bit)
