@@ -257,7 +257,8 @@ def test_every_trainer_trains_4bit_lora_with_gradient_checkpointing(kind, model_
 
 
 @needs_bnb
-def test_cli_load_in_4bit_trains_a_lora_adapter(model_dir, gsm8k_rows, tmp_path, capsys):
+@pytest.mark.parametrize("flag", ["--load_in_4bit", "--load_in_8bit"])
+def test_cli_load_in_4_or_8bit_trains_a_lora_adapter(flag, model_dir, gsm8k_rows, tmp_path, capsys):
     from leantune.cli.sft import run
 
     data_file = tmp_path / "train.jsonl"
@@ -265,7 +266,7 @@ def test_cli_load_in_4bit_trains_a_lora_adapter(model_dir, gsm8k_rows, tmp_path,
     code = run(["--model_name_or_path", str(model_dir), "--dataset_name", str(data_file), "--max_steps", "2",
                 "--max_length", "128", "--per_device_train_batch_size", "4", "--output_dir", str(tmp_path / "out"),
                 "--report_to", "none", "--use_cpu", "true", "--memory_breakdown", "false", "--disable_tqdm", "true",
-                "--load_in_4bit", "true", "--use_peft", "true", "--lora_r", "4"])
+                flag, "true", "--use_peft", "true", "--lora_r", "4"])
     capsys.readouterr()
     assert code == 0
     assert (tmp_path / "out" / "adapter_model.safetensors").exists()
@@ -304,3 +305,14 @@ def test_bitsandbytes_8bit_adamw_trains_4bit_lora(model_dir, gsm8k_rows, tmp_pat
     assert math.isfinite(trainer.train().metrics["train_loss"])
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
     assert isinstance(optimizer, bnb.optim.optimizer.Optimizer8bit)
+
+
+def test_cli_without_bitsandbytes_is_one_line_naming_the_extra(tmp_path, capsys, monkeypatch):
+    from leantune.cli.main import main
+
+    monkeypatch.setattr("leantune.utils.imports.is_available", lambda module: module != "bitsandbytes")
+    code = main(["sft", "--model_name_or_path", "unused", "--dataset_name", "unused.jsonl", "--output_dir",
+                 str(tmp_path), "--load_in_4bit", "true", "--use_peft", "true"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--load_in_4bit needs bitsandbytes" in err and "leantune[bitsandbytes]" in err
+    assert "Traceback" not in err

@@ -70,6 +70,13 @@ class ModelConfig:
             raise ValueError("Choose one of `load_in_8bit` and `load_in_4bit`.")
         if (self.load_in_8bit or self.load_in_4bit) and not self.use_peft:
             raise ValueError("A 4/8-bit model can only be trained through an adapter: add `use_peft`.")
+        if self.load_in_8bit or self.load_in_4bit:
+            from ..utils.imports import is_available
+
+            if not is_available("bitsandbytes"):  # before any model or data is loaded
+                flag = "load_in_4bit" if self.load_in_4bit else "load_in_8bit"
+                raise ValueError(f"`{flag}` needs bitsandbytes, which is not installed: "
+                                 "pip install 'leantune[bitsandbytes]'")
         if not self.use_peft:
             defaults = {f.name: f.default for f in fields(self)}
             unused = [name for name in defaults if name.startswith("lora_") or name == "use_rslora"]
