@@ -3,9 +3,10 @@
 A QLoRA step must compute the gradients of an fp32 model holding the dequantised base weights: bitsandbytes'
 differentiable paths dequantise each weight to the compute dtype (fp32 here) and run an ordinary matmul, forward and
 backward. Tolerance: per tensor, 1e-5 of the tensor's largest entry. The two models run the same fp32 operations on
-the same values (measured difference 0 for 4-bit; 8-bit dequantises with a multiply of its own, measured <= 1e-7
-relative), so only fp32 rounding of sums taken in another order may differ, which is bounded by the magnitude of the
-largest terms summed, i.e. by the tensor's largest entry, not by each entry.
+the same values (measured difference 0 for 4-bit and for 8-bit, whose reference dequantises in bitsandbytes' order
+of operations), so only fp32 rounding of sums taken in another order (another thread count, another kernel) could
+differ, which is bounded by the magnitude of the largest terms summed, i.e. by the tensor's largest entry, not by
+each entry.
 
 The trap this file guards: on a CPU with AVX512-BF16, a 4-bit layer that runs once in eval mode without gradient
 (right after from_pretrained, an evaluation, a generation or reference pass) repacks its weights for inference, and
@@ -81,8 +82,8 @@ def dequantised_weight(module) -> torch.Tensor:
     weight = module.weight
     if isinstance(module, bnb.nn.Linear4bit):
         return bnb.functional.dequantize_4bit(weight.data, weight.quant_state).float()
-    if isinstance(module, bnb.nn.Linear8bitLt):  # row-wise absmax int8: W = CB * SCB / 127
-        return weight.data.float() * weight.SCB.float()[:, None] / 127
+    if isinstance(module, bnb.nn.Linear8bitLt):  # row-wise absmax int8: W = CB * (SCB / 127), bitsandbytes' order
+        return weight.data.float() * (weight.SCB.float()[:, None] * (1.0 / 127.0))
     return weight.data.float()
 
 
