@@ -3,6 +3,17 @@
 from __future__ import annotations
 
 import importlib
+import logging
+
+
+def _drop_bitsandbytes_kernel_notice(record: logging.LogRecord) -> bool:
+    """bitsandbytes warns at import, on CPUs with AVX512-BF16, that an optional inference kernel (`kernels` package)
+    is missing. leantune switches that inference path off for every model it trains (models/loading.py), so the
+    warning names nothing a leantune user needs; other bitsandbytes messages pass."""
+    return not str(record.msg).startswith("Failed to load CPU gemm_4bit_forward")
+
+
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_drop_bitsandbytes_kernel_notice)
 
 __version__ = "0.1.0"
 

@@ -169,15 +169,6 @@ def test_completion_only_loss_on_plain_text_is_rejected(tokenizer, tmp_path):
         trainer_for(Dataset.from_list([{"text": "abc"}]), tokenizer, tmp_path, completion_only_loss=True)
 
 
-def test_quantisation_without_bitsandbytes_or_cuda_is_a_clear_error(tmp_path, tokenizer_dir):
-    model_dir = tmp_path / "model"
-    tiny_model().save_pretrained(model_dir)
-    with pytest.raises((ImportError, RuntimeError), match="bitsandbytes|CUDA"):
-        SFTTrainer(model=str(model_dir), processing_class=None,
-                   args=config(tmp_path, model_init_kwargs={"quantization_config": {"load_in_4bit": True}}),
-                   train_dataset=Dataset.from_list([{"text": "x"}]))
-
-
 @pytest.mark.parametrize("padding_free", [False, True])
 def test_pad_to_multiple_of_pads_batches_without_changing_targets(padding_free, tokenizer, gsm8k_rows, tmp_path):
     data = gsm8k_prompt_completion(gsm8k_rows, 3)

@@ -26,7 +26,7 @@ class MemoryOptions:
     )
     use_liger_loss: bool = field(
         default=False,
-        metadata={"help": "Never hold the full logits: liger-kernel's fused losses on CUDA, else leantune's chunked loss."},
+        metadata={"help": "Never hold the full logits: liger-kernel's fused losses on CUDA (on CPU with TRITON_INTERPRET=1), else leantune's chunked loss."},
     )
     activation_offloading: bool = field(
         default=False,

@@ -81,7 +81,7 @@ class SFTConfig(MemoryOptions, CausalLMOptions, TrainingArguments):
         "help": "nll (token-mean cross-entropy) or dft (each token's NLL weighted by its detached probability)."})
     use_liger_kernel: bool = field(
         default=False,
-        metadata={"help": "Never hold the full logits: liger-kernel's fused kernels on CUDA, else leantune's chunked loss."},
+        metadata={"help": "Never hold the full logits: liger-kernel's fused kernels on CUDA (on CPU with TRITON_INTERPRET=1), else leantune's chunked loss."},
     )
 
     def __post_init__(self):
