@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -43,7 +44,16 @@ def launch(command: list[str], timeout: int = 300) -> tuple[subprocess.Completed
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES and not k.startswith("ACCELERATE_")}
     env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
     started = time.perf_counter()
-    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    # A session of its own: on a timeout the launcher's workers are killed with it, not left training as orphans.
+    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+            raise
+    run = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
     return run, time.perf_counter() - started
 
 

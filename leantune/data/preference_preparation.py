@@ -16,6 +16,7 @@ import numpy as np
 
 from ..profiling.summary import length_summary_line
 from .chat_template import require_chat_template
+from .formats import rename_legacy_token_columns
 from .preference_formats import (
     PreferenceFormat,
     PreferenceTokenizer,
@@ -23,7 +24,6 @@ from .preference_formats import (
     explicit_prompt_example,
     is_empty_completion,
 )
-from .formats import rename_legacy_token_columns
 from .report import NothingLeft
 from .streaming import is_stream, prepare_stream
 
