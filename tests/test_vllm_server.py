@@ -73,7 +73,7 @@ def server(model_dir, tmp_path_factory):
             [sys.executable, "-m", "leantune.cli.main", "vllm-serve", "--model", str(model_dir), "--engine",
              "transformers", "--host", "127.0.0.1", "--port", "0", "--seed", "0"],
             stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-    url = _wait_for_url(log_path, process)
+    url = wait_for_url(log_path, process)
     yield url
     try:
         VLLMServerClient(url).close_server()
@@ -83,7 +83,7 @@ def server(model_dir, tmp_path_factory):
             process.kill()
 
 
-def _wait_for_url(log_path, process, timeout: float = 120.0) -> str:
+def wait_for_url(log_path, process, timeout: float = 120.0) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         match = re.search(r"on (http://[\d.]+:\d+)", log_path.read_text())
