@@ -391,9 +391,10 @@ class LeantuneTrainer(Trainer):
         return (self.logprob_path is LogProbPath.LIGER and liger_can_run(head, self.args.device.type)
                 and not with_entropy and set(stats) <= {"top1"} and len(stats) <= 1)
 
-    def liger_head_runs(self, model) -> bool:
-        """Whether this forward pass's target log-probs come from Liger's fused kernel (per target)."""
-        return not self._needs_full_logits(model) and self.liger_scores(OutputHead.of(model))
+    def liger_head_runs(self, model, temperature: float = 1.0) -> bool:
+        """Whether this forward pass's target log-probs come from Liger's fused kernel (per target), which computes
+        no entropies: a trainer asks for the entropy metric only where it comes free (the chunked or full path)."""
+        return not self._needs_full_logits(model) and self.liger_scores(OutputHead.of(model, temperature))
 
     def fused_nll_runs(self, model) -> bool:
         """Whether the summed NLL comes from Liger's summing kernel (its gradient formed in the forward pass, no

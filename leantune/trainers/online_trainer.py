@@ -35,7 +35,6 @@ from ..losses.causal_lm import count_targets
 from ..losses.dispatch import LogProbPath
 from ..losses.entropy_bonus import EntropyBonus
 from ..losses.token_logprobs import target_sequences
-from ..models.output_head import OutputHead
 from ..rewards import RewardFunctions, RewardScores
 from .base import LeantuneTrainer
 from .reference import MODEL_INPUTS, ReferenceModelMixin, load_policy_and_reference
@@ -487,7 +486,7 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         bonus = self.entropy_bonus
         temperature = self.args.temperature
         # Entropies for the metric come with the chunked head at no extra pass; Liger's kernel computes none
-        if self.entropies_in_loss() or not self.liger_scores(OutputHead.of(model, temperature)):
+        if self.entropies_in_loss() or not self.liger_head_runs(model, temperature):
             logps, entropy, targets, _ = self.target_logprobs(model, model_inputs, batch["labels"], temperature,
                                                                with_entropy=True, entropy_grad=bonus is not None)
         else:
