@@ -116,3 +116,19 @@ def test_demo_reward_rises(command, capsys, tmp_path):
     # measured at 80 steps (seed 42): sampled 0.719 -> 0.990 (GRPO) / 1.022 (RLOO); train 0.817 -> 0.991 / 1.088
     assert numbers["sampled_after"] > numbers["sampled_before"] + 0.15, numbers
     assert numbers["train_last"] > numbers["train_first"] + 0.08, numbers
+
+
+@pytest.mark.parametrize("command", ["grpo", "rloo"])
+def test_a_generation_backend_that_cannot_run_here_is_one_line_before_anything_loads(command, capsys, tmp_path):
+    """Colocated vLLM without vllm installed (the training venv never has it) or without a GPU: one line naming what
+    to install, exit 2, before the demo's warm-up or any data is read (a file that does not exist is never opened)."""
+    from leantune.utils.imports import is_available
+
+    if is_available("vllm"):
+        pytest.skip("vllm is installed in this venv: its missing-extra error cannot be shown")
+    argv = [command, "--use_vllm", "true", "--vllm_mode", "colocate", "--output_dir", str(tmp_path / "out")]
+    for extra in ([], ["--model_name_or_path", str(tmp_path / "none"), "--dataset_name", str(tmp_path / "none.jsonl")]):
+        assert main([*argv, *extra]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "pip install 'leantune[vllm]'" in err[0], err
+        assert not (tmp_path / "out").exists()

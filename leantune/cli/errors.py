@@ -10,6 +10,8 @@ import os
 import re
 import sys
 
+from ..utils.imports import MissingExtraError, NeedsGPUError
+
 USAGE_EXIT_CODE = 2
 DEBUG_ENV = "LEANTUNE_DEBUG"
 
@@ -19,8 +21,9 @@ class UsageError(ValueError):
 
 
 # Exceptions that mean "the input is wrong" rather than "leantune is wrong". Anything else is a bug: traceback.
+# A flag that needs a package which is not installed, or a GPU the machine lacks, is the user's to fix too.
 USER_MISTAKES = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError,
-                 UnicodeDecodeError)
+                 UnicodeDecodeError, MissingExtraError, NeedsGPUError)
 
 
 TRANSFORMERS_DEBUG_VALUES = ("underflow_overflow", "tpu_metrics_debug")

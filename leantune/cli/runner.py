@@ -68,6 +68,10 @@ def run_method(name: str, argv: list[str]) -> int:
         missing = "--model_name_or_path" if model_args.model_name_or_path is None else "--dataset_name"
         raise UsageError(f"{missing} is required (give both --model_name_or_path and --dataset_name, or neither "
                          "for the built-in demo).")
+    if method.online:  # a generation backend that cannot run here fails now, not after a demo's warm-up
+        from ..generation.backend import check_backend_requirements
+
+        check_backend_requirements(args)
     if model_args.model_name_or_path is None:
         if args.resume_from_checkpoint:
             raise UsageError("--resume_from_checkpoint: the built-in demo saves no checkpoints to resume from; "

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 
-import torch
-
 EXTRA_FOR_MODULE = {
     "liger_kernel": "liger",
     "deepspeed": "deepspeed",
@@ -16,6 +14,14 @@ EXTRA_FOR_MODULE = {
 }
 
 
+class MissingExtraError(ImportError):
+    """An optional package that a setting asked for is not installed (a user's choice to fix, not a bug)."""
+
+
+class NeedsGPUError(RuntimeError):
+    """A setting asked for something that runs only on a CUDA GPU, on a machine without one."""
+
+
 def is_available(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
@@ -24,12 +30,14 @@ def require(module: str, feature: str) -> None:
     """Raise an ImportError that names the pip extra providing `module`."""
     if not is_available(module):
         extra = EXTRA_FOR_MODULE.get(module, module)
-        raise ImportError(
+        raise MissingExtraError(
             f"{feature} needs the optional package '{module}', which is not installed. "
             f"Install it with: pip install 'leantune[{extra}]'"
         )
 
 
 def require_cuda(feature: str) -> None:
+    import torch
+
     if not torch.cuda.is_available():
-        raise RuntimeError(f"{feature} needs a CUDA GPU, and none is visible to PyTorch on this machine.")
+        raise NeedsGPUError(f"{feature} needs a CUDA GPU, and none is visible to PyTorch on this machine.")
