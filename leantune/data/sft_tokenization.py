@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from .chat_template import has_generation_markers, row_template_kwargs
 from .formats import SFTFormat, data_code_digest
+from .training_templates import mask_template_for
 
 
 def is_empty_example(example: dict, fmt: SFTFormat, text_field: str) -> bool:
@@ -90,6 +91,11 @@ class SFTTokenizer:
         self.assistant_only_loss = assistant_only_loss
         self.eos_token_id = eos_token_id
         self.code = data_code_digest()  # a datasets cache written by other code is not reused
+        # A known template whose prefixes cannot locate assistant turns: leantune's marked equivalent gives the mask
+        # (data/training_templates.py); its text is part of this object's state, so of the datasets fingerprint.
+        known = mask_template_for(tokenizer.chat_template) if assistant_only_loss else None
+        self.mask_family = known.family if known else None
+        self.mask_template = known.text if known else None
 
     def __call__(self, batch: dict) -> dict:
         size = len(next(iter(batch.values())))
@@ -150,5 +156,22 @@ class SFTTokenizer:
         out["input_ids"].append(ids)
         if marked:
             out["assistant_masks"].append(list(encoded["assistant_masks"]))
+        elif self.mask_template is not None:
+            out["assistant_masks"].append(self._mask_from_known_template(messages, ids, kwargs))
         elif self.assistant_only_loss:
             out["assistant_masks"].append(assistant_masks_from_prefixes(self.tokenizer, messages, ids, **kwargs))
+
+    def _mask_from_known_template(self, messages: list[dict], rendered: list[int], kwargs: dict) -> list[int]:
+        """The assistant mask from leantune's marked template for this family, which must render the very tokens
+        the tokenizer's own template rendered."""
+        encoded = self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                                     return_assistant_tokens_mask=True,
+                                                     chat_template=self.mask_template, **kwargs)
+        if list(encoded["input_ids"]) != rendered:
+            raise ValueError(
+                f"assistant_only_loss: leantune's {self.mask_family} template (used only to locate assistant tokens) "
+                "renders this conversation differently from the tokenizer's own template, so its mask would not fit "
+                "the tokens. Please report it to leantune with the conversation; meanwhile wrap the assistant output "
+                "of your template in {% generation %} ... {% endgeneration %} (chat_template_path=)."
+            )
+        return list(encoded["assistant_masks"])

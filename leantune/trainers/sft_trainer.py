@@ -9,6 +9,7 @@ from transformers import TrainingArguments
 from ..data.chat_template import load_chat_template
 from ..data.collators import CausalLMCollator
 from ..data.sft_preparation import loss_mask_columns, prepare_sft_dataset
+from ..data.training_templates import announce_mask_template
 from ..losses.causal_lm import count_targets
 from ..losses.dispatch import LogProbPath
 from ..models.loading import (
@@ -68,6 +69,8 @@ class SFTTrainer(LeantuneTrainer):
         tokenizer = load_tokenizer(model_source, processing_class, trust_remote_code=args.trust_remote_code)
         if args.chat_template_path:
             load_chat_template(tokenizer, args.chat_template_path)
+        if args.assistant_only_loss:
+            announce_mask_template(tokenizer)
         ensure_pad_token(tokenizer, args.pad_token)
         if args.gradient_checkpointing:
             model.config.use_cache = False
