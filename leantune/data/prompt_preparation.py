@@ -69,13 +69,15 @@ def prompt_text(prompt, tokenizer, conversational: bool, chat_template_kwargs: d
                                          **(chat_template_kwargs or {}))
 
 
-def prepare_prompt_dataset(dataset, tokenizer, args, split: str = "train", context_limit: int | None = None):
-    """(dataset with `prompt_ids` added, PromptReport). Raises when no prompt is left."""
+def prepare_prompt_dataset(dataset, tokenizer, args, split: str = "train", context_limit: int | None = None,
+                           template_kwargs: dict | None = None):
+    """(dataset with `prompt_ids` added, PromptReport). Raises when no prompt is left. `template_kwargs` go to every
+    chat-template call (GRPO's `tools`), before each row's own."""
     if dataset is None:
         return None, None
     if is_stream(dataset):  # the same recipe, one buffer at a time (data/streaming.py)
         return prepare_stream(dataset, lambda buffer: prepare_prompt_dataset(
-            buffer, tokenizer, args, split, context_limit), split, log_args=(args, context_limit))
+            buffer, tokenizer, args, split, context_limit, template_kwargs), split, log_args=(args, context_limit))
     if "prompt" not in dataset.column_names:
         raise ValueError(f"The {split} dataset needs a 'prompt' column (text or a list of chat messages); "
                          f"it has {dataset.column_names}.")
@@ -93,7 +95,7 @@ def prepare_prompt_dataset(dataset, tokenizer, args, split: str = "train", conte
         if not prompt or (isinstance(prompt, str) and not prompt.strip()):
             return {PROMPT_IDS: [], "_status": "empty", "_cut": 0}
         text = prompt_text(prompt, tokenizer, report.conversational,
-                           {**(args.chat_template_kwargs or {}), **row_template_kwargs(row)})
+                           {**(args.chat_template_kwargs or {}), **(template_kwargs or {}), **row_template_kwargs(row)})
         ids = tokenizer(text, add_special_tokens=not report.conversational)["input_ids"]
         cut = 0
         if args.max_prompt_length is not None and len(ids) > args.max_prompt_length:

@@ -62,19 +62,28 @@ class RewardFunctions:
     """The reward functions of a trainer: loads reward models given by name, names every function, and scores a
     generation round with all of them."""
 
-    def __init__(self, reward_funcs, reward_weights=None, reward_processing_classes=None, model_init_kwargs=None):
-        funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-        if not funcs:
+    def __init__(self, reward_funcs, reward_weights=None, reward_processing_classes=None, model_init_kwargs=None,
+                 extra_funcs=()):
+        """`extra_funcs`: reward sources the trainer adds after `reward_funcs` (GRPO's environment-owned rewards),
+        weight 1 each; `reward_weights` and `reward_processing_classes` describe `reward_funcs` alone, as in TRL."""
+        if reward_funcs is None:
+            funcs = []
+        else:
+            funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        if not funcs and not extra_funcs:
             raise ValueError("`reward_funcs` is empty: give at least one reward function or reward model.")
-        tokenizers = _processing_classes_by_position(reward_processing_classes, funcs)
+        tokenizers = _processing_classes_by_position(reward_processing_classes, funcs) if funcs else []
         self.funcs: list[Any] = []
         self.tokenizers: list[Any] = []
         for position, (func, tokenizer) in enumerate(zip(funcs, tokenizers)):
             func, tokenizer = _prepare(func, tokenizer, position, model_init_kwargs or {})
             self.funcs.append(func)
             self.tokenizers.append(tokenizer)
+        weights = _checked_weights(reward_weights, len(self.funcs))
+        self.funcs += list(extra_funcs)
+        self.tokenizers += [None] * len(extra_funcs)
         self.names = _distinct(_name_of(func) for func in self.funcs)
-        self.weights = _checked_weights(reward_weights, len(self.funcs))
+        self.weights = torch.cat([weights, torch.ones(len(extra_funcs), dtype=torch.float32)])
 
     def to(self, device) -> RewardFunctions:
         """Moves the reward models (callables stay where they are)."""

@@ -108,7 +108,9 @@ class GRPOConfig(OnlineConfig):
     entropy_coef_delta: float = field(default=0.005, metadata={"help": "Adaptive entropy: step of the coefficient."})
     entropy_target: float = field(default=0.2, metadata={"help": "Adaptive entropy: target mean token entropy."})
     max_tool_calling_iterations: int | None = field(
-        default=None, metadata={"help": "Most tool-calling turns of an agent. Not supported yet."}
+        default=None, metadata={"help": "With `tools` / `environment_factory`: most rounds of tool calls and "
+                                         "generation after the first turn (None: until no tool is called or "
+                                         "max_completion_length is spent)."}
     )
     log_completions_hub_repo: str | None = field(
         default=None, metadata={"help": "Hub dataset repo to push logged completions to. Not supported yet."}
@@ -167,5 +169,8 @@ def validate_grpo_objective(args: GRPOConfig) -> None:
                          "ratios to them.")
     if not 0.0 <= args.top_entropy_quantile <= 1.0:
         raise ValueError(f"`top_entropy_quantile` must be in [0, 1], got {args.top_entropy_quantile}.")
+    if args.max_tool_calling_iterations is not None and args.max_tool_calling_iterations < 0:
+        raise ValueError(f"`max_tool_calling_iterations` must be >= 0 or None (no limit), got "
+                         f"{args.max_tool_calling_iterations}.")
     if args.delta is not None and args.delta <= 0:
         raise ValueError(f"`delta` must be positive (best above 1 + epsilon_high) or None, got {args.delta}.")

@@ -35,6 +35,7 @@ from ..losses.policy_gradient import (
 )
 from ..models.output_head import compute_head_in_fp32
 from .grpo_config import GRPOConfig
+from ..rollouts import AgentRollouts
 from .online_trainer import OnlineTrainer
 
 
@@ -45,24 +46,36 @@ class GRPOTrainer(OnlineTrainer):
     def __init__(self, model, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
                  quantization_config=None, peft_config=None, tools=None, rollout_func=None, environment_factory=None):
-        agentic = [name for name, value in (("tools", tools), ("rollout_func", rollout_func),
-                                            ("environment_factory", environment_factory)) if value is not None]
-        if agentic:
-            raise ValueError(f"`{agentic[0]}` (TRL's tool-calling / custom rollouts) is not supported by leantune yet: "
-                             "completions are single-turn samples of the policy; score tool use in a reward "
-                             "function, or train with TRL.")
-        if reward_funcs is None:
+        # TRL's agentic keywords (rollouts/): multi-turn tool calling, environments, or the user's own rollouts
+        agent = AgentRollouts(tools, environment_factory, rollout_func) \
+            if tools or rollout_func is not None or environment_factory is not None else None
+        if not reward_funcs and not (agent is not None and agent.reward_functions()):
             raise ValueError("No reward source provided: pass `reward_funcs` (callables, reward model ids or paths, "
-                             "or reward models).")
+                             "or reward models), or an `environment_factory` whose environment defines a "
+                             "`get_reward` method.")
         super().__init__(model, reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          processing_class=processing_class, reward_processing_classes=reward_processing_classes,
                          callbacks=callbacks, optimizers=optimizers, quantization_config=quantization_config,
-                         peft_config=peft_config)
+                         peft_config=peft_config, agent=agent)
+        self.rollout_func = rollout_func
+        self.tools = list(agent.tools) if agent is not None else []  # TRL's attribute: every tool the policy may call
         self.entropy_bonus = EntropyBonus.from_config(self.args)
         if self.args.cast_lm_head_to_fp32:
             for model in (self.model, self.ref_model):
                 if model is not None:
                     compute_head_in_fp32(model)
+
+    @property
+    def _env_tools(self) -> dict | None:
+        """TRL's attribute: the tools each environment's rollouts see, by environment name (None: one environment)."""
+        environments = self.agent.environments if self.agent is not None else None
+        return environments.tools if environments is not None else None
+
+    @property
+    def _environment_pool(self) -> dict | None:
+        """TRL's attribute: the reusable environment instances, by environment name."""
+        environments = self.agent.environments if self.agent is not None else None
+        return environments.pool if environments is not None else None
 
     @property
     def corrects_sampling(self) -> bool:

@@ -36,6 +36,7 @@ from ..losses.dispatch import LogProbPath
 from ..losses.entropy_bonus import EntropyBonus
 from ..losses.token_logprobs import target_sequences
 from ..rewards import RewardFunctions, RewardScores
+from ..rollouts import AgentRollouts, Rollout
 from .base import LeantuneTrainer
 from .reference import MODEL_INPUTS, ReferenceModelMixin, load_policy_and_reference
 
@@ -153,10 +154,16 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         optimizers=(None, None),
         quantization_config=None,
         peft_config=None,
+        agent: AgentRollouts | None = None,
     ):
         if args is None:
             name = model if isinstance(model, str) else type(model).__name__
             args = self.config_class(output_dir=f"{str(name).split('/')[-1]}-{self.method.upper()}")
+        # GRPO's tools / environments / rollout function (rollouts/): None for single-turn sampling
+        self.agent = agent
+        self.environments = None  # TRL's attribute: the environment instance of each rollout of the last round
+        if train_dataset is None and agent is not None:
+            train_dataset = agent.placeholder_dataset(args)  # environments that own the data (or TRL's errors)
         self.require_train_dataset(train_dataset)
         check_backend_requirements(args)
         # 1. policy, tokenizer, reference (none when beta = 0; the adapter disabled with PEFT)
@@ -168,7 +175,8 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
 
         # 2. rewards
         self.rewards = RewardFunctions(reward_funcs, args.reward_weights, reward_processing_classes,
-                                       {"trust_remote_code": True} if args.trust_remote_code else None)
+                                       {"trust_remote_code": True} if args.trust_remote_code else None,
+                                       extra_funcs=agent.reward_functions() if agent is not None else ())
         # TRL's attributes: the functions and their tokenizers by position (None for a callable)
         self.reward_funcs, self.reward_processing_classes = self.rewards.funcs, self.rewards.tokenizers
 
@@ -203,6 +211,8 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         if self.logprob_path is LogProbPath.LIGER:
             logger.info(self._liger_notice(args))
         self.sampling = SamplingSettings.from_config(args, tokenizer, self.model)
+        if self.agent is not None:
+            self.agent.bind(tokenizer, args, self.sampling.eos_token_ids, self._context_limit)
         self.scoring_collator = CausalLMCollator(tokenizer.pad_token_id, ("completion_mask",), args.padding_free,
                                                  args.pad_to_multiple_of)
         self.backend = None
@@ -214,7 +224,22 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         self._logs = {"extra": defaultdict(lambda: deque(maxlen=self.round_size))}
 
     def prepare_split(self, dataset, split, tokenizer, args):
-        return prepare_prompt_dataset(dataset, tokenizer, args, split, self._context_limit)
+        if self.agent is None:
+            return prepare_prompt_dataset(dataset, tokenizer, args, split, self._context_limit)
+        prepared, report = prepare_prompt_dataset(self.agent.with_prompt_column(dataset), tokenizer, args, split,
+                                                  self._context_limit, self.agent.prompt_template_kwargs())
+        self.agent.check_dataset(prepared, report.conversational if report is not None else True)
+        return prepared, report
+
+    @property
+    def reward_func_names(self) -> list[str]:
+        """TRL's attribute: the reward functions' names, as their metrics are logged."""
+        return list(self.rewards.names)
+
+    @property
+    def reward_weights(self) -> torch.Tensor:
+        """TRL's attribute: one weight per reward function (environment-owned rewards: 1)."""
+        return self.rewards.weights
 
     # --- data: rounds of prompts ---------------------------------------------------------------------------------
 
@@ -284,22 +309,54 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         args = self.args
         group = args.num_generations
         rows = [row for row in prompt_rows for _ in range(group)][self._local_slice(len(prompt_rows) * group)]
-        completion_ids = self.generate_completions([row[PROMPT_IDS] for row in rows], self.sampling)
-        scored = self.score_completions(rows, completion_ids, training=True)
+        completion_ids, rollout = self.rollout_completions(rows)
+        scored = self.score_completions(rows, completion_ids, training=True, rollout=rollout)
         off_policy = self.steps_per_generation > args.gradient_accumulation_steps or args.num_iterations > 1
         batches = self.scored_batches(rows, completion_ids, scored, len(rows) // self.steps_per_generation, group,
-                                      off_policy or self.kl_in_reward or self.needs_old_logps)
+                                      off_policy or self.kl_in_reward or self.needs_old_logps, rollout=rollout)
         return [dict(batch) for _ in range(args.num_iterations) for batch in batches]
 
+    def rollout_completions(self, rows: list[dict]) -> tuple[Completions, Rollout | None]:
+        """The completions of this process's rows: one sampled turn each, or with GRPO's tools / environments /
+        rollout function, the agent's rollouts (rollouts/: prompts may change, tool tokens are not trained)."""
+        if self.agent is None:
+            return self.generate_completions([row[PROMPT_IDS] for row in rows], self.sampling), None
+        rollout = self.agent.rollout(rows, self._generate_turn, self, self._step_together)
+        self.environments = rollout.environments
+        return Completions(rollout.completion_ids), rollout
+
+    def _generate_turn(self, prompt_ids: list[list[int]], max_new_tokens: int) -> Completions:
+        """One turn of the agent's rollouts, through the same backend (transformers or vLLM) as single turns."""
+        sampling = dataclasses.replace(self.sampling, max_new_tokens=max_new_tokens)
+        if prompt_ids:
+            return self.generate_completions(prompt_ids, sampling)
+        # Nothing left here while other processes go on: generate in step with them (a backend call may gather
+        # weights across processes), one token for a dummy prompt, and keep nothing.
+        self.generate_completions([[self.sampling.eos_token_ids[0] if self.sampling.eos_token_ids else 0]],
+                                  dataclasses.replace(sampling, max_new_tokens=1))
+        return Completions([], [] if sampling.logprobs else None)
+
+    def _step_together(self, wants_more: bool) -> bool:
+        """Whether any process's rollouts want another turn (one process: its own answer)."""
+        if self.accelerator.num_processes == 1:
+            return wants_more
+        flag = torch.tensor([int(wants_more)], device=self.accelerator.device)
+        return bool(self.accelerator.gather(flag).any())
+
     def scored_batches(self, rows, completion_ids, scored: dict, micro_size: int, group: int,
-                       policy_logps: bool) -> list[dict]:
+                       policy_logps: bool, rollout: Rollout | None = None) -> list[dict]:
         """The micro-batches of scored completions, with what the loss reads: log-probs, advantages, item counts."""
-        examples = self._scoring_examples(rows, completion_ids, scored["terminated"])
+        prompt_ids = rollout.prompt_ids if rollout is not None else None
+        mask = rollout.policy_mask if rollout is not None else None
+        examples = self._scoring_examples(rows, completion_ids, scored["terminated"], prompt_ids, mask)
         batches = [self.scoring_collator(examples[i:i + micro_size]) for i in range(0, len(rows), micro_size)]
         for batch in batches:
             batch["num_sequences"] = torch.tensor(micro_size)
         if self.sampling.logprobs:
-            self._attach_sampling_logps(batches, examples, getattr(completion_ids, "logprobs", None), micro_size)
+            logprobs = rollout.logprobs if rollout is not None else getattr(completion_ids, "logprobs", None)
+            if logprobs is not None and mask is not None:  # only the policy's own tokens are targets
+                logprobs = [[v for v, m in zip(lp, row_mask) if m] for lp, row_mask in zip(logprobs, mask)]
+            self._attach_sampling_logps(batches, examples, logprobs, micro_size)
         self._attach_logps(batches, policy_logps)
         advantages = self.round_advantages(scored["rewards"], batches, group, scored["per_function"])
         local = advantages[self._local_slice(len(advantages))]
@@ -308,14 +365,17 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
             batch["loss_items"] = self.loss_items(batch)
         return batches
 
-    def _scoring_examples(self, rows, completion_ids, terminated) -> list[dict]:
+    def _scoring_examples(self, rows, completion_ids, terminated, prompt_ids=None, policy_mask=None) -> list[dict]:
+        """Prompt + completion rows whose targets are the completion's tokens; with `policy_mask` (agent rollouts)
+        only the tokens the policy sampled, not tool results."""
         examples, masked = [], 0
-        for row, completion, done in zip(rows, completion_ids, terminated):
+        for i, (row, completion, done) in enumerate(zip(rows, completion_ids, terminated)):
             keep = done or not self.args.mask_truncated_completions
             masked += not keep
-            prompt = list(row[PROMPT_IDS])
+            prompt = list(row[PROMPT_IDS] if prompt_ids is None else prompt_ids[i])
+            own = [1] * len(completion) if policy_mask is None else policy_mask[i]
             examples.append({"input_ids": prompt + list(completion),
-                             "completion_mask": [0] * len(prompt) + [int(keep)] * len(completion)})
+                             "completion_mask": [0] * len(prompt) + [int(keep) * m for m in own]})
         if masked:
             self.round_counts["truncated_completions_masked"] += masked
         return examples
@@ -373,13 +433,22 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         logps, _, _ = self.target_logprobs(model, inputs, batch["labels"], self.args.temperature)
         return logps.detach()
 
-    def score_completions(self, rows: list[dict], completion_ids: list[list[int]], training: bool) -> dict:
-        """Decode, reward (all processes' rewards gathered, in round order), and record the round's metrics."""
+    def score_completions(self, rows: list[dict], completion_ids: list[list[int]], training: bool,
+                          rollout: Rollout | None = None) -> dict:
+        """Decode, reward (all processes' rewards gathered, in round order), and record the round's metrics. Agent
+        rollouts (`rollout`) give the reward functions their messages (tool calls and results included), their
+        `environments` and a rollout function's extra columns."""
         tokenizer = self.processing_class
         texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         conversational = isinstance(rows[0]["prompt"], list)
         completions = [[{"role": "assistant", "content": text}] for text in texts] if conversational else texts
         columns = {name: [row[name] for row in rows] for name in rows[0] if name not in ("prompt", PROMPT_IDS)}
+        if rollout is not None:
+            if rollout.completions is not None:
+                completions = rollout.completions
+            if rollout.environments is not None:
+                columns["environments"] = rollout.environments
+            columns.update(rollout.extra_columns)
         mode = "train" if training else "eval"
         extra = self._logs["extra"]
 
@@ -396,13 +465,41 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         terminated = [bool(ids) and ids[-1] in eos for ids in completion_ids]
         device = self.accelerator.device
         per_function = self.accelerator.gather(scores.per_function.to(device)).float().cpu()
-        lengths = self.accelerator.gather(torch.tensor([len(ids) for ids in completion_ids], device=device)).cpu()
+        own = [len(ids) for ids in completion_ids] if rollout is None or rollout.policy_mask is None \
+            else [sum(mask) for mask in rollout.policy_mask]  # lengths count the policy's tokens, as in TRL
+        lengths = self.accelerator.gather(torch.tensor(own, device=device)).cpu()
+        if rollout is not None and self.agent.tools:
+            self._record_tool_metrics(rollout, len(rows), training)
         done = self.accelerator.gather(torch.tensor(terminated, device=device)).cpu()
         rewards = RewardScores(per_function, scores.names, scores.missing, scores.nan).combined(self.rewards.weights)
         self._record_round_metrics(per_function, rewards, lengths, done, training)
         if self.args.log_completions and self.is_world_process_zero():
             self._log_examples(rows, texts, rewards[self._local_slice(len(rewards))])
         return {"rewards": rewards, "terminated": terminated, "per_function": per_function}
+
+    def _record_tool_metrics(self, rollout: Rollout, count: int, training: bool) -> None:
+        """TRL's `tools/call_frequency` (calls per completion) and `tools/failure_frequency` (failed calls per call),
+        over all processes; leantune adds `tools/malformed_frequency` (call blocks that did not parse, per
+        completion: those completions were read as plain text) and counts both over the run."""
+        totals = torch.tensor([rollout.tool_calls, rollout.tool_failures, rollout.malformed_tool_calls,
+                               rollout.over_budget, count], device=self.accelerator.device, dtype=torch.float64)
+        if self.accelerator.num_processes > 1:
+            totals = self.accelerator.reduce(totals, reduction="sum")
+        calls, failures, malformed, over_budget, completions = totals.cpu().tolist()
+        store = self.metric_values["train" if training else "eval"]
+        store["tools/call_frequency"].append(calls / completions)
+        store["tools/failure_frequency"].append(failures / calls if calls else 0.0)
+        store["tools/malformed_frequency"].append(malformed / completions)
+        if rollout.malformed_tool_calls:
+            self.round_counts["malformed_tool_calls"] += rollout.malformed_tool_calls
+            logger.warning("%d tool call(s) of this round could not be parsed (bad JSON, no name, or never closed); "
+                           "their completions were read as plain text.", rollout.malformed_tool_calls)
+        if rollout.tool_failures:
+            self.round_counts["failed_tool_calls"] += rollout.tool_failures
+        if rollout.over_budget:
+            self.round_counts["tool_results_over_budget"] += rollout.over_budget
+            logger.info("%d rollout(s) ended at a tool call whose results would not fit in max_completion_length=%d "
+                        "(or the model's context).", rollout.over_budget, self.args.max_completion_length)
 
     def _count_reward_gaps(self, scores, rows: list[dict], texts: list[str]) -> None:
         for name, missing, nan in zip(scores.names, scores.missing, scores.nan):
@@ -539,10 +636,11 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
                 if not prompt_rows:
                     continue
                 rows = [row for row in prompt_rows for _ in range(group)][self._local_slice(len(prompt_rows) * group)]
-                completion_ids = self.generate_completions([row[PROMPT_IDS] for row in rows], self.sampling)
-                scored = self.score_completions(rows, completion_ids, training=False)
+                completion_ids, rollout = self.rollout_completions(rows)
+                scored = self.score_completions(rows, completion_ids, training=False, rollout=rollout)
                 self._record_eval_loss(model, self.scored_batches(rows, completion_ids, scored, len(rows), group,
-                                                                  self.kl_in_reward or self.needs_old_logps))
+                                                                  self.kl_in_reward or self.needs_old_logps,
+                                                                  rollout=rollout))
         finally:
             model.train(was_training)
         metrics = {f"{metric_key_prefix}_{name}": value
