@@ -71,7 +71,15 @@ DIFFERS = {
 }
 
 # (config, field): a status written by hand where the rules above do not say it (fields owned by other work).
-NOTES: dict[tuple[str, str], str] = {}
+NOTES: dict[tuple[str, str], str] = {
+    ("SFTConfig", "assistant_only_loss"): (
+        "same (TRL's default and meaning): the template's `{% generation %}` blocks, else the tokens each assistant "
+        "turn adds to the rendered conversation; where a template's prefixes cannot show that and leantune knows "
+        "the template exactly (Qwen3, DeepSeek-R1-Distill, Phi-3, Phi-3.5), its own marked equivalent gives the mask "
+        "(`data/training_templates.py`, logged), the tokens staying the template's own (see below); other such "
+        "templates are an error naming the fix"
+    ),
+}
 
 # Trainer behaviour (not a config default) that differs from TRL's on purpose, and why.
 BEHAVIOUR = [
@@ -83,6 +91,13 @@ BEHAVIOUR = [
     "refuses the combination when `max_length` is set.",
     "**SFT `skip_prepare_dataset` with `completion_mask` / `assistant_masks` but no `labels`**: leantune's "
     "collator applies the masks; TRL refuses the dataset because its collator would ignore them.",
+    "**SFT `assistant_only_loss` with a known template without `{% generation %}` markers** (Qwen3, "
+    "DeepSeek-R1-Distill, Phi-3, Phi-3.5): leantune trains on the tokens the tokenizer's own template renders and "
+    "takes only the mask from its marked equivalent, which renders the same tokens (checked per conversation). "
+    "TRL 1.16 swaps in a training template that also changes the tokens (e.g. Qwen3's earlier turns keep their "
+    "reasoning). Measured with leantune's prefix method, Qwen3.5/3.6, GLM-4-MoE, gpt-oss, DeepSeek-V3, "
+    "Nemotron 3 and, with reasoning, Gemma 4 (latest revision) and DiffusionGemma also need one; leantune has none "
+    "for them yet, so they stay an error naming the fix (a template with markers through `chat_template_path`).",
     "**SFT pre-tokenised data**: prepared rows hold `input_ids` and `labels` (TRL 1.16's form); a sequence's first "
     "token is never a target, in every layout, so no prediction crosses a packed boundary.",
 ]

@@ -1,9 +1,10 @@
-"""assistant_only_loss with chat templates whose prefixes cannot locate assistant turns (Qwen3, DeepSeek-R1-Distill):
+"""assistant_only_loss with chat templates whose prefixes cannot locate assistant turns (Qwen3, DeepSeek-R1-Distill,
+Phi-3, Phi-3.5):
 leantune recognises the template exactly and takes the mask from its own marked template (data/training_templates.py),
 which must render every conversation to the same text and token ids as the original.
 
 The original templates in tests/data/chat_templates are the model vendors' own (Qwen/Qwen3-*, deepseek-ai/
-DeepSeek-R1-Distill-*), byte for byte as shipped; they are test input only. The tokenizer is the shared 32k one
+DeepSeek-R1-Distill-*, microsoft/Phi-3-mini-*, microsoft/Phi-3.5-mini-instruct), byte for byte as shipped; they are test input only. The tokenizer is the shared 32k one
 with the family's special tokens added, and the model a tiny Qwen3 built from a config (random weights)."""
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ FAMILIES = {
         "<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>", "<think>", "</think>", "<｜tool▁calls▁begin｜>",
         "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>",
         "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"]),
+    "Phi-3": ("phi3.jinja", ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]),
+    "Phi-3.5": ("phi3_5.jinja", ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]),
 }
 TOOLS = [{"type": "function", "function": {
     "name": "multiply", "description": "Multiply two numbers.",
@@ -232,6 +235,20 @@ def test_deepseek_r1_distill_targets_what_the_turn_renders(tokenizer_dir, tmp_pa
     ids, targets = expected_targets(tokenizer, [
         (f"{tokenizer.bos_token}Be brief.<｜User｜>2+2?<｜Assistant｜>", False), ("\n\n4.<｜end▁of▁sentence｜>", True),
         ("<｜User｜>3+3?<｜Assistant｜>", False), ("6.<｜end▁of▁sentence｜>", True)])
+    assert prepared[0]["input_ids"] == ids and [label != -100 for label in prepared[0]["labels"]] == targets
+
+
+@pytest.mark.parametrize("family", ["Phi-3", "Phi-3.5"])
+def test_phi3_targets_turns_not_the_closing_end_of_text(family, tokenizer_dir, tmp_path):
+    tokenizer = family_tokenizer(tokenizer_dir, family)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+                {"role": "assistant", "content": "4."}, {"role": "user", "content": "3+3?"},
+                {"role": "assistant", "content": "6."}]
+    args = SFTConfig(output_dir=str(tmp_path), assistant_only_loss=True, max_length=None, **COMMON)
+    prepared, _ = prepare_sft_dataset(Dataset.from_list([{"messages": messages}]), tokenizer, args)
+    ids, targets = expected_targets(tokenizer, [
+        ("<|system|>\nBe brief.<|end|>\n<|user|>\n2+2?<|end|>\n<|assistant|>\n", False), ("4.<|end|>\n", True),
+        ("<|user|>\n3+3?<|end|>\n<|assistant|>\n", False), ("6.<|end|>\n", True), (tokenizer.eos_token, False)])
     assert prepared[0]["input_ids"] == ids and [label != -100 for label in prepared[0]["labels"]] == targets
 
 

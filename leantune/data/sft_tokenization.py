@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .chat_template import has_generation_markers, row_template_kwargs
 from .formats import SFTFormat, data_code_digest
-from .training_templates import mask_template_for
+from .training_templates import MASK_TEMPLATES, mask_template_for
 
 
 def is_empty_example(example: dict, fmt: SFTFormat, text_field: str) -> bool:
@@ -76,8 +76,11 @@ def _inconsistent_template(tokenizer, what: str, turn: int, prefix: list[int], w
         f"are not a prefix of the whole conversation (they differ at token {at}: "
         f"{tokenizer.decode(prefix[at:at + 8])!r} vs {tokenizer.decode(whole[at:at + 8])!r}). The template renders "
         "earlier turns differently depending on what follows (e.g. it drops reasoning from earlier turns, or its "
-        "generation prompt is not how it starts an assistant turn). Use a template whose prefixes are consistent, or "
-        "wrap assistant output in {% generation %} ... {% endgeneration %} (chat_template_path=)."
+        "generation prompt is not how it starts an assistant turn), and leantune has no marked equivalent of it (it "
+        f"knows these templates exactly as shipped: {', '.join(known.family for known in MASK_TEMPLATES)}). Use a "
+        "template whose "
+        "prefixes are consistent, or wrap assistant output in {% generation %} ... {% endgeneration %} "
+        "(chat_template_path=)."
     )
 
 

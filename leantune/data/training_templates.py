@@ -4,7 +4,8 @@
 tokens each assistant turn adds to the rendered conversation (sft_tokenization.py). That second way needs a
 template whose rendering of a conversation's first messages is a prefix of the whole; some model families break it
 (Qwen3 drops the reasoning of assistant turns before the last user query; DeepSeek-R1-Distill's generation prompt
-opens a `<think>` block its rendered turns never show). For those, leantune ships a template of its own
+opens a `<think>` block its rendered turns never show; Phi-3 and Phi-3.5 end a conversation with the end-of-text
+token). For those, leantune ships a template of its own
 (templates/*.jinja) that writes exactly the same text as the family's template, with `{% generation %}` around what
 each assistant turn writes.
 
@@ -55,6 +56,20 @@ MASK_TEMPLATES = (
         file="deepseek_r1_distill.jinja",
         originals=frozenset({"56a1447ad31926fdc21fb07e56e5642bd9c850c4f52d8c8af7bbe5f079a84f5f"}),
         why="its generation prompt opens a <think> block that rendered assistant turns never show",
+    ),
+    MaskTemplate(
+        family="Phi-3",
+        file="phi3.jinja",
+        originals=frozenset({"dcaee66df77bfbb789ec541fe713218da30225a526f1db97138fc39ee6dc56aa"}),
+        why="it ends a conversation rendered without a generation prompt with the end-of-text token, so a "
+            "conversation up to a turn is not a prefix of the whole",
+    ),
+    MaskTemplate(
+        family="Phi-3.5",
+        file="phi3_5.jinja",
+        originals=frozenset({"78d976a442bcde2f0be15aafbb8e3050e1104f86732266f68403251b89982a90"}),
+        why="it ends a conversation rendered without a generation prompt with the end-of-text token, so a "
+            "conversation up to a turn is not a prefix of the whole",
     ),
 )
 
