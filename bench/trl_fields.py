@@ -52,7 +52,30 @@ IMPLEMENTED = {
     "vespo_lambda_pos": "loss_type='vespo'",
     "vespo_k_neg": "loss_type='vespo'",
     "vespo_lambda_neg": "loss_type='vespo'",
+    "max_tool_calling_iterations": "with `tools` / `environment_factory`: most rounds of tool calls and generation "
+                                   "after the first turn (None: until no call or `max_completion_length` is spent)",
 }
+
+# GRPOTrainer's keyword arguments beyond the configs (TRL 1.16's agentic ones): (keyword, status).
+TRAINER_KEYWORDS = [
+    ("tools", "implemented (leantune/rollouts/): a list of callables, sync or async, described to the policy by "
+              "their type hints and docstrings; conversational prompts; generate -> parse calls (the tokenizer's "
+              "`response_schema` / `response_template`, else the `<tool_call>` JSON markup of Hermes/Qwen templates; "
+              "another template is a ValueError) -> run -> append results -> generate again, within "
+              "`max_completion_length`; tool-result tokens are context, never targets; logs `tools/call_frequency`, "
+              "`tools/failure_frequency` and leantune's `tools/malformed_frequency` (unparseable calls are read as "
+              "text, as in TRL, and counted); turns go through the generation backends' one interface (tested with "
+              "transformers' generate; the vLLM backends take the same calls but are not tested with tools)"),
+    ("environment_factory", "implemented: a factory or a dict of them (each example's `environment` column picks "
+                            "one; only its tools are shown); `reset(**row)`'s text is appended to the prompt; public "
+                            "methods are tools; `get_reward()` is a reward named after the class (weight 1, after "
+                            "`reward_funcs`, which become optional); no `train_dataset`: the environment owns the data "
+                            "(`max_steps` required); `trainer.environments` holds the last round's instances; reward "
+                            "functions get `environments=`"),
+    ("rollout_func", "implemented: `rollout_func(prompts, trainer)` returns `prompt_ids`, `completion_ids`, "
+                     "`logprobs` (one per prompt given), optional `env_mask` (0: not trained), other keys to the "
+                     "reward functions; with `tools` or `environment_factory` it is refused (it owns the whole rollout)"),
+]
 
 # (config or "*", field): why leantune's default or meaning differs from TRL's on purpose.
 DIFFERS = {
@@ -210,6 +233,8 @@ def render_docs(snapshot: dict) -> str:
                if status(config, field, fields[field]) != "same"]
         lines += ["", f"{len(inherited)} fields inherited from `TrainingArguments`: same"
                   + ("; except " + "; ".join(odd) if odd else "") + "."]
+    lines += ["", "## GRPOTrainer's agentic keywords", "", "| keyword | status |", "| --- | --- |"]
+    lines += ["| `" + keyword + "` | " + text.replace("|", "\\|") + " |" for keyword, text in TRAINER_KEYWORDS]
     lines += ["", "## Trainer behaviour that differs deliberately", ""] + [f"- {item}" for item in BEHAVIOUR]
     return "\n".join(lines) + "\n"
 

@@ -101,6 +101,8 @@ class AgentRollouts:
 
     def bind(self, tokenizer, args, end_ids: tuple[int, ...], context_limit: int | None) -> None:
         """Checks the chat template against tool calling once the tokenizer is known."""
+        if args.use_vllm and getattr(args, "vllm_max_model_length", None):  # the engine's own context
+            context_limit = min(context_limit or args.vllm_max_model_length, args.vllm_max_model_length)
         self.tokenizer, self.args, self.end_ids, self.context_limit = tokenizer, args, end_ids, context_limit
         self.template_kwargs = dict(args.chat_template_kwargs or {})
         if self.tools:
@@ -127,9 +129,8 @@ class AgentRollouts:
                           environments=environments)
         if not self.tools:
             return rollout
-        budget_context = None if self.context_limit is None else self.context_limit
         return run_tool_loop(rollout, generate, self.parser, self._suffix, toolboxes, self.args.max_completion_length,
-                             budget_context, self.args.max_tool_calling_iterations, step_together)
+                             self.context_limit, self.args.max_tool_calling_iterations, step_together)
 
     def _toolbox(self, environment) -> dict:
         tools = self.standalone_tools + (environment_methods(environment) if environment is not None else [])

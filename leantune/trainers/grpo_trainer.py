@@ -13,6 +13,10 @@ With `use_vllm` and `vllm_importance_sampling_correction` (TRL's default), the g
 always computed, and each token's policy loss is weighted by pi_old / pi_vLLM of its sampled token, from the
 log-probs vLLM returns with the completions. transformers' generate samples from the training model itself, so
 there, as in TRL, nothing is corrected.
+
+TRL's agentic keywords compose leantune/rollouts/: `tools` and `environment_factory` continue each rollout through the
+multi-turn tool-calling loop (tool-result tokens stay in the sequence as context but are not trained), and
+`rollout_func` replaces generation by the user's function (its `env_mask` marks what the policy sampled).
 """
 
 from __future__ import annotations
