@@ -79,18 +79,21 @@ class AgentRollouts:
 
     def with_prompt_column(self, dataset):
         """Environment data may be only an `environment` column: its rollouts start from an empty user message."""
-        if self.environments is None or dataset is None or "prompt" in (dataset.column_names or []):
+        if self.environments is None or dataset is None:
             return dataset
-        if self.environments.multiple and "environment" not in (dataset.column_names or []):
+        columns = dataset.column_names  # None for some streams: then row by row
+        if columns is not None and "prompt" in columns:
+            return dataset
+        if self.environments.multiple and columns is not None and "environment" not in columns:
             raise ValueError(f"A `dict` `environment_factory` routes each example by its `environment` column; the "
-                             f"dataset has neither it nor a `prompt` column ({dataset.column_names}).")
-        return dataset.map(lambda row: {"prompt": PLACEHOLDER_PROMPT})
+                             f"dataset has neither it nor a `prompt` column ({columns}).")
+        return dataset.map(lambda row: {"prompt": row["prompt"] if "prompt" in row else PLACEHOLDER_PROMPT})
 
     def check_dataset(self, dataset, conversational: bool) -> None:
         if (self.tools or self.environments) and not conversational:
             raise ValueError(f"`{self.keyword}` needs conversational prompts (a `prompt` column of chat messages): "
                              "tool calls and results are messages of the conversation.")
-        if self.multiple_environments and "environment" not in dataset.column_names:
+        if self.multiple_environments and dataset.column_names is not None and "environment" not in dataset.column_names:
             raise ValueError("A `dict` `environment_factory` routes each example by its `environment` column; the "
                              f"dataset has none ({dataset.column_names}).")
 

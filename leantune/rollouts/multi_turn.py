@@ -46,7 +46,7 @@ def run_tool_loop(rollout: Rollout, generate, parser, suffix_of, toolboxes: list
     mask = [[1] * len(ids) for ids in completion_ids]
     messages, pending = [], []
     for i, ids in enumerate(completion_ids):
-        turn = parser.parse(ids)
+        turn = parser.parse(ids, rollout.prompt_ids[i])
         messages.append([turn.message])
         rollout.malformed_tool_calls += turn.malformed
         if turn.message.get("tool_calls"):
@@ -84,13 +84,14 @@ def run_tool_loop(rollout: Rollout, generate, parser, suffix_of, toolboxes: list
         next_pending = []
         for k, i in enumerate(pending):
             ids = list(new[k])[: room[i]]
+            before = rollout.prompt_ids[i] + completion_ids[i]
             completion_ids[i] = completion_ids[i] + ids
             mask[i] += [1] * len(ids)
             if logprobs is not None:
                 logprobs[i] = logprobs[i] + list(new.logprobs[k])[: len(ids)]
             if not ids:
                 continue
-            turn = parser.parse(ids)
+            turn = parser.parse(ids, before)
             messages[i].append(turn.message)
             rollout.malformed_tool_calls += turn.malformed
             if turn.message.get("tool_calls"):

@@ -63,11 +63,12 @@ class ToolCallParser:
         self.tokenizer = tokenizer
         self.drop_ids = set(end_ids) | ({tokenizer.pad_token_id} if tokenizer.pad_token_id is not None else set())
         template = getattr(tokenizer, "chat_template", None) or ""
-        if getattr(tokenizer, "response_template", None) is not None or \
-                getattr(tokenizer, "response_schema", None) is not None:
+        if getattr(tokenizer, "response_template", None) is not None:
             self.kind = "tokenizer"
         elif isinstance(template, str) and TOOL_CALL_OPEN in template:
             self.kind = "hermes"
+        elif getattr(tokenizer, "response_schema", None) is not None:  # transformers' older response parser
+            self.kind = "tokenizer"
         else:
             raise ValueError(
                 f"`{keyword}`: leantune cannot read tool calls written in this tokenizer's chat template: it has no "
@@ -75,18 +76,22 @@ class ToolCallParser:
                 f"`{TOOL_CALL_OPEN}` JSON markup (Hermes, Qwen). Set `tokenizer.response_schema` (transformers' "
                 "response parsing), or use a model whose chat template calls tools with that markup.")
 
-    def parse(self, ids: list[int]) -> ParsedTurn:
+    def parse(self, ids: list[int], prefix: list[int] | None = None) -> ParsedTurn:
+        """`prefix`: the tokens before this turn (what the tokenizer's own parser reads the turn's start from)."""
         if self.kind == "tokenizer":
-            return self._parse_with_tokenizer(ids)
+            return self._parse_with_tokenizer(ids, prefix)
         return self._parse_markup(ids)
 
     def _text(self, ids: list[int], skip_special_tokens: bool) -> str:
         kept = [i for i in ids if i not in self.drop_ids]
         return self.tokenizer.decode(kept, skip_special_tokens=skip_special_tokens)
 
-    def _parse_with_tokenizer(self, ids: list[int]) -> ParsedTurn:
+    def _parse_with_tokenizer(self, ids: list[int], prefix: list[int] | None) -> ParsedTurn:
         try:
-            parsed = dict(self.tokenizer.parse_response(list(ids)))
+            if getattr(self.tokenizer, "response_template", None) is not None:
+                parsed = dict(self.tokenizer.parse_response(list(ids), prefix=list(prefix or [])))
+            else:
+                parsed = dict(self.tokenizer.parse_response(list(ids)))
         except Exception:
             return ParsedTurn(self._plain(ids), malformed=1)
         calls = [_as_call(call) for call in parsed.get("tool_calls") or []]
