@@ -40,9 +40,10 @@ def free_port() -> str:
         return str(sock.getsockname()[1])
 
 
-def launch(command: list[str], timeout: int = 300) -> tuple[subprocess.CompletedProcess, float]:
+def launch(command: list[str], timeout: int = 300,
+           extra_env: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES and not k.startswith("ACCELERATE_")}
-    env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", **(extra_env or {}))
     started = time.perf_counter()
     # A session of its own: on a timeout the launcher's workers are killed with it, not left training as orphans.
     with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

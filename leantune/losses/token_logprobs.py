@@ -83,10 +83,11 @@ def chunked_logprobs(
     unknown = set(stats) - set(TOKEN_STATS)
     if unknown:
         raise ValueError(f"Unknown token statistics {sorted(unknown)}; known: {sorted(TOKEN_STATS)}.")
-    logps, entropy, values = _ChunkedHeadLogProbs.apply(
-        flat, targets.tokens, head, int(chunk_size), with_entropy, with_entropy and entropy_grad, tuple(stats),
-        *head.trainable_parameters
-    )
+    def run(flat):  # as the head's forward: sharding engines gather its weight around it and its backward
+        return _ChunkedHeadLogProbs.apply(flat, targets.tokens, head, int(chunk_size), with_entropy,
+                                          with_entropy and entropy_grad, tuple(stats), *head.trainable_parameters)
+
+    logps, entropy, values = head.call_as_head(run, flat)
     extra = ([entropy] if with_entropy else []) + [_as_stat(name, values[:, i]) for i, name in enumerate(stats)]
     return (logps, *extra) if extra else logps
 

@@ -56,9 +56,48 @@ class OutputHead:
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         """The head's own forward (an instance-level forward set by accelerate hooks is honoured)."""
         own = self.module.__dict__.get("forward")
-        if own is not None and not getattr(own, "_leantune_capture", False):
+        if own is not None and getattr(own, "_leantune_capture", False):
+            own = getattr(own, "_leantune_previous", None)
+        if own is not None:
             return own(hidden)
         return type(self.module).forward(self.module, hidden)
+
+    def weights_sharded(self) -> bool:
+        """Whether the head's weights are not all materialised here now (a ZeRO-3 partition, an FSDP2 shard)."""
+        for parameter in self.module.parameters():
+            if getattr(parameter, "ds_status", None) is not None and parameter.ds_status.name != "AVAILABLE":
+                return True
+            if type(parameter).__name__ == "DTensor" or type(getattr(parameter, "data", None)).__name__ == "DTensor":
+                return True
+        return False
+
+    def call_as_head(self, function, *inputs):
+        """`function(*inputs)` run as the head module's forward, through the module's call and hooks.
+
+        Engines that keep parameters sharded hook each module: ZeRO-3 gathers a module's parameters before its
+        forward and again before its backward, FSDP2 (a head wrapped on its own) unshards it. Run this way, a
+        computation that reads the head's weight outside the model's forward (the chunked loss, and its recomputation
+        in backward) sees the full weight and gives the engine the weight's gradient as from the head itself.
+        Weights that are already whole (one process, DDP, an FSDP2 head unsharded with its root module for the
+        model's forward and backward) are used as they are, without a second pass through the hooks."""
+        module = self.module
+        if not self.weights_sharded():
+            return function(*inputs)
+        previous = module.__dict__.get("forward")
+
+        def as_forward(*args, **kwargs):
+            return function(*args, **kwargs)
+
+        as_forward._leantune_capture = True  # `project` looks through it to the forward it replaced
+        as_forward._leantune_previous = previous
+        module.forward = as_forward
+        try:
+            return module(*inputs)
+        finally:
+            if previous is None:
+                del module.forward
+            else:
+                module.forward = previous
 
     def transform(self, raw: torch.Tensor) -> torch.Tensor:
         """fp32 logits from the projection's output: the model's fixed transform, then the temperature.

@@ -77,6 +77,10 @@ def resolve_launch(args) -> None:
             logger.info("%d processes launched on a machine without a GPU: they train together on CPU (use_cpu=True, "
                         "ddp_backend=%s).", world, args.ddp_backend)
         args.use_cpu = True
+        if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and os.environ.get("RANK", "0") == "0":
+            logger.warning("FSDP was asked for, but accelerate runs FSDP only on an accelerator (GPU, XPU, ...): these "
+                           "%d CPU processes train as plain data parallel, each holding the whole model. DeepSpeed "
+                           "ZeRO (with DS_ACCELERATOR=cpu) shards on CPU.", world)
     elif _accelerate_launched_one_of_several():
         raise ValueError(
             "`accelerate launch --num_processes N` (with or without --cpu) started only this one process: without a "

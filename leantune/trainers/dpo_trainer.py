@@ -12,6 +12,7 @@ from ..losses.dispatch import LogProbPath
 from ..losses.preference import PairSequenceLogps, dpo_loss, pair_sequence_logps, wpo_weights
 from .base import LeantuneTrainer
 from .dpo_config import DPOConfig, dpo_loss_types, dpo_loss_weights
+from .frozen_models import prepare_frozen_model
 from .reference import MODEL_INPUTS, ReferenceModelMixin, load_policy_and_reference
 
 logger = logging.getLogger("leantune.dpo")
@@ -72,7 +73,7 @@ class DPOTrainer(ReferenceModelMixin, LeantuneTrainer):
             preprocess_logits_for_metrics=preprocess_logits_for_metrics,
         )
         self.data_reports = reports
-        self.ref_model = self.accelerator.prepare_model(ref_model, evaluation_mode=True) if ref_model else None
+        self.ref_model = prepare_frozen_model(self.accelerator, ref_model, args)
         self._reference_ready = not args.precompute_ref_log_probs
         if self.logprob_path is LogProbPath.LIGER and args.use_weighting:
             logger.info("use_liger_loss=True with use_weighting: WPO's weights need sum_v p_v^2 of every target, which "

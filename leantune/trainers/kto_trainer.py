@@ -16,6 +16,7 @@ from ..data.preference_collator import sequence_starts
 from ..losses.kto import kl_estimate, kto_loss
 from ..losses.preference import sequence_logps
 from .base import LeantuneTrainer
+from .frozen_models import prepare_frozen_model
 from .kto_config import KTOConfig
 from .reference import MODEL_INPUTS, ReferenceModelMixin, load_policy_and_reference
 
@@ -76,7 +77,7 @@ class KTOTrainer(ReferenceModelMixin, LeantuneTrainer):
             preprocess_logits_for_metrics=preprocess_logits_for_metrics,
         )
         self.data_reports = reports
-        self.ref_model = self.accelerator.prepare_model(ref_model, evaluation_mode=True) if ref_model else None
+        self.ref_model = prepare_frozen_model(self.accelerator, ref_model, args)
         self._reference_ready = not args.precompute_ref_log_probs
 
     def prepare_split(self, dataset, split, tokenizer, args):

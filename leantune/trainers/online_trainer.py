@@ -38,6 +38,7 @@ from ..losses.token_logprobs import target_sequences
 from ..rewards import RewardFunctions, RewardScores
 from ..rollouts import AgentRollouts, Rollout
 from .base import LeantuneTrainer
+from .frozen_models import prepare_frozen_model
 from .reference import MODEL_INPUTS, ReferenceModelMixin, load_policy_and_reference
 
 logger = logging.getLogger("leantune.online")
@@ -199,8 +200,7 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
             optimizers=optimizers,
         )
         self.data_reports = {split: report.as_dict() for split, report in reports.items()}
-        self.ref_model = self.accelerator.prepare_model(loaded.ref_model, evaluation_mode=True) \
-            if loaded.ref_model is not None else None
+        self.ref_model = prepare_frozen_model(self.accelerator, loaded.ref_model, args)
         self._reference_ready = True  # online methods score the reference as they go
         self.rewards.to(self.accelerator.device)
         self.round_size, self.steps_per_generation = args.generation_plan(self.accelerator.num_processes)

@@ -19,6 +19,7 @@ from transformers import TrainerCallback
 from ..models.loading import apply_peft, ensure_pad_token, load_causal_lm, load_tokenizer, with_quantization_config
 from ..models.output_head import unwrap_model
 from ..models.segment_attention import SEGMENT_SDPA, use_segment_attention
+from .frozen_models import zero3_enabled
 
 logger = logging.getLogger("leantune.trainer")
 
@@ -74,7 +75,7 @@ def load_policy_and_reference(model, ref_model, processing_class, peft_config, a
         if args.padding_free:
             use_segment_attention(ref_model)
     elif not adapter_reference and not precompute:
-        ref_model = copy.deepcopy(unwrap_model(model))  # a separate, frozen copy of the initial policy
+        ref_model = initial_policy_copy(model, model_source, args)
     if ref_model is not None:
         ref_model.requires_grad_(False).eval()
     if args.disable_dropout:
@@ -82,6 +83,17 @@ def load_policy_and_reference(model, ref_model, processing_class, peft_config, a
             if module is not None:
                 disable_dropout(module)
     return PolicyAndReference(model, ref_model, tokenizer, adapter_reference)
+
+
+def initial_policy_copy(model, model_source, args):
+    """A separate, frozen copy of the initial policy. Under ZeRO-3 the policy was partitioned as it loaded (each
+    process holds a slice), so the copy is loaded again from the same source, partitioned the same way."""
+    if not zero3_enabled():
+        return copy.deepcopy(unwrap_model(model))
+    if isinstance(model_source, str):
+        return load_causal_lm(model_source, args.model_init_kwargs, trust_remote_code=args.trust_remote_code)
+    raise ValueError("Under DeepSpeed ZeRO-3 a reference cannot be copied from a model object (its weights are "
+                     "partitioned over the processes): pass the model as an id or path, or pass `ref_model`.")
 
 
 def unwrap_adapter_owner(model):
@@ -128,6 +140,10 @@ class ReferenceModelMixin:
     def prepare_reference(self) -> None:
         if self._reference_ready:
             return
+        if self.ref_model is None and zero3_enabled():
+            raise ValueError("`precompute_ref_log_probs=True` under DeepSpeed ZeRO-3 needs a separate `ref_model`: the "
+                             "policy's weights stay partitioned until training starts, so it cannot score the data "
+                             "before; pass `ref_model` (it gets an inference engine of its own), or use ZeRO-2 or FSDP.")
         self.train_dataset = self.precompute_reference_logps(self.train_dataset, "train")
         if isinstance(self.eval_dataset, dict):
             self.eval_dataset = {name: self.precompute_reference_logps(data, f"eval_{name}")

@@ -1,0 +1,138 @@
+"""Run by tests/test_scale_out.py, alone or under `accelerate launch` (DDP, FSDP2, ZeRO-2/3 on CPU): a few SGD steps of
+each named case, in one process group, through the public API. Per case it saves the trained weights (the engine's
+full-state gather) to <out>/<case>/ and writes what every process saw to <out>/<case>/rank<k>.json.
+
+usage: engine_run.py OUT ASSETS_DIR PER_DEVICE_BATCH_SIZE CASE [CASE ...]
+
+ASSETS_DIR holds model/ (a tiny causal LM with its tokenizer), sft.jsonl, pairs.jsonl and prompts.jsonl."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+from datasets import load_dataset
+from peft import LoraConfig
+
+import leantune
+
+out, assets, batch_size, cases = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:]
+torch.set_num_threads(1)
+model_dir = f"{assets}/model"
+
+
+def data(name):
+    return load_dataset("json", data_files=f"{assets}/{name}.jsonl")["train"]
+
+
+def common(case, **fields):
+    # SGD, no clipping: the update is a linear function of the global batch's gradient, so one process and N agree
+    # to fp32 rounding (AdamW's first step divides by |g| per element, which amplifies rounding in tiny entries).
+    settings = dict(output_dir=f"{out}/{case}", report_to=[], save_strategy="no", disable_tqdm=True,
+                    per_device_train_batch_size=batch_size, max_steps=2, logging_steps=1, learning_rate=1e-2,
+                    optim="sgd", max_grad_norm=0.0, seed=0, memory_breakdown=False, data_seed=0)
+    settings.update(fields)
+    return settings
+
+
+def lora():
+    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+
+
+seen_completions = []
+
+
+def length_reward(completions, **kwargs):
+    seen_completions.extend(completions)
+    return [float(len(c)) / 10 for c in completions]
+
+
+def gathered_fraction_during_generation(trainer) -> list[float]:
+    """Under ZeRO-3, the largest share of the model's parameters materialised on this process while a generation
+    round runs (checked as each module starts its forward, after DeepSpeed's own hook has gathered its weights)."""
+    fractions, original = [], trainer.generation_round
+
+    def measured_round(*args, **kwargs):
+        model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+        params = list(model.parameters())
+        if not hasattr(params[0], "ds_status"):
+            return original(*args, **kwargs)
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        total, peak = sum(p.ds_numel for p in params), [0]
+
+        def count(module, inputs):
+            peak[0] = max(peak[0], sum(p.ds_numel for p in params if p.ds_status == ZeroParamStatus.AVAILABLE))
+
+        handles = [m.register_forward_pre_hook(count) for m in model.modules()]
+        try:
+            return original(*args, **kwargs)
+        finally:
+            for handle in handles:
+                handle.remove()
+            fractions.append(peak[0] / total)
+
+    trainer.generation_round = measured_round
+    return fractions
+
+
+def sft(case, peft_config=None, **fields):
+    args = leantune.SFTConfig(**common(case, max_length=64, **fields))
+    return leantune.SFTTrainer(model_dir, args=args, train_dataset=data("sft"), peft_config=peft_config)
+
+
+def dpo(case, **fields):
+    args = leantune.DPOConfig(**common(case, max_length=96, **fields))
+    return leantune.DPOTrainer(model_dir, args=args, train_dataset=data("pairs"))
+
+
+def online(config_class, trainer_class, case, **fields):
+    args = config_class(**common(case, num_generations=2, max_completion_length=8, temperature=1.0, **fields))
+    return trainer_class(model_dir, length_reward, args=args, train_dataset=data("prompts"))
+
+
+CASES = {
+    "sft": lambda case: sft(case),
+    "sft_packed_padding_free": lambda case: sft(case, packing=True, padding_free=True),
+    "sft_lora": lambda case: sft(case, peft_config=lora()),
+    "sft_offloaded": lambda case: sft(case, activation_offloading=True),
+    "dpo": lambda case: dpo(case),
+    "dpo_padding_free": lambda case: dpo(case, padding_free=True),
+    "dpo_padding_free_precomputed": lambda case: dpo(case, padding_free=True, precompute_ref_log_probs=True),
+    "kto": lambda case: leantune.KTOTrainer(model_dir, args=leantune.KTOConfig(**common(case, max_length=96)),
+                                            train_dataset=data("pairs")),
+    "reward": lambda case: leantune.RewardTrainer(model_dir, args=leantune.RewardConfig(**common(case, max_length=96)),
+                                                  train_dataset=data("pairs")),
+    "grpo": lambda case: online(leantune.GRPOConfig, leantune.GRPOTrainer, case, beta=0.04),
+    "rloo": lambda case: online(leantune.RLOOConfig, leantune.RLOOTrainer, case),
+    "grpo_sharded_generation": lambda case: online(leantune.GRPOConfig, leantune.GRPOTrainer, case, beta=0.04,
+                                                   ds3_gather_for_generation=False),
+}
+
+for case in cases:
+    trainer = CASES[case](case)
+    seen_completions.clear()
+    generation_fractions = gathered_fraction_during_generation(trainer) if hasattr(trainer, "generation_round") else []
+    trainer.train()
+    trainer.save_model()  # every process takes part: FSDP and ZeRO-3 gather the full weights for process 0 to write
+    state = trainer.accelerator
+    first = trainer.accelerator.unwrap_model(trainer.model_wrapped).get_input_embeddings().weight
+    if hasattr(first, "ds_tensor"):  # ZeRO-3: this process's partition of the flat parameter
+        local_fraction = first.ds_tensor.numel() / first.ds_numel
+    elif hasattr(first, "to_local"):  # FSDP2: a DTensor sharded on dim 0
+        local_fraction = first.to_local().numel() / first.numel()
+    else:
+        local_fraction = 1.0
+    record = {
+        "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
+        "world": state.num_processes,
+        "engine": str(state.distributed_type).split(".")[-1],
+        "local_fraction": local_fraction,
+        "completions": list(seen_completions),
+        "gathered_during_generation": generation_fractions,
+    }
+    with open(f"{out}/{case}/rank{state.process_index}.json", "w") as handle:
+        json.dump(record, handle)
+    del trainer
+state.end_training()  # leave the process group together (a rank exiting first can abort the other at exit)

@@ -1,0 +1,182 @@
+"""Every trainer under DDP, FSDP2, ZeRO-2 and ZeRO-3, launched for real as 2 CPU processes by `accelerate launch` with
+the accelerate config files in examples/accelerate/, against one process with the same global batch.
+
+What runs here is what a GPU user runs; the CPU-only parts are test helpers in tests/cpu_engines/ (accelerate's FSDP
+on CPU processes, DeepSpeed's CPU accelerator and a ZeRO-3 config that partitions even a tiny model's parameters).
+
+Tolerances (SGD, no clipping, 2 steps, lr 1e-2; tests/scripts/engine_run.py):
+- Per-step losses: 1e-5 relative. The engines change only how partial sums over the global batch are ordered and
+  all-reduced (fp32, ~1e-7 relative; measured: identical to the last bit for most cases). A lost or duplicated row
+  moves a 16-row batch's loss by ~1e-2.
+- Final weights: per parameter, |W_n - W_1| <= 1e-5 |W_1 - W_0| + 2^-22 |W_1|. The update W_1 - W_0 is linear in the
+  global batch's gradient, so it agrees to fp32 rounding (measured <= 5e-6 of it); each of the 2 steps then stores
+  W + update rounded to fp32, a half-ulp per element (2^-24 |W| in norm), which the second term allows twice over.
+  Parameters whose update is tiny next to the weight (q/k projections of a random model: |U| ~ 1e-4 |W|) differ by
+  that rounding alone (measured 3.7e-9 = one ulp of their entries).
+- Online methods (GRPO, RLOO) sample their completions per process, so their reference is the 2-process DDP run: the
+  same seeds give the same completions under every engine (asserted), and then the same losses and weights.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from .conftest import GSM8K_TRAIN, HH_PAIRS, REPO, _require, tiny_model
+from .test_launch import accelerate_launch, cpu_only, launch
+
+SCRIPT = Path(__file__).parent / "scripts" / "engine_run.py"
+HELPERS = Path(__file__).parent / "cpu_engines"
+EXAMPLES = REPO / "examples" / "accelerate"
+
+OFFLINE = ["sft", "sft_packed_padding_free", "sft_lora", "sft_offloaded", "dpo", "dpo_padding_free", "kto", "reward"]
+ONLINE = ["grpo", "rloo"]
+LOSS_RTOL = 1e-5
+UPDATE_RTOL = 1e-5
+STORE_ROUNDING = 2.0 ** -22
+
+pytestmark = [pytest.mark.slow, cpu_only,
+              pytest.mark.skipif(sys.platform != "linux", reason="gloo multi-process runs on Linux")]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory, tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("scale_out")
+    tiny_model().save_pretrained(root / "model")
+    AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(root / "model")
+    with open(_require(GSM8K_TRAIN), encoding="utf-8") as handle:
+        rows = [json.loads(line) for _, line in zip(range(64), handle)]
+    with open(root / "sft.jsonl", "w", encoding="utf-8") as handle:
+        for row in rows:
+            handle.write(json.dumps({"prompt": row["question"], "completion": " " + row["answer"]}) + "\n")
+    with open(root / "prompts.jsonl", "w", encoding="utf-8") as handle:
+        for row in rows[:16]:
+            handle.write(json.dumps({"prompt": row["question"][:80]}) + "\n")
+    with gzip.open(_require(HH_PAIRS), "rt", encoding="utf-8") as source, open(root / "pairs.jsonl", "w") as handle:
+        for _, line in zip(range(16), source):
+            handle.write(line.rstrip("\n") + "\n")
+    return SimpleNamespace(root=root, model=root / "model")
+
+
+def zero3_cpu_config(root: Path) -> Path:
+    """examples/accelerate/zero3.yaml with the DeepSpeed settings of tests/cpu_engines/deepspeed_zero3_cpu.json."""
+    path = root / "zero3_cpu.yaml"
+    text = (EXAMPLES / "zero3.yaml").read_text()
+    text = text.replace("deepspeed_config:\n", f"deepspeed_config:\n  deepspeed_config_file: {HELPERS / 'deepspeed_zero3_cpu.json'}\n")
+    lines = [line for line in text.splitlines() if not line.strip().startswith(("zero_stage", "zero3_save_16bit",
+                                                                                "offload_", "mixed_precision"))]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def run_engine(assets, engine: str, cases: list[str]) -> Path:
+    out = assets.root / engine
+    env = {"DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": str(assets.root / "torch_extensions")}
+    if engine == "one":
+        command = [sys.executable, str(SCRIPT), str(out), str(assets.root), "4", *cases]
+    else:
+        config = zero3_cpu_config(assets.root) if engine == "zero3" else EXAMPLES / f"{engine}.yaml"
+        flags = accelerate_launch("--config_file", str(config))
+        command = [*flags, str(SCRIPT), str(out), str(assets.root), "2", *cases]
+        if engine == "fsdp2":
+            env.update(PYTHONPATH=os.pathsep.join([str(HELPERS), str(REPO)]), LEANTUNE_TEST_CPU_FSDP="1")
+    run, _ = launch(command, timeout=600, extra_env=env)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return out
+
+
+def ranks(out: Path, case: str) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted((out / case).glob("rank*.json"))]
+
+
+def saved_weights(out: Path, case: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    folder = out / case
+    name = "adapter_model.safetensors" if (folder / "adapter_model.safetensors").exists() else "model.safetensors"
+    return load_file(str(folder / name))
+
+
+def assert_same_weights(got: dict, expected: dict, initial: dict) -> float:
+    assert got.keys() == expected.keys()
+    worst = 0.0
+    for name, weight in expected.items():
+        weight, other = weight.double(), got[name].double()
+        update = weight - initial[name].double() if name in initial else weight  # LoRA B starts at zero
+        bound = UPDATE_RTOL * update.norm() + STORE_ROUNDING * weight.norm()
+        difference = (other - weight).norm()
+        assert difference <= bound, (name, float(difference), float(bound))
+        worst = max(worst, float(difference / max(update.norm(), 1e-30)))
+    return worst
+
+
+def assert_same_losses(got: list[float], expected: list[float]) -> None:
+    assert len(got) == len(expected) == 2
+    for g, e in zip(got, expected):
+        assert abs(g - e) <= LOSS_RTOL * abs(e), (got, expected)
+
+
+@pytest.fixture(scope="module")
+def initial(assets):
+    from safetensors.torch import load_file
+
+    return load_file(str(assets.model / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def one_process(assets):
+    return run_engine(assets, "one", OFFLINE)
+
+
+@pytest.fixture(scope="module")
+def ddp(assets):
+    return run_engine(assets, "ddp", OFFLINE + ONLINE)
+
+
+ENGINES = {  # engine: (distributed type accelerate reports, share of each parameter a process holds)
+    "ddp": ("MULTI_CPU", 1.0),
+    "fsdp2": ("FSDP", 0.5),
+    "zero2": ("DEEPSPEED", 1.0),
+    "zero3": ("DEEPSPEED", 0.5),
+}
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_every_trainer_matches_one_process_under_each_engine(engine, assets, initial, one_process, ddp):
+    out = ddp if engine == "ddp" else run_engine(assets, engine, OFFLINE + ONLINE +
+                                                 (["grpo_sharded_generation"] if engine == "zero3" else []))
+    distributed_type, held = ENGINES[engine]
+    for case in OFFLINE + ONLINE:
+        first, second = ranks(out, case)
+        assert first["world"] == second["world"] == 2 and first["engine"] == distributed_type, (case, first)
+        assert first["local_fraction"] == pytest.approx(held), (case, first["local_fraction"])
+        assert first["losses"] == second["losses"]
+        reference = one_process if case in OFFLINE else ddp
+        expected = ranks(reference, case)[0]
+        assert_same_losses(first["losses"], expected["losses"])
+        if case in ONLINE:
+            assert first["completions"] == expected["completions"] and first["completions"]
+        assert_same_weights(saved_weights(out, case), saved_weights(reference, case), initial)
+    if held < 1.0:  # the full weights gathered from the shards (FSDP FULL_STATE_DICT, ZeRO-3 16-bit gather) load
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(out / "sft"))
+        assert_same_weights({k: v.detach() for k, v in model.state_dict().items()},
+                            saved_weights(one_process, "sft"), initial)
+    if engine == "zero3":
+        gathered, sharded = ranks(out, "grpo")[0], ranks(out, "grpo_sharded_generation")[0]
+        # ds3_gather_for_generation=True holds the whole model once per round; False never holds more than the
+        # layer at work (here the 32k x 64 embedding, 49% of this tiny model) and the same completions come out.
+        assert gathered["gathered_during_generation"] == [1.0, 1.0]
+        assert max(sharded["gathered_during_generation"]) < 0.6
+        assert sharded["completions"] == gathered["completions"]
+        assert sharded["losses"] == gathered["losses"]
