@@ -4,7 +4,7 @@ the accelerate config files in examples/accelerate/, against one process with th
 What runs here is what a GPU user runs; the CPU-only parts are test helpers in tests/cpu_engines/ (accelerate's FSDP
 on CPU processes, DeepSpeed's CPU accelerator and a ZeRO-3 config that partitions even a tiny model's parameters).
 
-Tolerances (SGD, no clipping, 2 steps, lr 1e-2; tests/scripts/engine_run.py):
+Tolerances (SGD with momentum 0.9, no clipping, 2 steps, lr 1e-2; tests/scripts/engine_run.py):
 - Per-step losses: 1e-5 relative. The engines change only how partial sums over the global batch are ordered and
   all-reduced (fp32, ~1e-7 relative; measured: identical to the last bit for most cases). A lost or duplicated row
   moves a 16-row batch's loss by ~1e-2.
@@ -36,8 +36,19 @@ SCRIPT = Path(__file__).parent / "scripts" / "engine_run.py"
 HELPERS = Path(__file__).parent / "cpu_engines"
 EXAMPLES = REPO / "examples" / "accelerate"
 
-OFFLINE = ["sft", "sft_packed_padding_free", "sft_lora", "sft_offloaded", "dpo", "dpo_padding_free", "kto", "reward"]
-ONLINE = ["grpo", "rloo"]
+OFFLINE = ["sft", "sft_packed_padding_free", "sft_lora", "dpo", "dpo_padding_free", "dpo_padding_free_precomputed",
+           "kto", "reward"]
+ONLINE = ["grpo", "rloo", "grpo_reward_model"]
+RESUMED = {"sft_resumed": "sft"}  # stopped after step 1 and resumed from the engine's (ZeRO-3: sharded) checkpoint
+ENGINE_CASES = {
+    "ddp": OFFLINE + list(RESUMED) + ONLINE,
+    "fsdp2": OFFLINE + list(RESUMED) + ONLINE,
+    # ZeRO-2 shards only gradients and optimizer states, the same way for every trainer: one of each kind
+    "zero2": ["sft", "sft_lora", "dpo", "kto", "reward", "sft_resumed", "grpo"],
+    # precompute_ref_log_probs without a ref_model is refused under ZeRO-3 (docs/scale_out.md)
+    "zero3": [c for c in OFFLINE if c != "dpo_padding_free_precomputed"] + list(RESUMED) + ONLINE
+    + ["grpo_sharded_generation"],
+}
 LOSS_RTOL = 1e-5
 UPDATE_RTOL = 1e-5
 STORE_ROUNDING = 2.0 ** -22
@@ -64,6 +75,13 @@ def assets(tmp_path_factory, tokenizer_dir):
     with gzip.open(_require(HH_PAIRS), "rt", encoding="utf-8") as source, open(root / "pairs.jsonl", "w") as handle:
         for _, line in zip(range(16), source):
             handle.write(line.rstrip("\n") + "\n")
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(1)  # a reward model of the same tiny shape, one score per sequence
+    config = tiny_model().config
+    config.num_labels = 1
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(root / "reward_model")
+    AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(root / "reward_model")
     return SimpleNamespace(root=root, model=root / "model")
 
 
@@ -139,7 +157,7 @@ def one_process(assets):
 
 @pytest.fixture(scope="module")
 def ddp(assets):
-    return run_engine(assets, "ddp", OFFLINE + ONLINE)
+    return run_engine(assets, "ddp", ENGINE_CASES["ddp"])
 
 
 ENGINES = {  # engine: (distributed type accelerate reports, share of each parameter a process holds)
@@ -152,20 +170,20 @@ ENGINES = {  # engine: (distributed type accelerate reports, share of each param
 
 @pytest.mark.parametrize("engine", list(ENGINES))
 def test_every_trainer_matches_one_process_under_each_engine(engine, assets, initial, one_process, ddp):
-    out = ddp if engine == "ddp" else run_engine(assets, engine, OFFLINE + ONLINE +
-                                                 (["grpo_sharded_generation"] if engine == "zero3" else []))
+    cases = [c for c in ENGINE_CASES[engine] if c != "grpo_sharded_generation"]
+    out = ddp if engine == "ddp" else run_engine(assets, engine, ENGINE_CASES[engine])
     distributed_type, held = ENGINES[engine]
-    for case in OFFLINE + ONLINE:
+    for case in cases:
         first, second = ranks(out, case)
         assert first["world"] == second["world"] == 2 and first["engine"] == distributed_type, (case, first)
         assert first["local_fraction"] == pytest.approx(held), (case, first["local_fraction"])
         assert first["losses"] == second["losses"]
-        reference = one_process if case in OFFLINE else ddp
-        expected = ranks(reference, case)[0]
+        reference = ddp if case in ONLINE else one_process
+        expected = ranks(reference, RESUMED.get(case, case))[0]
         assert_same_losses(first["losses"], expected["losses"])
         if case in ONLINE:
             assert first["completions"] == expected["completions"] and first["completions"]
-        assert_same_weights(saved_weights(out, case), saved_weights(reference, case), initial)
+        assert_same_weights(saved_weights(out, case), saved_weights(reference, RESUMED.get(case, case)), initial)
     if held < 1.0:  # the full weights gathered from the shards (FSDP FULL_STATE_DICT, ZeRO-3 16-bit gather) load
         from transformers import AutoModelForCausalLM
 

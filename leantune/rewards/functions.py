@@ -92,6 +92,12 @@ class RewardFunctions:
                 func.to(device)
         return self
 
+    def prepare_models(self, prepare) -> RewardFunctions:
+        """Runs each reward model through what `prepare(model)` returns (the trainer's engine for frozen models, e.g.
+        a ZeRO-3 inference engine); the model itself still names the function and gives its config."""
+        self.runners = {index: prepare(func) for index, func in enumerate(self.funcs) if _is_model(func)}
+        return self
+
     def score(self, prompts: list, completions: list, completion_ids: list[list[int]],
               columns: dict[str, list] | None = None, trainer_state=None, log_extra=None,
               log_metric=None) -> RewardScores:
@@ -108,7 +114,8 @@ class RewardFunctions:
         pending = {}
         for index, (func, tokenizer, name) in enumerate(zip(self.funcs, self.tokenizers, self.names)):
             if _is_model(func):
-                columns_out[index] = _score_with_model(func, tokenizer, prompts, completions)
+                columns_out[index] = _score_with_model(func, tokenizer, prompts, completions,
+                                                       getattr(self, "runners", {}).get(index))
                 continue
             result = _call(func, name, n, prompts=prompts, completions=completions, completion_ids=completion_ids,
                            trainer_state=trainer_state, log_extra=log_extra, log_metric=log_metric, **columns)
@@ -339,7 +346,7 @@ def _reward_model_texts(tokenizer, prompts: list, completions: list) -> tuple[li
     return texts, conversational
 
 
-def _score_with_model(model, tokenizer, prompts: list, completions: list) -> torch.Tensor:
+def _score_with_model(model, tokenizer, prompts: list, completions: list, runner=None) -> torch.Tensor:
     """logits[:, 0] of the reward model per text, in right-padded chunks; no truncation (a too-long text is an
     error, since scoring a cut-off completion would reward the wrong thing)."""
     texts, has_special_tokens = _reward_model_texts(tokenizer, prompts, completions)
@@ -359,7 +366,7 @@ def _score_with_model(model, tokenizer, prompts: list, completions: list) -> tor
         for start in range(0, len(ids), REWARD_MODEL_BATCH_SIZE):
             chunk = ids[start:start + REWARD_MODEL_BATCH_SIZE]
             input_ids, attention_mask = _right_padded(chunk, tokenizer.pad_token_id, model.device)
-            logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+            logits = (runner or model)(input_ids=input_ids, attention_mask=attention_mask).logits
             rewards.append(logits[:, 0].float().cpu())
     return torch.cat(rewards)
 

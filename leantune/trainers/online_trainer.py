@@ -202,7 +202,8 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         self.data_reports = {split: report.as_dict() for split, report in reports.items()}
         self.ref_model = prepare_frozen_model(self.accelerator, loaded.ref_model, args)
         self._reference_ready = True  # online methods score the reference as they go
-        self.rewards.to(self.accelerator.device)
+        self.rewards.to(self.accelerator.device).prepare_models(
+            lambda reward_model: prepare_frozen_model(self.accelerator, reward_model, args))
         self.round_size, self.steps_per_generation = args.generation_plan(self.accelerator.num_processes)
         if self.round_size % args.num_generations:
             raise ValueError(f"Completions per generation round ({self.round_size} = per_device_train_batch_size x "

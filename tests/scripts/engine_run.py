@@ -9,6 +9,7 @@ ASSETS_DIR holds model/ (a tiny causal LM with its tokenizer), sft.jsonl, pairs.
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch
@@ -27,11 +28,13 @@ def data(name):
 
 
 def common(case, **fields):
-    # SGD, no clipping: the update is a linear function of the global batch's gradient, so one process and N agree
-    # to fp32 rounding (AdamW's first step divides by |g| per element, which amplifies rounding in tiny entries).
+    # SGD with momentum, no clipping: the update is a linear function of the global batch's gradients, so one
+    # process and N agree to fp32 rounding (AdamW's first step divides by |g| per element, which amplifies rounding
+    # in tiny entries); the momentum buffers are optimizer state that a resumed run must restore.
     settings = dict(output_dir=f"{out}/{case}", report_to=[], save_strategy="no", disable_tqdm=True,
                     per_device_train_batch_size=batch_size, max_steps=2, logging_steps=1, learning_rate=1e-2,
-                    optim="sgd", max_grad_norm=0.0, seed=0, memory_breakdown=False, data_seed=0)
+                    optim="sgd", optim_args="momentum=0.9", max_grad_norm=0.0, seed=0, memory_breakdown=False,
+                    data_seed=0)
     settings.update(fields)
     return settings
 
@@ -87,16 +90,32 @@ def dpo(case, **fields):
     return leantune.DPOTrainer(model_dir, args=args, train_dataset=data("pairs"))
 
 
-def online(config_class, trainer_class, case, **fields):
+def online(config_class, trainer_class, case, reward=length_reward, **fields):
     args = config_class(**common(case, num_generations=2, max_completion_length=8, temperature=1.0, **fields))
-    return trainer_class(model_dir, length_reward, args=args, train_dataset=data("prompts"))
+    return trainer_class(model_dir, reward, args=args, train_dataset=data("prompts"))
+
+
+def sft_resumed(case):
+    """Stopped after step 1 (its checkpoint as the engine saves it: ZeRO-3 partitions per process), then resumed."""
+    from transformers import TrainerCallback
+
+    class StopAfterFirstStep(TrainerCallback):  # an interrupted 2-step run: same schedule, stopped after step 1
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = True
+
+    interrupted = sft(case, save_strategy="steps", save_steps=1)
+    interrupted.add_callback(StopAfterFirstStep())
+    interrupted.train()
+    trainer = sft(case)
+    trainer.resume_from = f"{out}/{case}/checkpoint-1"
+    return trainer
 
 
 CASES = {
     "sft": lambda case: sft(case),
     "sft_packed_padding_free": lambda case: sft(case, packing=True, padding_free=True),
     "sft_lora": lambda case: sft(case, peft_config=lora()),
-    "sft_offloaded": lambda case: sft(case, activation_offloading=True),
+    "sft_resumed": sft_resumed,
     "dpo": lambda case: dpo(case),
     "dpo_padding_free": lambda case: dpo(case, padding_free=True),
     "dpo_padding_free_precomputed": lambda case: dpo(case, padding_free=True, precompute_ref_log_probs=True),
@@ -106,6 +125,8 @@ CASES = {
                                                   train_dataset=data("pairs")),
     "grpo": lambda case: online(leantune.GRPOConfig, leantune.GRPOTrainer, case, beta=0.04),
     "rloo": lambda case: online(leantune.RLOOConfig, leantune.RLOOTrainer, case),
+    "grpo_reward_model": lambda case: online(leantune.GRPOConfig, leantune.GRPOTrainer, case, beta=0.04,
+                                             reward=[f"{assets}/reward_model", length_reward]),
     "grpo_sharded_generation": lambda case: online(leantune.GRPOConfig, leantune.GRPOTrainer, case, beta=0.04,
                                                    ds3_gather_for_generation=False),
 }
@@ -114,7 +135,7 @@ for case in cases:
     trainer = CASES[case](case)
     seen_completions.clear()
     generation_fractions = gathered_fraction_during_generation(trainer) if hasattr(trainer, "generation_round") else []
-    trainer.train()
+    trainer.train(resume_from_checkpoint=getattr(trainer, "resume_from", None))
     trainer.save_model()  # every process takes part: FSDP and ZeRO-3 gather the full weights for process 0 to write
     state = trainer.accelerator
     first = trainer.accelerator.unwrap_model(trainer.model_wrapped).get_input_embeddings().weight
@@ -136,3 +157,9 @@ for case in cases:
         json.dump(record, handle)
     del trainer
 state.end_training()  # leave the process group together (a rank exiting first can abort the other at exit)
+# Everything is written. Leave without the interpreter's teardown: after several trainers in one process, a native
+# thread's destructor at exit sometimes aborts a rank ("terminate called without an active exception", SIGABRT) once
+# its work is done (seen with the online trainers; issue noted, not yet found).
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
