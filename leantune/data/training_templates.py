@@ -41,6 +41,9 @@ class MaskTemplate:
         return _read(self.file)
 
 
+ENDS_WITH_END_OF_TEXT = ("it ends a conversation rendered without a generation prompt with the end-of-text token, so "
+                         "a conversation up to a turn is not a prefix of the whole")
+
 # Measured with leantune's prefix method (assistant_masks_from_prefixes) on multi-turn conversations with and
 # without reasoning and tool calls; families it handles need no entry here (see docs/trl_compatibility.md).
 MASK_TEMPLATES = (
@@ -61,15 +64,13 @@ MASK_TEMPLATES = (
         family="Phi-3",
         file="phi3.jinja",
         originals=frozenset({"dcaee66df77bfbb789ec541fe713218da30225a526f1db97138fc39ee6dc56aa"}),
-        why="it ends a conversation rendered without a generation prompt with the end-of-text token, so a "
-            "conversation up to a turn is not a prefix of the whole",
+        why=ENDS_WITH_END_OF_TEXT,
     ),
     MaskTemplate(
         family="Phi-3.5",
         file="phi3_5.jinja",
         originals=frozenset({"78d976a442bcde2f0be15aafbb8e3050e1104f86732266f68403251b89982a90"}),
-        why="it ends a conversation rendered without a generation prompt with the end-of-text token, so a "
-            "conversation up to a turn is not a prefix of the whole",
+        why=ENDS_WITH_END_OF_TEXT,
     ),
 )
 
