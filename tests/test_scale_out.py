@@ -36,15 +36,15 @@ SCRIPT = Path(__file__).parent / "scripts" / "engine_run.py"
 HELPERS = Path(__file__).parent / "cpu_engines"
 EXAMPLES = REPO / "examples" / "accelerate"
 
-OFFLINE = ["sft", "sft_packed_padding_free", "sft_lora", "dpo", "dpo_padding_free", "dpo_padding_free_precomputed",
-           "kto", "reward"]
+OFFLINE = ["sft", "sft_tied", "sft_packed_padding_free", "sft_lora", "dpo", "dpo_padding_free",
+           "dpo_padding_free_precomputed", "kto", "reward"]
 ONLINE = ["grpo", "rloo", "grpo_reward_model"]
 RESUMED = {"sft_resumed": "sft"}  # stopped after step 1 and resumed from the engine's (ZeRO-3: sharded) checkpoint
 ENGINE_CASES = {
     "ddp": OFFLINE + list(RESUMED) + ONLINE,
     "fsdp2": OFFLINE + list(RESUMED) + ONLINE,
     # ZeRO-2 shards only gradients and optimizer states, the same way for every trainer: one of each kind
-    "zero2": ["sft", "sft_lora", "dpo", "kto", "reward", "sft_resumed", "grpo"],
+    "zero2": ["sft", "sft_tied", "sft_lora", "dpo", "kto", "reward", "sft_resumed", "grpo"],
     # precompute_ref_log_probs without a ref_model is refused under ZeRO-3 (docs/scale_out.md)
     "zero3": [c for c in OFFLINE if c != "dpo_padding_free_precomputed"] + list(RESUMED) + ONLINE
     + ["grpo_sharded_generation"],
@@ -64,6 +64,11 @@ def assets(tmp_path_factory, tokenizer_dir):
     root = tmp_path_factory.mktemp("scale_out")
     tiny_model().save_pretrained(root / "model")
     AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(root / "model")
+    tied = tiny_model()  # the chunked head then projects with the (sharded) input embedding
+    tied.config.tie_word_embeddings = True
+    tied.tie_weights()
+    tied.save_pretrained(root / "tied_model")
+    AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(root / "tied_model")
     with open(_require(GSM8K_TRAIN), encoding="utf-8") as handle:
         rows = [json.loads(line) for _, line in zip(range(64), handle)]
     with open(root / "sft.jsonl", "w", encoding="utf-8") as handle:
@@ -150,6 +155,12 @@ def initial(assets):
     return load_file(str(assets.model / "model.safetensors"))
 
 
+def tied_initial(assets) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(assets.root / "tied_model" / "model.safetensors"))
+
+
 @pytest.fixture(scope="module")
 def one_process(assets):
     return run_engine(assets, "one", OFFLINE)
@@ -183,7 +194,8 @@ def test_every_trainer_matches_one_process_under_each_engine(engine, assets, ini
         assert_same_losses(first["losses"], expected["losses"])
         if case in ONLINE:
             assert first["completions"] == expected["completions"] and first["completions"]
-        assert_same_weights(saved_weights(out, case), saved_weights(reference, RESUMED.get(case, case)), initial)
+        start = tied_initial(assets) if case == "sft_tied" else initial
+        assert_same_weights(saved_weights(out, case), saved_weights(reference, RESUMED.get(case, case)), start)
     if held < 1.0:  # the full weights gathered from the shards (FSDP FULL_STATE_DICT, ZeRO-3 16-bit gather) load
         from transformers import AutoModelForCausalLM
 

@@ -423,6 +423,8 @@ class LeantuneTrainer(Trainer):
         README.md that is not leantune's (checked before PEFT writes its own template) is left as it is."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         card = self.args.should_save and model_card.may_write(output_dir)
+        if state_dict is not None:
+            state_dict = without_tied_copies(self.accelerator.unwrap_model(self.model), state_dict)
         super()._save(output_dir, state_dict=state_dict)
         if card:
             try:
@@ -522,3 +524,21 @@ def _entropy_from_logits(logits: torch.Tensor, targets: Targets, temperature: fl
     with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
         flat = logits.reshape(-1, logits.shape[-1]).index_select(0, targets.index).float() / temperature
         return torch.logsumexp(flat, -1) - (torch.softmax(flat, -1) * flat).sum(-1)
+
+def without_tied_copies(model, state_dict: dict) -> dict:
+    """A gathered full state dict (FSDP2, ZeRO-3) holds a tied output head as its own tensor, which transformers
+    would write as a second vocabulary-sized matrix: the tied key is dropped when it equals the input embedding."""
+    base = unwrap_model(model)
+    config = getattr(base, "config", None)
+    config = getattr(config, "get_text_config", lambda: config)() if config is not None else None
+    if not getattr(config, "tie_word_embeddings", False):
+        return state_dict
+    embeddings, head = base.get_input_embeddings(), base.get_output_embeddings()
+    if embeddings is None or head is None:
+        return state_dict
+    names = {id(module): name for name, module in model.named_modules()}
+    embedding_key, head_key = f"{names.get(id(embeddings))}.weight", f"{names.get(id(head))}.weight"
+    if (embedding_key in state_dict and head_key in state_dict and head_key != embedding_key
+            and torch.equal(state_dict[embedding_key], state_dict[head_key])):
+        state_dict = {k: v for k, v in state_dict.items() if k != head_key}
+    return state_dict

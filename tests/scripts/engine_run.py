@@ -4,7 +4,8 @@ full-state gather) to <out>/<case>/ and writes what every process saw to <out>/<
 
 usage: engine_run.py OUT ASSETS_DIR PER_DEVICE_BATCH_SIZE CASE [CASE ...]
 
-ASSETS_DIR holds model/ (a tiny causal LM with its tokenizer), sft.jsonl, pairs.jsonl and prompts.jsonl."""
+ASSETS_DIR holds model/ (a tiny causal LM with its tokenizer), tied_model/ (the same with tied input and output
+embeddings), reward_model/, sft.jsonl, pairs.jsonl and prompts.jsonl."""
 
 from __future__ import annotations
 
@@ -80,9 +81,9 @@ def gathered_fraction_during_generation(trainer) -> list[float]:
     return fractions
 
 
-def sft(case, peft_config=None, **fields):
+def sft(case, peft_config=None, model=None, **fields):
     args = leantune.SFTConfig(**common(case, max_length=64, **fields))
-    return leantune.SFTTrainer(model_dir, args=args, train_dataset=data("sft"), peft_config=peft_config)
+    return leantune.SFTTrainer(model or model_dir, args=args, train_dataset=data("sft"), peft_config=peft_config)
 
 
 def dpo(case, **fields):
@@ -116,6 +117,7 @@ CASES = {
     "sft_packed_padding_free": lambda case: sft(case, packing=True, padding_free=True),
     "sft_lora": lambda case: sft(case, peft_config=lora()),
     "sft_resumed": sft_resumed,
+    "sft_tied": lambda case: sft(case, model=f"{assets}/tied_model"),  # lm_head is the input embedding
     "dpo": lambda case: dpo(case),
     "dpo_padding_free": lambda case: dpo(case, padding_free=True),
     "dpo_padding_free_precomputed": lambda case: dpo(case, padding_free=True, precompute_ref_log_probs=True),
