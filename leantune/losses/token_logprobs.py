@@ -43,8 +43,9 @@ def target_sequences(targets: Targets, starts: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(starts.to(targets.index.device), targets.index, right=True) - 1
 
 
-def select_targets(labels: torch.Tensor) -> Targets:
-    shifted = shifted_targets(labels).reshape(-1)
+def select_targets(labels: torch.Tensor, shifted: bool = False) -> Targets:
+    """The targets of `labels` (the token at each position; `shifted`: already the NEXT token at each position)."""
+    shifted = (labels if shifted else shifted_targets(labels)).reshape(-1)
     index = (shifted != IGNORE_INDEX).nonzero().squeeze(-1)
     return Targets(index, shifted.index_select(0, index), labels.shape)
 

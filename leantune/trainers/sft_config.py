@@ -9,6 +9,7 @@ from typing import Any
 from transformers import TrainingArguments
 
 from .config_utils import non_default, positive_or_none, resolve_shared_settings, validate_shared_options
+from .context_parallel import resolve_pad_to_multiple_of
 from .memory_options import MemoryOptions
 from .trl_options import CausalLMOptions
 
@@ -64,7 +65,9 @@ class SFTConfig(MemoryOptions, CausalLMOptions, TrainingArguments):
                   "positions (as TRL's bfd packing does); same targets and losses as packing alone, minus the "
                   "padding at the end of each packed row."},
     )
-    pad_to_multiple_of: int | None = field(default=None, metadata={"help": "Pad each batch to a multiple of this."})
+    pad_to_multiple_of: int | None = field(default=None, metadata={
+        "help": "Pad each batch to a multiple of this (under context parallelism: default and required multiple "
+                "2 x cp_size)."})
     eval_packing: bool | None = field(default=None, metadata={"help": "Pack the eval set (default: same as packing)."})
 
     # Loss
@@ -96,6 +99,7 @@ class SFTConfig(MemoryOptions, CausalLMOptions, TrainingArguments):
             self.max_seq_length = None
         resolve_shared_settings(self)
         validate_sft_config(self)
+        resolve_pad_to_multiple_of(self)  # context parallelism: 2 x cp_size, as TRL's CP guide asks
         super().__post_init__()
 
 

@@ -31,6 +31,7 @@ class SFTTrainer(LeantuneTrainer):
     """Train a causal LM on text, prompt-completion or conversational data."""
 
     dataset_columns = ("input_ids", "labels", "completion_mask", "assistant_masks", "seq_lengths")
+    supports_context_parallelism = True  # packed and padding-free rows included (trainers/context_parallel.py)
 
     def __init__(
         self,
@@ -128,7 +129,11 @@ class SFTTrainer(LeantuneTrainer):
         """The token-mean NLL (or DFT's probability-weighted NLL), with TRL's `entropy` and `mean_token_accuracy`
         metrics of the targets; a `compute_loss_func` given to the trainer gets the model's full-logits outputs."""
         inputs = dict(inputs)
-        labels = inputs.pop("labels")
+        # under context parallelism the targets arrive shifted (each position's next token) and split with the batch
+        shifted = inputs.pop("shift_labels", None)
+        labels = inputs.pop("labels") if shifted is None else shifted
+        if shifted is not None:
+            self.check_context_parallel_layout(inputs)
         self.count_tokens(model, inputs)
         if self.compute_loss_func is not None:
             with self.offloading_scope(model):
@@ -138,21 +143,23 @@ class SFTTrainer(LeantuneTrainer):
         # Liger's kernel gives no entropies: on its path the entropy metric is not logged (noted in __init__)
         liger = self.liger_head_runs(model)
         if self.args.loss_type == "nll" and self.fused_nll_runs(model):  # Liger's summed NLL (CUDA)
-            loss_sum, accuracy, _, outputs = self.target_nll_sum(model, inputs, labels)
+            loss_sum, accuracy, _, outputs = self.target_nll_sum(model, inputs, labels, shifted=shifted is not None)
             if accuracy is not None:
                 self.record_metrics(model, mean_token_accuracy=accuracy.reshape(1))
         else:
             metrics = {}
             if liger:
-                logps, top1, _, outputs = self.target_logprobs(model, inputs, labels, stats=("top1",))
+                logps, top1, _, outputs = self.target_logprobs(model, inputs, labels, stats=("top1",),
+                                                               shifted=shifted is not None)
             else:
                 logps, entropy, top1, _, outputs = self.target_logprobs(model, inputs, labels, with_entropy=True,
-                                                                        stats=("top1",))
+                                                                        stats=("top1",), shifted=shifted is not None)
                 metrics["entropy"] = entropy.mean().reshape(1)
             token_loss = -logps
             if self.args.loss_type == "dft":  # DFT (arXiv 2508.05629): the NLL times the token's own probability
                 token_loss = token_loss * logps.detach().exp()
             loss_sum = token_loss.sum()
             self.record_metrics(model, **metrics, mean_token_accuracy=top1.float().mean().reshape(1))
-        loss = self.normalise(loss_sum, count_targets(labels), num_items_in_batch)
+        local_count = (labels != -100).sum() if shifted is not None else count_targets(labels)
+        loss = self.normalise(loss_sum, local_count, num_items_in_batch)
         return (loss, outputs) if return_outputs else loss

@@ -37,3 +37,7 @@ def _patch_accelerate_state():
 
 if os.environ.get("LEANTUNE_TEST_CPU_FSDP") == "1":
     _patch_accelerate_state()
+if os.environ.get("LEANTUNE_TEST_CPU_CP") == "1":  # context parallelism: ring attention for the CPU SDPA kernel
+    import cpu_context_parallel
+
+    cpu_context_parallel.install()

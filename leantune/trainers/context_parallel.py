@@ -1,0 +1,175 @@
+"""Context parallelism (accelerate's `ParallelismConfig(cp_size=...)` with FSDP2): every sequence of a batch is split
+along time over the `cp_size` processes of a context-parallel group, and torch's ring attention
+(`torch.distributed.tensor.experimental.context_parallel`, entered by `Accelerator.maybe_context_parallel`) passes
+keys and values around the group. Nothing here is an engine: accelerate builds the mesh, shards the model with FSDP2
+over data x context, attaches its attention hooks and shards the batch; this module only lays the batch out so that
+what torch computes is exactly what one process computes.
+
+- Targets are shifted before the batch is split (`shift_labels`: the token each position predicts), so no target is
+  lost or misplaced at a shard's edge, and the chunked head scores each process's hidden states against them.
+- Padded rows: right padding, so plain causal attention (the only mask the ring computes; accelerate's hooks drop the
+  model's mask) gives every real token exactly its own row's attention. The row is padded to a multiple of
+  2 x cp_size, which torch's head-tail load balancing needs.
+- Packed and padding-free rows: plain causal attention would let each document see the documents before it. Each
+  document (and the row's trailing padding) is padded to a multiple of 2 x cp_size and the row is reordered so that
+  torch's head-tail split gives every process, for EVERY document, that document's chunk k and chunk 2 x cp_size - 1 - k:
+  each process holds an equal, balanced share of each document. Attention then runs one causal SDPA call per
+  document (leantune's segment attention, with this process's document lengths); under `context_parallel` each call
+  is torch's ring attention over that document alone, its head-tail layout being exactly the one the ring expects.
+  Every document attends only to itself across the ring.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..losses.causal_lm import IGNORE_INDEX, shifted_targets
+
+
+def requested_cp_size(args) -> int:
+    """The context-parallel size a config will run with: its `parallelism_config`, else the one accelerate builds from
+    an accelerate config file (`parallelism_config_cp_size`, passed to the processes as environment variables)."""
+    config = getattr(args, "parallelism_config", None)
+    if config is not None and getattr(config, "cp_size", None):
+        return int(config.cp_size)
+    if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true":
+        return int(os.environ.get("PARALLELISM_CONFIG_CP_SIZE", "1") or 1)
+    return 1
+
+
+def resolve_pad_to_multiple_of(args) -> None:
+    """Under context parallelism rows must split into 2 x cp_size equal chunks (torch's load balancing): the default
+    becomes 2 x cp_size, and an explicit value that is not a multiple of it is refused."""
+    cp = requested_cp_size(args)
+    if cp <= 1:
+        return
+    needed = 2 * cp
+    if args.pad_to_multiple_of is None:
+        args.pad_to_multiple_of = needed
+    elif args.pad_to_multiple_of % needed:
+        raise ValueError(f"`pad_to_multiple_of={args.pad_to_multiple_of}` must be a multiple of 2 x cp_size = {needed} "
+                         f"under context parallelism (cp_size={cp}): each row is split into {needed} equal chunks; "
+                         f"set it to a multiple of {needed} or leave it unset ({needed}).")
+
+
+def attention_problem(model) -> str | None:
+    """Why context parallelism cannot run this model's attention exactly (None when it can)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation not in ("sdpa", "leantune_segment_sdpa"):
+        return (f"its attention implementation is {implementation!r}; torch's ring attention replaces SDPA only, so "
+                f"load the model with attn_implementation='sdpa'")
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        other = sorted({t for t in layer_types if t != "full_attention"})
+    else:  # models that predate layer_types (Mistral) apply their window to every layer when it is set
+        other = ["sliding_attention"] if getattr(config, "sliding_window", None) else []
+    if other:
+        return (f"it has {other} layers; the ring computes full causal attention only, so those layers would attend "
+                f"beyond their window")
+    if getattr(config, "attention_chunk_size", None):
+        return "it uses chunked attention (`attention_chunk_size`); the ring computes full causal attention only"
+    return None
+
+
+def _head_tail(length: int, cp: int) -> torch.Tensor:
+    """torch's default load balancing (head-tail): process r holds chunks r and 2cp-1-r of 2cp equal chunks."""
+    chunk = length // (2 * cp)
+    order = []
+    for rank in range(cp):
+        order += range(rank * chunk, (rank + 1) * chunk)
+        order += range((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk)
+    return torch.tensor(order, dtype=torch.long)
+
+
+def _segments(position_ids: torch.Tensor) -> list[list[int]]:
+    """The lengths of each row's segments (positions restart at 0 at every sequence, and at the row's padding)."""
+    rows = []
+    for row in position_ids.tolist():
+        starts = [i for i, p in enumerate(row) if p == 0] + [len(row)]
+        if starts[0] != 0:
+            starts.insert(0, 0)
+        rows.append([b - a for a, b in zip(starts, starts[1:]) if b > a])
+    return rows
+
+
+def lay_out_documents(batch: dict, labels: torch.Tensor, cp: int, pad_token_id: int) -> dict:
+    """A batch of segmented rows (packed or padding-free) laid out for context parallelism: every segment padded to a
+    multiple of 2 x cp (padding continues its positions and has no target), the rows made one width, and the tokens
+    of each row reordered so that torch's head-tail split gives each process chunks k and 2cp-1-k of every
+    segment. Returns input_ids, shift_labels, position_ids (reordered, not yet split) and the per-process segment
+    lengths (`local_lengths`) and the expected local position ids (`local_positions`, one row per process)."""
+    multiple = 2 * cp
+    device = batch["input_ids"].device
+    input_ids, labels, positions = batch["input_ids"].cpu(), labels.cpu(), batch["position_ids"].cpu()
+    shift = shifted_targets(labels)  # before any reordering: the next token of each position in its own row
+    rows = []
+    for r, lengths in enumerate(_segments(positions)):
+        ids, tgt, pos, padded, start = [], [], [], [], 0
+        for n in lengths:
+            m = -(-n // multiple) * multiple
+            ids.append(torch.cat([input_ids[r, start:start + n], input_ids.new_full((m - n,), pad_token_id)]))
+            tgt.append(torch.cat([shift[r, start:start + n], shift.new_full((m - n,), IGNORE_INDEX)]))
+            pos.append(torch.cat([positions[r, start:start + n],
+                                  positions[r, start + n - 1] + 1 + torch.arange(m - n, dtype=positions.dtype)]))
+            padded.append(m)
+            start += n
+        rows.append((torch.cat(ids), torch.cat(tgt), torch.cat(pos), padded))
+    width = max(sum(padded) for *_, padded in rows)
+    out_ids, out_tgt, out_pos, local_lengths, local_positions = [], [], [], [], [[] for _ in range(cp)]
+    for ids, tgt, pos, padded in rows:
+        extra = width - sum(padded)
+        if extra:  # a padding segment of its own, so the rows have one width
+            ids = torch.cat([ids, ids.new_full((extra,), pad_token_id)])
+            tgt = torch.cat([tgt, tgt.new_full((extra,), IGNORE_INDEX)])
+            pos = torch.cat([pos, torch.arange(extra, dtype=pos.dtype)])
+            padded = padded + [extra]
+        # what each process must hold: for every segment, its chunks k and 2cp-1-k (k = the process's rank)
+        starts = torch.tensor([0] + padded[:-1]).cumsum(0).tolist()
+        wanted = []
+        for rank in range(cp):
+            for s, m in zip(starts, padded):
+                c = m // multiple
+                wanted += range(s + rank * c, s + (rank + 1) * c)
+                wanted += range(s + (multiple - 1 - rank) * c, s + (multiple - rank) * c)
+        wanted = torch.tensor(wanted, dtype=torch.long)
+        # torch takes row[head_tail] and splits it evenly; so row[order][head_tail] must be row[wanted]
+        order = wanted[torch.argsort(_head_tail(width, cp))]
+        out_ids.append(ids[order])
+        out_tgt.append(tgt[order])
+        out_pos.append(pos[order])
+        local_lengths.append([m // cp for m in padded])
+        for rank, block in enumerate(pos[wanted].view(cp, -1)):
+            local_positions[rank].append(block)
+    return {
+        "input_ids": torch.stack(out_ids).to(device),
+        "shift_labels": torch.stack(out_tgt).to(device),
+        "position_ids": torch.stack(out_pos).to(device),
+        "local_lengths": local_lengths,
+        "local_positions": [torch.stack(p) for p in local_positions],
+    }
+
+
+def local_segment_offsets(local_lengths: list[list[int]], device) -> tuple[torch.Tensor, int]:
+    """cu_seq_lens over this process's flattened rows (segment attention / FlashAttention varlen) and the longest."""
+    flat = [n for row in local_lengths for n in row]
+    offsets = torch.tensor([0] + flat, dtype=torch.int32).cumsum(0).to(torch.int32)
+    return offsets.to(device), max(flat)
+
+
+def check_padded_rows(attention_mask: torch.Tensor) -> None:
+    """Padded rows are exact under the ring's causal attention only when padded on the right (each row: ones, then
+    zeros); any other mask would be dropped by accelerate's hooks and change what real tokens attend to."""
+    if attention_mask.dim() != 2:
+        raise ValueError(f"Context parallelism drops the attention mask (torch's ring attention computes plain causal "
+                         f"attention); a {attention_mask.dim()}-D mask cannot be honoured. Use leantune's collator "
+                         f"(right-padded rows, or packing / padding_free for several sequences per row).")
+    mask = attention_mask.bool()
+    if (mask[:, 1:] & ~mask[:, :-1]).any():
+        raise ValueError("Context parallelism drops the attention mask (torch's ring attention computes plain causal "
+                         "attention), so rows must be padded on the right; these rows have padding before real tokens.")

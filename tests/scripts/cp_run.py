@@ -1,0 +1,109 @@
+"""Run by tests/test_context_parallel.py, alone or under `accelerate launch` with
+examples/accelerate/fsdp2_context_parallel.yaml (2 CPU processes, cp_size=2): two SGD steps of SFT per named case,
+through the public API. Per case it saves the trained weights (FSDP2's full-state gather) to <out>/<case>/ and writes
+what every process saw to <out>/<case>/rank<k>.json. The case `refusals` builds trainers that context parallelism
+cannot run exactly and records each error.
+
+usage: cp_run.py OUT ASSETS_DIR CASE [CASE ...]     (ASSETS_DIR holds model/ and sft.jsonl)"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+from datasets import load_dataset
+
+import leantune
+
+out, assets, cases = sys.argv[1], sys.argv[2], sys.argv[3:]
+torch.set_num_threads(1)
+model_dir = f"{assets}/model"
+data = load_dataset("json", data_files=f"{assets}/sft.jsonl")["train"]
+
+
+def config(case, **fields):
+    # as tests/scripts/engine_run.py: SGD with momentum, no clipping (the update is linear in the step's gradient)
+    settings = dict(output_dir=f"{out}/{case}", report_to=[], save_strategy="no", disable_tqdm=True,
+                    per_device_train_batch_size=4, max_steps=2, logging_steps=1, learning_rate=1e-2, optim="sgd",
+                    optim_args="momentum=0.9", max_grad_norm=0.0, seed=0, data_seed=0, memory_breakdown=False,
+                    max_length=96)
+    settings.update(fields)
+    return leantune.SFTConfig(**settings)
+
+
+CASES = {
+    "sft": {},
+    "sft_packed": dict(packing=True),
+    "sft_padding_free": dict(padding_free=True),
+    "sft_packed_padding_free": dict(packing=True, padding_free=True),
+}
+
+
+def refusals() -> dict[str, str]:
+    """Each trainer context parallelism cannot run exactly, and the first line of its error."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, MistralConfig, MistralForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+
+    def error(build):
+        try:
+            build()
+        except ValueError as exc:
+            return str(exc)
+        return ""
+
+    def sliding():
+        small = dict(vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, sliding_window=16, attn_implementation="sdpa")
+        return MistralForCausalLM(MistralConfig(**small))
+
+    pairs = load_dataset("json", data_files=f"{assets}/pairs.jsonl")["train"] if os.path.exists(
+        f"{assets}/pairs.jsonl") else None
+    return {
+        "sliding_window": error(lambda: leantune.SFTTrainer(sliding(), args=config("r1"), train_dataset=data,
+                                                                      processing_class=tokenizer)),
+        "eager": error(lambda: leantune.SFTTrainer(
+            AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager"), args=config("r2"),
+            train_dataset=data, processing_class=tokenizer)),
+        "compute_loss_func": error(lambda: leantune.SFTTrainer(model_dir, args=config("r3"), train_dataset=data,
+                                                               compute_loss_func=lambda *a, **k: 0)),
+        "dpo": error(lambda: leantune.DPOTrainer(model_dir, args=leantune.DPOConfig(
+            output_dir=f"{out}/r4", report_to=[], max_length=96), train_dataset=pairs)),
+        "pad_to_multiple_of": error(lambda: config("r5", pad_to_multiple_of=6)),
+        "pad_to_multiple_of_default": str(config("r6").pad_to_multiple_of),
+    }
+
+
+state = None
+for case in cases:
+    if case == "refusals":
+        record = refusals()
+        from accelerate import PartialState
+
+        state = PartialState()
+        os.makedirs(f"{out}/{case}", exist_ok=True)
+        with open(f"{out}/{case}/rank{state.process_index}.json", "w") as handle:
+            json.dump(record, handle)
+        continue
+    trainer = leantune.SFTTrainer(model_dir, args=config(case, **CASES[case]), train_dataset=data)
+    trainer.train()
+    trainer.save_model()  # every process takes part: FSDP2 gathers the full weights for process 0 to write
+    state = trainer.accelerator
+    parallelism = state.parallelism_config
+    record = {
+        "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
+        "world": state.num_processes,
+        "engine": str(state.distributed_type).split(".")[-1],
+        "cp_size": parallelism.cp_size if parallelism is not None else 1,
+        "pad_to_multiple_of": trainer.args.pad_to_multiple_of,
+    }
+    with open(f"{out}/{case}/rank{state.process_index}.json", "w") as handle:
+        json.dump(record, handle)
+    del trainer
+if state is not None and hasattr(state, "end_training"):
+    state.end_training()
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
