@@ -3,6 +3,12 @@
 The step is watched by PyTorch's dispatch-based `MemTracker`, which sees every tensor allocation and files it
 under parameters, buffers, gradients, optimizer states, activations (saved for backward) or temporaries; on CUDA
 the allocator's own peak for the step is reported beside it. Watching costs time, so one step is measured.
+
+Under a sharding engine each part is this process's share (docs/scale_out.md, "Memory per rank"): MemTracker counts
+an FSDP2 DTensor by its local shard; DeepSpeed keeps what it holds outside the module's parameters and the
+optimizer's state (ZeRO-3's partitions, the fp32 master copy, ZeRO-3's gradient buffers), which are handed to the
+tracker by part here (`_engine_tensors`). Memory the optimizer's step allocates and frees (its temporaries, which
+MemTracker files as optimizer states) is reported under temporaries.
 """
 
 from __future__ import annotations
@@ -63,6 +69,10 @@ class StepMemoryMeter:
     def start(self, model: torch.nn.Module, optimizer=None) -> None:
         tracker = _tracker_class()()
         tracker.track_external(*(obj for obj in (model, optimizer) if obj is not None))
+        for part, tensors in _engine_tensors(model, optimizer).items():
+            for tensor in tensors:  # a storage the tracker already files (a parameter's) keeps its part
+                if tensor.untyped_storage() not in tracker._WINFO:
+                    tracker._update_and_maybe_create_winfos(tensor, part)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -85,6 +95,14 @@ class StepMemoryMeter:
         stats = by_device.get(main, {})
         parts = {_TRACKER_NAMES.get(_kind_name(kind), "other"): int(size) for kind, size in stats.items()
                  if _kind_name(kind) != "Total"}
+        # MemTracker files every allocation made inside optimizer.step() as optimizer state. What is still held once
+        # the step is over is the state; the rest of the peak's share was the step's temporaries.
+        after = {_TRACKER_NAMES.get(_kind_name(k), "other"): int(v) for k, v in
+                 {str(d): s for d, s in tracker.get_tracker_snapshot("current").items()}.get(main, {}).items()}
+        held = min(parts.get("optimizer_states", 0), after.get("optimizer_states", 0))
+        if parts.get("optimizer_states", 0) > held:
+            parts["temporaries"] = parts.get("temporaries", 0) + parts["optimizer_states"] - held
+            parts["optimizer_states"] = held
         allocator = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -124,6 +142,46 @@ class _NoHook:
 
 
 _NO_HOOK = _NoHook()
+
+
+def _engine_tensors(model: torch.nn.Module, optimizer) -> dict:
+    """Tensors a sharding engine holds outside the module's parameters and the optimizer's state, by MemTracker part.
+
+    DeepSpeed ZeRO-3 leaves each module parameter an empty placeholder between uses and keeps this process's
+    partition in `param.ds_tensor` (parameters); its gradient partitions and bucket buffer are allocated once, at
+    start-up (gradients). ZeRO-1/2/3 keep an fp32 master copy of the partition that the torch optimizer updates
+    (optimizer states, as in ZeRO's own accounting; it exists even when the model trains in fp32). FSDP2 needs nothing:
+    its parameters, gradients and states are DTensors, which MemTracker counts by their local shard. DDP's gradient
+    buckets live in C++ and are not visible."""
+    from torch.distributed._tools.mem_tracker import _MemRefType
+
+    found: dict = {_MemRefType.PARAM: [], _MemRefType.GRAD: [], _MemRefType.OPT: []}
+    for param in model.parameters():
+        if isinstance(getattr(param, "ds_tensor", None), torch.Tensor):
+            found[_MemRefType.PARAM].append(param.ds_tensor)
+    zero, seen = optimizer, 0
+    while zero is not None and seen < 4 and not _is_zero_optimizer(zero):
+        zero, seen = getattr(zero, "optimizer", None), seen + 1
+    if zero is not None and _is_zero_optimizer(zero):
+        for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):
+            found[_MemRefType.OPT].extend(_tensors_in(getattr(zero, name, None)))
+        found[_MemRefType.GRAD].extend(_tensors_in(getattr(zero, "grad_partitions_flat_buffer", None)))
+        for bucket in (getattr(zero, "ipg_buckets", None) or {}).values():
+            found[_MemRefType.GRAD].extend(_tensors_in(getattr(bucket, "buffer", None)))
+    return {part: tensors for part, tensors in found.items() if tensors}
+
+
+def _is_zero_optimizer(obj) -> bool:
+    return type(obj).__module__.startswith("deepspeed.") and (
+        hasattr(obj, "single_partition_of_fp32_groups") or hasattr(obj, "fp32_partitioned_groups_flat"))
+
+
+def _tensors_in(value) -> list:
+    if isinstance(value, torch.Tensor):
+        return [value] if value.numel() else []
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors_in(item)]
+    return []
 
 
 def _kind_name(kind) -> str:
