@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 from collections import defaultdict
 
@@ -45,7 +44,7 @@ from ..metrics.memory_breakdown import MemoryBreakdown, MemoryBreakdownCallback
 from ..metrics.throughput import TokenThroughput
 from ..models import model_card
 from ..models.output_head import OutputHead, unwrap_model
-from . import context_parallel
+from .context_parallel import ContextParallelism
 from .distributed import check_world_size
 from .memory_options import validate_memory_options
 
@@ -54,7 +53,7 @@ logger = logging.getLogger("leantune.trainer")
 MIB = 1024 * 1024
 
 
-class LeantuneTrainer(Trainer):
+class LeantuneTrainer(ContextParallelism, Trainer):
     # compute_loss divides by the target count of the whole step, so the Trainer must not divide again.
     loss_is_scaled_for_ga = True
     # Dataset columns the collators read; everything else is removed by Trainer.
@@ -70,8 +69,6 @@ class LeantuneTrainer(Trainer):
     keeps_eval_dataset_as_given = False
     # Whether the trainer's log-probs are of logits divided by `args.temperature` (the online trainers').
     scores_at_temperature = False
-    # Whether the trainer runs under context parallelism (accelerate's cp_size > 1; trainers/context_parallel.py).
-    supports_context_parallelism = False
     def __init__(self, *args, **kwargs):
         self.throughput = TokenThroughput()
         self.data_reports: dict = {}
@@ -107,86 +104,6 @@ class LeantuneTrainer(Trainer):
         self._check_context_parallelism()
         if config.memory_breakdown:
             self.add_callback(MemoryBreakdownCallback(self.args.device, self._record_memory_breakdown))
-
-    # --- context parallelism (trainers/context_parallel.py) -------------------------------------------------------
-
-    @property
-    def cp_size(self) -> int:
-        config = getattr(self.accelerator, "parallelism_config", None)
-        return int(config.cp_size) if config is not None and config.cp_enabled else 1
-
-    def _check_context_parallelism(self) -> None:
-        """Refuse, when the trainer is built, what context parallelism cannot run exactly."""
-        self._cp_batch_targets = None
-        self._cp_local_positions = None
-        cp = self.cp_size
-        if cp <= 1:
-            return
-        name = type(self).__name__
-        if not self.supports_context_parallelism:
-            raise ValueError(f"Context parallelism (`cp_size={cp}`) is supported by SFTTrainer only; {name} would "
-                             f"shift its targets inside each process's part of the sequence. Set `cp_size` to 1.")
-        problem = context_parallel.attention_problem(self.accelerator.unwrap_model(self.model))
-        if problem is not None:
-            raise ValueError(f"Context parallelism (`cp_size={cp}`) cannot run this model exactly: {problem}.")
-        if self.compute_loss_func is not None:
-            raise ValueError(f"A `compute_loss_func` would get one process's part of each sequence under context "
-                             f"parallelism (`cp_size={cp}`); leave it out or set `cp_size` to 1.")
-        multiple = getattr(self.args, "pad_to_multiple_of", None)
-        if not multiple or multiple % (2 * cp):
-            raise ValueError(f"`pad_to_multiple_of` must be a multiple of 2 x cp_size = {2 * cp} under context "
-                             f"parallelism, got {multiple!r}; leave it unset for {2 * cp}.")
-
-    def _prepare_context_parallel_inputs(self, model, inputs):
-        """Lay the batch out for context parallelism (targets shifted before the split; packed and padding-free
-        rows so that each document attends only to itself across the ring) and hand it to accelerate's
-        `maybe_context_parallel`, which splits input_ids, shift_labels and position_ids along time."""
-        cp = self.cp_size
-        if cp <= 1:
-            return contextlib.nullcontext, inputs
-        inputs = dict(inputs)
-        labels = inputs.pop("labels")
-        pad = getattr(self.data_collator, "pad_token_id", None)
-        pad = 0 if pad is None else pad
-        rank = self.accelerator.torch_device_mesh["cp"].get_local_rank()
-        if "cu_seq_lens_q" in inputs:  # packed or padding-free rows: per-document layout
-            laid = context_parallel.lay_out_documents(inputs, labels, cp, pad)
-            offsets, longest = context_parallel.local_segment_offsets(laid["local_lengths"], labels.device)
-            inputs.update(input_ids=laid["input_ids"], shift_labels=laid["shift_labels"],
-                          position_ids=laid["position_ids"], cu_seq_lens_q=offsets, cu_seq_lens_k=offsets,
-                          max_length_q=longest, max_length_k=longest)
-            self._cp_local_positions = laid["local_positions"][rank]
-        else:
-            mask = inputs.pop("attention_mask", None)
-            if mask is not None:
-                context_parallel.check_padded_rows(mask)
-            positions = inputs.get("position_ids")
-            if positions is not None and (positions[:, 1:] <= positions[:, :-1]).any():
-                raise ValueError("These rows hold several sequences (their position_ids restart) but no "
-                                 "`cu_seq_lens_q` offsets: context parallelism would let each sequence attend to the "
-                                 "ones before it. Use leantune's collator with `packing` / `padding_free`.")
-            width = inputs["input_ids"].shape[1]
-            if width % (2 * cp):
-                raise ValueError(f"A batch of width {width} cannot be split into 2 x cp_size = {2 * cp} equal chunks; "
-                                 f"set `pad_to_multiple_of` to a multiple of {2 * cp}.")
-            inputs["shift_labels"] = context_parallel.shifted_targets(labels).contiguous()
-            if positions is None:
-                positions = torch.arange(width, device=labels.device).expand(labels.shape[0], -1)
-            inputs["position_ids"] = positions.clone()
-            self._cp_local_positions = None
-        inputs["input_ids"] = inputs["input_ids"].clone()
-        self._cp_batch_targets = (inputs["shift_labels"] != -100).sum()
-        buffers = [inputs["input_ids"], inputs["shift_labels"], inputs["position_ids"]]
-        return functools.partial(self.accelerator.maybe_context_parallel, buffers=buffers, buffer_seq_dims=[1, 1, 1],
-                                 no_restore_buffers=set(buffers)), inputs
-
-    def check_context_parallel_layout(self, inputs: dict) -> None:
-        """Inside the split: this process holds the positions leantune's layout put there (a safety net should
-        torch's split ever change)."""
-        expected = self._cp_local_positions
-        if expected is not None and not torch.equal(inputs["position_ids"].cpu(), expected):
-            raise RuntimeError("torch's context-parallel split did not give this process the tokens leantune laid out "
-                               "for it (its head-tail load balancing changed?); packed documents would mix.")
 
     def _note_liger_head(self) -> None:
         """The one-line notice when the model's head keeps Liger from running (the chunked head runs instead)."""
