@@ -24,6 +24,9 @@ GROUP_TITLES = {
     "CausalLMOptions": "model loading (every trainer)",
     "ReferenceSyncOptions": "reference model sync (TR-DPO)",
 }
+# Mixins of fields that TRL declares on each config itself (trainers/preference_options.py): listed with the method's
+# own fields.
+METHOD_FIELD_MIXINS = ("PreferenceOptions", "ReferenceOptions")
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -54,7 +57,9 @@ def _declaring_class(dtype: type, name: str) -> type:
     return dtype
 
 
-def _group_title(klass: type) -> str:
+def _group_title(klass: type, dtype: type) -> str:
+    if klass.__name__ in METHOD_FIELD_MIXINS:
+        klass = dtype
     if klass.__name__ in GROUP_TITLES:
         return GROUP_TITLES[klass.__name__]
     if klass.__module__.startswith("transformers"):
@@ -93,7 +98,7 @@ def make_parser(prog: str, dataclass_types: tuple):
                 if not field.init:
                     continue
                 field.type = hints[field.name]
-                title = _group_title(_declaring_class(dtype, field.name))
+                title = _group_title(_declaring_class(dtype, field.name), dtype)
                 if title == INHERITED_GROUP:
                     inherited.append(field)
                     continue

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from transformers import TrainingArguments
 
@@ -13,58 +12,33 @@ from ..losses.preference import (
     F_DIVERGENCE_TYPES,
     LABEL_SMOOTHING_LOSS_TYPES,
 )
-from .config_utils import non_default, positive_or_none, resolve_shared_settings, validate_shared_options
+from .config_utils import resolve_shared_settings, validate_shared_options
 from .memory_options import MemoryOptions
+from .preference_options import (
+    TRUNCATION_MODES,  # noqa: F401  (importable from here, as before)
+    PreferenceOptions,
+    ReferenceOptions,
+    validate_preference_options,
+    validate_reference_options,
+)
 from .trl_options import CausalLMOptions, ReferenceSyncOptions
-
-TRUNCATION_MODES = ("keep_start", "keep_end")
 
 
 @dataclass
-class DPOConfig(MemoryOptions, CausalLMOptions, ReferenceSyncOptions, TrainingArguments):
+class DPOConfig(MemoryOptions, CausalLMOptions, ReferenceSyncOptions, ReferenceOptions, PreferenceOptions,
+                TrainingArguments):
     """Direct Preference Optimization. Defaults match TRL's, except where noted."""
 
     learning_rate: float = field(default=1e-6, metadata={"help": "Initial AdamW learning rate."})
     logging_steps: float = field(default=10, metadata={"help": "Log every N optimizer steps."})
 
-    # Models
-    model_init_kwargs: dict[str, Any] | str | None = field(
-        default=None, metadata={"help": "Keyword arguments for from_pretrained when `model` is a string."}
-    )
-    ref_model_init_kwargs: dict[str, Any] | str | None = field(
-        default=None, metadata={"help": "Keyword arguments for from_pretrained when `ref_model` is a string."}
-    )
-    disable_dropout: bool = field(default=True, metadata={"help": "Turn dropout off in the model and reference."})
-
-    # Data
-    dataset_num_proc: int | None = field(default=None, metadata={"help": "Processes for dataset tokenisation."})
-    max_length: int | None = field(
-        default=1024, metadata={"help": "Bound on prompt + completion tokens of each sequence (None: no bound)."}
-    )
-    max_prompt_length: int | None = field(
-        default=None, metadata={"help": "Older bound on prompt tokens (keeps the end of the prompt); applied first."}
-    )
-    max_completion_length: int | None = field(
-        default=None, metadata={"help": "Older bound on completion tokens (keeps the start); applied first."}
-    )
-    truncation_mode: str = field(
-        default="keep_start", metadata={"help": "keep_start (cut completions' ends) or keep_end (cut prompts' starts)."}
-    )
+    # Models, data, reference: PreferenceOptions and ReferenceOptions (preference_options.py); DPO's own words and
+    # fields here.
     padding_free: bool = field(
         default=False,
         metadata={"help": "All chosen and rejected sequences of a batch in one row with restarting position_ids."},
     )
-    pad_to_multiple_of: int | None = field(default=None, metadata={"help": "Pad each batch to a multiple of this."})
     pad_token: str | None = field(default=None, metadata={"help": "Padding token (default: tokenizer's, else its EOS)."})
-
-    # Reference
-    precompute_ref_log_probs: bool = field(
-        default=False,
-        metadata={"help": "Compute the reference log-probs once before training; no reference is held while training."},
-    )
-    precompute_ref_batch_size: int | None = field(
-        default=None, metadata={"help": "Batch size of that pass (default: per_device_train_batch_size)."}
-    )
 
     # Loss
     loss_type: list[str] | str = field(
@@ -106,17 +80,8 @@ class DPOConfig(MemoryOptions, CausalLMOptions, ReferenceSyncOptions, TrainingAr
 
 def validate_dpo_config(args: DPOConfig) -> None:
     validate_shared_options(args)
-    for name in ("max_length", "max_prompt_length", "max_completion_length", "pad_to_multiple_of",
-                 "dataset_num_proc", "precompute_ref_batch_size"):
-        positive_or_none(getattr(args, name), name)
-    if args.truncation_mode not in TRUNCATION_MODES:
-        raise ValueError(f"`truncation_mode` must be one of {TRUNCATION_MODES}, got {args.truncation_mode!r}.")
-    if args.max_length is None and non_default(args, "truncation_mode"):
-        raise ValueError("`truncation_mode` has no effect with `max_length=None` (it says how `max_length` cuts); "
-                         "set `max_length` or leave `truncation_mode` at its default.")
-    if args.precompute_ref_batch_size is not None and not args.precompute_ref_log_probs:
-        raise ValueError("`precompute_ref_batch_size` has no effect without `precompute_ref_log_probs=True`; set "
-                         "`precompute_ref_log_probs=True` or leave `precompute_ref_batch_size` unset.")
+    validate_preference_options(args)
+    validate_reference_options(args)
     validate_dpo_loss(args)
 
 

@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from transformers import TrainingArguments
 
 from ..losses.kto import KTO_LOSS_TYPES
-from .config_utils import non_default, positive_or_none, resolve_shared_settings, validate_shared_options
-from .dpo_config import TRUNCATION_MODES
+from .config_utils import resolve_shared_settings, validate_shared_options
 from .memory_options import MemoryOptions
+from .preference_options import (
+    PreferenceOptions,
+    ReferenceOptions,
+    validate_preference_options,
+    validate_reference_options,
+)
 from .trl_options import CausalLMOptions, ReferenceSyncOptions
 
 
 @dataclass
-class KTOConfig(MemoryOptions, CausalLMOptions, ReferenceSyncOptions, TrainingArguments):
+class KTOConfig(MemoryOptions, CausalLMOptions, ReferenceSyncOptions, ReferenceOptions, PreferenceOptions,
+                TrainingArguments):
     """Kahneman-Tversky Optimization: desirable / undesirable completions, each judged on its own.
 
     Defaults match TRL's, except: batches are sampled at random (TRL: sequential), because the mismatched
@@ -27,43 +32,11 @@ class KTOConfig(MemoryOptions, CausalLMOptions, ReferenceSyncOptions, TrainingAr
     learning_rate: float = field(default=1e-6, metadata={"help": "Initial AdamW learning rate."})
     logging_steps: float = field(default=10, metadata={"help": "Log every N optimizer steps."})
 
-    # Models
-    model_init_kwargs: dict[str, Any] | str | None = field(
-        default=None, metadata={"help": "Keyword arguments for from_pretrained when `model` is a string."}
-    )
-    ref_model_init_kwargs: dict[str, Any] | str | None = field(
-        default=None, metadata={"help": "Keyword arguments for from_pretrained when `ref_model` is a string."}
-    )
-    disable_dropout: bool = field(default=True, metadata={"help": "Turn dropout off in the model and reference."})
-
-    # Data
-    dataset_num_proc: int | None = field(default=None, metadata={"help": "Processes for dataset tokenisation."})
-    max_length: int | None = field(
-        default=1024, metadata={"help": "Bound on prompt + completion tokens of each sequence (None: no bound)."}
-    )
-    max_prompt_length: int | None = field(
-        default=None, metadata={"help": "Older bound on prompt tokens (keeps the end of the prompt); applied first."}
-    )
-    max_completion_length: int | None = field(
-        default=None, metadata={"help": "Older bound on completion tokens (keeps the start); applied first."}
-    )
-    truncation_mode: str = field(
-        default="keep_start", metadata={"help": "keep_start (cut completions' ends) or keep_end (cut prompts' starts)."}
-    )
-    padding_free: bool = field(
-        default=False,
-        metadata={"help": "All sequences of a batch in one row with restarting position_ids (no padding)."},
-    )
-    pad_to_multiple_of: int | None = field(default=None, metadata={"help": "Pad each batch to a multiple of this."})
-
-    # Reference
+    # Models, data, reference: PreferenceOptions and ReferenceOptions (preference_options.py); KTO's own words here.
     precompute_ref_log_probs: bool = field(
         default=False,
         metadata={"help": "Compute the reference log-probs (of the completions and of the KL term's mismatched "
                           "completions) once before training; no reference is held while training."},
-    )
-    precompute_ref_batch_size: int | None = field(
-        default=None, metadata={"help": "Batch size of that pass (default: per_device_train_batch_size)."}
     )
 
     # Loss
@@ -95,17 +68,8 @@ class KTOConfig(MemoryOptions, CausalLMOptions, ReferenceSyncOptions, TrainingAr
 
 def validate_kto_config(args: KTOConfig) -> None:
     validate_shared_options(args)
-    for name in ("max_length", "max_prompt_length", "max_completion_length", "pad_to_multiple_of",
-                 "dataset_num_proc", "precompute_ref_batch_size"):
-        positive_or_none(getattr(args, name), name)
-    if args.truncation_mode not in TRUNCATION_MODES:
-        raise ValueError(f"`truncation_mode` must be one of {TRUNCATION_MODES}, got {args.truncation_mode!r}.")
-    if args.max_length is None and non_default(args, "truncation_mode"):
-        raise ValueError("`truncation_mode` has no effect with `max_length=None` (it says how `max_length` cuts); "
-                         "set `max_length` or leave `truncation_mode` at its default.")
-    if args.precompute_ref_batch_size is not None and not args.precompute_ref_log_probs:
-        raise ValueError("`precompute_ref_batch_size` has no effect without `precompute_ref_log_probs=True`; set "
-                         "`precompute_ref_log_probs=True` or leave `precompute_ref_batch_size` unset.")
+    validate_preference_options(args)
+    validate_reference_options(args)
     if args.loss_type not in KTO_LOSS_TYPES:
         raise ValueError(f"`loss_type` must be one of {KTO_LOSS_TYPES}, got {args.loss_type!r}.")
     if args.beta <= 0:

@@ -8,11 +8,13 @@ from typing import Any
 
 from transformers import TrainingArguments
 
-from .config_utils import non_default, positive_or_none, resolve_shared_settings, validate_shared_options
+from .config_utils import resolve_shared_settings, validate_shared_options
 from .memory_options import MemoryOptions
+from .preference_options import (
+    TRUNCATION_MODES,  # noqa: F401  (importable from here, as before)
+    validate_preference_options,
+)
 from .trl_options import ModelLoadingOptions
-
-TRUNCATION_MODES = ("keep_start", "keep_end")
 
 
 @dataclass
@@ -75,14 +77,7 @@ class RewardConfig(MemoryOptions, ModelLoadingOptions, TrainingArguments):
 
 def validate_reward_config(args: RewardConfig) -> None:
     validate_shared_options(args)
-    for name in ("max_length", "max_prompt_length", "max_completion_length", "pad_to_multiple_of",
-                 "dataset_num_proc"):
-        positive_or_none(getattr(args, name), name)
-    if args.truncation_mode not in TRUNCATION_MODES:
-        raise ValueError(f"`truncation_mode` must be one of {TRUNCATION_MODES}, got {args.truncation_mode!r}.")
-    if args.max_length is None and non_default(args, "truncation_mode"):
-        raise ValueError("`truncation_mode` has no effect with `max_length=None` (it says how `max_length` cuts); "
-                         "set `max_length` or leave `truncation_mode` at its default.")
+    validate_preference_options(args)  # its fields of the same names: bounds and truncation of the pairs
     coefficient = args.center_rewards_coefficient
     if coefficient is not None and (not isinstance(coefficient, (int, float)) or isinstance(coefficient, bool)
                                     or not math.isfinite(coefficient) or coefficient < 0):
