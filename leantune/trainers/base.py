@@ -69,6 +69,49 @@ class LeantuneTrainer(ContextParallelism, Trainer):
     keeps_eval_dataset_as_given = False
     # Whether the trainer's log-probs are of logits divided by `args.temperature` (the online trainers').
     scores_at_temperature = False
+    # The method's config class, and the suffix of TRL's default output_dir ("<model>-<suffix>").
+    config_class: type | None = None
+    output_suffix: str = ""
+
+    # --- construction: one sequence for every trainer, the method's steps as hooks --------------------------------
+
+    def construct(self, model, args, train_dataset, eval_dataset, processing_class, data_collator, *,
+                  peft_config=None, quantization_config=None, ref_model=None, **trainer_kwargs):
+        """default args -> a train dataset is required -> models and tokenizer (`load_models`) -> each split prepared
+        by the method's recipe (`prepare_split`) -> the collator (`make_collator`) -> Trainer's set-up -> the
+        reference placed for the engine (`attach_reference`). Returns what `load_models` loaded."""
+        args = self.default_args(model, args)
+        self.require_train_dataset(train_dataset)
+        loaded = self.load_models(model, ref_model, processing_class, peft_config, args, quantization_config)
+        train_dataset, eval_dataset, reports = self.prepare_datasets(train_dataset, eval_dataset, loaded.tokenizer,
+                                                                     args)
+        if data_collator is None:
+            data_collator = self.make_collator(loaded.tokenizer, args, train_dataset)
+        LeantuneTrainer.__init__(self, model=loaded.model, args=args, data_collator=data_collator,
+                                 train_dataset=train_dataset, eval_dataset=eval_dataset,
+                                 processing_class=loaded.tokenizer, **trainer_kwargs)
+        self.data_reports = reports
+        self.attach_reference(loaded, args)
+        return loaded
+
+    def default_args(self, model, args):
+        """TRL's default config: the method's config class with output_dir "<model name>-<method>"."""
+        if args is not None:
+            return args
+        name = model if isinstance(model, str) else type(model).__name__
+        return self.config_class(output_dir=f"{str(name).split('/')[-1]}-{self.output_suffix}")
+
+    def load_models(self, model, ref_model, processing_class, peft_config, args, quantization_config):
+        """The trained model (PEFT applied), its tokenizer and, for methods with one, the reference: a
+        PolicyAndReference (trainers/reference.py)."""
+        raise NotImplementedError
+
+    def make_collator(self, tokenizer, args, train_dataset):
+        raise NotImplementedError
+
+    def attach_reference(self, loaded, args) -> None:
+        """Place the reference for the engine once Trainer's set-up made the accelerator (methods without one: no-op)."""
+
     def __init__(self, *args, **kwargs):
         self.throughput = TokenThroughput()
         self.data_reports: dict = {}

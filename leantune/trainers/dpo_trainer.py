@@ -12,8 +12,7 @@ from ..losses.dispatch import LogProbPath
 from ..losses.preference import PairSequenceLogps, dpo_loss, pair_sequence_logps, wpo_weights
 from .base import LeantuneTrainer
 from .dpo_config import DPOConfig, dpo_loss_types, dpo_loss_weights
-from .frozen_models import prepare_frozen_model
-from .reference import MODEL_INPUTS, ReferenceModelMixin, load_policy_and_reference
+from .reference import MODEL_INPUTS, ReferenceModelMixin
 
 logger = logging.getLogger("leantune.dpo")
 
@@ -23,6 +22,8 @@ class DPOTrainer(ReferenceModelMixin, LeantuneTrainer):
 
     dataset_columns = ("prompt_ids", "chosen_ids", "rejected_ids", *REFERENCE_COLUMNS)
     prepared_columns = ("prompt_ids", "chosen_ids", "rejected_ids")
+    config_class = DPOConfig
+    output_suffix = "DPO"
 
     def __init__(
         self,
@@ -41,41 +42,14 @@ class DPOTrainer(ReferenceModelMixin, LeantuneTrainer):
         quantization_config=None,
         peft_config=None,
     ):
-        if args is None:
-            name = model if isinstance(model, str) else type(model).__name__
-            args = DPOConfig(output_dir=f"{str(name).split('/')[-1]}-DPO")
-        self.require_train_dataset(train_dataset)
-
-        # 1. policy, tokenizer, reference
-        loaded = load_policy_and_reference(model, ref_model, processing_class, peft_config, args,
-                                           quantization_config=quantization_config)
-        model, ref_model, tokenizer = loaded.model, loaded.ref_model, loaded.tokenizer
-        self.uses_adapter_as_reference = loaded.uses_adapter_as_reference
-        self._reference_note(loaded, args)
-
-        # 2. data: pairs -> prompt / chosen / rejected ids, truncated and counted
-        train_dataset, eval_dataset, reports = self.prepare_datasets(train_dataset, eval_dataset, tokenizer, args)
-
-        # 3. batches: chosen then rejected sequences, padded or padding-free
-        if data_collator is None:
-            data_collator = PreferenceCollator(tokenizer.pad_token_id, args.padding_free, args.pad_to_multiple_of)
-        super().__init__(
-            model=model,
-            args=args,
-            data_collator=data_collator,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=tokenizer,
-            compute_metrics=compute_metrics,
-            callbacks=callbacks,
-            optimizers=optimizers,
-            optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
-            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
-        )
-        self.data_reports = reports
-        self.ref_model = prepare_frozen_model(self.accelerator, ref_model, args)
-        self._reference_ready = not args.precompute_ref_log_probs
-        if self.logprob_path is LogProbPath.LIGER and args.use_weighting:
+        # policy, tokenizer and reference; pairs -> prompt / chosen / rejected ids, truncated and counted; batches
+        # of chosen then rejected sequences, padded or padding-free
+        self.construct(model, args, train_dataset, eval_dataset, processing_class, data_collator,
+                       peft_config=peft_config, quantization_config=quantization_config, ref_model=ref_model,
+                       compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers,
+                       optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
+                       preprocess_logits_for_metrics=preprocess_logits_for_metrics)
+        if self.logprob_path is LogProbPath.LIGER and self.args.use_weighting:
             logger.info("use_liger_loss=True with use_weighting: WPO's weights need sum_v p_v^2 of every target, which "
                         "Liger's fused kernel does not compute, so the policy is scored through leantune's chunked "
                         "head (exact); the reference goes through Liger.")
@@ -83,9 +57,8 @@ class DPOTrainer(ReferenceModelMixin, LeantuneTrainer):
     def prepare_split(self, dataset, split, tokenizer, args):
         return prepare_preference_dataset(dataset, tokenizer, args, split)
 
-    def _reference_note(self, loaded, args) -> None:
-        how = loaded.description(args)
-        logger.info("DPO reference: %s.", how)
+    def make_collator(self, tokenizer, args, train_dataset):
+        return PreferenceCollator(tokenizer.pad_token_id, args.padding_free, args.pad_to_multiple_of)
 
     # --- log-probabilities ----------------------------------------------------------------------------------------
 

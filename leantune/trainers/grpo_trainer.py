@@ -38,8 +38,8 @@ from ..losses.policy_gradient import (
     sampling_correction_weights,
 )
 from ..models.output_head import compute_head_in_fp32
-from .grpo_config import GRPOConfig
 from ..rollouts import AgentRollouts
+from .grpo_config import GRPOConfig
 from .online_trainer import OnlineTrainer
 
 

@@ -16,9 +16,8 @@ from ..data.preference_collator import sequence_starts
 from ..losses.kto import kl_estimate, kto_loss
 from ..losses.preference import sequence_logps
 from .base import LeantuneTrainer
-from .frozen_models import prepare_frozen_model
 from .kto_config import KTOConfig
-from .reference import MODEL_INPUTS, ReferenceModelMixin, load_policy_and_reference
+from .reference import MODEL_INPUTS, ReferenceModelMixin
 
 logger = logging.getLogger("leantune.kto")
 
@@ -27,6 +26,8 @@ class KTOTrainer(ReferenceModelMixin, LeantuneTrainer):
     """Train a causal LM towards desirable and away from undesirable completions, relative to a frozen reference."""
 
     dataset_columns = ("prompt_ids", "completion_ids", "label", KL_COLUMN, *REFERENCE_COLUMNS)
+    config_class = KTOConfig
+    output_suffix = "KTO"
 
     def __init__(
         self,
@@ -45,40 +46,13 @@ class KTOTrainer(ReferenceModelMixin, LeantuneTrainer):
         quantization_config=None,
         peft_config=None,
     ):
-        if args is None:
-            name = model if isinstance(model, str) else type(model).__name__
-            args = KTOConfig(output_dir=f"{str(name).split('/')[-1]}-KTO")
-        self.require_train_dataset(train_dataset)
-
-        # 1. policy, tokenizer, reference
-        loaded = load_policy_and_reference(model, ref_model, processing_class, peft_config, args,
-                                           quantization_config=quantization_config)
-        model, ref_model, tokenizer = loaded.model, loaded.ref_model, loaded.tokenizer
-        self.uses_adapter_as_reference = loaded.uses_adapter_as_reference
-        self._reference_note(loaded, args)
-
-        # 2. data: unpaired (or unpaired pairs) -> prompt / completion ids, label, KL completion; counted
-        train_dataset, eval_dataset, reports = self.prepare_datasets(train_dataset, eval_dataset, tokenizer, args)
-
-        # 3. batches: the completions' sequences and the KL term's mismatched ones, padded or padding-free
-        if data_collator is None:
-            data_collator = KTOCollator(tokenizer.pad_token_id, args.padding_free, args.pad_to_multiple_of)
-        super().__init__(
-            model=model,
-            args=args,
-            data_collator=data_collator,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=tokenizer,
-            compute_metrics=compute_metrics,
-            callbacks=callbacks,
-            optimizers=optimizers,
-            optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
-            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
-        )
-        self.data_reports = reports
-        self.ref_model = prepare_frozen_model(self.accelerator, ref_model, args)
-        self._reference_ready = not args.precompute_ref_log_probs
+        # policy, tokenizer and reference; unpaired (or unpaired pairs) -> prompt / completion ids, label, KL
+        # completion, counted; batches of the completions' sequences and the KL term's mismatched ones
+        self.construct(model, args, train_dataset, eval_dataset, processing_class, data_collator,
+                       peft_config=peft_config, quantization_config=quantization_config, ref_model=ref_model,
+                       compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers,
+                       optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
+                       preprocess_logits_for_metrics=preprocess_logits_for_metrics)
 
     def prepare_split(self, dataset, split, tokenizer, args):
         return prepare_kto_dataset(dataset, tokenizer, args, split)
@@ -88,10 +62,12 @@ class KTOTrainer(ReferenceModelMixin, LeantuneTrainer):
         return super().is_prepared(dataset) or ({"prompt_ids", "completion_ids", "label"} <= columns and (
             not self.args.uses_kl or KL_COLUMN in columns))
 
-    def _reference_note(self, loaded, args) -> None:
-        how = loaded.description(args)
-        logger.info("KTO reference: %s; %s.", how, "KL reference point from mismatched completions" if args.uses_kl
-                    else "no KL term (apo_zero_unpaired)")
+    def make_collator(self, tokenizer, args, train_dataset):
+        return KTOCollator(tokenizer.pad_token_id, args.padding_free, args.pad_to_multiple_of)
+
+    def reference_note(self, loaded, args) -> str:
+        kl = "KL reference point from mismatched completions" if args.uses_kl else "no KL term (apo_zero_unpaired)"
+        return f"KTO reference: {loaded.description(args)}; {kl}."
 
     # --- log-probabilities ----------------------------------------------------------------------------------------
 

@@ -39,7 +39,7 @@ from ..rewards import RewardFunctions, RewardScores
 from ..rollouts import AgentRollouts, Rollout
 from .base import LeantuneTrainer
 from .frozen_models import prepare_frozen_model
-from .reference import MODEL_INPUTS, ReferenceModelMixin, load_policy_and_reference
+from .reference import MODEL_INPUTS, ReferenceModelMixin
 
 logger = logging.getLogger("leantune.online")
 
@@ -140,6 +140,10 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
 
     method = "online"
     config_class: type = None
+
+    @property
+    def output_suffix(self) -> str:  # TRL's default output_dir and the reference note: "<model>-GRPO", "GRPO ..."
+        return self.method.upper()
     prepared_columns = (PROMPT_IDS,)
 
     def __init__(
@@ -157,51 +161,20 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         peft_config=None,
         agent: AgentRollouts | None = None,
     ):
-        if args is None:
-            name = model if isinstance(model, str) else type(model).__name__
-            args = self.config_class(output_dir=f"{str(name).split('/')[-1]}-{self.method.upper()}")
+        args = self.default_args(model, args)
         # GRPO's tools / environments / rollout function (rollouts/): None for single-turn sampling
         self.agent = agent
         self.environments = None  # TRL's attribute: the environment instance of each rollout of the last round
         if train_dataset is None and agent is not None:
             train_dataset = agent.placeholder_dataset(args)  # environments that own the data (or TRL's errors)
-        self.require_train_dataset(train_dataset)
         check_backend_requirements(args)
-        # 1. policy, tokenizer, reference (none when beta = 0; the adapter disabled with PEFT)
-        loaded = load_policy_and_reference(model, None, processing_class, peft_config, args,
-                                           needs_reference=args.beta != 0.0, quantization_config=quantization_config)
-        model, tokenizer = loaded.model, loaded.tokenizer
-        self.uses_adapter_as_reference = loaded.uses_adapter_as_reference
-        logger.info("%s reference: %s.", self.method.upper(), loaded.description(args))
-
-        # 2. rewards
-        self.rewards = RewardFunctions(reward_funcs, args.reward_weights, reward_processing_classes,
-                                       {"trust_remote_code": True} if args.trust_remote_code else None,
-                                       extra_funcs=agent.reward_functions() if agent is not None else ())
-        # TRL's attributes: the functions and their tokenizers by position (None for a callable)
-        self.reward_funcs, self.reward_processing_classes = self.rewards.funcs, self.rewards.tokenizers
-
-        # 3. prompts, tokenised once; the rest of each row goes to the reward functions
-        self._context_limit = context_limit_of(model)
-        train_dataset, eval_dataset, reports = self.prepare_datasets(train_dataset, eval_dataset, tokenizer, args)
-        if is_stream(train_dataset) and args.dataloader_num_workers:
-            logger.info("A streamed train set is read in rounds by the main process (worker processes would split "
-                        "its generation groups): dataloader_num_workers=%d set to 0.", args.dataloader_num_workers)
-            args.dataloader_num_workers = 0
-
-        super().__init__(
-            model=model,
-            args=args,
-            data_collator=_rows,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=tokenizer,
-            callbacks=callbacks,
-            optimizers=optimizers,
-        )
-        self.data_reports = {split: report.as_dict() for split, report in reports.items()}
-        self.ref_model = prepare_frozen_model(self.accelerator, loaded.ref_model, args)
-        self._reference_ready = True  # online methods score the reference as they go
+        self._reward_sources = (reward_funcs, reward_processing_classes)
+        # policy, tokenizer, reference (none when beta = 0; the adapter disabled with PEFT) and the rewards; prompts
+        # tokenised once (the rest of each row goes to the reward functions); batches are the rows themselves
+        self.construct(model, args, train_dataset, eval_dataset, processing_class, _rows, peft_config=peft_config,
+                       quantization_config=quantization_config, callbacks=callbacks, optimizers=optimizers)
+        tokenizer = self.processing_class
+        self.data_reports = {split: report.as_dict() for split, report in self.data_reports.items()}
         self.rewards.to(self.accelerator.device).prepare_models(
             lambda reward_model: prepare_frozen_model(self.accelerator, reward_model, args))
         self.round_size, self.steps_per_generation = args.generation_plan(self.accelerator.num_processes)
@@ -223,6 +196,32 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         self.round_counts: dict[str, int] = defaultdict(int)  # counted decisions over the run (logged)
         # What reward functions hand to `log_extra`, per column, for the last round_size completions (TRL's `_logs`)
         self._logs = {"extra": defaultdict(lambda: deque(maxlen=self.round_size))}
+
+    def reference_wanted(self, args) -> bool:
+        return args.beta != 0.0
+
+    def load_models(self, model, ref_model, processing_class, peft_config, args, quantization_config):
+        loaded = super().load_models(model, None, processing_class, peft_config, args, quantization_config)
+        reward_funcs, reward_processing_classes = self._reward_sources
+        self.rewards = RewardFunctions(reward_funcs, args.reward_weights, reward_processing_classes,
+                                       {"trust_remote_code": True} if args.trust_remote_code else None,
+                                       extra_funcs=self.agent.reward_functions() if self.agent is not None else ())
+        # TRL's attributes: the functions and their tokenizers by position (None for a callable)
+        self.reward_funcs, self.reward_processing_classes = self.rewards.funcs, self.rewards.tokenizers
+        self._context_limit = context_limit_of(loaded.model)
+        return loaded
+
+    def prepare_datasets(self, train_dataset, eval_dataset, tokenizer, args):
+        train_dataset, eval_dataset, reports = super().prepare_datasets(train_dataset, eval_dataset, tokenizer, args)
+        if is_stream(train_dataset) and args.dataloader_num_workers:
+            logger.info("A streamed train set is read in rounds by the main process (worker processes would split "
+                        "its generation groups): dataloader_num_workers=%d set to 0.", args.dataloader_num_workers)
+            args.dataloader_num_workers = 0
+        return train_dataset, eval_dataset, reports
+
+    def attach_reference(self, loaded, args) -> None:
+        super().attach_reference(loaded, args)
+        self._reference_ready = True  # online methods score the reference as they go
 
     def prepare_split(self, dataset, split, tokenizer, args):
         if self.agent is None:

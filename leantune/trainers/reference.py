@@ -19,7 +19,7 @@ from transformers import TrainerCallback
 from ..models.loading import apply_peft, ensure_pad_token, load_causal_lm, load_tokenizer, with_quantization_config
 from ..models.output_head import unwrap_model
 from ..models.segment_attention import SEGMENT_SDPA, use_segment_attention
-from .frozen_models import zero3_enabled
+from .frozen_models import prepare_frozen_model, zero3_enabled
 
 logger = logging.getLogger("leantune.trainer")
 
@@ -116,6 +116,28 @@ class ReferenceModelMixin:
     ref_model: torch.nn.Module | None
     uses_adapter_as_reference: bool
     _reference_ready: bool
+    needs_reference = True  # False: no reference at all (e.g. GRPO with beta = 0), see `reference_wanted`
+
+    def reference_wanted(self, args) -> bool:
+        return self.needs_reference
+
+    def load_models(self, model, ref_model, processing_class, peft_config, args, quantization_config):
+        """The policy (PEFT applied), its tokenizer and the reference by leantune's rules (load_policy_and_reference),
+        announced in one line."""
+        loaded = load_policy_and_reference(model, ref_model, processing_class, peft_config, args,
+                                           needs_reference=self.reference_wanted(args),
+                                           quantization_config=quantization_config)
+        self.uses_adapter_as_reference = loaded.uses_adapter_as_reference
+        logger.info("%s", self.reference_note(loaded, args))
+        return loaded
+
+    def reference_note(self, loaded, args) -> str:
+        return f"{self.output_suffix} reference: {loaded.description(args)}."
+
+    def attach_reference(self, loaded, args) -> None:
+        """The reference placed for the engine (trainers/frozen_models.py); precomputed log-probs wait for train()."""
+        self.ref_model = prepare_frozen_model(self.accelerator, loaded.ref_model, args)
+        self._reference_ready = not getattr(args, "precompute_ref_log_probs", False)
 
     @contextlib.contextmanager
     def reference_model(self, policy_if_none: bool = False):

@@ -34,7 +34,7 @@ from ..models.loading import (
 from ..models.output_head import unwrap_model
 from ..models.segment_attention import SEGMENT_SDPA, use_segment_attention
 from .base import LeantuneTrainer
-from .reference import disable_dropout
+from .reference import PolicyAndReference, disable_dropout
 from .reward_config import RewardConfig
 
 logger = logging.getLogger("leantune.reward")
@@ -48,6 +48,8 @@ class RewardTrainer(LeantuneTrainer):
 
     trl_tag = "reward-trainer"
     dataset_columns = ("chosen_ids", "rejected_ids", "margin")
+    config_class = RewardConfig
+    output_suffix = "Reward"
     # No prepared_columns: TRL's tokenised input has the prepared columns' names, so only a dataset this trainer
     # prepared (its fingerprint) skips preparation; preparing prepared data again changes nothing.
 
@@ -67,12 +69,18 @@ class RewardTrainer(LeantuneTrainer):
         quantization_config=None,
         peft_config=None,
     ):
-        if args is None:
-            name = model if isinstance(model, str) else type(model).__name__
-            args = RewardConfig(output_dir=f"{str(name).split('/')[-1]}-Reward")
-        self.require_train_dataset(train_dataset)
+        # reward model and tokenizer; pairs -> prompt / chosen / rejected ids, truncated and counted, an optional
+        # margin per pair; batches of chosen then rejected sequences, padded or padding-free
+        self.construct(model, args, train_dataset, eval_dataset, processing_class, data_collator,
+                       peft_config=peft_config, quantization_config=quantization_config,
+                       compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers,
+                       optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
+                       preprocess_logits_for_metrics=preprocess_logits_for_metrics)
+        # The loss needs no labels; evaluation still computes it, and hands the rewards to compute_metrics.
+        self.label_names = []
+        self.can_return_loss = True
 
-        # 1. model and tokenizer
+    def load_models(self, model, ref_model, processing_class, peft_config, args, quantization_config):
         model_source = model
         model = load_reward_model(model, with_quantization_config(model, args.model_init_kwargs, quantization_config),
                                   trust_remote_code=args.trust_remote_code)
@@ -105,30 +113,10 @@ class RewardTrainer(LeantuneTrainer):
             logger.info("use_liger_loss: a reward model has no vocabulary-sized logits, so there is nothing to chunk "
                         "or fuse; the flag changes nothing here.")
             args.use_liger_loss = False  # so the shared set-up does not announce a chunked loss either
+        return PolicyAndReference(model, None, tokenizer, False)
 
-        # 2. data: pairs -> prompt / chosen / rejected ids, truncated and counted; an optional margin per pair
-        train_dataset, eval_dataset, reports = self.prepare_datasets(train_dataset, eval_dataset, tokenizer, args)
-
-        # 3. batches: chosen then rejected sequences, padded or padding-free
-        if data_collator is None:
-            data_collator = RewardCollator(tokenizer.pad_token_id, args.padding_free, args.pad_to_multiple_of)
-        super().__init__(
-            model=model,
-            args=args,
-            data_collator=data_collator,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=tokenizer,
-            compute_metrics=compute_metrics,
-            callbacks=callbacks,
-            optimizers=optimizers,
-            optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
-            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
-        )
-        self.data_reports = reports
-        # The loss needs no labels; evaluation still computes it, and hands the rewards to compute_metrics.
-        self.label_names = []
-        self.can_return_loss = True
+    def make_collator(self, tokenizer, args, train_dataset):
+        return RewardCollator(tokenizer.pad_token_id, args.padding_free, args.pad_to_multiple_of)
 
     def prepare_split(self, dataset, split, tokenizer, args):
         return prepare_reward_dataset(dataset, tokenizer, args, split)

@@ -22,6 +22,7 @@ from ..models.loading import (
 )
 from ..models.segment_attention import SEGMENT_SDPA, use_segment_attention
 from .base import LeantuneTrainer
+from .reference import PolicyAndReference
 from .sft_config import SFTConfig
 
 logger = logging.getLogger("leantune.sft")
@@ -31,6 +32,8 @@ class SFTTrainer(LeantuneTrainer):
     """Train a causal LM on text, prompt-completion or conversational data."""
 
     dataset_columns = ("input_ids", "labels", "completion_mask", "assistant_masks", "seq_lengths")
+    config_class = SFTConfig
+    output_suffix = "SFT"
     supports_context_parallelism = True  # packed and padding-free rows included (trainers/context_parallel.py)
 
     def __init__(
@@ -51,19 +54,30 @@ class SFTTrainer(LeantuneTrainer):
         peft_config=None,
         formatting_func=None,
     ):
-        if args is None:
-            name = model if isinstance(model, str) else type(model).__name__
-            args = SFTConfig(output_dir=f"{str(name).split('/')[-1]}-SFT")
-        elif isinstance(args, TrainingArguments) and not isinstance(args, SFTConfig):
-            values = args.to_dict()
-            values["hub_token"] = args.hub_token  # to_dict hides it
-            args = SFTConfig(**values)  # as TRL does: the given values, SFT's defaults for the rest
-        self.require_train_dataset(train_dataset)
+        args = self.default_args(model, args)
         if args.loss_type == "dft" and compute_loss_func is not None:
             raise ValueError("`loss_type='dft'` is the loss itself; a `compute_loss_func` would replace it. Pass one "
                              "or the other.")
+        self._formatting_func = formatting_func
+        # model and tokenizer; data tokenised, truncated, packed (each step counted and logged); batches of padded,
+        # padding-free or packed rows, all with the same loss tokens
+        self.construct(model, args, train_dataset, eval_dataset, processing_class, data_collator,
+                       peft_config=peft_config, quantization_config=quantization_config,
+                       compute_loss_func=compute_loss_func, compute_metrics=compute_metrics, callbacks=callbacks,
+                       optimizers=optimizers, optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
+                       preprocess_logits_for_metrics=preprocess_logits_for_metrics)
+        if self.logprob_path is LogProbPath.LIGER:
+            logger.info("use_liger_kernel=True: Liger's fused linear cross-entropy gives the loss and "
+                        "mean_token_accuracy; it computes no entropies, so the `entropy` metric is not logged.")
 
-        # 1. model and tokenizer
+    def default_args(self, model, args):
+        if isinstance(args, TrainingArguments) and not isinstance(args, SFTConfig):
+            values = args.to_dict()
+            values["hub_token"] = args.hub_token  # to_dict hides it
+            return SFTConfig(**values)  # as TRL does: the given values, SFT's defaults for the rest
+        return super().default_args(model, args)
+
+    def load_models(self, model, ref_model, processing_class, peft_config, args, quantization_config):
         model_source = model
         model = load_causal_lm(model, with_quantization_config(model, args.model_init_kwargs, quantization_config),
                                trust_remote_code=args.trust_remote_code)
@@ -77,38 +91,12 @@ class SFTTrainer(LeantuneTrainer):
             model.config.use_cache = False
         if (args.packing or args.padding_free) and use_segment_attention(model):
             logger.info("Packed/padding-free rows: attention runs per sequence (%s).", SEGMENT_SDPA)
-        model = apply_peft(model, peft_config, args)
+        return PolicyAndReference(apply_peft(model, peft_config, args), None, tokenizer, False)
 
-        # 2. data: tokenise, truncate, pack (each step counted and logged)
-        self._formatting_func = formatting_func
-        train_dataset, eval_dataset, reports = self.prepare_datasets(train_dataset, eval_dataset, tokenizer, args)
-
-        # 3. batches: padded, padding-free or packed rows, all with the same loss tokens
-        if data_collator is None:
-            data_collator = CausalLMCollator(
-                pad_token_id=tokenizer.pad_token_id,
-                loss_mask_columns=tuple(loss_mask_columns(train_dataset, args)),
-                padding_free=args.padding_free,
-                pad_to_multiple_of=args.pad_to_multiple_of,
-            )
-        super().__init__(
-            model=model,
-            args=args,
-            data_collator=data_collator,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=tokenizer,
-            compute_loss_func=compute_loss_func,
-            compute_metrics=compute_metrics,
-            callbacks=callbacks,
-            optimizers=optimizers,
-            optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
-            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
-        )
-        self.data_reports = reports
-        if self.logprob_path is LogProbPath.LIGER:
-            logger.info("use_liger_kernel=True: Liger's fused linear cross-entropy gives the loss and "
-                        "mean_token_accuracy; it computes no entropies, so the `entropy` metric is not logged.")
+    def make_collator(self, tokenizer, args, train_dataset):
+        return CausalLMCollator(pad_token_id=tokenizer.pad_token_id,
+                                loss_mask_columns=tuple(loss_mask_columns(train_dataset, args)),
+                                padding_free=args.padding_free, pad_to_multiple_of=args.pad_to_multiple_of)
 
     def skips_preparation(self, args) -> bool:
         return bool(parse_kwargs(args.dataset_kwargs).get("skip_prepare_dataset", False))
