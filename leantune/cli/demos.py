@@ -1,9 +1,11 @@
-"""What the demos of `leantune dpo | reward | kto | grpo | rloo` share: the built-in demo
-set-up (bundled preference pairs, the demo's character tokenizer and a small model, settings the user did not set)."""
+"""What the built-in demos of the training commands share (`leantune sft | dpo | kto | reward | grpo | rloo` with no
+model and no dataset): settings the user did not set, the demo's character tokenizer and a small model, the SFT
+warm-up, and the offline demos' train -> evaluate -> save -> summary."""
 
 from __future__ import annotations
 
 import os
+import time
 
 from .arguments import peft_config_from
 
@@ -31,6 +33,17 @@ def demo_model(model_args):
     tokenizer = build_default_tokenizer()
     model = AutoModelForCausalLM.from_config(build_default_model_config(tokenizer))
     return tokenizer, model, peft_config_from(model_args)
+
+
+def train_and_save(trainer, print_summary, evaluate=None):
+    """Train, then `evaluate(trainer)` if given, save the model and print the command's summary (whose time spans
+    all three). Returns what `evaluate` returned: the demo's "after" (its "before" is the demo's own)."""
+    started = time.perf_counter()
+    result = trainer.train()
+    after = evaluate(trainer) if evaluate is not None else None
+    trainer.save_model(trainer.args.output_dir)
+    print_summary(trainer, result, time.perf_counter() - started)
+    return after
 
 
 def sft_warm_up(model, tokenizer, pairs, seed: int, steps: int = 150):

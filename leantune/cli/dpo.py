@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import time
-
-from .preference_runs import apply_demo_settings, demo_model, sft_warm_up
-from .runner import run_method
+from .demos import apply_demo_settings, demo_model, sft_warm_up, train_and_save
+from .runner import print_run_summary, run_method
 
 DEMO_OUTPUT_DIR = "leantune-output/dpo-demo"
 # The demo: 1,600 bundled pairs, 100 optimizer steps of 16 pairs from a random-init 0.54M-parameter Llama.
@@ -46,11 +44,7 @@ def run_demo(args, model_args, explicit: set[str]) -> int:
     trainer = DPOTrainer(model=model, args=args, train_dataset=data["train"], eval_dataset=data["test"],
                          processing_class=tokenizer, peft_config=peft_config)
     before = trainer.evaluate()
-    started = time.perf_counter()
-    result = trainer.train()
-    after = trainer.evaluate()
-    trainer.save_model(args.output_dir)
-    print_summary(trainer, result, time.perf_counter() - started)
+    after = train_and_save(trainer, print_summary, lambda trainer: trainer.evaluate())
     print(f"held-out pairs ({len(data['test'])}): reward accuracy {before['eval_rewards/accuracies']:.1%} -> "
           f"{after['eval_rewards/accuracies']:.1%}, reward margin {before['eval_rewards/margins']:.3f} -> "
           f"{after['eval_rewards/margins']:.3f}, chosen log-prob {before['eval_logps/chosen']:.2f} -> "
@@ -59,21 +53,15 @@ def run_demo(args, model_args, explicit: set[str]) -> int:
 
 
 def print_summary(trainer, result, seconds: float) -> None:
+    """DPO's summary, and the first lines of KTO's and the reward model's."""
     history = [entry for entry in trainer.state.log_history if "loss" in entry]
     metrics = result.metrics
-    lines = [
-        "",
-        f"=== leantune {trainer.__class__.__name__.removesuffix('Trainer').lower()} summary ===",
-        f"steps: {trainer.state.global_step} in {seconds:.1f} s",
-    ]
+    lines = []
     if history:
         lines.append(f"loss: {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}")
         if "rewards/accuracies" in history[-1]:
             lines.append(f"train reward accuracy (last log): {history[-1]['rewards/accuracies']:.1%}, "
                          f"margin {history[-1]['rewards/margins']:.3f}")
-    lines += [
-        f"real tokens/s: {metrics['real_tokens_per_second']:.1f}, padding fraction {metrics['padding_fraction']:.1%}",
-        f"peak memory: {metrics['peak_memory_mb']:.0f} MiB ({metrics['peak_memory_kind']})",
-        f"model saved to: {trainer.args.output_dir}",
-    ]
-    print("\n".join(lines))
+    lines.append(f"real tokens/s: {metrics['real_tokens_per_second']:.1f}, padding fraction "
+                 f"{metrics['padding_fraction']:.1%}")
+    print_run_summary(trainer, result, seconds, trainer.__class__.__name__.removesuffix("Trainer").lower(), lines)

@@ -5,29 +5,17 @@ Preference pairs given with --dataset_name are unpaired automatically (chosen: d
 
 from __future__ import annotations
 
-import time
-
 import torch
 
+from .demos import apply_demo_settings, demo_model, sft_warm_up, train_and_save
+from .dpo import DEMO_TRAINING as DPO_DEMO_TRAINING
 from .dpo import print_summary as print_preference_summary
-from .preference_runs import apply_demo_settings, demo_model, sft_warm_up
 from .runner import run_method
 
 DEMO_OUTPUT_DIR = "leantune-output/kto-demo"
 # The demo: 2,400 bundled pairs unpaired into 4,800 examples, 300 optimizer steps of 16 from the SFT warm-up of a
-# random-init 0.54M-parameter Llama.
-DEMO_TRAINING = {
-    "learning_rate": 5e-4,
-    "per_device_train_batch_size": 16,
-    "per_device_eval_batch_size": 64,
-    "num_train_epochs": 1,
-    "max_steps": -1,
-    "warmup_steps": 5,
-    "lr_scheduler_type": "cosine",
-    "beta": 0.1,
-    "max_length": 64,
-    "logging_steps": 25,
-}
+# random-init 0.54M-parameter Llama: DPO's demo settings, logged every 25 steps.
+DEMO_TRAINING = {**DPO_DEMO_TRAINING, "logging_steps": 25}
 DEMO_PAIRS = {"train": 2400, "eval": 200}
 
 
@@ -54,18 +42,18 @@ def run_demo(args, model_args, explicit: set[str]) -> int:
           f"-> {example['completion']!r}: {'desirable' if example['label'] else 'undesirable'}")
     trainer = KTOTrainer(model=model, args=args, train_dataset=train, eval_dataset=data["test"],
                          processing_class=tokenizer, peft_config=peft_config)
-    before = {**trainer.evaluate(), "accuracy": held_out_pair_accuracy(trainer)}
-    started = time.perf_counter()
-    result = trainer.train()
-    after = {**trainer.evaluate(), "accuracy": held_out_pair_accuracy(trainer)}
-    trainer.save_model(args.output_dir)
-    print_summary(trainer, result, time.perf_counter() - started)
+    before = evaluate_pairs(trainer)
+    after = train_and_save(trainer, print_summary, evaluate_pairs)
     print(f"held-out pairs ({len(data['test'])}): reward accuracy {before['accuracy']:.1%} -> "
           f"{after['accuracy']:.1%}, reward margin (desirable - undesirable) {before['eval_rewards/margins']:.3f} -> "
           f"{after['eval_rewards/margins']:.3f}, desirable log-prob {before['eval_logps/chosen']:.2f} -> "
           f"{after['eval_logps/chosen']:.2f}, undesirable log-prob {before['eval_logps/rejected']:.2f} -> "
           f"{after['eval_logps/rejected']:.2f}")
     return 0
+
+
+def evaluate_pairs(trainer) -> dict:
+    return {**trainer.evaluate(), "accuracy": held_out_pair_accuracy(trainer)}
 
 
 @torch.no_grad()

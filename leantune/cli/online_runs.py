@@ -6,7 +6,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from .preference_runs import apply_demo_settings, demo_model, supervised_warm_up
+from .demos import apply_demo_settings, demo_model, supervised_warm_up
+from .runner import print_run_summary
 
 DEMO_TASK = "reverse"
 DEMO_EXAMPLES = {"train": 3200, "eval": 200}
@@ -81,9 +82,7 @@ def run_demo(command, trainer_class, args, model_args, reward_args, explicit) ->
 
 def print_summary(trainer, result, seconds: float) -> None:
     history = [entry for entry in trainer.state.log_history if "reward" in entry and "eval_reward" not in entry]
-    metrics = result.metrics
-    lines = ["", f"=== leantune {trainer.method} summary ===",
-             f"steps: {trainer.state.global_step} in {seconds:.1f} s"]
+    lines = []
     if history:
         first, last = history[0], history[-1]
         lines.append(f"train reward (logged mean): {first['reward']:.3f} at step {first['step']} -> "
@@ -94,9 +93,7 @@ def print_summary(trainer, result, seconds: float) -> None:
                 lines.append(f"  {name}: {first[key]:.3f} -> {last[key]:.3f}")
         lines.append(f"completion length (mean tokens): {first['completions/mean_length']:.1f} -> "
                      f"{last['completions/mean_length']:.1f}")
-    counts = {k: v for k, v in metrics.items() if k.startswith("count/")}
+    counts = {k: v for k, v in result.metrics.items() if k.startswith("count/")}
     if counts:
         lines.append(f"counted decisions: {counts}")
-    lines += [f"peak memory: {metrics['peak_memory_mb']:.0f} MiB ({metrics['peak_memory_kind']})",
-              f"model saved to: {trainer.args.output_dir}"]
-    print("\n".join(lines))
+    print_run_summary(trainer, result, seconds, trainer.method, lines)

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import time
-
 from .arguments import peft_config_from
+from .demos import apply_demo_settings, sft_warm_up, train_and_save
 from .dpo import print_summary as print_preference_summary
-from .preference_runs import apply_demo_settings, sft_warm_up
 from .runner import run_method
 
 DEMO_OUTPUT_DIR = "leantune-output/reward-demo"
@@ -52,11 +50,7 @@ def run_demo(args, model_args, explicit: set[str]) -> int:
     trainer = RewardTrainer(model=model, args=args, train_dataset=data["train"], eval_dataset=data["test"],
                             processing_class=tokenizer, peft_config=peft_config_from(model_args))
     before = trainer.evaluate()
-    started = time.perf_counter()
-    result = trainer.train()
-    after = trainer.evaluate()
-    trainer.save_model(args.output_dir)
-    print_summary(trainer, result, time.perf_counter() - started)
+    after = train_and_save(trainer, print_summary, lambda trainer: trainer.evaluate())
     print(f"held-out pairs ({len(data['test'])}): pairwise accuracy {before['eval_accuracy']:.1%} -> "
           f"{after['eval_accuracy']:.1%}, reward margin {before['eval_margin']:.3f} -> {after['eval_margin']:.3f}")
     return 0

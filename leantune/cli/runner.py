@@ -1,7 +1,8 @@
 """One run of every training command (`leantune sft | dpo | kto | reward | grpo | rloo`): parse, check the cheap
 things, load the data and check its columns, then load the model, train (or resume), save, summarise.
 
-The command modules hold only what differs: the built-in demo and the summary lines of their method.
+The command modules hold only what differs: the built-in demo and the summary lines of their method (the demos'
+shared pieces are in demos.py, the summary's frame is print_run_summary here).
 """
 
 from __future__ import annotations
@@ -111,6 +112,15 @@ def train_on_data(method: Method, module, script_args, model_args, args, reward_
         module.print_summary(trainer, result, time.perf_counter() - started)
     trainer.accelerator.end_training()  # processes leave the group together, not torn down one by one at exit
     return 0
+
+
+def print_run_summary(trainer, result, seconds: float, method: str, lines: list[str]) -> None:
+    """The summary every training command ends with: its steps and time, the method's own `lines`, peak memory and
+    where the model went."""
+    metrics = result.metrics
+    print("\n".join(["", f"=== leantune {method} summary ===", f"steps: {trainer.state.global_step} in {seconds:.1f} s",
+                     *lines, f"peak memory: {metrics['peak_memory_mb']:.0f} MiB ({metrics['peak_memory_kind']})",
+                     f"model saved to: {trainer.args.output_dir}"]))
 
 
 def online_reward_funcs(reward_args):
