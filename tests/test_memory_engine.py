@@ -148,13 +148,14 @@ def test_bad_memory_options():
 def test_either_trl_flag_asks_for_the_fused_loss(flag, tokenizer, gsm8k_rows, tmp_path, caplog):
     from leantune import SFTTrainer
 
+    config = SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], **{flag: True})
     with caplog.at_level(logging.WARNING, logger="leantune"):
         trainer = SFTTrainer(model=tiny_model(), processing_class=tokenizer,
-                             train_dataset=gsm8k_prompt_completion(gsm8k_rows, 4),
-                             args=SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], **{flag: True}))
+                             train_dataset=gsm8k_prompt_completion(gsm8k_rows, 4), args=config)
     assert trainer.logprob_path is LogProbPath.CHUNKED
     assert f"{flag}=True" in caplog.text
     assert trainer.args.use_liger_kernel is False  # transformers must not try to patch the model with liger
+    assert getattr(config, flag) is True  # resolved on the trainer's copy: the user's config is left as given
 
 
 def test_chunked_path_is_the_default_and_can_be_turned_off(tokenizer, gsm8k_rows, tmp_path):

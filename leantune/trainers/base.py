@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 from collections import defaultdict
 
@@ -80,7 +81,9 @@ class LeantuneTrainer(ContextParallelism, Trainer):
         """default args -> a train dataset is required -> models and tokenizer (`load_models`) -> each split prepared
         by the method's recipe (`prepare_split`) -> the collator (`make_collator`) -> Trainer's set-up -> the
         reference placed for the engine (`attach_reference`). Returns what `load_models` loaded."""
-        args = self.default_args(model, args)
+        # The trainer resolves its choices (Liger's patches on CUDA only, a stream's data-loader workers, ...) on its own
+        # copy: the config object the user passed is never changed.
+        args = copy.copy(self.default_args(model, args))
         self.require_train_dataset(train_dataset)
         loaded = self.load_models(model, ref_model, processing_class, peft_config, args, quantization_config)
         train_dataset, eval_dataset, reports = self.prepare_datasets(train_dataset, eval_dataset, loaded.tokenizer,
