@@ -29,10 +29,10 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from ..profiling.summary import length_summary_line
 from .chat_template import require_chat_template, row_template_kwargs
 from .collators import CausalLMCollator, layout_like
 from .formats import current_column_names, is_message_list, rename_legacy_token_columns
+from .lengths import length_summary_line
 from .preference_formats import (
     PreferenceFormat,
     PreferenceTokenizer,

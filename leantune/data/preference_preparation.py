@@ -14,9 +14,9 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from ..profiling.summary import length_summary_line
 from .chat_template import require_chat_template
 from .formats import rename_legacy_token_columns
+from .lengths import length_summary_line
 from .preference_formats import (
     PreferenceFormat,
     PreferenceTokenizer,

@@ -6,10 +6,10 @@ import logging
 
 import numpy as np
 
-from ..profiling.summary import length_summary_line
 from .chat_template import require_chat_template
 from .collators import IGNORE_INDEX
 from .formats import SFTFormat, detect_sft_format, from_sharegpt
+from .lengths import length_summary_line
 from .report import NothingLeft, PreparationReport
 from .sft_tokenization import SFTTokenizer, is_empty_example
 from .streaming import STREAM_BUFFER_ROWS, is_stream, prepare_stream, without_shuffle

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
+from ..data.collators import IGNORE_INDEX  # the label of a position that is not learned, set by the collators
 
 
 def shifted_targets(labels: torch.Tensor) -> torch.Tensor:

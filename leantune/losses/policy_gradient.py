@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .token_logprobs import per_sequence_sum
+
 GRPO_LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 CLIPPED_LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "luspo")
 
@@ -74,10 +76,6 @@ def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
     """Per-token KL(policy || reference) estimate exp(ref - logp) - (ref - logp) - 1: unbiased, never negative."""
     delta = ref_logps - logps
     return torch.exp(delta) - delta - 1
-
-
-def per_sequence_sum(values: torch.Tensor, sequence: torch.Tensor, num_sequences: int) -> torch.Tensor:
-    return values.new_zeros(num_sequences).index_add(0, sequence, values)
 
 
 def grpo_loss_sum(token_loss: torch.Tensor, sequence: torch.Tensor, num_sequences: int, loss_type: str,

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .token_logprobs import Targets, target_sequences
+from .token_logprobs import Targets, per_sequence_sum, target_sequences
 
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
                   "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")
@@ -22,11 +22,6 @@ F_DIVERGENCE_TYPES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_diverg
 F_DIVERGENCE_LOSS_TYPES = ("sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft")
 LABEL_SMOOTHING_LOSS_TYPES = ("robust", "exo_pair", "aot", "aot_unpaired")
 LENGTH_LOSS_TYPES = ("ipo", "sigmoid_norm", "sft")  # need the number of completion tokens of each sequence
-
-
-def sequence_logps(logps: torch.Tensor, targets: Targets, starts: torch.Tensor, num_sequences: int) -> torch.Tensor:
-    """Sum the per-target log-probs of each sequence; `starts` are the sequences' flat start offsets."""
-    return logps.new_zeros(num_sequences).index_add(0, target_sequences(targets, starts), logps)
 
 
 @dataclass
@@ -68,7 +63,7 @@ def wpo_weights(logps: torch.Tensor, log_sum_sq_probs: torch.Tensor, targets: Ta
     log p(y_t) - log sum_v p(v)^2), i.e. the token probabilities normalised by the distribution's own sharpness.
     A pair's loss is weighted by its chosen weight times its rejected weight; no gradient flows through them."""
     aligned = logps.detach() - log_sum_sq_probs
-    sums = sequence_logps(aligned, targets, starts, lengths.numel())
+    sums = per_sequence_sum(aligned, target_sequences(targets, starts), lengths.numel())
     return torch.exp(sums / lengths.clamp(min=1).to(sums.dtype))
 
 

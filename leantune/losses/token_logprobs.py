@@ -43,6 +43,11 @@ def target_sequences(targets: Targets, starts: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(starts.to(targets.index.device), targets.index, right=True) - 1
 
 
+def per_sequence_sum(values: torch.Tensor, sequence: torch.Tensor, num_sequences: int) -> torch.Tensor:
+    """Per-target values summed per sequence (`sequence`: each target's sequence, e.g. from `target_sequences`)."""
+    return values.new_zeros(num_sequences).index_add(0, sequence, values)
+
+
 def select_targets(labels: torch.Tensor, shifted: bool = False) -> Targets:
     """The targets of `labels` (the token at each position; `shifted`: already the NEXT token at each position)."""
     shifted = (labels if shifted else shifted_targets(labels)).reshape(-1)

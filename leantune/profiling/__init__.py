@@ -4,9 +4,9 @@
 draws it; `length_summary_line` is the one line the trainers log.
 """
 
+from ..data.lengths import length_summary_line
 from .profiler import profile_dataset
 from .report import LengthProfile
-from .summary import length_summary_line
 
 
 def write_length_figure(profile, path):

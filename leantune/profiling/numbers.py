@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..data.lengths import SortedLengths  # noqa: F401  (profiling's tables are built on it)
+
 PERCENTILES = (50, 90, 95, 99)
 
 
@@ -18,46 +20,6 @@ def round_up(values, multiple: int | None):
     if not multiple or multiple == 1:
         return values
     return -(-np.asarray(values) // multiple) * multiple
-
-
-@dataclass(frozen=True)
-class SortedLengths:
-    """Lengths in increasing order with their prefix sums: truncation at any max_length in O(log n)."""
-
-    values: np.ndarray
-    prefix: np.ndarray  # prefix[k] = sum of the k shortest lengths
-
-    @classmethod
-    def of(cls, lengths) -> SortedLengths:
-        values = np.sort(np.asarray(lengths, dtype=np.int64))
-        return cls(values, np.concatenate([[0], np.cumsum(values)]))
-
-    @property
-    def count(self) -> int:
-        return len(self.values)
-
-    @property
-    def total(self) -> int:
-        return int(self.prefix[-1])
-
-    def percentile(self, q: int) -> int:
-        """Nearest-rank percentile: the smallest length that at least q% of the examples do not exceed."""
-        rank = max(1, -(-q * self.count // 100))
-        return int(self.values[rank - 1])
-
-    def truncation(self, max_lengths) -> tuple[np.ndarray, np.ndarray]:
-        """(examples longer than each max_length, tokens cut off at each max_length)."""
-        max_lengths = np.asarray(max_lengths, dtype=np.int64)
-        fitting = np.searchsorted(self.values, max_lengths, side="right")
-        num_over = self.count - fitting
-        tokens_lost = (self.total - self.prefix[fitting]) - max_lengths * num_over
-        return num_over, tokens_lost
-
-    def kept_share(self, max_lengths) -> np.ndarray:
-        """Share of all tokens kept when every example is cut to max_length: sum(min(len, L)) / sum(len)."""
-        if self.total == 0:
-            return np.ones(np.shape(max_lengths))
-        return 1.0 - self.truncation(max_lengths)[1] / self.total
 
 
 def smallest_length_keeping(lengths: SortedLengths, threshold: float, multiple: int = 64) -> int:

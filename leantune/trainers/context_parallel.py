@@ -249,7 +249,7 @@ class ContextParallelism:
             inputs["position_ids"] = positions.clone()
             self._cp_local_positions = None
         inputs["input_ids"] = inputs["input_ids"].clone()
-        self._cp_batch_targets = (inputs["shift_labels"] != -100).sum()
+        self._cp_batch_targets = (inputs["shift_labels"] != IGNORE_INDEX).sum()
         buffers = [inputs["input_ids"], inputs["shift_labels"], inputs["position_ids"]]
         return functools.partial(self.accelerator.maybe_context_parallel, buffers=buffers, buffer_seq_dims=[1, 1, 1],
                                  no_restore_buffers=set(buffers)), inputs

@@ -14,7 +14,7 @@ import torch
 from ..data.kto_preparation import KL_COLUMN, REFERENCE_COLUMNS, KTOCollator, kl_view, prepare_kto_dataset
 from ..data.preference_collator import sequence_starts
 from ..losses.kto import kl_estimate, kto_loss
-from ..losses.preference import sequence_logps
+from ..losses.token_logprobs import per_sequence_sum, target_sequences
 from .base import LeantuneTrainer
 from .kto_config import KTOConfig
 from .reference import MODEL_INPUTS, ReferenceModelMixin
@@ -79,7 +79,7 @@ class KTOTrainer(ReferenceModelMixin, LeantuneTrainer):
         view = kl_view(batch) if kl else batch
         inputs = {k: view[k] for k in MODEL_INPUTS if k in view}
         logps, targets, _ = self.target_logprobs(model, inputs, view["labels"])
-        return sequence_logps(logps, targets, sequence_starts(view), int(batch["num_examples"]))
+        return per_sequence_sum(logps, target_sequences(targets, sequence_starts(view)), int(batch["num_examples"]))
 
     @torch.no_grad()
     def reference_logps(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -12,8 +12,8 @@ import torch
 
 from ..data.preference_collator import sequence_starts
 from ..losses.advantages import leave_one_out_advantages
-from ..losses.policy_gradient import clipped_surrogate, per_sequence_sum
-from ..losses.token_logprobs import select_targets, target_sequences
+from ..losses.policy_gradient import clipped_surrogate
+from ..losses.token_logprobs import per_sequence_sum, select_targets, target_sequences
 from .online_trainer import OnlineTrainer
 from .rloo_config import RLOOConfig
 

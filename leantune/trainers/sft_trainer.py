@@ -10,7 +10,7 @@ from ..data.chat_template import load_chat_template
 from ..data.collators import CausalLMCollator
 from ..data.sft_preparation import loss_mask_columns, prepare_sft_dataset
 from ..data.training_templates import announce_mask_template
-from ..losses.causal_lm import count_targets
+from ..losses.causal_lm import IGNORE_INDEX, count_targets
 from ..losses.dispatch import LogProbPath
 from ..models.loading import (
     apply_peft,
@@ -148,6 +148,6 @@ class SFTTrainer(LeantuneTrainer):
                 token_loss = token_loss * logps.detach().exp()
             loss_sum = token_loss.sum()
             self.record_metrics(model, **metrics, mean_token_accuracy=top1.float().mean().reshape(1))
-        local_count = (labels != -100).sum() if shifted is not None else count_targets(labels)
+        local_count = (labels != IGNORE_INDEX).sum() if shifted is not None else count_targets(labels)
         loss = self.normalise(loss_sum, local_count, num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
