@@ -9,7 +9,7 @@ gradients (one extra head matmul for the memory of one chunk instead of tokens x
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +36,19 @@ class Targets:
         """Per-target values back on the [batch, time] grid (positions without a target get `fill`)."""
         grid = values.new_full((self.shape.numel(),), fill)
         return grid.index_copy(0, self.index, values).view(self.shape)
+
+
+@dataclass
+class TargetScores:
+    """What the log-prob engine gives a loss for one forward pass (LeantuneTrainer.target_logprobs): fp32 log-probs
+    of the targets, their entropies when asked for, the named TOKEN_STATS, the targets themselves, and the model's
+    outputs (without logits on the chunked and Liger paths)."""
+
+    logps: torch.Tensor
+    targets: Targets
+    outputs: object = None
+    entropy: torch.Tensor | None = None
+    stats: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def target_sequences(targets: Targets, starts: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,7 @@ from ..losses.liger import (
 )
 from ..losses.token_logprobs import (
     Targets,
+    TargetScores,
     chunked_logprobs,
     logprobs_from_logits,
     select_targets,
@@ -412,34 +413,39 @@ class LeantuneTrainer(ContextParallelism, Trainer):
 
     def target_logprobs(self, model, inputs: dict, labels: torch.Tensor, temperature: float = 1.0,
                         with_entropy: bool = False, entropy_grad: bool = False, stats: tuple[str, ...] = (),
-                        shifted: bool = False):
-        """(per-target fp32 log-probs[, entropies], one tensor per name in `stats` (losses/token_logprobs.py's
-        TOKEN_STATS), Targets, model outputs), by the configured path; the entropies carry a gradient only with
-        `entropy_grad` (an entropy bonus in the loss). `shifted`: `labels` already hold each position's next token
-        (context parallelism's `shift_labels`)."""
+                        shifted: bool = False) -> TargetScores:
+        """The targets' fp32 log-probs (with entropies and the named `stats` of losses/token_logprobs.py's
+        TOKEN_STATS when asked for) by the configured path: full logits, the chunked head or Liger. The entropies
+        carry a gradient only with `entropy_grad` (an entropy bonus in the loss). `shifted`: `labels` already hold
+        each position's next token (context parallelism's `shift_labels`)."""
         targets = select_targets(labels, shifted)
         if self._needs_full_logits(model):
             with self.offloading_scope(model):
                 outputs = model(**inputs, use_cache=False)
             self.note_router_loss(model, outputs)
-            logps = logprobs_from_logits(outputs.logits, targets, temperature)
-            extra = []
+            scores = TargetScores(logprobs_from_logits(outputs.logits, targets, temperature), targets, outputs)
             if with_entropy:
-                extra.append(_entropy_from_logits(outputs.logits, targets, temperature, entropy_grad))
+                scores.entropy = _entropy_from_logits(outputs.logits, targets, temperature, entropy_grad)
             if stats:
                 flat = outputs.logits.reshape(-1, outputs.logits.shape[-1]).index_select(0, targets.index)
-                extra.extend(token_stats_from_logits(flat / temperature, targets.tokens, stats))
-            return logps, *extra, targets, outputs
+                scores.stats = dict(zip(stats, token_stats_from_logits(flat / temperature, targets.tokens, stats)))
+            return scores
         head = OutputHead.of(model, temperature)
         hidden, outputs = self._forward_hidden(model, inputs, head)
         liger = self.liger_scores(head, with_entropy, stats) and len(targets)
         trains = torch.is_grad_enabled() and (hidden.requires_grad or bool(head.trainable_parameters))
         if liger and (not trains or per_target_gradients_supported()):
             result = liger_target_logprobs(hidden, head, targets, with_top1=bool(stats))
-            return (*result, targets, outputs) if stats else (result, targets, outputs)
+            if stats:
+                return TargetScores(result[0], targets, outputs, stats={"top1": result[1]})
+            return TargetScores(result, targets, outputs)
         result = chunked_logprobs(hidden, head, targets, self.args.loss_chunk_size, with_entropy, entropy_grad,
                                   stats)
-        return (*result, targets, outputs) if with_entropy or stats else (result, targets, outputs)
+        if not (with_entropy or stats):
+            return TargetScores(result, targets, outputs)
+        logps, *extra = result
+        entropy = extra.pop(0) if with_entropy else None
+        return TargetScores(logps, targets, outputs, entropy, dict(zip(stats, extra)))
 
     def liger_scores(self, head: OutputHead, with_entropy: bool = False, stats: tuple[str, ...] = ()) -> bool:
         """Whether Liger's fused kernel gives these per-target values: it yields each target's log-prob and whether
@@ -470,8 +476,8 @@ class LeantuneTrainer(ContextParallelism, Trainer):
             if len(targets):
                 return (*liger_nll_sum(hidden, head, targets), targets, outputs)
             return -chunked_logprobs(hidden, head, targets, self.args.loss_chunk_size).sum(), None, targets, outputs
-        logps, targets, outputs = self.target_logprobs(model, inputs, labels, shifted=shifted)
-        return -logps.sum(), None, targets, outputs
+        scores = self.target_logprobs(model, inputs, labels, shifted=shifted)
+        return -scores.logps.sum(), None, scores.targets, scores.outputs
 
     # --- saving: the output folder says what it holds (README.md, models/model_card.py) --------------------------
 

@@ -75,14 +75,12 @@ class DPOTrainer(ReferenceModelMixin, LeantuneTrainer):
         for `wpo`, each sequence's WPO weight from the same forward pass)."""
         inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
         starts = sequence_starts(batch)
-        if wpo:
-            logps, log_sum_sq, targets, _ = self.target_logprobs(model, inputs, batch["labels"],
-                                                                 stats=("log_sum_sq_probs",))
-        else:
-            logps, targets, _ = self.target_logprobs(model, inputs, batch["labels"])
+        scores = self.target_logprobs(model, inputs, batch["labels"], stats=("log_sum_sq_probs",) if wpo else ())
+        logps, targets = scores.logps, scores.targets
         sequences = pair_sequence_logps(logps, targets, starts, int(batch["num_pairs"]), self.args.ld_alpha)
         if wpo:
-            sequences.weights = wpo_weights(logps, log_sum_sq, targets, starts, sequences.lengths)
+            sequences.weights = wpo_weights(logps, scores.stats["log_sum_sq_probs"], targets, starts,
+                                            sequences.lengths)
         return sequences
 
     @torch.no_grad()

@@ -78,8 +78,9 @@ class KTOTrainer(ReferenceModelMixin, LeantuneTrainer):
         """Summed completion log-probs of every sequence of the batch (kl=True: of its mismatched sequences)."""
         view = kl_view(batch) if kl else batch
         inputs = {k: view[k] for k in MODEL_INPUTS if k in view}
-        logps, targets, _ = self.target_logprobs(model, inputs, view["labels"])
-        return per_sequence_sum(logps, target_sequences(targets, sequence_starts(view)), int(batch["num_examples"]))
+        scores = self.target_logprobs(model, inputs, view["labels"])
+        sequence = target_sequences(scores.targets, sequence_starts(view))
+        return per_sequence_sum(scores.logps, sequence, int(batch["num_examples"]))
 
     @torch.no_grad()
     def reference_logps(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor | None]:

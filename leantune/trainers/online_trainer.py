@@ -430,8 +430,7 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
 
     def _scored_logps(self, model, batch: dict) -> torch.Tensor:
         inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
-        logps, _, _ = self.target_logprobs(model, inputs, batch["labels"], self.args.temperature)
-        return logps.detach()
+        return self.target_logprobs(model, inputs, batch["labels"], self.args.temperature).logps.detach()
 
     def score_completions(self, rows: list[dict], completion_ids: list[list[int]], training: bool,
                           rollout: Rollout | None = None) -> dict:
@@ -583,13 +582,13 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         bonus = self.entropy_bonus
         temperature = self.args.temperature
         # Entropies for the metric come with the chunked head at no extra pass; Liger's kernel computes none
-        if self.entropies_in_loss() or not self.liger_head_runs(model, temperature):
-            logps, entropy, targets, _ = self.target_logprobs(model, model_inputs, batch["labels"], temperature,
-                                                               with_entropy=True, entropy_grad=bonus is not None)
-        else:
-            logps, targets, _ = self.target_logprobs(model, model_inputs, batch["labels"], temperature)
+        with_entropy = self.entropies_in_loss() or not self.liger_head_runs(model, temperature)
+        scores = self.target_logprobs(model, model_inputs, batch["labels"], temperature, with_entropy=with_entropy,
+                                      entropy_grad=with_entropy and bonus is not None)
+        logps, entropy = scores.logps, scores.entropy
+        if entropy is None:
             entropy = torch.full_like(logps.detach(), float("nan"))  # NaN: left out of the logged mean
-        sequence = target_sequences(targets, sequence_starts(batch))
+        sequence = target_sequences(scores.targets, sequence_starts(batch))
         batch["token_entropy"] = entropy.detach()  # per target (GRPO's top_entropy_quantile reads it)
         loss_sum, metrics = self.policy_loss(logps, sequence, batch)
         metrics["entropy"] = entropy.detach().mean()  # NaN when nothing is scored (left out of the logged mean)

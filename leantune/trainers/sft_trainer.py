@@ -136,13 +136,11 @@ class SFTTrainer(LeantuneTrainer):
                 self.record_metrics(model, mean_token_accuracy=accuracy.reshape(1))
         else:
             metrics = {}
-            if liger:
-                logps, top1, _, outputs = self.target_logprobs(model, inputs, labels, stats=("top1",),
-                                                               shifted=shifted is not None)
-            else:
-                logps, entropy, top1, _, outputs = self.target_logprobs(model, inputs, labels, with_entropy=True,
-                                                                        stats=("top1",), shifted=shifted is not None)
-                metrics["entropy"] = entropy.mean().reshape(1)
+            scores = self.target_logprobs(model, inputs, labels, with_entropy=not liger, stats=("top1",),
+                                          shifted=shifted is not None)
+            logps, top1, outputs = scores.logps, scores.stats["top1"], scores.outputs
+            if scores.entropy is not None:
+                metrics["entropy"] = scores.entropy.mean().reshape(1)
             token_loss = -logps
             if self.args.loss_type == "dft":  # DFT (arXiv 2508.05629): the NLL times the token's own probability
                 token_loss = token_loss * logps.detach().exp()
