@@ -240,7 +240,7 @@ def off_policy_batch(trainer, batch: dict) -> dict:
     """The batch with generation-time log-probs moved by +0.3 on even completions and -0.35 on odd ones (plus a
     +-0.05 ramp over the tokens), and reference log-probs by +-0.2 per token: ratios ~0.74 and ~1.42, so whatever the
     advantages, the off-policy mask (even, A < 0), the delta cap (odd, A < 0), the clip and the KL all act."""
-    from leantune.data.preference_collator import sequence_starts
+    from leantune.data.collators import sequence_starts
     from leantune.losses.token_logprobs import select_targets, target_sequences
 
     batch = dict(batch)

@@ -122,3 +122,19 @@ def layout_like(batch: dict, values: list[list[int]], fill: int = 0) -> torch.Te
     flat = [v for row_values in values for v in row_values]
     out.view(-1)[: len(flat)] = torch.as_tensor(flat, dtype=torch.long)
     return out
+
+
+def prompt_completion_row(prompt, completion, completion_mask=None) -> dict:
+    """One sequence for CausalLMCollator (with `loss_mask_columns=("completion_mask",)`): the prompt then the
+    completion, whose tokens are the targets (those `completion_mask` keeps, when given)."""
+    mask = [1] * len(completion) if completion_mask is None else list(completion_mask)
+    return {"input_ids": list(prompt) + list(completion), "completion_mask": [0] * len(prompt) + mask}
+
+
+def sequence_starts(batch: dict) -> torch.Tensor:
+    """Flat start offset of every sequence of a collated batch, in order (segmented layouts include a trailing
+    padding segment, which holds no targets)."""
+    if "cu_seq_lens_q" in batch:
+        return batch["cu_seq_lens_q"][:-1].long()
+    rows, width = batch["input_ids"].shape
+    return torch.arange(rows, device=batch["input_ids"].device) * width

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from .chat_template import require_chat_template, row_template_kwargs
-from .collators import CausalLMCollator, layout_like
+from .collators import CausalLMCollator, layout_like, prompt_completion_row
 from .formats import current_column_names, is_message_list, rename_legacy_token_columns
 from .lengths import length_summary_line
 from .preference_formats import (
@@ -442,23 +442,19 @@ class KTOCollator:
                                           self.pad_to_multiple_of)
 
     def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
-        sequences = [_sequence(ex["prompt_ids"], ex["completion_ids"]) for ex in examples]
+        sequences = [prompt_completion_row(ex["prompt_ids"], ex["completion_ids"]) for ex in examples]
         batch = self.sequences(sequences)
         # TRL's key: 1 on completion tokens, 0 on prompt and padding (the loss reads `labels`)
         batch["completion_mask"] = layout_like(batch, [seq["completion_mask"] for seq in sequences])
         batch["desirable"] = torch.tensor([bool(ex["label"]) for ex in examples])
         batch["num_examples"] = torch.tensor(len(examples))
         if KL_COLUMN in examples[0]:
-            kl = self.sequences([_sequence(ex["prompt_ids"], ex[KL_COLUMN]) for ex in examples])
+            kl = self.sequences([prompt_completion_row(ex["prompt_ids"], ex[KL_COLUMN]) for ex in examples])
             batch.update({f"kl_{name}": value for name, value in kl.items()})
         for name in REFERENCE_COLUMNS:
             if name in examples[0]:
                 batch[name] = torch.tensor([float(ex[name]) for ex in examples], dtype=torch.float32)
         return batch
-
-
-def _sequence(prompt: list[int], completion: list[int]) -> dict:
-    return {"input_ids": list(prompt) + list(completion), "completion_mask": [0] * len(prompt) + [1] * len(completion)}
 
 
 def kl_view(batch: dict) -> dict:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .collators import CausalLMCollator
+from .collators import CausalLMCollator, prompt_completion_row, sequence_starts  # noqa: F401  (sequence_starts: its old home)
 
 REFERENCE_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
 
@@ -29,7 +29,7 @@ class PreferenceCollator:
 
     def __call__(self, pairs: list[dict]) -> dict[str, torch.Tensor]:
         # Whole-sequence pairs (the reward trainer's) have no `prompt_ids`.
-        sequences = [_sequence(pair.get("prompt_ids", ()), pair[f"{side}_ids"])
+        sequences = [prompt_completion_row(pair.get("prompt_ids", ()), pair[f"{side}_ids"])
                      for side in ("chosen", "rejected") for pair in pairs]
         batch = self.sequences(sequences)
         batch["num_pairs"] = torch.tensor(len(pairs))
@@ -39,14 +39,5 @@ class PreferenceCollator:
         return batch
 
 
-def _sequence(prompt: list[int], completion: list[int]) -> dict:
-    return {"input_ids": list(prompt) + list(completion), "completion_mask": [0] * len(prompt) + [1] * len(completion)}
 
 
-def sequence_starts(batch: dict) -> torch.Tensor:
-    """Flat start offset of every sequence of a collated batch, in order (segmented layouts include a trailing
-    padding segment, which holds no targets)."""
-    if "cu_seq_lens_q" in batch:
-        return batch["cu_seq_lens_q"][:-1].long()
-    rows, width = batch["input_ids"].shape
-    return torch.arange(rows, device=batch["input_ids"].device) * width

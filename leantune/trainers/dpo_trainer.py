@@ -6,7 +6,8 @@ import logging
 
 import torch
 
-from ..data.preference_collator import REFERENCE_COLUMNS, PreferenceCollator, sequence_starts
+from ..data.collators import sequence_starts
+from ..data.preference_collator import REFERENCE_COLUMNS, PreferenceCollator
 from ..data.preference_preparation import prepare_preference_dataset
 from ..losses.dispatch import LogProbPath
 from ..losses.preference import PairSequenceLogps, dpo_loss, pair_sequence_logps, wpo_weights

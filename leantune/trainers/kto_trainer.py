@@ -11,8 +11,8 @@ import logging
 
 import torch
 
+from ..data.collators import sequence_starts
 from ..data.kto_preparation import KL_COLUMN, REFERENCE_COLUMNS, KTOCollator, kl_view, prepare_kto_dataset
-from ..data.preference_collator import sequence_starts
 from ..losses.kto import kl_estimate, kto_loss
 from ..losses.token_logprobs import per_sequence_sum, target_sequences
 from .base import LeantuneTrainer

@@ -25,8 +25,7 @@ from collections import defaultdict, deque
 import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
-from ..data.collators import CausalLMCollator
-from ..data.preference_collator import sequence_starts
+from ..data.collators import CausalLMCollator, prompt_completion_row, sequence_starts
 from ..data.prompt_preparation import PROMPT_IDS, context_limit_of, prepare_prompt_dataset
 from ..data.streaming import STREAM_BUFFER_ROWS, is_stream
 from ..generation import Completions, SamplingSettings, make_backend
@@ -374,8 +373,7 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
             masked += not keep
             prompt = list(row[PROMPT_IDS] if prompt_ids is None else prompt_ids[i])
             own = [1] * len(completion) if policy_mask is None else policy_mask[i]
-            examples.append({"input_ids": prompt + list(completion),
-                             "completion_mask": [0] * len(prompt) + [int(keep) * m for m in own]})
+            examples.append(prompt_completion_row(prompt, completion, [int(keep) * m for m in own]))
         if masked:
             self.round_counts["truncated_completions_masked"] += masked
         return examples

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..data.preference_collator import sequence_starts
+from ..data.collators import sequence_starts
 from ..losses.advantages import leave_one_out_advantages
 from ..losses.policy_gradient import clipped_surrogate
 from ..losses.token_logprobs import per_sequence_sum, select_targets, target_sequences
