@@ -47,7 +47,7 @@ from ..metrics.throughput import TokenThroughput
 from ..models import model_card
 from ..models.output_head import OutputHead, unwrap_model
 from .context_parallel import ContextParallelism
-from .distributed import check_world_size
+from .distributed import check_world_size, leave_process_group_at_exit
 from .memory_options import validate_memory_options
 
 logger = logging.getLogger("leantune.trainer")
@@ -141,6 +141,8 @@ class LeantuneTrainer(ContextParallelism, Trainer):
         if config.activation_offloading:
             log_offloading_scope(logger)
         super().__init__(*args, **kwargs)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            leave_process_group_at_exit()  # no abort at interpreter exit (trainers/distributed.py)
         self.tag_model()
         if self.logprob_path is LogProbPath.LIGER:
             self._note_liger_head()

@@ -18,6 +18,7 @@ How each CPU launch goes without this module (accelerate 1.x, transformers 5.x),
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 
@@ -97,3 +98,27 @@ def check_world_size(args) -> None:
             f"The launcher started {world} processes but the trainer's state has {args.world_size} (each would train "
             f"alone, a duplicate run); on a machine without a GPU {HOW_TO_LAUNCH}."
         )
+
+
+_leaves_at_exit = False
+
+
+def leave_process_group_at_exit() -> None:
+    """Destroy the process group when the interpreter exits, before its teardown.
+
+    A script that ends without `destroy_process_group()` (TRL's and most users' scripts) leaves it to C++ destructors
+    at exit, where a gloo group's worker threads can abort the process ("terminate called without an active
+    exception", SIGABRT) after all its work is done, and the launcher then reports a failed run."""
+    global _leaves_at_exit
+    if _leaves_at_exit:
+        return
+    _leaves_at_exit = True
+    atexit.register(_leave_process_group)
+
+
+def _leave_process_group() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        try:
+            torch.distributed.destroy_process_group()
+        except Exception as error:  # exiting anyway: say why the group could not be left, never raise
+            logger.debug("Could not destroy the process group at exit: %s", error)
