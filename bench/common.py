@@ -204,6 +204,16 @@ def gsm8k_prompt_completion(limit: int | None = None, tokenizer=None, max_tokens
 # --- timing -----------------------------------------------------------------------------------------------------
 
 
+def write_sft_jsonl(path, rows: int) -> None:
+    """The first `rows` GSM8K questions as prompt-completion JSONL (the data the scale-out benchmarks launch on)."""
+    import json
+
+    with open(GSM8K_TRAIN, encoding="utf-8") as source, open(path, "w", encoding="utf-8") as handle:
+        for _, line in zip(range(rows), source):
+            row = json.loads(line)
+            handle.write(json.dumps({"prompt": row["question"], "completion": " " + row["answer"]}) + "\n")
+
+
 def make_step_timer(warmup_steps: int):
     """A TrainerCallback recording the wall time at the end of every optimizer step."""
     from transformers import TrainerCallback

@@ -200,15 +200,12 @@ def worker(out: str, assets: str, batch_size: int, steps: int) -> None:
 
 def make_assets(root: Path, hidden: int, layers: int) -> None:
     sys.path.insert(0, str(REPO))
-    from bench.common import GSM8K_TRAIN, load_tokenizer, tiny_llama
+    from bench.common import load_tokenizer, tiny_llama, write_sft_jsonl
 
     model = tiny_llama(seed=0, vocab_size=32_000, hidden=hidden, layers=layers, heads=6, intermediate=1024)
     model.save_pretrained(root / "model")
     load_tokenizer().save_pretrained(root / "model")
-    with open(GSM8K_TRAIN, encoding="utf-8") as source, open(root / "sft.jsonl", "w", encoding="utf-8") as handle:
-        for _, line in zip(range(32), source):
-            row = json.loads(line)
-            handle.write(json.dumps({"prompt": row["question"], "completion": " " + row["answer"]}) + "\n")
+    write_sft_jsonl(root / "sft.jsonl", 32)
 
 
 def zero3_cpu_config(root: Path) -> Path:
