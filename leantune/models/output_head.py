@@ -27,6 +27,12 @@ def unwrap_model(model):
     return model
 
 
+def text_config_of(model):
+    """The language model's config (a multimodal model's text part), or None."""
+    config = getattr(unwrap_model(model), "config", None)
+    return getattr(config, "get_text_config", lambda: config)() if config is not None else None
+
+
 @dataclass
 class OutputHead:
     module: torch.nn.Module
@@ -40,8 +46,7 @@ class OutputHead:
         module = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
         if module is None:
             raise ValueError(f"{type(base).__name__} has no output embeddings (lm_head) to compute log-probs from.")
-        config = getattr(base, "config", None)
-        config = getattr(config, "get_text_config", lambda: config)() if config is not None else None
+        config = text_config_of(base)
         scale = 1.0
         if getattr(config, "logit_scale", None) is not None:  # Cohere
             scale *= float(config.logit_scale)
@@ -67,7 +72,7 @@ class OutputHead:
         for parameter in self.module.parameters():
             if getattr(parameter, "ds_status", None) is not None and parameter.ds_status.name != "AVAILABLE":
                 return True
-            if type(parameter).__name__ == "DTensor" or type(getattr(parameter, "data", None)).__name__ == "DTensor":
+            if _is_dtensor(parameter):
                 return True
         return False
 
@@ -161,3 +166,12 @@ def _fp32_linear_forward(self: torch.nn.Linear, hidden: torch.Tensor) -> torch.T
     with torch.autocast(hidden.device.type, enabled=False):
         bias = None if self.bias is None else self.bias.float()
         return torch.nn.functional.linear(hidden.float(), self.weight.float(), bias)
+
+
+def _is_dtensor(tensor) -> bool:
+    """An FSDP2 shard (torch.distributed's DTensor; absent from builds without distributed support)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return False
+    return isinstance(tensor, DTensor)

@@ -45,7 +45,7 @@ from ..metrics.memory import memory_kind, peak_memory_bytes, reset_peak_memory
 from ..metrics.memory_breakdown import MemoryBreakdown, MemoryBreakdownCallback
 from ..metrics.throughput import TokenThroughput
 from ..models import model_card
-from ..models.output_head import OutputHead, unwrap_model
+from ..models.output_head import OutputHead, text_config_of, unwrap_model
 from .context_parallel import ContextParallelism
 from .distributed import check_world_size, leave_process_group_at_exit
 from .memory_options import validate_memory_options
@@ -595,8 +595,7 @@ def without_tied_copies(model, state_dict: dict) -> dict:
     """A gathered full state dict (FSDP2, ZeRO-3) holds a tied output head as its own tensor, which transformers
     would write as a second vocabulary-sized matrix: the tied key is dropped when it equals the input embedding."""
     base = unwrap_model(model)
-    config = getattr(base, "config", None)
-    config = getattr(config, "get_text_config", lambda: config)() if config is not None else None
+    config = text_config_of(base)
     if not getattr(config, "tie_word_embeddings", False):
         return state_dict
     embeddings, head = base.get_input_embeddings(), base.get_output_embeddings()

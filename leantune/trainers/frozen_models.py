@@ -14,6 +14,8 @@ import copy
 import torch
 from accelerate.utils import DistributedType
 
+from ..models.output_head import text_config_of
+
 
 def zero3_enabled() -> bool:
     """Whether models loaded now are partitioned at load (a ZeRO-3 DeepSpeed config is active)."""
@@ -69,8 +71,4 @@ def inference_config(training_config: dict, args, processes: int, hidden_size: i
 
 
 def hidden_size_of(model) -> int | None:
-    config = getattr(model, "config", None)
-    if config is None:
-        return None
-    config = getattr(config, "get_text_config", lambda: config)()
-    return getattr(config, "hidden_size", None)
+    return getattr(text_config_of(model), "hidden_size", None)
