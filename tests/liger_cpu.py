@@ -19,7 +19,10 @@ import os
 import sys
 
 VARIABLE = "TRITON_INTERPRET"
-_set_here = False
+# Set when this module turned the interpreter on, in this process or in the one that started it: pytest-xdist's
+# workers inherit the variable from the controller, and must still hide it from tests not marked for Liger.
+SET_BY_TESTS = "LEANTUNE_TESTS_SET_TRITON_INTERPRET"
+_set_here = os.environ.get(SET_BY_TESTS) == "1"
 
 
 def interpreter_on_for_imports(cuda: bool) -> None:
@@ -28,6 +31,7 @@ def interpreter_on_for_imports(cuda: bool) -> None:
     if cuda or "triton" in sys.modules or VARIABLE in os.environ:
         return
     os.environ[VARIABLE] = "1"
+    os.environ[SET_BY_TESTS] = "1"
     _set_here = True
 
 
