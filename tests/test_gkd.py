@@ -275,3 +275,34 @@ def test_mistakes_are_named(char_tokenizer, tmp_path):
     for field, value in (("beta", 1.5), ("lmbda", -0.1), ("temperature", 0.0), ("max_new_tokens", 0)):
         with pytest.raises(ValueError, match=f"`{field}`"):
             GKDConfig(output_dir=str(tmp_path), use_cpu=True, **{field: value})
+
+
+# --- the command line ----------------------------------------------------------------------------------------------
+
+
+def test_cli_distils_a_local_teacher_and_names_a_missing_one(tokenizer, gsm8k_rows, tmp_path, capsys):
+    import json
+
+    from leantune.cli.main import main
+
+    from .conftest import tiny_model
+
+    folders = {}
+    for role, seed in (("student", 0), ("teacher", 1)):
+        folders[role] = tmp_path / role
+        tiny_model(seed=seed).save_pretrained(folders[role])
+        tokenizer.save_pretrained(folders[role])
+    data_file = tmp_path / "train.jsonl"
+    data_file.write_text("".join(json.dumps({"prompt": row["question"], "completion": " " + row["answer"]}) + "\n"
+                                 for row in gsm8k_rows[:8]))
+    common = ["--model_name_or_path", str(folders["student"]), "--dataset_name", str(data_file), "--max_steps", "2",
+              "--per_device_train_batch_size", "4", "--max_length", "128", "--report_to", "none", "--use_cpu", "true", "--memory_breakdown", "false"]
+    assert main(["gkd", *common, "--output_dir", str(tmp_path / "none")]) == 2
+    error = [line for line in capsys.readouterr().err.splitlines() if line.startswith("leantune gkd: error:")]
+    assert len(error) == 1 and "teacher" in error[0], error
+
+    assert main(["gkd", *common, "--teacher_model_name_or_path", str(folders["teacher"]), "--lmbda", "0.5",
+                 "--max_new_tokens", "4", "--output_dir", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert "steps: 2" in out and "on-policy steps (the student's own samples):" in out
+    assert (tmp_path / "out" / "model.safetensors").exists()
