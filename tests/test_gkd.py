@@ -117,6 +117,40 @@ def test_generalized_jsd_against_hand_computed_values_and_trls():
         torch.testing.assert_close(ours, theirs, rtol=RTOL, atol=0.0)
 
 
+@pytest.mark.parametrize("beta", [0.0, 0.3, 1.0])
+def test_chunked_sum_and_per_target_chunks_equal_autograd_through_full_logits(beta):
+    """Both chunked forms (gradient formed in forward; per target, recomputed in backward) against autograd through
+    the plain formula, with a logit scale, soft-capping and a biased head (the chain rule of OutputHead.transform)."""
+    from leantune.losses.distillation import chunked_jsd, chunked_jsd_sum
+    from leantune.losses.token_logprobs import select_targets
+    from leantune.models.output_head import OutputHead
+
+    torch.manual_seed(0)
+    student_head = OutputHead(torch.nn.Linear(16, 40), softcap=5.0, scale=1.7)
+    teacher_head = OutputHead(torch.nn.Linear(24, 40, bias=False))
+    student, teacher = torch.randn(2, 9, 16), torch.randn(2, 9, 24)
+    labels = torch.randint(0, 40, (2, 9))
+    labels[0, :3] = -100
+    targets = select_targets(labels)
+    params = [student_head.module.weight, student_head.module.bias]
+
+    def run(loss_fn):
+        hidden = student.clone().requires_grad_()
+        loss = loss_fn(hidden)
+        return [loss.detach(), *torch.autograd.grad(loss, [hidden, *params])]
+
+    def plain(hidden):
+        rows = [h.reshape(-1, h.shape[-1])[targets.index] for h in (hidden, teacher)]
+        return generalized_jsd(student_head.logits(rows[0]).log_softmax(-1),
+                               teacher_head.logits(rows[1]).log_softmax(-1), beta).sum()
+
+    expected = run(plain)
+    for loss_fn in (lambda h: chunked_jsd_sum(h, student_head, teacher, teacher_head, targets, beta, chunk_size=4),
+                    lambda h: chunked_jsd(h, student_head, teacher, teacher_head, targets, beta, chunk_size=4).sum()):
+        for got, want in zip(run(loss_fn), expected):
+            torch.testing.assert_close(got, want, rtol=RTOL, atol=RTOL * float(want.abs().max()))
+
+
 def test_trainer_loss_is_the_plain_torch_jsd_of_the_completion_tokens(char_tokenizer, tmp_path):
     trainer = gkd_trainer(char_tokenizer, tmp_path, beta=0.3)
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
@@ -136,6 +170,20 @@ def test_trainer_loss_is_the_plain_torch_jsd_of_the_completion_tokens(char_token
     assert all(int(row.nonzero()[0]) + 1 == n for row, n in zip(mask, prompt_lengths))
     assert float(loss) == pytest.approx(float(per_token.sum() / mask.sum()), rel=RTOL)
     assert float(loss) > 1e-3  # the two models really differ (the comparison is not of zeros)
+
+
+def test_messages_train_on_their_last_message(char_tokenizer, tmp_path):
+    """TRL's GKD reads `messages` as prompt = all but the last message, completion = the last one."""
+    dialogues = Dataset.from_dict({"messages": [[{"role": "user", "content": "reverse: cat ="},
+                                                  {"role": "assistant", "content": "tac"},
+                                                  {"role": "user", "content": "reverse: dog ="},
+                                                  {"role": "assistant", "content": "god"}]] * 4})
+    trainer = gkd_trainer(char_tokenizer, tmp_path)
+    prepared, _ = trainer.prepare_split(dialogues, "eval", char_tokenizer, trainer.args)
+    row = prepared[0]
+    targets = [t for t, label in zip(row["input_ids"], row["labels"]) if label != -100]
+    assert char_tokenizer.decode(targets, skip_special_tokens=True).strip() == "god"
+    assert "tac" in char_tokenizer.decode(row["input_ids"])  # the earlier turns stay, as prompt
 
 
 def packed_rows(examples, per_row: int = 2):

@@ -16,11 +16,12 @@ import random
 import torch
 
 from ..data.collators import CausalLMCollator, prompt_completion_row, sequence_prompts
+from ..data.formats import last_message_as_completion
 from ..generation.sampling import SamplingSettings, eos_token_ids
 from ..generation.transformers_backend import TransformersBackend
 from ..losses.causal_lm import count_targets
 from ..losses.dispatch import LogProbPath
-from ..losses.distillation import chunked_jsd, jsd_from_logits
+from ..losses.distillation import chunked_jsd_sum, jsd_from_logits
 from ..losses.liger import liger_jsd_problem, liger_jsd_sum
 from ..losses.token_logprobs import _vocab_size, select_targets
 from ..models.loading import load_causal_lm, parse_kwargs
@@ -92,6 +93,12 @@ class GKDTrainer(SFTTrainer):
     def attach_reference(self, loaded, args) -> None:
         self.teacher_model = prepare_frozen_model(self.accelerator, loaded.ref_model, args)
 
+    def prepare_split(self, dataset, split, tokenizer, args):
+        """SFT's preparation; a `messages` dataset trains on its last message, as in TRL's GKD."""
+        if not self.skips_preparation(args):
+            dataset = last_message_as_completion(dataset)
+        return super().prepare_split(dataset, split, tokenizer, args)
+
     # --- each optimizer step: the dataset's completions, the student's own (on-policy) or the teacher's ---------
 
     def completion_source(self, step: int) -> str | None:
@@ -156,8 +163,8 @@ class GKDTrainer(SFTTrainer):
             if fused:
                 loss_sum = liger_jsd_sum(hidden, head, captured["hidden"], teacher_head, targets, beta)
             else:
-                loss_sum = chunked_jsd(hidden, head, captured["hidden"], teacher_head, targets, beta,
-                                       self.args.loss_chunk_size).sum()
+                loss_sum = chunked_jsd_sum(hidden, head, captured["hidden"], teacher_head, targets, beta,
+                                           self.args.loss_chunk_size)
         loss = self.normalise(loss_sum, count_targets(labels), num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
 
