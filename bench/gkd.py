@@ -66,9 +66,12 @@ def pretokenised_rows(tokenizer, max_length: int, limit: int):
                 tokenizer.eos_token_id]
             if len(prompt) + len(completion) <= max_length:
                 rows.append({"input_ids": prompt + completion,
-                             "completion_mask": [0] * len(prompt) + [1] * len(completion)})
+                             "completion_mask": [0] * len(prompt) + [1] * len(completion),
+                             "prompt": item["question"]})
             if len(rows) == limit:
                 break
+    # TRL's GKD collator reads a `prompt` column (its prompt tokens come from `completion_mask`); leantune's
+    # preparation takes the pre-tokenised columns alone
     return Dataset.from_list(rows)
 
 
@@ -106,7 +109,8 @@ def run_one(library: str, name: str, opts, dataset, student_dir: str, teacher_di
             else:
                 from trl.experimental.gkd import GKDTrainer
             breakdowns, timer = [], make_step_timer(2)
-            trainer = GKDTrainer(model=student_dir, teacher_model=teacher_dir, args=args, train_dataset=dataset,
+            data = dataset.remove_columns("prompt") if library == "leantune" else dataset
+            trainer = GKDTrainer(model=student_dir, teacher_model=teacher_dir, args=args, train_dataset=data,
                                  processing_class=tokenizer,
                                  callbacks=[timer, MemoryBreakdownCallback(args.device, breakdowns.append, step=1)])
             reset_peak_rss()
