@@ -34,8 +34,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import (  # noqa: E402
-    MIB,
     GSM8K_TRAIN,
+    MIB,
     library_versions,
     load_tokenizer,
     machine_description,

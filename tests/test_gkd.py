@@ -314,6 +314,10 @@ def test_mistakes_are_named(char_tokenizer, tmp_path):
                    train_dataset=reversals(), processing_class=char_tokenizer)
     with pytest.raises(ValueError, match="teacher_model_init_kwargs"):
         gkd_trainer(char_tokenizer, tmp_path, teacher_model_init_kwargs={"dtype": "float32"})
+    student = char_model(char_tokenizer, 1)
+    with pytest.raises(ValueError, match="student `model` itself"):
+        GKDTrainer(model=student, teacher_model=student, args=GKDConfig(output_dir=str(tmp_path), use_cpu=True),
+                   train_dataset=reversals(), processing_class=char_tokenizer)
     from transformers import AutoModelForCausalLM
 
     other = build_default_model_config(char_tokenizer)

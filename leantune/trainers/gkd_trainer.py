@@ -23,7 +23,7 @@ from ..losses.causal_lm import count_targets
 from ..losses.dispatch import LogProbPath
 from ..losses.distillation import chunked_jsd_sum, jsd_from_logits
 from ..losses.liger import liger_jsd_problem, liger_jsd_sum
-from ..losses.token_logprobs import _vocab_size, select_targets
+from ..losses.token_logprobs import select_targets, vocab_size_of
 from ..models.loading import load_causal_lm, parse_kwargs
 from ..models.output_head import OutputHead, text_config_of
 from ..models.segment_attention import use_segment_attention
@@ -51,6 +51,9 @@ class GKDTrainer(SFTTrainer):
         if teacher_model is None:
             raise ValueError("GKD needs a teacher: pass `teacher_model` (an id, a path or a model object) or set "
                              "`teacher_model_name_or_path`.")
+        if teacher_model is model and not isinstance(model, str):
+            raise ValueError("`teacher_model` is the student `model` itself, so the teacher would train with it: pass "
+                             "a separate model (or an id / path).")
         if args.teacher_model_init_kwargs is not None and not isinstance(teacher_model, str):
             raise ValueError("`teacher_model_init_kwargs` only apply to a teacher given by id or path; the "
                              "`teacher_model` passed is already a model object.")
@@ -171,7 +174,7 @@ class GKDTrainer(SFTTrainer):
 
 def check_same_vocabulary(student, teacher) -> None:
     """GKD compares whole next-token distributions: the two output heads must score the same vocabulary."""
-    sizes = [(getattr(text_config_of(m), "vocab_size", None), _vocab_size(OutputHead.of(m))) for m in (student, teacher)]
+    sizes = [(getattr(text_config_of(m), "vocab_size", None), vocab_size_of(OutputHead.of(m))) for m in (student, teacher)]
     if sizes[0][1] != sizes[1][1]:
         raise ValueError(f"The student's output head scores {sizes[0][1]} tokens (vocab_size {sizes[0][0]}) but the "
                          f"teacher's scores {sizes[1][1]} (vocab_size {sizes[1][0]}): GKD compares the two models' "
