@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -22,6 +23,9 @@ REPO = Path(__file__).resolve().parents[1]
 SNAPSHOT = REPO / "tests" / "data" / "trl_1_16_fields.json"
 DOCS = REPO / "docs" / "trl_compatibility.md"
 CONFIGS = ("SFTConfig", "DPOConfig", "KTOConfig", "RewardConfig", "GRPOConfig", "RLOOConfig")
+CONFIGS += ("GKDConfig",)
+# Configs TRL keeps outside its top-level namespace: where to import them from.
+EXPERIMENTAL = {"GKDConfig": "trl.experimental.gkd"}
 
 # TRL fields that leantune implements where it had none before (or where TRL's meaning needs a word).
 IMPLEMENTED = {
@@ -104,6 +108,22 @@ NOTES: dict[tuple[str, str], str] = {
     ),
 }
 
+NOTES.update({
+    ("GKDConfig", "lmbda"): (
+        "differs deliberately (how, not what): the share of optimizer steps trained on the student's own samples, "
+        "drawn per step from `seed` and the step number (reproducible, the same on every process); TRL draws per "
+        "micro-batch from Python's global random state"),
+    ("GKDConfig", "temperature"): (
+        "same: the sampling temperature of on-policy and seq_kd completions; the divergence is taken at temperature "
+        "1, as TRL's GKDTrainer does"),
+    ("GKDConfig", "teacher_model_init_kwargs"): (
+        "implemented: from_pretrained keyword arguments of a teacher given by id or path (dtype names, "
+        "`quantization_config` for a 4/8-bit teacher, CPU included); refused with a teacher object, as in TRL"),
+    ("GKDConfig", "teacher_model_name_or_path"): (
+        "implemented: the teacher when the trainer is given no `teacher_model`; a run without any teacher is a "
+        "ValueError (TRL's docstring says the student is used, its code fails)"),
+})
+
 # Trainer behaviour (not a config default) that differs from TRL's on purpose, and why.
 BEHAVIOUR = [
     "**RewardTrainer with a LoRA config**: the reward head (`score`) is trained too: in full with PEFT's SEQ_CLS task "
@@ -121,6 +141,17 @@ BEHAVIOUR = [
     "reasoning). Measured with leantune's prefix method, Qwen3.5/3.6, GLM-4-MoE, gpt-oss, DeepSeek-V3, "
     "Nemotron 3 and, with reasoning, Gemma 4 (latest revision) and DiffusionGemma also need one; leantune has none "
     "for them yet, so they stay an error naming the fix (a template with markers through `chat_template_path`).",
+    "**GKD loss normalisation**: the summed divergence is divided by the target count of the batches the step "
+    "actually trains on (on on-policy and seq_kd steps, the generated completions, counted after generation, over "
+    "all accumulation micro-batches and processes); TRL divides by the count of the dataset's completions that the "
+    "generated ones replaced.",
+    "**GKD data and layouts**: leantune prepares GKD data as SFT data (prompt-completion, conversational "
+    "prompt-completion, `messages` with the last message as the completion, as TRL's collator reads them, "
+    "pre-tokenised), so packing and padding-free batches apply; on-policy and seq_kd steps regenerate from each "
+    "sequence's tokens before its first target. TRL's GKD collator skips SFT's preparation and pads (left).",
+    "**GKD chunked loss**: the divergence comes from both models' hidden states a chunk of target tokens at a time "
+    "(Liger's fused linear JSD with `use_liger_loss`), never from [batch, time, vocabulary] logits; TRL computes it "
+    "from both models' full logits.",
     "**SFT pre-tokenised data**: prepared rows hold `input_ids` and `labels` (TRL 1.16's form); a sequence's first "
     "token is never a target, in every layout, so no prediction crosses a packed boundary.",
 ]
@@ -153,7 +184,7 @@ def trl_fields() -> dict:
         print(f"warning: TRL {trl.__version__} installed; the snapshot is of TRL 1.16", file=sys.stderr)
     snapshot = {"trl_version": trl.__version__, "configs": {}}
     for name in CONFIGS:
-        klass = getattr(trl, name)
+        klass = getattr(trl, name, None) or getattr(importlib.import_module(EXPERIMENTAL[name]), name)
         snapshot["configs"][name] = {
             field.name: {"type": _type_name(field.type), "default": repr(_default(field)),
                          "trl_own": _declared_by_trl(klass, field.name)}

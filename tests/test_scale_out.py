@@ -39,12 +39,13 @@ EXAMPLES = REPO / "examples" / "accelerate"
 OFFLINE = ["sft", "sft_tied", "sft_packed_padding_free", "sft_lora", "dpo", "dpo_padding_free",
            "dpo_padding_free_precomputed", "kto", "reward"]
 ONLINE = ["grpo", "rloo", "grpo_reward_model"]
+DDP_ONLY = ["gkd"]  # GKD off-policy (lmbda=0): the student's paths are SFT's, its frozen teacher is placed as DPO's reference
 RESUMED = {"sft_resumed": "sft"}  # stopped after step 1 and resumed from the engine's (ZeRO-3: sharded) checkpoint
 # Under the sharding engines, a case that takes the same code path as another one there is left to DDP (padded DPO,
 # as padding-free DPO; RLOO, as GRPO), which keeps the suite's time in bounds.
 SHARDED = [c for c in OFFLINE if c != "dpo"] + list(RESUMED) + ["grpo", "grpo_reward_model"]
 ENGINE_CASES = {
-    "ddp": OFFLINE + list(RESUMED) + ONLINE,
+    "ddp": OFFLINE + list(RESUMED) + ONLINE + DDP_ONLY,
     "fsdp2": SHARDED,
     # ZeRO-2 shards only gradients and optimizer states, the same way for every trainer: one of each kind
     "zero2": ["sft", "sft_lora", "dpo", "kto", "reward", "sft_resumed", "grpo"],
@@ -165,7 +166,7 @@ def tied_initial(assets) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def one_process(assets):
-    return run_engine(assets, "one", OFFLINE)
+    return run_engine(assets, "one", OFFLINE + DDP_ONLY)
 
 
 @pytest.fixture(scope="module")

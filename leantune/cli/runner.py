@@ -43,6 +43,8 @@ METHODS = {
                    "prompt", "leantune.cli.online_runs", online=True),
     "rloo": Method("rloo", "leantune.trainers.rloo_config:RLOOConfig", "leantune.trainers.rloo_trainer:RLOOTrainer",
                    "prompt", "leantune.cli.online_runs", online=True),
+    "gkd": Method("gkd", "leantune.trainers.gkd_config:GKDConfig", "leantune.trainers.gkd_trainer:GKDTrainer",
+                  "sft", "leantune.cli.gkd"),
 }
 
 

@@ -138,3 +138,20 @@ def sequence_starts(batch: dict) -> torch.Tensor:
         return batch["cu_seq_lens_q"][:-1].long()
     rows, width = batch["input_ids"].shape
     return torch.arange(rows, device=batch["input_ids"].device) * width
+
+
+def sequence_prompts(batch: dict) -> list[list[int]]:
+    """The prompt of every sequence of a collated batch that has targets, in order: its tokens before its first
+    target (any layout: padded rows, padding-free or packed rows). On-policy training regenerates from these."""
+    ids, labels = batch["input_ids"].reshape(-1), batch["labels"].reshape(-1)
+    starts = sequence_starts(batch).tolist()
+    if "cu_seq_lens_q" in batch:
+        ends = batch["cu_seq_lens_q"][1:].long().tolist()
+    else:
+        ends = (sequence_starts(batch) + batch["attention_mask"].sum(-1)).tolist()
+    prompts = []
+    for start, end in zip(starts, ends):
+        first = (labels[start:end] != IGNORE_INDEX).nonzero()
+        if len(first):
+            prompts.append(ids[start:start + int(first[0])].tolist())
+    return prompts

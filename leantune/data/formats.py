@@ -146,3 +146,13 @@ def from_sharegpt(dataset):
     if "conversations" in sharegpt and "messages" not in dataset.column_names:
         converted = converted.rename_column("conversations", "messages")
     return converted
+
+
+def last_message_as_completion(dataset):
+    """A conversational `messages` dataset as conversational prompt-completion: the last message is the completion
+    and the ones before it the prompt, as TRL's GKD collator reads `messages`. Any other dataset is returned as is."""
+    columns = set(getattr(dataset, "column_names", None) or ())
+    if "messages" not in columns or "prompt" in columns or "completion" in columns:
+        return dataset
+    return dataset.map(lambda row: {"prompt": row["messages"][:-1], "completion": row["messages"][-1:]},
+                       remove_columns=["messages"])

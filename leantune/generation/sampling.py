@@ -26,10 +26,7 @@ class SamplingSettings:
     @classmethod
     def from_config(cls, args, tokenizer, model=None) -> SamplingSettings:
         """The tokenizer's EOS and the model's generation-config EOS ids (chat models end turns with their own)."""
-        eos_ids = _ids(tokenizer.eos_token_id)
-        generation_config = getattr(model, "generation_config", None)
-        if generation_config is not None:
-            eos_ids += tuple(i for i in _ids(generation_config.eos_token_id) if i not in eos_ids)
+        eos_ids = eos_token_ids(tokenizer, model)
         return cls(
             max_new_tokens=args.max_completion_length,
             temperature=args.temperature,
@@ -42,6 +39,15 @@ class SamplingSettings:
             extra=dict(args.generation_kwargs or {}),
             logprobs=bool(getattr(args, "needs_sampling_logprobs", False)),  # read only by GRPO's vLLM correction
         )
+
+
+def eos_token_ids(tokenizer, model=None) -> tuple[int, ...]:
+    """The tokenizer's EOS and the model's generation-config EOS ids (chat models end turns with their own)."""
+    eos_ids = _ids(tokenizer.eos_token_id)
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None:
+        eos_ids += tuple(i for i in _ids(generation_config.eos_token_id) if i not in eos_ids)
+    return eos_ids
 
 
 def _ids(value) -> tuple[int, ...]:

@@ -94,3 +94,34 @@ def liger_nll_sum(hidden: torch.Tensor, head: OutputHead, targets: Targets) -> t
     loss_fn = LigerFusedLinearCrossEntropyLoss(reduction="sum", softcap=head.softcap, return_token_accuracy=True)
     out = loss_fn(weight, flat, targets.tokens, bias)
     return out.loss.float(), out.token_accuracy.float()
+
+
+def liger_jsd_problem(student: OutputHead, teacher: OutputHead, device_type: str) -> str | None:
+    """Why Liger's fused linear JSD cannot compute this student/teacher divergence (None: it can). It fuses two plain
+    Linear heads without bias or soft-capping (a logit scale is folded into the inputs)."""
+    for name, head in (("student", student), ("teacher", teacher)):
+        problem = liger_head_problem(head, device_type)
+        if problem is not None:
+            return f"the {name}'s {problem.removeprefix('the ')}"
+        if head.module.bias is not None:
+            return f"the {name}'s output head has a bias, which Liger's fused linear JSD does not take"
+        if head.softcap is not None:
+            return f"the {name}'s logits are soft-capped, which Liger's fused linear JSD does not do"
+    return None
+
+
+def liger_jsd_sum(student_hidden: torch.Tensor, student_head: OutputHead, teacher_hidden: torch.Tensor,
+                  teacher_head: OutputHead, targets: Targets, beta: float) -> torch.Tensor:
+    """The generalised JSD (losses/distillation.py) summed over the targets, by liger-kernel's
+    LigerFusedLinearJSD: its gradient is formed chunk by chunk in the forward pass, logits never held whole.
+
+    Liger's `jsd_beta` weighs the teacher's KL to the mixture (its `target` is the teacher, its `input` the student),
+    which is TRL's `beta` as liger-kernel 0.8 computes it: checked numerically against the chunked path per beta in
+    tests/test_gkd.py, not assumed. Liger returns the mean over rows; times the row count it is the sum."""
+    from liger_kernel.transformers import LigerFusedLinearJSD
+
+    student, student_weight, _ = _fused_inputs(student_hidden, student_head, targets)
+    teacher, teacher_weight, _ = _fused_inputs(teacher_hidden, teacher_head, targets)
+    loss_fn = LigerFusedLinearJSD(jsd_beta=float(beta), temperature=1.0)
+    mean = loss_fn(student, student_weight, teacher.detach(), teacher_weight.detach(), None)
+    return mean.float() * len(targets)

@@ -98,7 +98,7 @@ def chunked_logprobs(
     """
     flat = hidden.reshape(-1, hidden.shape[-1]).index_select(0, targets.index)
     if chunk_size is None:
-        chunk_size = chunk_tokens_for(_vocab_size(head))
+        chunk_size = chunk_tokens_for(vocab_size_of(head))
     unknown = set(stats) - set(TOKEN_STATS)
     if unknown:
         raise ValueError(f"Unknown token statistics {sorted(unknown)}; known: {sorted(TOKEN_STATS)}.")
@@ -134,7 +134,8 @@ def token_stats_from_logits(logits: torch.Tensor, tokens: torch.Tensor, stats: t
         return [_as_stat(name, TOKEN_STATS[name](logits, log_norm, tokens)) for name in stats]
 
 
-def _vocab_size(head: OutputHead) -> int:
+def vocab_size_of(head: OutputHead) -> int:
+    """How many tokens the head scores (its output width)."""
     for name in ("out_features", "num_embeddings"):
         if hasattr(head.module, name):
             return int(getattr(head.module, name))

@@ -130,6 +130,8 @@ CASES = {
     "rloo": lambda case: online(leantune.RLOOConfig, leantune.RLOOTrainer, case),
     "grpo_reward_model": lambda case: online(leantune.GRPOConfig, leantune.GRPOTrainer, case, beta=0.04,
                                              reward=[f"{assets}/reward_model", length_reward]),
+    "gkd": lambda case: leantune.GKDTrainer(model_dir, teacher_model=f"{assets}/tied_model", train_dataset=data("sft"),
+                                            args=leantune.GKDConfig(**common(case, max_length=64, lmbda=0.0))),
     "grpo_sharded_generation": lambda case: online(leantune.GRPOConfig, leantune.GRPOTrainer, case, beta=0.04,
                                                    ds3_gather_for_generation=False),
 }

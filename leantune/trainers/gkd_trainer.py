@@ -1,0 +1,181 @@
+"""GKDTrainer: Generalized Knowledge Distillation (arXiv 2306.13649), as a recipe over SFT's data and leantune's
+memory engine.
+
+The student learns the frozen teacher's next-token distribution on the completion tokens: the generalised JSD of
+losses/distillation.py (from hidden states, chunk by chunk, or Liger's fused linear JSD; full logits only with
+`chunked_loss=False`), summed over the targets and divided by the step's target count. On a `lmbda` share of the
+optimizer steps (decided per step from the seed) the completions trained on are the student's own samples
+(on-policy); with `seq_kd`, the other steps train on the teacher's samples; otherwise on the dataset's completions.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import torch
+
+from ..data.collators import CausalLMCollator, prompt_completion_row, sequence_prompts
+from ..data.formats import last_message_as_completion
+from ..generation.sampling import SamplingSettings, eos_token_ids
+from ..generation.transformers_backend import TransformersBackend
+from ..losses.causal_lm import count_targets
+from ..losses.dispatch import LogProbPath
+from ..losses.distillation import chunked_jsd_sum, jsd_from_logits
+from ..losses.liger import liger_jsd_problem, liger_jsd_sum
+from ..losses.token_logprobs import select_targets, vocab_size_of
+from ..models.loading import load_causal_lm, parse_kwargs
+from ..models.output_head import OutputHead, text_config_of
+from ..models.segment_attention import use_segment_attention
+from .frozen_models import prepare_frozen_model
+from .gkd_config import GKDConfig
+from .reference import PolicyAndReference, disable_dropout
+from .sft_trainer import SFTTrainer
+
+logger = logging.getLogger("leantune.gkd")
+
+
+class GKDTrainer(SFTTrainer):
+    """Distil a teacher into the trained model on prompt-completion or conversational data."""
+
+    config_class = GKDConfig
+    output_suffix = "GKD"
+    supports_context_parallelism = False
+
+    def __init__(self, model=None, teacher_model=None, args: GKDConfig | None = None, data_collator=None,
+                 train_dataset=None, eval_dataset=None, processing_class=None, compute_metrics=None, callbacks=None,
+                 optimizers=(None, None), preprocess_logits_for_metrics=None, peft_config=None,
+                 formatting_func=None):
+        args = self.default_args(model, args)
+        teacher_model = teacher_model if teacher_model is not None else args.teacher_model_name_or_path
+        if teacher_model is None:
+            raise ValueError("GKD needs a teacher: pass `teacher_model` (an id, a path or a model object) or set "
+                             "`teacher_model_name_or_path`.")
+        if teacher_model is model and not isinstance(model, str):
+            raise ValueError("`teacher_model` is the student `model` itself, so the teacher would train with it: pass "
+                             "a separate model (or an id / path).")
+        if args.teacher_model_init_kwargs is not None and not isinstance(teacher_model, str):
+            raise ValueError("`teacher_model_init_kwargs` only apply to a teacher given by id or path; the "
+                             "`teacher_model` passed is already a model object.")
+        self._teacher_source = teacher_model
+        super().__init__(model, args=args, data_collator=data_collator, train_dataset=train_dataset,
+                         eval_dataset=eval_dataset, processing_class=processing_class, compute_metrics=compute_metrics,
+                         callbacks=callbacks, optimizers=optimizers,
+                         preprocess_logits_for_metrics=preprocess_logits_for_metrics, peft_config=peft_config,
+                         formatting_func=formatting_func)
+        self.generation_collator = CausalLMCollator(
+            pad_token_id=self.processing_class.pad_token_id, loss_mask_columns=("completion_mask",),
+            padding_free=self.args.padding_free or self.args.packing, pad_to_multiple_of=self.args.pad_to_multiple_of)
+        self.on_policy_steps = 0
+        if self.logprob_path is LogProbPath.LIGER:
+            problem = liger_jsd_problem(OutputHead.of(self.model), OutputHead.of(self.teacher_model),
+                                        self.args.device.type)
+            if problem is not None:
+                logger.warning("Liger was asked for, but %s; using leantune's chunked JSD instead (same memory "
+                               "saving, exact).", problem)
+
+    def default_args(self, model, args):
+        if args is not None and not isinstance(args, GKDConfig):
+            raise TypeError(f"GKDTrainer takes a GKDConfig, got {type(args).__name__}.")
+        return super().default_args(model, args)
+
+    # --- construction: the student as SFT loads it, and the frozen teacher --------------------------------------
+
+    def load_models(self, model, ref_model, processing_class, peft_config, args, quantization_config):
+        loaded = super().load_models(model, ref_model, processing_class, peft_config, args, quantization_config)
+        teacher = load_causal_lm(self._teacher_source, parse_kwargs(args.teacher_model_init_kwargs),
+                                 trust_remote_code=args.trust_remote_code)
+        teacher.requires_grad_(False).eval()
+        check_same_vocabulary(loaded.model, teacher)
+        if args.packing or args.padding_free:
+            use_segment_attention(teacher)
+        if args.disable_dropout:
+            disable_dropout(loaded.model)
+        return PolicyAndReference(loaded.model, teacher, loaded.tokenizer, False)
+
+    def attach_reference(self, loaded, args) -> None:
+        self.teacher_model = prepare_frozen_model(self.accelerator, loaded.ref_model, args)
+
+    def prepare_split(self, dataset, split, tokenizer, args):
+        """SFT's preparation; a `messages` dataset trains on its last message, as in TRL's GKD."""
+        if not self.skips_preparation(args):
+            dataset = last_message_as_completion(dataset)
+        return super().prepare_split(dataset, split, tokenizer, args)
+
+    # --- each optimizer step: the dataset's completions, the student's own (on-policy) or the teacher's ---------
+
+    def completion_source(self, step: int) -> str | None:
+        """Who writes this step's completions: "student" (a `lmbda` share of steps), "teacher" (`seq_kd`, the other
+        steps) or None (the dataset's). The same on every process: it depends on the seed and the step only."""
+        if random.Random(self.args.seed * 1_000_003 + step).random() < self.args.lmbda:
+            return "student"
+        return "teacher" if self.args.seq_kd else None
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """The step's micro-batches, regenerated when the step trains on generated completions, then counted (so
+        the loss is divided by the target count of what is actually trained on)."""
+        batches = []
+        for _ in range(num_batches):
+            try:
+                batches.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        source = self.completion_source(self.state.global_step) if batches else None
+        if source is not None:
+            self.on_policy_steps += source == "student"
+            batches = [self.generated_batch(batch, source, i) for i, batch in enumerate(batches)]
+        return batches, self._get_num_items_in_batch(batches, device)
+
+    def generated_batch(self, batch: dict, source: str, micro_batch: int) -> dict:
+        """The batch's prompts with completions sampled from the student or the teacher (`max_new_tokens`,
+        `temperature`, no top-k/top-p, as TRL), in the trainer's layout; completion tokens (to the first EOS,
+        kept) are the targets."""
+        generator = self.model if source == "student" else self.teacher_model
+        prompts = sequence_prompts(batch)
+        seed = self.args.seed + 1_000_003 * self.state.global_step + 7919 * self.args.process_index + micro_batch
+        sampling = SamplingSettings(max_new_tokens=self.args.max_new_tokens, temperature=self.args.temperature,
+                                    eos_token_ids=eos_token_ids(self.processing_class, generator),
+                                    pad_token_id=self.processing_class.pad_token_id, seed=seed, logprobs=False)
+        backend = TransformersBackend(generator, self.accelerator, gather_for_generation=source == "student")
+        completions = backend.generate(prompts, sampling)
+        return self.generation_collator([prompt_completion_row(p, c) for p, c in zip(prompts, completions)])
+
+    # --- the loss ----------------------------------------------------------------------------------------------
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """Generalised JSD(student, teacher) summed over the completion tokens, over the step's target count."""
+        inputs = dict(inputs)
+        labels = inputs.pop("labels")
+        self.count_tokens(model, inputs)
+        targets = select_targets(labels)
+        beta, teacher = self.args.beta, self.teacher_model
+        if self._needs_full_logits(model):
+            with self.offloading_scope(model):
+                outputs = model(**inputs, use_cache=False)
+            self.note_router_loss(model, outputs)
+            with torch.no_grad():
+                teacher_logits = teacher(**inputs, use_cache=False).logits
+            loss_sum = jsd_from_logits(outputs.logits, teacher_logits, targets, beta).sum()
+        else:
+            head, teacher_head = OutputHead.of(model), OutputHead.of(teacher)
+            hidden, outputs = self._forward_hidden(model, inputs, head)
+            with torch.no_grad(), teacher_head.capture_hidden_states() as captured:
+                teacher(**inputs, use_cache=False)
+            fused = (self.logprob_path is LogProbPath.LIGER and len(targets)
+                     and liger_jsd_problem(head, teacher_head, self.args.device.type) is None)
+            if fused:
+                loss_sum = liger_jsd_sum(hidden, head, captured["hidden"], teacher_head, targets, beta)
+            else:
+                loss_sum = chunked_jsd_sum(hidden, head, captured["hidden"], teacher_head, targets, beta,
+                                           self.args.loss_chunk_size)
+        loss = self.normalise(loss_sum, count_targets(labels), num_items_in_batch)
+        return (loss, outputs) if return_outputs else loss
+
+
+def check_same_vocabulary(student, teacher) -> None:
+    """GKD compares whole next-token distributions: the two output heads must score the same vocabulary."""
+    sizes = [(getattr(text_config_of(m), "vocab_size", None), vocab_size_of(OutputHead.of(m))) for m in (student, teacher)]
+    if sizes[0][1] != sizes[1][1]:
+        raise ValueError(f"The student's output head scores {sizes[0][1]} tokens (vocab_size {sizes[0][0]}) but the "
+                         f"teacher's scores {sizes[1][1]} (vocab_size {sizes[1][0]}): GKD compares the two models' "
+                         "whole next-token distributions, so they need the same vocabulary (tokenizer).")
