@@ -36,6 +36,8 @@ _EXPORTS = {
     "GRPOTrainer": "leantune.trainers.grpo_trainer",
     "RLOOConfig": "leantune.trainers.rloo_config",
     "RLOOTrainer": "leantune.trainers.rloo_trainer",
+    "PPOConfig": "leantune.trainers.ppo_config",
+    "PPOTrainer": "leantune.trainers.ppo_trainer",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
