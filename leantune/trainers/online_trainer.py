@@ -536,7 +536,8 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
             store["reward"].append(valid.mean().item())
             store["reward_std"].append(valid.std().item() if valid.numel() > 1 else 0.0)
         groups = rewards.view(-1, self.args.num_generations if training else self.args.eval_num_generations)
-        zero_std = [float(torch.nan_to_num(g[~torch.isnan(g)].std(), nan=0.0) == 0) for g in groups]
+        scored = [g[~torch.isnan(g)] for g in groups]
+        zero_std = [float(g.numel() < 2 or g.std().item() == 0) for g in scored]  # fewer than two: no spread
         store["frac_reward_zero_std"].append(sum(zero_std) / len(zero_std))
         lengths = lengths.float()
         store["completions/mean_length"].append(lengths.mean().item())
