@@ -22,7 +22,14 @@ from leantune.losses.ppo import (
 )
 from leantune.models.value_head import VALUE_WEIGHTS_NAME
 
-from .test_grpo import assert_grads_close, char_model, char_tokenizer, count_a, prompts  # noqa: F401 (fixture)
+from .test_grpo import assert_grads_close, char_model, count_a, prompts
+
+
+@pytest.fixture(scope="module")
+def char_tokenizer():
+    from leantune.defaults import build_default_tokenizer
+
+    return build_default_tokenizer()
 
 
 def config(**overrides):
@@ -294,3 +301,34 @@ def test_configuration_errors_are_clear(char_tokenizer):
                    reward_model=count_a, train_dataset=prompts(), data_collator=lambda rows: rows)
     no_reference = ppo_trainer(char_tokenizer, kl_coef=0.0)
     assert no_reference.ref_model is None and "ref_logps" not in one_round(no_reference)[0]
+
+
+# --- the command line ----------------------------------------------------------------------------------------------
+
+
+def test_cli_trains_a_local_model_with_a_reward_function_and_refuses_grpo_fields(tokenizer, gsm8k_rows, tmp_path,
+                                                                                 capsys):
+    import json
+
+    from leantune.cli.main import main
+
+    from .conftest import tiny_model
+
+    model_dir, data, out = tmp_path / "model", tmp_path / "gsm8k.jsonl", tmp_path / "out"
+    tiny_model().save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    with open(data, "w", encoding="utf-8") as handle:
+        for row in gsm8k_rows[:8]:
+            handle.write(json.dumps({"prompt": row["question"], "answer": row["answer"]}) + "\n")
+    base = ["ppo", "--model_name_or_path", str(model_dir), "--dataset_name", str(data), "--use_cpu", "true",
+            "--reward_funcs", "correct_answer", "characters_in_place", "--output_dir", str(out), "--report_to", "none"]
+    code = main([*base, "--max_steps", "2", "--per_device_train_batch_size", "4", "--response_length", "8",
+                 "--max_prompt_length", "64", "--num_ppo_epochs", "2", "--kl_estimator", "k3", "--logging_steps", "1"])
+    assert code == 0
+    assert {"model.safetensors", VALUE_WEIGHTS_NAME} <= set(os.listdir(out))
+    text = capsys.readouterr().out
+    assert "=== leantune ppo summary ===" in text and "steps: 2 in" in text and "correct_answer:" in text
+    assert main([*base, "--beta", "0.1"]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "--beta" in error[0] and "--kl_coef" in error[0]
+

@@ -43,6 +43,8 @@ METHODS = {
                    "prompt", "leantune.cli.online_runs", online=True),
     "rloo": Method("rloo", "leantune.trainers.rloo_config:RLOOConfig", "leantune.trainers.rloo_trainer:RLOOTrainer",
                    "prompt", "leantune.cli.online_runs", online=True),
+    "ppo": Method("ppo", "leantune.trainers.ppo_config:PPOConfig", "leantune.trainers.ppo_trainer:PPOTrainer",
+                  "prompt", "leantune.cli.online_runs", online=True),
 }
 
 

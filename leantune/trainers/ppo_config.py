@@ -56,8 +56,8 @@ class PPOConfig(OnlineConfig):
     def __post_init__(self):
         for name, replacement in PPO_REPLACED_FIELDS.items():
             value, default = getattr(self, name), self.__dataclass_fields__[name].default
-            if name == "num_iterations" and value == self.num_ppo_epochs:
-                continue  # already resolved (a copy of a resolved config)
+            if name == "num_iterations" and (value == self.num_ppo_epochs or getattr(self, "_resolved", False)):
+                continue  # set from num_ppo_epochs by an earlier __post_init__ (a copy, or a demo's new settings)
             if value != default:
                 raise ValueError(f"`{name}` is not a PPO field: PPO uses `{replacement}`; leave `{name}` at its "
                                  f"default.")
@@ -81,6 +81,7 @@ class PPOConfig(OnlineConfig):
             raise ValueError(f"`missing_eos_penalty` must be positive (it is subtracted), got "
                              f"{self.missing_eos_penalty}.")
         self.num_iterations = self.num_ppo_epochs
+        self._resolved = True
         super().__post_init__()
 
     def generation_plan(self, world_size: int) -> tuple[int, int]:
