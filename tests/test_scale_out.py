@@ -38,7 +38,7 @@ EXAMPLES = REPO / "examples" / "accelerate"
 
 OFFLINE = ["sft", "sft_tied", "sft_packed_padding_free", "sft_lora", "dpo", "dpo_padding_free",
            "dpo_padding_free_precomputed", "kto", "reward"]
-ONLINE = ["grpo", "rloo", "grpo_reward_model"]
+ONLINE = ["grpo", "rloo", "grpo_reward_model", "ppo"]
 RESUMED = {"sft_resumed": "sft"}  # stopped after step 1 and resumed from the engine's (ZeRO-3: sharded) checkpoint
 # Under the sharding engines, a case that takes the same code path as another one there is left to DDP (padded DPO,
 # as padding-free DPO; RLOO, as GRPO), which keeps the suite's time in bounds.
@@ -198,6 +198,10 @@ def test_every_trainer_matches_one_process_under_each_engine(engine, assets, ini
             assert first["completions"] == expected["completions"] and first["completions"]
         start = tied_initial(assets) if case == "sft_tied" else initial
         assert_same_weights(saved_weights(out, case), saved_weights(reference, RESUMED.get(case, case)), start)
+    if engine == "ddp":  # PPO's value head trains with the policy: the same on both processes, saved beside it
+        first, second = ranks(out, "ppo")
+        assert first["value_function"] == second["value_function"] and any(first["value_function"])
+        assert (out / "ppo" / "value_function.safetensors").exists()
     if held < 1.0:  # the full weights gathered from the shards (FSDP FULL_STATE_DICT, ZeRO-3 16-bit gather) load
         from transformers import AutoModelForCausalLM
 
