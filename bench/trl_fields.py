@@ -152,8 +152,8 @@ PPO_DIFFERENCES = [
     "`epsilon_high` (`cliprange`), `num_iterations` (`num_ppo_epochs`), `steps_per_generation` / "
     "`generation_batch_size` (`num_mini_batches`). `num_generations` (default 1) samples several completions per "
     "prompt.",
-    "The value function is saved beside the policy as value_function.safetensors (TRL saved the policy only); "
-    "resuming from a checkpoint restores the policy and optimizer, not the value function (it restarts).",
+    "The value function is saved beside the policy as value_function.safetensors (TRL saved the policy only) and "
+    "restored with it when a run resumes from a checkpoint.",
 ]
 
 

@@ -133,6 +133,7 @@ def test_round_and_loss_match_plain_torch(char_tokenizer):
     trainer = ppo_trainer(char_tokenizer, kl_coef=0.2, kl_estimator="k3", whiten_rewards=True, gamma=0.95, lam=0.9,
                           missing_eos_penalty=0.5, gradient_accumulation_steps=2, num_ppo_epochs=2)
     assert trainer.round_size == 16 and trainer.steps_per_generation == 2  # 2 micro-batches, trained twice
+    assert not trainer.sampling.logprobs  # generate keeps no per-step scores: no [batch x length x vocabulary]
     batches = one_round(trainer)
     assert len(batches) == 4 and batches[2]["old_logps"] is batches[0]["old_logps"]
     args = trainer.args
@@ -277,6 +278,13 @@ def test_peft_shares_one_frozen_base_and_saves_the_value_head_beside_the_adapter
     saved = load_file(str(tmp_path / VALUE_WEIGHTS_NAME))
     torch.testing.assert_close(saved["head.summary.weight"], trainer.value_function.head.summary.weight.detach())
     assert hasattr(trainer.model, "ppo_value_function")  # put back after the save
+    resumed = PPOTrainer(args=config(output_dir=str(tmp_path)), processing_class=char_tokenizer,
+                         model=char_model(char_tokenizer), reward_model=text_length, train_dataset=prompts(),
+                         peft_config=lora)
+    resumed._load_from_checkpoint(str(tmp_path))  # what resume_from_checkpoint does before training goes on
+    for (name, p), q in zip(trainer.model.named_parameters(), resumed.model.parameters()):
+        if p.requires_grad:
+            torch.testing.assert_close(q, p, rtol=0, atol=0, msg=name)  # adapter and value head, bit for bit
 
 
 def test_configuration_errors_are_clear(char_tokenizer):

@@ -110,3 +110,14 @@ def save_value_function(value: ValueFunction, output_dir: str) -> str:
     path = os.path.join(output_dir, VALUE_WEIGHTS_NAME)
     save_file({name: tensor.detach().contiguous().cpu() for name, tensor in value.state_dict().items()}, path)
     return path
+
+
+def load_value_function(value: ValueFunction, folder: str) -> bool:
+    """The weights `save_value_function` wrote in `folder`, if it holds them (a checkpoint of a PPO run)."""
+    path = os.path.join(folder, VALUE_WEIGHTS_NAME)
+    if not os.path.exists(path):
+        return False
+    from safetensors.torch import load_file
+
+    value.load_state_dict(load_file(path, device=str(next(value.parameters()).device)))
+    return True

@@ -32,6 +32,7 @@ from ..models.value_head import (
     ValueFunction,
     attach_value_function,
     detached_value_function,
+    load_value_function,
     save_value_function,
 )
 from .online_trainer import OnlineTrainer
@@ -206,3 +207,9 @@ class PPOTrainer(OnlineTrainer):
             super()._save(output_dir, state_dict=state_dict)
         if value is not None and self.args.should_save:
             save_value_function(value, output_dir)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        """The policy as Trainer loads it, then the value function saved beside it (a checkpoint of this trainer)."""
+        with detached_value_function(self.model):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+        load_value_function(self.value_function, resume_from_checkpoint)
