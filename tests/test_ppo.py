@@ -114,6 +114,7 @@ def test_kl_rewards_whitening_gae_and_value_loss_by_hand():
     totals = moments(x[:2]) + moments(x[2:])  # two processes' moments, summed
     torch.testing.assert_close(whiten(x, totals), (x - 3.5) / math.sqrt(std ** 2 + 1e-8))
     torch.testing.assert_close(whiten(x, totals, shift_mean=False), (x - 3.5) / math.sqrt(std ** 2 + 1e-8) + 3.5)
+    assert whiten(x[:0], moments(x[:0])).numel() == 0  # a round whose completions were all masked out
     # clipped value loss: 0.5 max((V - R)^2, (clip(V, V_old +- 0.2) - R)^2)
     new = torch.tensor([1.0, -0.3, 0.5, 0.0])
     old = torch.tensor([0.5, 0.1, 0.5, 0.1])
@@ -202,9 +203,10 @@ def test_round_and_loss_match_plain_torch(char_tokenizer):
 
 
 @pytest.mark.parametrize("value_model", [False, True])
-def test_padded_padding_free_chunked_and_full_give_one_loss_and_gradient(char_tokenizer, value_model):
+def test_padded_padding_free_chunked_and_full_give_one_loss_and_gradient(char_tokenizer, value_model, tmp_path):
     """The same round scored padded and padding-free (segment attention), each with the chunked head and full
-    logits; with a head on the policy's body, and with a separate value model (a sequence-classification model)."""
+    logits; with a head on the policy's body, and with a separate value model (a sequence-classification model,
+    given as a folder to the padded trainer and as the object to the padding-free one)."""
     from transformers import AutoModelForSequenceClassification
 
     from leantune.defaults import build_default_model_config
@@ -217,8 +219,12 @@ def test_padded_padding_free_chunked_and_full_give_one_loss_and_gradient(char_to
 
     results = {}
     for padding_free in (False, True):
-        trainer = ppo_trainer(char_tokenizer, value_model=value() if value_model else None, padding_free=padding_free,
-                              loss_chunk_size=5, kl_coef=0.1)
+        given = value() if value_model else None
+        if given is not None and not padding_free:
+            given.save_pretrained(tmp_path / "value")
+            given = str(tmp_path / "value")
+        trainer = ppo_trainer(char_tokenizer, value_model=given, padding_free=padding_free, loss_chunk_size=5,
+                              kl_coef=0.1)
         batch = off_policy(one_round(trainer)[0])
         assert ("attention_mask" in batch) != padding_free
         assert trainer.logprob_path is LogProbPath.CHUNKED

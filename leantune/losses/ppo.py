@@ -49,6 +49,8 @@ def whiten(values: torch.Tensor, totals: torch.Tensor, shift_mean: bool = True) 
     """(values - mean) / sqrt(var + 1e-8), mean and unbiased variance from `moments` totals; `shift_mean=False`
     keeps the mean (rewards: whitened in scale only)."""
     count, total, squares = totals.tolist()
+    if count == 0:
+        return values  # nothing to whiten (every completion of the round masked out)
     mean = total / count
     variance = (squares - count * mean * mean) / (count - 1) if count > 1 else 0.0
     whitened = (values - mean) * (max(variance, 0.0) + WHITEN_EPS) ** -0.5
