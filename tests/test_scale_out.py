@@ -43,6 +43,7 @@ RESUMED = {"sft_resumed": "sft"}  # stopped after step 1 and resumed from the en
 # Under the sharding engines, a case that takes the same code path as another one there is left to DDP (padded DPO,
 # as padding-free DPO; RLOO, as GRPO), which keeps the suite's time in bounds.
 SHARDED = [c for c in OFFLINE if c != "dpo"] + list(RESUMED) + ["grpo", "grpo_reward_model"]
+SHARDED = SHARDED + ["ppo"]  # PPO's value head is sharded with the policy: gathered to save it
 ENGINE_CASES = {
     "ddp": OFFLINE + list(RESUMED) + ONLINE,
     "fsdp2": SHARDED,
@@ -198,10 +199,14 @@ def test_every_trainer_matches_one_process_under_each_engine(engine, assets, ini
             assert first["completions"] == expected["completions"] and first["completions"]
         start = tied_initial(assets) if case == "sft_tied" else initial
         assert_same_weights(saved_weights(out, case), saved_weights(reference, RESUMED.get(case, case)), start)
-    if engine == "ddp":  # PPO's value head trains with the policy: the same on both processes, saved beside it
+    if "ppo" in cases:  # PPO's value head trains with the policy, saved beside it (gathered from the shards)
+        from safetensors.torch import load_file
+
         first, second = ranks(out, "ppo")
-        assert first["value_function"] == second["value_function"] and any(first["value_function"])
-        assert (out / "ppo" / "value_function.safetensors").exists()
+        if engine == "ddp":  # each process holds the whole head: the same on both
+            assert first["value_function"] == second["value_function"] and any(first["value_function"])
+        value, expected = (load_file(str(folder / "ppo" / "value_function.safetensors")) for folder in (out, ddp))
+        assert_same_weights(value, expected, {})  # the head starts at 0: its weights are its update
     if held < 1.0:  # the full weights gathered from the shards (FSDP FULL_STATE_DICT, ZeRO-3 16-bit gather) load
         from transformers import AutoModelForCausalLM
 

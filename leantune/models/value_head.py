@@ -104,11 +104,14 @@ def detached_value_function(policy: torch.nn.Module):
             policy._modules[VALUE_ATTRIBUTE] = value
 
 
-def save_value_function(value: ValueFunction, output_dir: str) -> str:
+def save_value_function(value: ValueFunction, output_dir: str, state_dict: dict | None = None) -> str:
+    """`state_dict`: the value function's full weights where a sharding engine gathered them (its own
+    parameters are then this process's shards)."""
     from safetensors.torch import save_file
 
     path = os.path.join(output_dir, VALUE_WEIGHTS_NAME)
-    save_file({name: tensor.detach().contiguous().cpu() for name, tensor in value.state_dict().items()}, path)
+    state = value.state_dict() if state_dict is None else state_dict
+    save_file({name: tensor.detach().contiguous().cpu() for name, tensor in state.items()}, path)
     return path
 
 

@@ -201,12 +201,15 @@ class PPOTrainer(OnlineTrainer):
 
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
         output_dir = output_dir if output_dir is not None else self.args.output_dir
+        gathered = None  # FSDP / ZeRO-3 hand over the full weights, gathered from the shards: the value's among them
         if state_dict is not None:
-            state_dict = {k: v for k, v in state_dict.items() if VALUE_ATTRIBUTE not in k}
+            prefix = f"{VALUE_ATTRIBUTE}."
+            gathered = {k.split(prefix, 1)[1]: v for k, v in state_dict.items() if prefix in k}
+            state_dict = {k: v for k, v in state_dict.items() if prefix not in k}
         with detached_value_function(self.model) as value:
             super()._save(output_dir, state_dict=state_dict)
         if value is not None and self.args.should_save:
-            save_value_function(value, output_dir)
+            save_value_function(value, output_dir, gathered or None)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         """The policy as Trainer loads it, then the value function saved beside it (a checkpoint of this trainer)."""
