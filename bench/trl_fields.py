@@ -156,6 +156,37 @@ BEHAVIOUR = [
     "token is never a target, in every layout, so no prediction crosses a packed boundary.",
 ]
 
+# PPOConfig / PPOTrainer follow TRL's last PPO (trl 0.19-0.2x; TRL 1.16 has none, so it is not in the field snapshot)
+PPO_DIFFERENCES = [
+    "The value function reads last hidden states, never logits: by default a value head on the policy's own body "
+    "(one network; with PEFT one frozen base, the policy's adapter and the head), or TRL's separate `value_model` "
+    "(its body and score head); TRL always trained a separate value model, also under PEFT.",
+    "The completion's score is added on its last token (TRL added it one position after the last token, inside the "
+    "padding, where only the value's own step reads it); the value loss covers the completion's tokens, the policy "
+    "loss's (TRL's covered one extra padding position).",
+    "Policy and value losses are means over all completion tokens of the optimizer step (every micro-batch, every "
+    "process), so micro-batch size, accumulation and padding do not change them; TRL averaged each micro-batch.",
+    "Rewards and advantages are whitened over the round's tokens on all processes (TRL: each process's own); "
+    "whiten_rewards needs no minimum batch (TRL asserted at least 8 completions per process and mini-batch).",
+    "A round holds `num_mini_batches` optimizer steps of completions (per_device_train_batch_size x processes x "
+    "gradient_accumulation_steps each) and is trained `num_ppo_epochs` times in the same micro-batch order (TRL "
+    "reshuffled each epoch; its round was one step's worth, split into mini-batches).",
+    "`response_length` is accepted as TRL's name of `max_completion_length` (default 53 as in TRL); generation stops "
+    "at EOS (TRL's `stop_token`, `stop_token_id` are not fields); `total_episodes`, "
+    "`local_rollout_forward_batch_size`, `num_sample_generations`, `exp_name`, `sft_model_path`, "
+    "`model_adapter_name`, `ref_adapter_name` are not fields (training length is num_train_epochs / max_steps; "
+    "scoring runs per micro-batch through the chunked head).",
+    "`reward_model_path` defaults to None (TRL: a Hub model that is downloaded unasked); `reward_model` also takes "
+    "reward functions (as `reward_funcs`, leantune's online name), and a completion no function scores gets score 0, "
+    "counted.",
+    "GRPO/RLOO fields whose role PPO's own take are refused when set: `beta` (`kl_coef`), `epsilon` / "
+    "`epsilon_high` (`cliprange`), `num_iterations` (`num_ppo_epochs`), `steps_per_generation` / "
+    "`generation_batch_size` (`num_mini_batches`). `num_generations` (default 1) samples several completions per "
+    "prompt.",
+    "The value function is saved beside the policy as value_function.safetensors (TRL saved the policy only) and "
+    "restored with it when a run resumes from a checkpoint.",
+]
+
 
 def _default(field: dataclasses.Field):
     if field.default is not dataclasses.MISSING:
@@ -267,6 +298,7 @@ def render_docs(snapshot: dict) -> str:
     lines += ["", "## GRPOTrainer's agentic keywords", "", "| keyword | status |", "| --- | --- |"]
     lines += ["| `" + keyword + "` | " + text.replace("|", "\\|") + " |" for keyword, text in TRAINER_KEYWORDS]
     lines += ["", "## Trainer behaviour that differs deliberately", ""] + [f"- {item}" for item in BEHAVIOUR]
+    lines += ["", "## PPOConfig / PPOTrainer (TRL's last PPO, trl 0.19-0.2x)", ""] + [f"- {item}" for item in PPO_DIFFERENCES]
     return "\n".join(lines) + "\n"
 
 

@@ -38,6 +38,8 @@ _EXPORTS = {
     "RLOOTrainer": "leantune.trainers.rloo_trainer",
     "GKDConfig": "leantune.trainers.gkd_config",
     "GKDTrainer": "leantune.trainers.gkd_trainer",
+    "PPOConfig": "leantune.trainers.ppo_config",
+    "PPOTrainer": "leantune.trainers.ppo_trainer",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -38,12 +38,13 @@ EXAMPLES = REPO / "examples" / "accelerate"
 
 OFFLINE = ["sft", "sft_tied", "sft_packed_padding_free", "sft_lora", "dpo", "dpo_padding_free",
            "dpo_padding_free_precomputed", "kto", "reward"]
-ONLINE = ["grpo", "rloo", "grpo_reward_model"]
 DDP_ONLY = ["gkd"]  # GKD off-policy (lmbda=0): the student's paths are SFT's, its frozen teacher is placed as DPO's reference
+ONLINE = ["grpo", "rloo", "grpo_reward_model", "ppo"]
 RESUMED = {"sft_resumed": "sft"}  # stopped after step 1 and resumed from the engine's (ZeRO-3: sharded) checkpoint
 # Under the sharding engines, a case that takes the same code path as another one there is left to DDP (padded DPO,
 # as padding-free DPO; RLOO, as GRPO), which keeps the suite's time in bounds.
 SHARDED = [c for c in OFFLINE if c != "dpo"] + list(RESUMED) + ["grpo", "grpo_reward_model"]
+SHARDED = SHARDED + ["ppo"]  # PPO's value head is sharded with the policy: gathered to save it
 ENGINE_CASES = {
     "ddp": OFFLINE + list(RESUMED) + ONLINE + DDP_ONLY,
     "fsdp2": SHARDED,
@@ -199,6 +200,14 @@ def test_every_trainer_matches_one_process_under_each_engine(engine, assets, ini
             assert first["completions"] == expected["completions"] and first["completions"]
         start = tied_initial(assets) if case == "sft_tied" else initial
         assert_same_weights(saved_weights(out, case), saved_weights(reference, RESUMED.get(case, case)), start)
+    if "ppo" in cases:  # PPO's value head trains with the policy, saved beside it (gathered from the shards)
+        from safetensors.torch import load_file
+
+        first, second = ranks(out, "ppo")
+        if engine == "ddp":  # each process holds the whole head: the same on both
+            assert first["value_function"] == second["value_function"] and any(first["value_function"])
+        value, expected = (load_file(str(folder / "ppo" / "value_function.safetensors")) for folder in (out, ddp))
+        assert_same_weights(value, expected, {})  # the head starts at 0: its weights are its update
     if held < 1.0:  # the full weights gathered from the shards (FSDP FULL_STATE_DICT, ZeRO-3 16-bit gather) load
         from transformers import AutoModelForCausalLM
 

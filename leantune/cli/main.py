@@ -21,6 +21,7 @@ COMMANDS = {
     "grpo": ("leantune.cli.grpo", "GRPO, online RL from rewards (no arguments: a built-in demo with a checked answer)."),
     "rloo": ("leantune.cli.rloo", "RLOO, online RL from rewards (no arguments: a built-in demo with a checked answer)."),
     "gkd": ("leantune.cli.gkd", "Knowledge distillation from a teacher, GKD (no arguments: a built-in demo run)."),
+    "ppo": ("leantune.cli.ppo", "PPO with a value function, online RL from rewards (no arguments: a built-in demo)."),
     "vllm-serve": ("leantune.cli.vllm_serve", "A vLLM generation server for GRPO/RLOO with vllm_mode=server."),
 }
 

@@ -28,6 +28,12 @@ DEMO_TRAINING = {
     "logging_steps": 10,
 }
 
+# PPO's own demo settings over those: one completion per prompt (the value function is the baseline), each round
+# trained num_ppo_epochs times.
+DEMO_METHOD_TRAINING = {
+    "ppo": {"num_generations": 1, "num_ppo_epochs": 2, "learning_rate": 3e-4, "vf_coef": 0.5, "kl_coef": 0.02},
+}
+
 
 @dataclass
 class RewardArguments:
@@ -45,7 +51,8 @@ def run_demo(command, trainer_class, args, model_args, reward_args, explicit) ->
 
     print(f"leantune {command}: no model or dataset given, so running the built-in demo (bundled task with a checked "
           "answer, small model).")
-    apply_demo_settings(args, explicit, DEMO_TRAINING, f"leantune-output/{command}-demo")
+    apply_demo_settings(args, explicit, {**DEMO_TRAINING, **DEMO_METHOD_TRAINING.get(command, {})},
+                        f"leantune-output/{command}-demo")
     reward_funcs = resolve_reward_funcs(reward_args.reward_funcs or list(DEMO_REWARDS))
     data = build_default_dataset(DEMO_EXAMPLES["train"], DEMO_EXAMPLES["eval"], seed=args.seed, task=DEMO_TASK)
     tokenizer, model, peft_config = demo_model(model_args)

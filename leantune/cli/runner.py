@@ -45,6 +45,8 @@ METHODS = {
                    "prompt", "leantune.cli.online_runs", online=True),
     "gkd": Method("gkd", "leantune.trainers.gkd_config:GKDConfig", "leantune.trainers.gkd_trainer:GKDTrainer",
                   "sft", "leantune.cli.gkd"),
+    "ppo": Method("ppo", "leantune.trainers.ppo_config:PPOConfig", "leantune.trainers.ppo_trainer:PPOTrainer",
+                  "prompt", "leantune.cli.online_runs", online=True),
 }
 
 
@@ -91,8 +93,8 @@ def train_on_data(method: Method, module, script_args, model_args, args, reward_
     resume = resolve_resume(args.resume_from_checkpoint, args.output_dir, script_args.overwrite_output_dir)
     check_model_source(model_args.model_name_or_path)
     extra = {}
-    if method.online:
-        extra["reward_funcs"] = online_reward_funcs(reward_args)
+    if method.online and not (getattr(args, "reward_model_path", None) and not reward_args.reward_funcs):
+        extra["reward_funcs"] = online_reward_funcs(reward_args)  # PPO: --reward_model_path stands for them
     # 2. the data, and whether its columns fit the method, before the model is loaded
     train, evaluation = load_splits(script_args, args)
     for split, dataset in (("train", train), ("eval", evaluation)):

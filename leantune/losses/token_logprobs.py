@@ -41,14 +41,16 @@ class Targets:
 @dataclass
 class TargetScores:
     """What the log-prob engine gives a loss for one forward pass (LeantuneTrainer.target_logprobs): fp32 log-probs
-    of the targets, their entropies when asked for, the named TOKEN_STATS, the targets themselves, and the model's
-    outputs (without logits on the chunked and Liger paths)."""
+    of the targets, their entropies when asked for, the named TOKEN_STATS, the targets themselves, the model's
+    outputs (without logits on the chunked and Liger paths) and, when asked for, the last hidden states at the target
+    positions ([num_targets, hidden], with their gradient: a value head reads them)."""
 
     logps: torch.Tensor
     targets: Targets
     outputs: object = None
     entropy: torch.Tensor | None = None
     stats: dict[str, torch.Tensor] = field(default_factory=dict)
+    hidden: torch.Tensor | None = None
 
 
 def target_sequences(targets: Targets, starts: torch.Tensor) -> torch.Tensor:

@@ -415,17 +415,36 @@ class LeantuneTrainer(ContextParallelism, Trainer):
 
     def target_logprobs(self, model, inputs: dict, labels: torch.Tensor, temperature: float = 1.0,
                         with_entropy: bool = False, entropy_grad: bool = False, stats: tuple[str, ...] = (),
-                        shifted: bool = False) -> TargetScores:
+                        shifted: bool = False, with_hidden: bool = False) -> TargetScores:
+        scores = self._target_logprobs(model, inputs, labels, temperature, with_entropy, entropy_grad, stats, shifted,
+                                       with_hidden)
+        if with_hidden:
+            scores.hidden = scores.hidden.reshape(-1, scores.hidden.shape[-1]).index_select(0, scores.targets.index)
+        else:
+            scores.hidden = None  # not held past the loss that did not ask for it
+        return scores
+
+    def _target_logprobs(self, model, inputs: dict, labels: torch.Tensor, temperature: float, with_entropy: bool,
+                         entropy_grad: bool, stats: tuple[str, ...], shifted: bool, with_hidden: bool) -> TargetScores:
         """The targets' fp32 log-probs (with entropies and the named `stats` of losses/token_logprobs.py's
         TOKEN_STATS when asked for) by the configured path: full logits, the chunked head or Liger. The entropies
         carry a gradient only with `entropy_grad` (an entropy bonus in the loss). `shifted`: `labels` already hold
-        each position's next token (context parallelism's `shift_labels`)."""
+        each position's next token (context parallelism's `shift_labels`). `with_hidden`: also the last hidden states
+        at the target positions (`TargetScores.hidden`, what PPO's value head reads), on every path."""
         targets = select_targets(labels, shifted)
         if self._needs_full_logits(model):
-            with self.offloading_scope(model):
-                outputs = model(**inputs, use_cache=False)
+            kept = {}
+            hook = OutputHead.of(model).module.register_forward_pre_hook(
+                lambda module, args: kept.__setitem__("hidden", args[0])) if with_hidden else None
+            try:
+                with self.offloading_scope(model):
+                    outputs = model(**inputs, use_cache=False)
+            finally:
+                if hook is not None:
+                    hook.remove()
             self.note_router_loss(model, outputs)
-            scores = TargetScores(logprobs_from_logits(outputs.logits, targets, temperature), targets, outputs)
+            scores = TargetScores(logprobs_from_logits(outputs.logits, targets, temperature), targets, outputs,
+                                  hidden=kept.get("hidden"))
             if with_entropy:
                 scores.entropy = _entropy_from_logits(outputs.logits, targets, temperature, entropy_grad)
             if stats:
@@ -439,15 +458,15 @@ class LeantuneTrainer(ContextParallelism, Trainer):
         if liger and (not trains or per_target_gradients_supported()):
             result = liger_target_logprobs(hidden, head, targets, with_top1=bool(stats))
             if stats:
-                return TargetScores(result[0], targets, outputs, stats={"top1": result[1]})
-            return TargetScores(result, targets, outputs)
+                return TargetScores(result[0], targets, outputs, stats={"top1": result[1]}, hidden=hidden)
+            return TargetScores(result, targets, outputs, hidden=hidden)
         result = chunked_logprobs(hidden, head, targets, self.args.loss_chunk_size, with_entropy, entropy_grad,
                                   stats)
         if not (with_entropy or stats):
-            return TargetScores(result, targets, outputs)
+            return TargetScores(result, targets, outputs, hidden=hidden)
         logps, *extra = result
         entropy = extra.pop(0) if with_entropy else None
-        return TargetScores(logps, targets, outputs, entropy, dict(zip(stats, extra)))
+        return TargetScores(logps, targets, outputs, entropy, dict(zip(stats, extra)), hidden=hidden)
 
     def liger_scores(self, head: OutputHead, with_entropy: bool = False, stats: tuple[str, ...] = ()) -> bool:
         """Whether Liger's fused kernel gives these per-target values: it yields each target's log-prob and whether

@@ -24,6 +24,7 @@ VLLM_SERVER_OPTIONS = ("vllm_server_base_url", "vllm_server_host", "vllm_server_
 
 @dataclass
 class OnlineConfig(MemoryOptions, CausalLMOptions, ReferenceSyncOptions, TrainingArguments):
+    min_num_generations = 2  # a group's baseline needs two; PPO's baseline is its value function (1)
     learning_rate: float = field(default=1e-6, metadata={"help": "Initial AdamW learning rate."})
     logging_steps: float = field(default=10, metadata={"help": "Log every N optimizer steps."})
 
@@ -183,7 +184,7 @@ def validate_online_config(args: OnlineConfig) -> None:
     for name in ("num_generations", "num_generations_eval", "max_completion_length", "num_iterations",
                  "vllm_tensor_parallel_size"):
         positive_or_none(getattr(args, name), name)
-    if args.num_generations < 2:
+    if args.num_generations < args.min_num_generations:
         raise ValueError(f"`num_generations` must be at least 2 (a group needs a baseline), got {args.num_generations}.")
     if args.temperature <= 0:
         raise ValueError(f"`temperature` must be positive, got {args.temperature}.")

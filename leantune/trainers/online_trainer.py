@@ -136,6 +136,7 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
     keeps_eval_dataset_as_given = True  # as TRL's online trainers: prompts are prepared aside, for evaluate()
     scores_at_temperature = True  # log-probs of the logits divided by args.temperature, as sampled
     entropy_bonus: EntropyBonus | None = None  # GRPO's entropy_coef (losses/entropy_bonus.py)
+    reads_hidden_states = False  # the loss reads the policy's last hidden states at the targets (PPO's value head)
 
     method = "online"
     config_class: type = None
@@ -159,6 +160,7 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         quantization_config=None,
         peft_config=None,
         agent: AgentRollouts | None = None,
+        ref_model=None,
     ):
         args = self.default_args(model, args)
         # GRPO's tools / environments / rollout function (rollouts/): None for single-turn sampling
@@ -171,7 +173,8 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         # policy, tokenizer, reference (none when beta = 0; the adapter disabled with PEFT) and the rewards; prompts
         # tokenised once (the rest of each row goes to the reward functions); batches are the rows themselves
         self.construct(model, args, train_dataset, eval_dataset, processing_class, _rows, peft_config=peft_config,
-                       quantization_config=quantization_config, callbacks=callbacks, optimizers=optimizers)
+                       quantization_config=quantization_config, callbacks=callbacks, optimizers=optimizers,
+                       ref_model=ref_model)
         tokenizer = self.processing_class
         self.data_reports = {split: report.as_dict() for split, report in self.data_reports.items()}
         self.rewards.to(self.accelerator.device).prepare_models(
@@ -200,7 +203,7 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         return args.beta != 0.0
 
     def load_models(self, model, ref_model, processing_class, peft_config, args, quantization_config):
-        loaded = super().load_models(model, None, processing_class, peft_config, args, quantization_config)
+        loaded = super().load_models(model, ref_model, processing_class, peft_config, args, quantization_config)
         reward_funcs, reward_processing_classes = self._reward_sources
         self.rewards = RewardFunctions(reward_funcs, args.reward_weights, reward_processing_classes,
                                        {"trust_remote_code": True} if args.trust_remote_code else None,
@@ -394,7 +397,8 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
     @torch.no_grad()
     def _attach_logps(self, batches: list[dict], policy_too: bool) -> None:
         """Per-target log-probs of the generation-time policy ("old_logps") and of the reference ("ref_logps")."""
-        if not policy_too and self.args.beta == 0.0:
+        reference = self.reference_wanted(self.args)
+        if not policy_too and not reference:
             return
         model = self.model_wrapped
         was_training = model.training
@@ -403,12 +407,16 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
             for batch in batches:
                 on_device = self._prepare_inputs(batch)
                 if policy_too:
-                    batch["old_logps"] = self._scored_logps(model, on_device)
-                if self.args.beta != 0.0:
+                    self.attach_policy_scores(batch, model, on_device)
+                if reference:
                     with self.reference_model() as reference:
                         batch["ref_logps"] = self._scored_logps(reference, on_device)
         finally:
             model.train(was_training)
+
+    def attach_policy_scores(self, batch: dict, model, on_device: dict) -> None:
+        """What the generation-time policy gives each micro-batch: its log-probs (PPO adds its values)."""
+        batch["old_logps"] = self._scored_logps(model, on_device)
 
     def entropies_in_loss(self, args=None) -> bool:
         """Whether the loss reads per-token entropies: GRPO's entropy bonus or its high-entropy token mask."""
@@ -528,7 +536,8 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
             store["reward"].append(valid.mean().item())
             store["reward_std"].append(valid.std().item() if valid.numel() > 1 else 0.0)
         groups = rewards.view(-1, self.args.num_generations if training else self.args.eval_num_generations)
-        zero_std = [float(torch.nan_to_num(g[~torch.isnan(g)].std(), nan=0.0) == 0) for g in groups]
+        scored = [g[~torch.isnan(g)] for g in groups]
+        zero_std = [float(g.numel() < 2 or g.std().item() == 0) for g in scored]  # fewer than two: no spread
         store["frac_reward_zero_std"].append(sum(zero_std) / len(zero_std))
         lengths = lengths.float()
         store["completions/mean_length"].append(lengths.mean().item())
@@ -582,7 +591,10 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         # Entropies for the metric come with the chunked head at no extra pass; Liger's kernel computes none
         with_entropy = self.entropies_in_loss() or not self.liger_head_runs(model, temperature)
         scores = self.target_logprobs(model, model_inputs, batch["labels"], temperature, with_entropy=with_entropy,
-                                      entropy_grad=with_entropy and bonus is not None)
+                                      entropy_grad=with_entropy and bonus is not None,
+                                      with_hidden=self.reads_hidden_states)
+        if self.reads_hidden_states:
+            batch["target_hidden"] = scores.hidden  # [targets, hidden], with its gradient (PPO's value head)
         logps, entropy = scores.logps, scores.entropy
         if entropy is None:
             entropy = torch.full_like(logps.detach(), float("nan"))  # NaN: left out of the logged mean

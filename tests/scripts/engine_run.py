@@ -134,6 +134,11 @@ CASES = {
                                             args=leantune.GKDConfig(**common(case, max_length=64, lmbda=0.0))),
     "grpo_sharded_generation": lambda case: online(leantune.GRPOConfig, leantune.GRPOTrainer, case, beta=0.04,
                                                    ds3_gather_for_generation=False),
+    # PPO: the value head on the policy's body, rewards whitened over both processes, a reward model scored in chunks
+    "ppo": lambda case: leantune.PPOTrainer(
+        args=leantune.PPOConfig(**common(case, max_completion_length=8, temperature=1.0, num_ppo_epochs=2,
+                                         whiten_rewards=True, kl_estimator="k3")),
+        model=model_dir, reward_model=[f"{assets}/reward_model", length_reward], train_dataset=data("prompts")),
 }
 
 for case in cases:
@@ -158,6 +163,8 @@ for case in cases:
         "completions": list(seen_completions),
         "gathered_during_generation": generation_fractions,
     }
+    if hasattr(trainer, "value_function"):  # PPO: each process's value function after training (DDP keeps one)
+        record["value_function"] = [p.detach().double().sum().item() for p in trainer.value_function.parameters()]
     with open(f"{out}/{case}/rank{state.process_index}.json", "w") as handle:
         json.dump(record, handle)
     del trainer
