@@ -36,6 +36,8 @@ _EXPORTS = {
     "GRPOTrainer": "leantune.trainers.grpo_trainer",
     "RLOOConfig": "leantune.trainers.rloo_config",
     "RLOOTrainer": "leantune.trainers.rloo_trainer",
+    "OnlineDPOConfig": "leantune.trainers.online_dpo_config",
+    "OnlineDPOTrainer": "leantune.trainers.online_dpo_trainer",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

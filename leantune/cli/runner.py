@@ -43,6 +43,9 @@ METHODS = {
                    "prompt", "leantune.cli.online_runs", online=True),
     "rloo": Method("rloo", "leantune.trainers.rloo_config:RLOOConfig", "leantune.trainers.rloo_trainer:RLOOTrainer",
                    "prompt", "leantune.cli.online_runs", online=True),
+    "online-dpo": Method("online_dpo", "leantune.trainers.online_dpo_config:OnlineDPOConfig",
+                         "leantune.trainers.online_dpo_trainer:OnlineDPOTrainer", "prompt", "leantune.cli.online_runs",
+                         online=True),
 }
 
 

@@ -159,6 +159,7 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         quantization_config=None,
         peft_config=None,
         agent: AgentRollouts | None = None,
+        ref_model=None,
     ):
         args = self.default_args(model, args)
         # GRPO's tools / environments / rollout function (rollouts/): None for single-turn sampling
@@ -171,7 +172,8 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         # policy, tokenizer, reference (none when beta = 0; the adapter disabled with PEFT) and the rewards; prompts
         # tokenised once (the rest of each row goes to the reward functions); batches are the rows themselves
         self.construct(model, args, train_dataset, eval_dataset, processing_class, _rows, peft_config=peft_config,
-                       quantization_config=quantization_config, callbacks=callbacks, optimizers=optimizers)
+                       quantization_config=quantization_config, callbacks=callbacks, optimizers=optimizers,
+                       ref_model=ref_model)
         tokenizer = self.processing_class
         self.data_reports = {split: report.as_dict() for split, report in self.data_reports.items()}
         self.rewards.to(self.accelerator.device).prepare_models(
@@ -199,8 +201,14 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
     def reference_wanted(self, args) -> bool:
         return args.beta != 0.0
 
+    @property
+    def scoring_temperature(self) -> float:
+        """The temperature the completions are scored at: the sampling one (GRPO, RLOO), or 1 for methods whose loss
+        reads the model's own probabilities (Online DPO, as TRL's)."""
+        return self.args.temperature if self.scores_at_temperature else 1.0
+
     def load_models(self, model, ref_model, processing_class, peft_config, args, quantization_config):
-        loaded = super().load_models(model, None, processing_class, peft_config, args, quantization_config)
+        loaded = super().load_models(model, ref_model, processing_class, peft_config, args, quantization_config)
         reward_funcs, reward_processing_classes = self._reward_sources
         self.rewards = RewardFunctions(reward_funcs, args.reward_weights, reward_processing_classes,
                                        {"trust_remote_code": True} if args.trust_remote_code else None,
@@ -428,7 +436,7 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
 
     def _scored_logps(self, model, batch: dict) -> torch.Tensor:
         inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
-        return self.target_logprobs(model, inputs, batch["labels"], self.args.temperature).logps.detach()
+        return self.target_logprobs(model, inputs, batch["labels"], self.scoring_temperature).logps.detach()
 
     def score_completions(self, rows: list[dict], completion_ids: list[list[int]], training: bool,
                           rollout: Rollout | None = None) -> dict:
@@ -578,7 +586,7 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         self.count_tokens(model, batch)
         model_inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
         bonus = self.entropy_bonus
-        temperature = self.args.temperature
+        temperature = self.scoring_temperature
         # Entropies for the metric come with the chunked head at no extra pass; Liger's kernel computes none
         with_entropy = self.entropies_in_loss() or not self.liger_head_runs(model, temperature)
         scores = self.target_logprobs(model, model_inputs, batch["labels"], temperature, with_entropy=with_entropy,
