@@ -70,12 +70,14 @@ class OnlineDPOConfig(OnlineConfig):
     def _resolve_completion_length(self) -> None:
         """max_completion_length (the online trainers' name) follows max_new_tokens (TRL's name for Online DPO)."""
         length = self.max_completion_length
+        if length == getattr(self, "_mirrored_length", None):  # a copy made by an earlier __post_init__
+            length = None
         if length is not None and length != self.max_new_tokens:
             if self.max_new_tokens != 64:
                 raise ValueError(f"`max_new_tokens` ({self.max_new_tokens}) and `max_completion_length` ({length}) "
                                  "name the same limit: set one of them.")
             self.max_new_tokens = length
-        self.max_completion_length = self.max_new_tokens
+        self.max_completion_length = self._mirrored_length = self.max_new_tokens
 
     @property
     def betas(self) -> list[float]:
