@@ -31,6 +31,9 @@ class OnlineDPOTrainer(OnlineTrainer):
         if judge is not None:
             raise ValueError("`judge` is not supported by leantune's OnlineDPOTrainer (TRL 1.16 has no judges either): "
                              "pass `reward_funcs` (callables, reward model ids or paths, or reward models).")
+        if ref_model is not None and callable(ref_model) and not isinstance(ref_model, torch.nn.Module):
+            raise ValueError("`ref_model` (OnlineDPOTrainer's second argument, as in TRL) is a function: pass reward "
+                             "functions as `reward_funcs=`.")
         if not reward_funcs:
             raise ValueError("`reward_funcs` must be provided: callables, reward model ids or paths, or reward models.")
         for name, value in (("data_collator", data_collator), ("compute_metrics", compute_metrics),
