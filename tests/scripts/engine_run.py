@@ -132,6 +132,9 @@ CASES = {
                                              reward=[f"{assets}/reward_model", length_reward]),
     "grpo_sharded_generation": lambda case: online(leantune.GRPOConfig, leantune.GRPOTrainer, case, beta=0.04,
                                                    ds3_gather_for_generation=False),
+    "online_dpo": lambda case: leantune.OnlineDPOTrainer(  # TRL's order: ref_model second, so rewards by name
+        model_dir, reward_funcs=length_reward, train_dataset=data("prompts"),
+        args=leantune.OnlineDPOConfig(**common(case, max_new_tokens=8, temperature=1.0, missing_eos_penalty=0.1))),
 }
 
 for case in cases:
