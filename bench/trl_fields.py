@@ -21,7 +21,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SNAPSHOT = REPO / "tests" / "data" / "trl_1_16_fields.json"
 DOCS = REPO / "docs" / "trl_compatibility.md"
-CONFIGS = ("SFTConfig", "DPOConfig", "KTOConfig", "RewardConfig", "GRPOConfig", "RLOOConfig")
+CONFIGS = ("SFTConfig", "DPOConfig", "KTOConfig", "RewardConfig", "GRPOConfig", "RLOOConfig", "OnlineDPOConfig")
 
 # TRL fields that leantune implements where it had none before (or where TRL's meaning needs a word).
 IMPLEMENTED = {
@@ -91,10 +91,27 @@ DIFFERS = {
     ("RLOOConfig", "remove_unused_columns"): "True (transformers' default) instead of False: leantune's online "
                                              "trainers build their own data loaders, so no column is removed either "
                                              "way (the reward functions get them all)",
+    ("OnlineDPOConfig", "remove_unused_columns"): "True (transformers' default) instead of False: leantune's online "
+                                                  "trainers build their own data loaders, so no column is removed "
+                                                  "either way (the reward functions get them all)",
 }
 
 # (config, field): a status written by hand where the rules above do not say it (fields owned by other work).
 NOTES: dict[tuple[str, str], str] = {
+    ("OnlineDPOConfig", "beta"): (
+        "same: one value, or one per epoch (the last for later epochs); leantune indexes by the whole epoch number, "
+        "where TRL 1.16 indexes the list with the fractional `state.epoch` (a TypeError once a list of two or more "
+        "is used)"
+    ),
+    ("OnlineDPOConfig", "max_length"): (
+        "same: the start of the prompt is cut so that prompt + completion fit; leantune cuts each sequence to its "
+        "own length (TRL: by the padded batch's width) and counts the prompts cut; `max_new_tokens >= max_length` "
+        "is a ValueError (TRL: a warning)"
+    ),
+    ("OnlineDPOConfig", "temperature"): (
+        "same: sampling temperature; completions are scored at temperature 1 (the model's own probabilities), as "
+        "in TRL's Online DPO (GRPO/RLOO score at the sampling temperature)"
+    ),
     ("SFTConfig", "assistant_only_loss"): (
         "same (TRL's default and meaning): the template's `{% generation %}` blocks, else the tokens each assistant "
         "turn adds to the rendered conversation; where a template's prefixes cannot show that and leantune knows "
@@ -121,6 +138,12 @@ BEHAVIOUR = [
     "reasoning). Measured with leantune's prefix method, Qwen3.5/3.6, GLM-4-MoE, gpt-oss, DeepSeek-V3, "
     "Nemotron 3 and, with reasoning, Gemma 4 (latest revision) and DiffusionGemma also need one; leantune has none "
     "for them yet, so they stay an error naming the fix (a template with markers through `chat_template_path`).",
+    "**OnlineDPOTrainer**: `judge` is refused with an error (TRL 1.16 has no judges either; rewards come from "
+    "`reward_funcs`), as are `data_collator`, `compute_metrics` and `preprocess_logits_for_metrics`, which it would "
+    "not use. A plain-text prompt is tokenised with the tokenizer's special tokens (the BOS), as in leantune's "
+    "GRPO/RLOO; TRL's Online DPO tokenises it without them. Online fields that TRL's OnlineDPOConfig does not have "
+    "and that cannot apply (`num_generations` other than 2, `epsilon`, `num_iterations`, `generation_batch_size`, "
+    "`mask_truncated_completions`) are refused when set.",
     "**SFT pre-tokenised data**: prepared rows hold `input_ids` and `labels` (TRL 1.16's form); a sequence's first "
     "token is never a target, in every layout, so no prediction crosses a packed boundary.",
 ]
@@ -145,6 +168,13 @@ def _declared_by_trl(klass, name: str) -> bool:
     return False
 
 
+def _experimental_config(name: str):
+    """A config TRL 1.16 keeps under trl.experimental (OnlineDPOConfig)."""
+    from trl.experimental import online_dpo
+
+    return getattr(online_dpo, name)
+
+
 def trl_fields() -> dict:
     """{config: {field: {"type", "default" (repr), "trl_own"}}} from the installed TRL."""
     import trl
@@ -153,7 +183,7 @@ def trl_fields() -> dict:
         print(f"warning: TRL {trl.__version__} installed; the snapshot is of TRL 1.16", file=sys.stderr)
     snapshot = {"trl_version": trl.__version__, "configs": {}}
     for name in CONFIGS:
-        klass = getattr(trl, name)
+        klass = getattr(trl, name, None) or _experimental_config(name)
         snapshot["configs"][name] = {
             field.name: {"type": _type_name(field.type), "default": repr(_default(field)),
                          "trl_own": _declared_by_trl(klass, field.name)}
