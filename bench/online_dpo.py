@@ -298,9 +298,9 @@ def main(argv=None) -> int:
     names = [r for r in opts.rows.split(",") if r]
     print(f"# Online DPO benchmark: {machine_description()}")
     print(f"# {library_versions('torch', 'transformers', 'trl', 'peft', 'accelerate')}; {source_state()}")
-    print(f"# model: Llama hidden {opts.hidden}, {opts.layers} layers, vocab {len(tokenizer)}, fp32; {len(dataset)} GSM8K "
-          f"questions in order; {opts.prompts_per_step} prompts x 2 completions of exactly {opts.new_tokens} tokens per "
-          f"step; {opts.steps} steps; {opts.repeats} repeat(s)", flush=True)
+    print(f"# model: Llama hidden {opts.hidden}, {opts.layers} layers, vocab {len(tokenizer)}, fp32; {len(dataset)} "
+          f"GSM8K questions in order; {opts.prompts_per_step} prompts x 2 completions of exactly {opts.new_tokens} "
+          f"tokens per step; {opts.steps} steps; {opts.repeats} repeat(s)", flush=True)
     results, trl_done = [], set()
     for repeat in range(opts.repeats):
         trl_done.clear()

@@ -263,8 +263,9 @@ def test_online_dpo_trains_against_the_server_and_syncs_each_optimizer_step(serv
                            save_strategy="no", disable_tqdm=True, per_device_train_batch_size=2, max_new_tokens=6,
                            max_steps=2, learning_rate=1e-2, logging_steps=1, memory_breakdown=False, use_vllm=True,
                            vllm_mode="server", vllm_server_base_url=server, vllm_server_timeout=30)
-    trainer = OnlineDPOTrainer(str(model_dir), reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
-                               args=args, train_dataset=data, processing_class=tokenizer)
+    trainer = OnlineDPOTrainer(str(model_dir), args=args,
+                               reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+                               train_dataset=data, processing_class=tokenizer)
     backend = trainer._backend()
     assert backend.name != "transformers"
     synced_at = []

@@ -1,6 +1,7 @@
 """`leantune online-dpo`: Online DPO; with no model and no dataset, the built-in demo run.
 
-    leantune online-dpo --model_name_or_path MODEL --dataset_name DATA --reward_funcs correct_answer [--<OnlineDPOConfig field> ...]
+    leantune online-dpo --model_name_or_path MODEL --dataset_name DATA --reward_funcs correct_answer \
+        [--<OnlineDPOConfig field> ...]
 
 The run is every training command's (runner.py); the demo is the online commands' (online_runs.py).
 """

@@ -1,5 +1,5 @@
-"""What `leantune grpo`, `leantune rloo` and `leantune online-dpo` share: the --reward_funcs flag, the built-in demo (an SFT warm-up, then
-online RL with a checked answer as the reward) and the summary."""
+"""What `leantune grpo`, `leantune rloo` and `leantune online-dpo` share: the --reward_funcs flag, the built-in demo
+(an SFT warm-up, then online RL with a checked answer as the reward) and the summary."""
 
 from __future__ import annotations
 

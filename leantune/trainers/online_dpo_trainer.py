@@ -86,7 +86,7 @@ class OnlineDPOTrainer(OnlineTrainer):
         kept = [list(prompt)[-keep:] if len(prompt) > keep else prompt for prompt, keep in zip(prompts, room)]
         return super()._scoring_examples(rows, completion_ids, terminated, kept, policy_mask)
 
-    # --- the loss ------------------------------------------------------------------------------------------------------
+    # --- the loss ----------------------------------------------------------------------------------------------------
 
     def loss_items(self, batch: dict) -> int:
         return int(batch["num_sequences"]) // 2  # pairs: the loss is the mean over the step's pairs
