@@ -274,6 +274,13 @@ def test_config_follows_trl_and_refuses_what_cannot_apply(char_tokenizer):
     with pytest.raises(ValueError, match="`judge` is not supported"):
         OnlineDPOTrainer(char_model(char_tokenizer), reward_funcs=count_a, args=config(), train_dataset=prompts(),
                          processing_class=char_tokenizer, judge=object())
+    with pytest.raises(ValueError, match="is a function: pass reward functions as `reward_funcs=`"):
+        OnlineDPOTrainer(char_model(char_tokenizer), count_a, args=config(), train_dataset=prompts(),
+                         processing_class=char_tokenizer)  # TRL's order: ref_model is the second argument
+    given = char_model(char_tokenizer, seed=3)
+    trainer = OnlineDPOTrainer(char_model(char_tokenizer), given, reward_funcs=count_a, args=config(),
+                               train_dataset=prompts(), processing_class=char_tokenizer)
+    assert all(torch.equal(a, b) for a, b in zip(trainer.ref_model.parameters(), given.parameters()))
     with pytest.raises(ValueError, match="`reward_funcs` must be provided"):
         OnlineDPOTrainer(char_model(char_tokenizer), args=config(), train_dataset=prompts(),
                          processing_class=char_tokenizer)
