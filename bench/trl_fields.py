@@ -22,10 +22,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SNAPSHOT = REPO / "tests" / "data" / "trl_1_16_fields.json"
 DOCS = REPO / "docs" / "trl_compatibility.md"
-CONFIGS = ("SFTConfig", "DPOConfig", "KTOConfig", "RewardConfig", "GRPOConfig", "RLOOConfig")
-CONFIGS += ("GKDConfig",)
+CONFIGS = ("SFTConfig", "DPOConfig", "KTOConfig", "RewardConfig", "GRPOConfig", "RLOOConfig", "OnlineDPOConfig",
+           "GKDConfig")
 # Configs TRL keeps outside its top-level namespace: where to import them from.
-EXPERIMENTAL = {"GKDConfig": "trl.experimental.gkd"}
+EXPERIMENTAL = {"GKDConfig": "trl.experimental.gkd", "OnlineDPOConfig": "trl.experimental.online_dpo"}
 
 # TRL fields that leantune implements where it had none before (or where TRL's meaning needs a word).
 IMPLEMENTED = {
@@ -95,10 +95,27 @@ DIFFERS = {
     ("RLOOConfig", "remove_unused_columns"): "True (transformers' default) instead of False: leantune's online "
                                              "trainers build their own data loaders, so no column is removed either "
                                              "way (the reward functions get them all)",
+    ("OnlineDPOConfig", "remove_unused_columns"): "True (transformers' default) instead of False: leantune's online "
+                                                  "trainers build their own data loaders, so no column is removed "
+                                                  "either way (the reward functions get them all)",
 }
 
 # (config, field): a status written by hand where the rules above do not say it (fields owned by other work).
 NOTES: dict[tuple[str, str], str] = {
+    ("OnlineDPOConfig", "beta"): (
+        "same: one value, or one per epoch (the last for later epochs); leantune indexes by the whole epoch number, "
+        "where TRL 1.16 indexes the list with the fractional `state.epoch` (a TypeError once a list of two or more "
+        "is used)"
+    ),
+    ("OnlineDPOConfig", "max_length"): (
+        "same: the start of the prompt is cut so that prompt + completion fit; leantune cuts each sequence to its "
+        "own length (TRL: by the padded batch's width) and counts the prompts cut; `max_new_tokens >= max_length` "
+        "is a ValueError (TRL: a warning)"
+    ),
+    ("OnlineDPOConfig", "temperature"): (
+        "same: sampling temperature; completions are scored at temperature 1 (the model's own probabilities), as "
+        "in TRL's Online DPO (GRPO/RLOO score at the sampling temperature)"
+    ),
     ("SFTConfig", "assistant_only_loss"): (
         "same (TRL's default and meaning): the template's `{% generation %}` blocks, else the tokens each assistant "
         "turn adds to the rendered conversation; where a template's prefixes cannot show that and leantune knows "
@@ -152,6 +169,12 @@ BEHAVIOUR = [
     "**GKD chunked loss**: the divergence comes from both models' hidden states a chunk of target tokens at a time "
     "(Liger's fused linear JSD with `use_liger_loss`), never from [batch, time, vocabulary] logits; TRL computes it "
     "from both models' full logits.",
+    "**OnlineDPOTrainer**: `judge` is refused with an error (TRL 1.16 has no judges either; rewards come from "
+    "`reward_funcs`), as are `data_collator`, `compute_metrics` and `preprocess_logits_for_metrics`, which it would "
+    "not use. A plain-text prompt is tokenised with the tokenizer's special tokens (the BOS), as in leantune's "
+    "GRPO/RLOO; TRL's Online DPO tokenises it without them. Online fields that TRL's OnlineDPOConfig does not have "
+    "and that cannot apply (`num_generations` other than 2, `epsilon`, `num_iterations`, `generation_batch_size`, "
+    "`mask_truncated_completions`) are refused when set.",
     "**SFT pre-tokenised data**: prepared rows hold `input_ids` and `labels` (TRL 1.16's form); a sequence's first "
     "token is never a target, in every layout, so no prediction crosses a packed boundary.",
 ]

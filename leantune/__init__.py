@@ -40,6 +40,8 @@ _EXPORTS = {
     "GKDTrainer": "leantune.trainers.gkd_trainer",
     "PPOConfig": "leantune.trainers.ppo_config",
     "PPOTrainer": "leantune.trainers.ppo_trainer",
+    "OnlineDPOConfig": "leantune.trainers.online_dpo_config",
+    "OnlineDPOTrainer": "leantune.trainers.online_dpo_trainer",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

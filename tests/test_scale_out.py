@@ -39,7 +39,7 @@ EXAMPLES = REPO / "examples" / "accelerate"
 OFFLINE = ["sft", "sft_tied", "sft_packed_padding_free", "sft_lora", "dpo", "dpo_padding_free",
            "dpo_padding_free_precomputed", "kto", "reward"]
 DDP_ONLY = ["gkd"]  # GKD off-policy (lmbda=0): the student's paths are SFT's, its frozen teacher is placed as DPO's reference
-ONLINE = ["grpo", "rloo", "grpo_reward_model", "ppo"]
+ONLINE = ["grpo", "rloo", "grpo_reward_model", "ppo", "online_dpo"]
 RESUMED = {"sft_resumed": "sft"}  # stopped after step 1 and resumed from the engine's (ZeRO-3: sharded) checkpoint
 # Under the sharding engines, a case that takes the same code path as another one there is left to DDP (padded DPO,
 # as padding-free DPO; RLOO, as GRPO), which keeps the suite's time in bounds.

@@ -169,12 +169,13 @@ def _train_against_server(trainer_cls, config_cls, model_dir, url, tmp_path, **c
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     data = Dataset.from_dict({"prompt": [f"Count to {i}:" for i in range(24)]})
+    config = {"num_generations": 4, **config}
     args = config_cls(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[], save_strategy="no",
-                      disable_tqdm=True, per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
+                      disable_tqdm=True, per_device_train_batch_size=4, max_completion_length=8,
                       max_steps=3, learning_rate=3e-2, logging_steps=1, memory_breakdown=False, seed=0,
                       use_vllm=True, vllm_mode="server", vllm_server_base_url=url, vllm_server_timeout=30, **config)
-    trainer = trainer_cls(str(model_dir), lambda completions, **kw: [float(len(c)) for c in completions], args=args,
-                          train_dataset=data, processing_class=tokenizer)
+    trainer = trainer_cls(str(model_dir), reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+                          args=args, train_dataset=data, processing_class=tokenizer)
     backend = trainer._backend()
     assert backend.name == "vllm-server"
     checks = []
@@ -217,6 +218,17 @@ def test_rloo_trains_against_real_vllm(vllm_server, model_dir, tmp_path):
     trainer = _train_against_server(RLOOTrainer, RLOOConfig, model_dir, vllm_server, tmp_path)
     losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
     assert len(losses) == 3 and all(math.isfinite(v) for v in losses)
+
+
+def test_online_dpo_trains_against_real_vllm(vllm_server, model_dir, tmp_path):
+    from leantune import OnlineDPOConfig, OnlineDPOTrainer
+
+    trainer = _train_against_server(OnlineDPOTrainer, OnlineDPOConfig, model_dir, vllm_server, tmp_path,
+                                    num_generations=2, temperature=1.0)
+    logged = [row for row in trainer.state.log_history if "loss" in row]
+    assert len(logged) == 3 and all(math.isfinite(row["loss"]) for row in logged)
+    # 4 prompts x a pair each per step, from the server: the first step's policy is its reference (loss log 2)
+    assert logged[0]["loss"] == pytest.approx(math.log(2), abs=1e-6) and logged[0]["completions/mean_length"] > 0
 
 
 # --- vLLM inside the training process (colocate), run in the vllm venv ------------------------------------------

@@ -248,3 +248,34 @@ def test_grpo_trains_against_the_server_and_syncs_each_optimizer_step(server, mo
     # the server now holds the trained weights: its greedy completions are the local model's
     sampling = greedy()
     assert backend.generate(PROMPTS, sampling) == local_greedy(trainer.model.eval(), PROMPTS, sampling)
+
+
+def test_online_dpo_trains_against_the_server_and_syncs_each_optimizer_step(server, model_dir):
+    """Online DPO takes the same backends as GRPO: its pairs come from the server, synced before every round."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    from leantune import OnlineDPOConfig, OnlineDPOTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    data = Dataset.from_dict({"prompt": [f"Count to {i}:" for i in range(16)]})
+    args = OnlineDPOConfig(output_dir=str(model_dir.parent / "online_dpo"), use_cpu=True, report_to=[],
+                           save_strategy="no", disable_tqdm=True, per_device_train_batch_size=2, max_new_tokens=6,
+                           max_steps=2, learning_rate=1e-2, logging_steps=1, memory_breakdown=False, use_vllm=True,
+                           vllm_mode="server", vllm_server_base_url=server, vllm_server_timeout=30)
+    trainer = OnlineDPOTrainer(str(model_dir), args=args,
+                               reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+                               train_dataset=data, processing_class=tokenizer)
+    backend = trainer._backend()
+    assert backend.name != "transformers"
+    synced_at = []
+    original = backend.sync_weights
+    backend.sync_weights = lambda model: (synced_at.append(trainer.state.global_step), original(model))
+    trainer.train()
+    assert synced_at == [0, 1]  # one round of 2 prompts x 2 completions per optimizer step, after the policy moved
+    losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
+    assert len(losses) == 2 and losses[0] == pytest.approx(0.6931472, abs=1e-6)  # step 1: policy = reference, log 2
+    sampling = greedy()
+    trainer.state.global_step += 1
+    trainer.generate_completions([[1, 415, 2936]], trainer.sampling)  # syncs the trained weights
+    assert backend.generate(PROMPTS, sampling) == local_greedy(trainer.model.eval(), PROMPTS, sampling)

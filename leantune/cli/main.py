@@ -22,6 +22,8 @@ COMMANDS = {
     "rloo": ("leantune.cli.rloo", "RLOO, online RL from rewards (no arguments: a built-in demo with a checked answer)."),
     "gkd": ("leantune.cli.gkd", "Knowledge distillation from a teacher, GKD (no arguments: a built-in demo run)."),
     "ppo": ("leantune.cli.ppo", "PPO with a value function, online RL from rewards (no arguments: a built-in demo)."),
+    "online-dpo": ("leantune.cli.online_dpo", "Online DPO, pairs of sampled completions judged by rewards (no arguments: a "
+                   "built-in demo with a checked answer)."),
     "vllm-serve": ("leantune.cli.vllm_serve", "A vLLM generation server for GRPO/RLOO with vllm_mode=server."),
 }
 

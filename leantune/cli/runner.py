@@ -47,6 +47,9 @@ METHODS = {
                   "sft", "leantune.cli.gkd"),
     "ppo": Method("ppo", "leantune.trainers.ppo_config:PPOConfig", "leantune.trainers.ppo_trainer:PPOTrainer",
                   "prompt", "leantune.cli.online_runs", online=True),
+    "online-dpo": Method("online_dpo", "leantune.trainers.online_dpo_config:OnlineDPOConfig",
+                         "leantune.trainers.online_dpo_trainer:OnlineDPOTrainer", "prompt", "leantune.cli.online_runs",
+                         online=True),
 }
 
 

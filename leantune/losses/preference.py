@@ -177,3 +177,20 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
     if total is None:
         raise ValueError("`loss_type` is empty; give at least one of " + ", ".join(DPO_LOSS_TYPES) + ".")
     return total, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
+
+
+def preferred_in_pairs(rewards: torch.Tensor) -> torch.Tensor:
+    """Online DPO's choice: rewards of consecutive pairs [a0, b0, a1, b1, ...] -> [N] bool, True for each pair's
+    chosen completion: the higher reward, the first one on a tie (as TRL). A completion no reward function scored
+    (NaN) counts as 0, as in TRL's sum over the functions (the online trainer counts and logs such completions)."""
+    if rewards.numel() % 2:
+        raise ValueError(f"Online DPO pairs completions two by two; got {rewards.numel()} rewards.")
+    pairs = torch.nan_to_num(rewards.float(), nan=0.0).view(-1, 2)
+    first_wins = pairs[:, 0] >= pairs[:, 1]
+    return torch.stack([first_wins, ~first_wins], dim=1).reshape(-1)
+
+
+def chosen_and_rejected(values: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-completion values of consecutive pairs and their `preferred_in_pairs` mask -> (chosen, rejected) per pair."""
+    pairs, first_wins = values.view(-1, 2), chosen.view(-1, 2)[:, 0]
+    return torch.where(first_wins, pairs[:, 0], pairs[:, 1]), torch.where(first_wins, pairs[:, 1], pairs[:, 0])

@@ -55,6 +55,8 @@ UNSUPPORTED_TRL_FIELDS: dict[str, str] = {
     "use_transformers_paged": "generate with `use_vllm=True`, or with transformers' generate (default)",
     "log_unique_prompts": "`num_completions_to_print` limits how many completions `log_completions` logs",
     "log_completions_hub_repo": "`log_completions=True` logs completions with the training log",
+    # Online DPO
+    "reward_model_path": "pass the reward model (a Hub id, a folder or a model object) in `reward_funcs`",
 }
 
 

@@ -192,7 +192,7 @@ def validate_online_config(args: OnlineConfig) -> None:
         raise ValueError(f"`top_p` must be in (0, 1], got {args.top_p}.")
     if args.top_k < 0:
         raise ValueError(f"`top_k` must be >= 0, got {args.top_k}.")
-    if args.beta < 0:
+    if any(beta < 0 for beta in (args.beta if isinstance(args.beta, list) else [args.beta])):
         raise ValueError(f"`beta` must be >= 0, got {args.beta}.")
     if args.epsilon < 0 or args.upper_epsilon < 0:
         raise ValueError("`epsilon` and `epsilon_high` must be >= 0.")

@@ -202,6 +202,12 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
     def reference_wanted(self, args) -> bool:
         return args.beta != 0.0
 
+    @property
+    def scoring_temperature(self) -> float:
+        """The temperature the completions are scored at: the sampling one (GRPO, RLOO), or 1 for methods whose loss
+        reads the model's own probabilities (Online DPO, as TRL's)."""
+        return self.args.temperature if self.scores_at_temperature else 1.0
+
     def load_models(self, model, ref_model, processing_class, peft_config, args, quantization_config):
         loaded = super().load_models(model, ref_model, processing_class, peft_config, args, quantization_config)
         reward_funcs, reward_processing_classes = self._reward_sources
@@ -436,7 +442,7 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
 
     def _scored_logps(self, model, batch: dict) -> torch.Tensor:
         inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
-        return self.target_logprobs(model, inputs, batch["labels"], self.args.temperature).logps.detach()
+        return self.target_logprobs(model, inputs, batch["labels"], self.scoring_temperature).logps.detach()
 
     def score_completions(self, rows: list[dict], completion_ids: list[list[int]], training: bool,
                           rollout: Rollout | None = None) -> dict:
@@ -587,7 +593,7 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         self.count_tokens(model, batch)
         model_inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
         bonus = self.entropy_bonus
-        temperature = self.args.temperature
+        temperature = self.scoring_temperature
         # Entropies for the metric come with the chunked head at no extra pass; Liger's kernel computes none
         with_entropy = self.entropies_in_loss() or not self.liger_head_runs(model, temperature)
         scores = self.target_logprobs(model, model_inputs, batch["labels"], temperature, with_entropy=with_entropy,

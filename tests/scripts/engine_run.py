@@ -139,6 +139,9 @@ CASES = {
         args=leantune.PPOConfig(**common(case, max_completion_length=8, temperature=1.0, num_ppo_epochs=2,
                                          whiten_rewards=True, kl_estimator="k3")),
         model=model_dir, reward_model=[f"{assets}/reward_model", length_reward], train_dataset=data("prompts")),
+    "online_dpo": lambda case: leantune.OnlineDPOTrainer(  # TRL's order: ref_model second, so rewards by name
+        model_dir, reward_funcs=length_reward, train_dataset=data("prompts"),
+        args=leantune.OnlineDPOConfig(**common(case, max_new_tokens=8, temperature=1.0, missing_eos_penalty=0.1))),
 }
 
 for case in cases:
