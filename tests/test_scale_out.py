@@ -56,6 +56,10 @@ ENGINE_CASES = {
     "zero3": [c for c in SHARDED if c != "dpo_padding_free_precomputed"] + ["grpo_sharded_generation"]
     + ["gkd_on_policy"],  # the student gathered for its own samples, the teacher sharded
 }
+# DeepSpeed's CPU accelerator compiles its shared-memory all-reduce op (deepspeed_shm_comm) in every process group it
+# starts: ~55 s on this 2-core machine. Built once per machine here, as CI's vLLM venv is (torch rebuilds it when its
+# sources or flags change; concurrent builds wait on torch's lock file).
+TORCH_EXTENSIONS = Path.home() / ".cache" / "leantune" / "torch_extensions"
 LOSS_RTOL = 1e-5
 UPDATE_RTOL = 1e-5
 STORE_ROUNDING = 2.0 ** -22
@@ -110,7 +114,7 @@ def zero3_cpu_config(root: Path) -> Path:
 
 def run_engine(assets, engine: str, cases: list[str]) -> Path:
     out = assets.root / engine
-    env = {"DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": str(assets.root / "torch_extensions")}
+    env = {"DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": str(TORCH_EXTENSIONS)}
     if engine == "one":
         command = [sys.executable, str(SCRIPT), str(out), str(assets.root), "4", *cases]
     else:
