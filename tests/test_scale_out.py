@@ -13,7 +13,7 @@ Tolerances (SGD with momentum 0.9, no clipping, 2 steps, lr 1e-2; tests/scripts/
   W + update rounded to fp32, a half-ulp per element (2^-24 |W| in norm), which the second term allows twice over.
   Parameters whose update is tiny next to the weight (q/k projections of a random model: |U| ~ 1e-4 |W|) differ by
   that rounding alone (measured 3.7e-9 = one ulp of their entries).
-- Online methods (GRPO, RLOO) sample their completions per process, so their reference is the 2-process DDP run: the
+- Online methods (GRPO, RLOO, PPO, Online DPO, on-policy GKD) sample their completions per process, so their reference is the 2-process DDP run: the
   same seeds give the same completions under every engine (asserted), and then the same losses and weights.
 """
 
@@ -38,21 +38,28 @@ EXAMPLES = REPO / "examples" / "accelerate"
 
 OFFLINE = ["sft", "sft_tied", "sft_packed_padding_free", "sft_lora", "dpo", "dpo_padding_free",
            "dpo_padding_free_precomputed", "kto", "reward"]
-DDP_ONLY = ["gkd"]  # GKD off-policy (lmbda=0): the student's paths are SFT's, its frozen teacher is placed as DPO's reference
+OFFLINE = OFFLINE + ["gkd"]  # GKD off-policy (lmbda=0): SFT's paths, its frozen teacher placed as DPO's reference
 ONLINE = ["grpo", "rloo", "grpo_reward_model", "ppo", "online_dpo"]
+ONLINE = ONLINE + ["gkd_on_policy"]  # GKD with lmbda=1: both steps on the student's own samples, generated per process
 RESUMED = {"sft_resumed": "sft"}  # stopped after step 1 and resumed from the engine's (ZeRO-3: sharded) checkpoint
 # Under the sharding engines, a case that takes the same code path as another one there is left to DDP (padded DPO,
 # as padding-free DPO; RLOO, as GRPO), which keeps the suite's time in bounds.
 SHARDED = [c for c in OFFLINE if c != "dpo"] + list(RESUMED) + ["grpo", "grpo_reward_model"]
 SHARDED = SHARDED + ["ppo"]  # PPO's value head is sharded with the policy: gathered to save it
+SHARDED = SHARDED + ["online_dpo"]  # (and GKD, from OFFLINE: its frozen teacher sharded too, its head gathered)
 ENGINE_CASES = {
-    "ddp": OFFLINE + list(RESUMED) + ONLINE + DDP_ONLY,
+    "ddp": OFFLINE + list(RESUMED) + ONLINE,
     "fsdp2": SHARDED,
     # ZeRO-2 shards only gradients and optimizer states, the same way for every trainer: one of each kind
-    "zero2": ["sft", "sft_lora", "dpo", "kto", "reward", "sft_resumed", "grpo"],
+    "zero2": ["sft", "sft_lora", "dpo", "kto", "reward", "sft_resumed", "grpo"] + ["gkd"],
     # precompute_ref_log_probs without a ref_model is refused under ZeRO-3 (docs/scale_out.md)
-    "zero3": [c for c in SHARDED if c != "dpo_padding_free_precomputed"] + ["grpo_sharded_generation"],
+    "zero3": [c for c in SHARDED if c != "dpo_padding_free_precomputed"] + ["grpo_sharded_generation"]
+    + ["gkd_on_policy"],  # the student gathered for its own samples, the teacher sharded
 }
+# DeepSpeed's CPU accelerator compiles its shared-memory all-reduce op (deepspeed_shm_comm) in every process group it
+# starts: ~55 s on this 2-core machine. Built once per machine here, as CI's vLLM venv is (torch rebuilds it when its
+# sources or flags change; concurrent builds wait on torch's lock file).
+TORCH_EXTENSIONS = Path.home() / ".cache" / "leantune" / "torch_extensions"
 LOSS_RTOL = 1e-5
 UPDATE_RTOL = 1e-5
 STORE_ROUNDING = 2.0 ** -22
@@ -107,7 +114,7 @@ def zero3_cpu_config(root: Path) -> Path:
 
 def run_engine(assets, engine: str, cases: list[str]) -> Path:
     out = assets.root / engine
-    env = {"DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": str(assets.root / "torch_extensions")}
+    env = {"DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": str(TORCH_EXTENSIONS)}
     if engine == "one":
         command = [sys.executable, str(SCRIPT), str(out), str(assets.root), "4", *cases]
     else:
@@ -167,7 +174,7 @@ def tied_initial(assets) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def one_process(assets):
-    return run_engine(assets, "one", OFFLINE + DDP_ONLY)
+    return run_engine(assets, "one", OFFLINE)
 
 
 @pytest.fixture(scope="module")
@@ -200,6 +207,8 @@ def test_every_trainer_matches_one_process_under_each_engine(engine, assets, ini
             assert first["completions"] == expected["completions"] and first["completions"]
         start = tied_initial(assets) if case == "sft_tied" else initial
         assert_same_weights(saved_weights(out, case), saved_weights(reference, RESUMED.get(case, case)), start)
+    for case in {"gkd": 0, "gkd_on_policy": 2}.keys() & set(cases):  # every step's source, on both processes
+        assert [r["on_policy_steps"] for r in ranks(out, case)] == [{"gkd": 0, "gkd_on_policy": 2}[case]] * 2
     if "ppo" in cases:  # PPO's value head trains with the policy, saved beside it (gathered from the shards)
         from safetensors.torch import load_file
 

@@ -156,8 +156,10 @@ class _ChunkedJSDSum(torch.autograd.Function):
 
 
 def _teacher_logps(head: OutputHead, hidden: torch.Tensor) -> torch.Tensor:
+    # As the teacher head's forward: a frozen teacher sharded by the engine (ZeRO-3 partitions it as the student)
+    # has its weight gathered around the call; a whole one is used as it is.
     with torch.no_grad():
-        return torch.log_softmax(head.logits(hidden), -1)
+        return torch.log_softmax(head.call_as_head(head.logits, hidden), -1)
 
 
 class _ChunkedJSD(torch.autograd.Function):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import torch
 from datasets import load_dataset
@@ -51,6 +52,18 @@ seen_completions = []
 def length_reward(completions, **kwargs):
     seen_completions.extend(completions)
     return [float(len(c)) / 10 for c in completions]
+
+
+def recorded_generations(trainer) -> None:
+    """GKD: each generated micro-batch's token ids go where the online cases' completions go."""
+    original = trainer.generated_batch
+
+    def generated_batch(*args, **kwargs):
+        batch = original(*args, **kwargs)
+        seen_completions.append(batch["input_ids"].tolist())
+        return batch
+
+    trainer.generated_batch = generated_batch
 
 
 def gathered_fraction_during_generation(trainer) -> list[float]:
@@ -132,6 +145,10 @@ CASES = {
                                              reward=[f"{assets}/reward_model", length_reward]),
     "gkd": lambda case: leantune.GKDTrainer(model_dir, teacher_model=f"{assets}/tied_model", train_dataset=data("sft"),
                                             args=leantune.GKDConfig(**common(case, max_length=64, lmbda=0.0))),
+    # GKD on-policy (lmbda=1): every step trains on the student's own samples, generated under the engine
+    "gkd_on_policy": lambda case: leantune.GKDTrainer(
+        model_dir, teacher_model=f"{assets}/tied_model", train_dataset=data("sft"),
+        args=leantune.GKDConfig(**common(case, max_length=64, lmbda=1.0, max_new_tokens=8, temperature=1.0))),
     "grpo_sharded_generation": lambda case: online(leantune.GRPOConfig, leantune.GRPOTrainer, case, beta=0.04,
                                                    ds3_gather_for_generation=False),
     # PPO: the value head on the policy's body, rewards whitened over both processes, a reward model scored in chunks
@@ -145,8 +162,11 @@ CASES = {
 }
 
 for case in cases:
+    started = time.perf_counter()
     trainer = CASES[case](case)
     seen_completions.clear()
+    if hasattr(trainer, "generated_batch"):
+        recorded_generations(trainer)
     generation_fractions = gathered_fraction_during_generation(trainer) if hasattr(trainer, "generation_round") else []
     trainer.train(resume_from_checkpoint=getattr(trainer, "resume_from", None))
     trainer.save_model()  # every process takes part: FSDP and ZeRO-3 gather the full weights for process 0 to write
@@ -165,7 +185,10 @@ for case in cases:
         "local_fraction": local_fraction,
         "completions": list(seen_completions),
         "gathered_during_generation": generation_fractions,
+        "seconds": time.perf_counter() - started,  # built, trained and saved (what the case adds to the suite)
     }
+    if hasattr(trainer, "on_policy_steps"):  # GKD: steps trained on the student's own samples
+        record["on_policy_steps"] = trainer.on_policy_steps
     if hasattr(trainer, "value_function"):  # PPO: each process's value function after training (DDP keeps one)
         record["value_function"] = [p.detach().double().sum().item() for p in trainer.value_function.parameters()]
     with open(f"{out}/{case}/rank{state.process_index}.json", "w") as handle:
