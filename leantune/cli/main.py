@@ -20,6 +20,7 @@ COMMANDS = {
     "reward": ("leantune.cli.reward", "Reward modelling (no arguments: a built-in demo run on bundled pairs)."),
     "grpo": ("leantune.cli.grpo", "GRPO, online RL from rewards (no arguments: a built-in demo with a checked answer)."),
     "rloo": ("leantune.cli.rloo", "RLOO, online RL from rewards (no arguments: a built-in demo with a checked answer)."),
+    "plan": ("leantune.cli.plan", "Peak memory of a training step before it runs; --memory_budget: the fastest fit."),
     "vllm-serve": ("leantune.cli.vllm_serve", "A vLLM generation server for GRPO/RLOO with vllm_mode=server."),
 }
 
