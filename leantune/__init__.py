@@ -36,6 +36,8 @@ _EXPORTS = {
     "GRPOTrainer": "leantune.trainers.grpo_trainer",
     "RLOOConfig": "leantune.trainers.rloo_config",
     "RLOOTrainer": "leantune.trainers.rloo_trainer",
+    "plan_memory": "leantune.planning",
+    "MemoryPlan": "leantune.planning",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

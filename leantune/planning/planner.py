@@ -176,7 +176,10 @@ def _planning_trainer_class(trainer_class, mode: WeightlessMode):
         forced_batches: list | None = None
 
         def load_models(self, *args, **kwargs):  # the model, its adapters and references: all fake
-            with mode.building():
+            import warnings
+
+            with mode.building(), warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="model_init_kwargs are ignored")  # applied when built
                 return super().load_models(*args, **kwargs)
 
         def get_batch_samples(self, epoch_iterator, num_batches, device):
@@ -335,6 +338,12 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
                       device_terms(device, fields, num_processes, engine),
                       per_rank_notes(engine, num_processes) + notes,
                       {k: v for k, v in fields.items()}, 0.0)
+    if num_processes > 1 and engine == "ddp" and device is not None and str(device).lower() != "cpu":
+        from .devices import DeviceTerm
+
+        size = trainable * torch.empty((), dtype=_dtype_of(fields)).element_size()
+        plan.terms.append(DeviceTerm("DDP gradient buckets", size, "the reducer's flat copy of every trained "
+                                     "gradient (gradient_as_bucket_view=False, PyTorch's default)"))
     plan.seconds = time.perf_counter() - started
     return plan
 
