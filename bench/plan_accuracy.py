@@ -158,7 +158,7 @@ def main() -> None:
           f"| plan s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name, method, arch, vocab, layers, extra in CONFIGS:
-        if options.only and options.only not in name:
+        if options.only and not any(part in name for part in options.only.split(",")):
             continue
         try:
             predicted, measured, worst, seconds = run_one(name, method, arch, vocab, layers, extra, tokenizer)

@@ -198,9 +198,18 @@ def _planning_trainer_class(trainer_class, mode: WeightlessMode):
 def planning_session():
     """The dispatch mode of fake weights, the module conversion it needs, and generation that runs to its length
     limit with nothing to decode from fake tokens."""
+    from ..memory import offloading
+
     mode = WeightlessMode()
-    with mode, fake_parameters_convertible(), _generation_to_length_limit(mode):
-        yield mode
+    storage_ptr = offloading._storage_ptr
+    # a fake storage has no address (reading one is undefined behaviour): offloading keeps such tensors as it does
+    # any subclass without a plain storage
+    offloading._storage_ptr = lambda tensor: None if _is_fake_tensor(tensor) else storage_ptr(tensor)
+    try:
+        with mode, fake_parameters_convertible(), _generation_to_length_limit(mode):
+            yield mode
+    finally:
+        offloading._storage_ptr = storage_ptr
 
 
 @contextlib.contextmanager
@@ -361,6 +370,7 @@ def _trace(config, trainer_class, config_class, train_dataset, fields, trainer_k
         trainer = _planning_trainer_class(trainer_class, mode)(model=fake, args=run_args,
                                                                train_dataset=train_dataset, **trainer_kwargs)
         _quiet(trainer)
+        _real_reward_weights(trainer)
         num_parameters = sum(p.numel() for p in trainer.model.parameters())
         trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
         second = None
@@ -476,6 +486,17 @@ def _worst_candidates(trainer, max_batches):
     if best_targets[1] != best_slots[1] and best_targets[0] != best_slots[0]:
         found.append(best_targets[1:])
     return found
+
+
+def _real_reward_weights(trainer) -> None:
+    """Reward weights made while the models were built are fake; rewards are computed on the host from real text, and
+    their weights must be real for the round's bookkeeping (masks of NaN rewards)."""
+    rewards = getattr(trainer, "rewards", None)
+    for name, value in list(vars(rewards).items()) if rewards is not None else []:
+        if _is_fake_tensor(value):
+            given = getattr(trainer.args, "reward_weights", None)
+            real = torch.tensor(given, dtype=value.dtype) if given else torch.ones(tuple(value.shape), dtype=value.dtype)
+            setattr(rewards, name, real)
 
 
 def _reset_for_trace(trainer) -> None:
