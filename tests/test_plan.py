@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import resource
+import time
 
 import pytest
 
@@ -59,9 +60,11 @@ def test_plan_predicts_the_measured_step_peak(tokenizer, gsm8k_rows, arch, field
 def test_70b_plans_from_config_only_in_seconds(tmp_path, tokenizer, gsm8k_rows):
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_3_70B))
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    cpu_started = time.process_time()  # CPU time, not wall time: the machine may be shared
     plan = plan_memory(str(tmp_path), gsm8k_prompt_completion(gsm8k_rows, 8), "sft", processing_class=tokenizer,
-                       per_device_train_batch_size=2, max_length=128, measured_step=False,
+                       per_device_train_batch_size=2, max_length=128, measured_step=False, max_batches=1,
                        model_init_kwargs={"dtype": "bfloat16"})
+    cpu_seconds = time.process_time() - cpu_started
     grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
     assert grown_mib < 1024  # one bf16 layer alone would be 1.6 GiB: no weight was allocated
     assert abs(plan.num_parameters - 70.55e9) < 0.01e9  # Llama-3-70B's 70.55B parameters
@@ -69,7 +72,7 @@ def test_70b_plans_from_config_only_in_seconds(tmp_path, tokenizer, gsm8k_rows):
     assert abs(parts["parameters"] - 2 * plan.num_parameters) < 1 << 20  # bf16: 2 bytes a parameter
     assert parts["optimizer_states"] >= 2 * parts["parameters"]  # AdamW's two moments (of bf16 parameters)
     assert any("extrapolated" in note for note in plan.notes)
-    assert plan.seconds < 60
+    assert cpu_seconds < 60
 
 
 @pytest.mark.parametrize("argv, flag", [
