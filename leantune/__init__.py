@@ -42,6 +42,8 @@ _EXPORTS = {
     "PPOTrainer": "leantune.trainers.ppo_trainer",
     "OnlineDPOConfig": "leantune.trainers.online_dpo_config",
     "OnlineDPOTrainer": "leantune.trainers.online_dpo_trainer",
+    "plan_memory": "leantune.planning",
+    "MemoryPlan": "leantune.planning",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

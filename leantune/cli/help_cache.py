@@ -47,6 +47,12 @@ def argument_types(command: str) -> tuple:
         from .profile import ProfileArguments
 
         return (ProfileArguments,)
+    if command == "plan":
+        from ..trainers.sft_config import SFTConfig
+        from .arguments import ModelConfig, ScriptArguments
+        from .plan import PlanArguments
+
+        return (PlanArguments, ScriptArguments, ModelConfig, SFTConfig)
     if command == "vllm-serve":
         from .vllm_serve import VLLMServeArguments
 

@@ -24,6 +24,7 @@ COMMANDS = {
     "ppo": ("leantune.cli.ppo", "PPO with a value function, online RL from rewards (no arguments: a built-in demo)."),
     "online-dpo": ("leantune.cli.online_dpo", "Online DPO, pairs of sampled completions judged by rewards (no arguments: a "
                    "built-in demo with a checked answer)."),
+    "plan": ("leantune.cli.plan", "Peak memory of a training step before it runs; --memory_budget: the fastest fit."),
     "vllm-serve": ("leantune.cli.vllm_serve", "A vLLM generation server for GRPO/RLOO with vllm_mode=server."),
 }
 

@@ -1,0 +1,98 @@
+"""`leantune plan`: the peak memory of a training step per process before it runs (no weights loaded), and with
+--memory_budget the fastest configuration that fits (planning/recommend.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass, field
+
+from .arguments import ModelConfig, ScriptArguments, model_init_kwargs_from, peft_config_from
+from .errors import UsageError
+from .parser import parse_command_args
+
+
+@dataclass
+class PlanArguments:
+    method: str = field(default="sft", metadata={"help": "sft, dpo, kto, reward, grpo, rloo (any leantune trainer)."})
+    num_processes: int = field(default=1, metadata={"help": "Processes of the launch (per-process plan)."})
+    engine: str = field(default="ddp", metadata={"help": "ddp (fsdp2, zero2, zero3, cp: not planned yet)."})
+    device: str | None = field(
+        default=None, metadata={"help": "A GPU name (h100, a100-40gb, l4, ...) to list its terms beyond the trace."})
+    memory_budget: str | None = field(
+        default=None, metadata={"help": "24GiB or a GPU name: also plan the candidates that learn the same thing and "
+                                "name the fastest that fits."})
+    tokenizer: str | None = field(
+        default=None, metadata={"help": "Tokenizer id or folder, when --model_name_or_path holds only config.json."})
+    plan_json: str | None = field(default=None, metadata={"help": "Also write the plan as JSON to this file."})
+
+
+def _method_of(argv: list[str]) -> str:
+    for index, arg in enumerate(argv):
+        if arg == "--method" and index + 1 < len(argv):
+            return argv[index + 1]
+        if arg.startswith("--method="):
+            return arg.split("=", 1)[1]
+    return "sft"
+
+
+def run(argv: list[str]) -> int:
+    from ..planning.planner import method_classes
+
+    try:
+        trainer_class, config_class = method_classes(_method_of(argv))
+    except ValueError as error:
+        raise UsageError(str(error)) from error
+    if not any(arg.split("=")[0] == "--use_cpu" for arg in argv):
+        argv = [*argv, "--use_cpu", "true"]  # the plan runs here, on CPU, for any device (bf16 included)
+    plan_args, script_args, model_args, config, explicit = parse_command_args(
+        "leantune plan", (PlanArguments, ScriptArguments, ModelConfig, config_class), argv)
+    explicit.discard("use_cpu")
+    if model_args.model_name_or_path is None or script_args.dataset_name is None:
+        missing = "--model_name_or_path" if model_args.model_name_or_path is None else "--dataset_name"
+        raise UsageError(f"{missing} is required (a Hub id or local folder: only its config.json is read).")
+    from ..planning.devices import parse_budget
+    from .runner import load_splits
+
+    budget = parse_budget(plan_args.memory_budget) if plan_args.memory_budget else None
+    config_fields = {f.name for f in dataclasses.fields(config)} - {"output_dir", "use_cpu"}
+    fields = {name: getattr(config, name) for name in explicit if name in config_fields}
+    init = {k: v for k, v in model_init_kwargs_from(model_args).items() if k != "revision"}
+    if init:
+        fields["model_init_kwargs"] = {**init, **(fields.get("model_init_kwargs") or {})}
+    if model_args.load_in_4bit or model_args.load_in_8bit:
+        raise UsageError("--load_in_4bit / --load_in_8bit: quantized (QLoRA) models are not planned yet.")
+    fields.pop("eval_strategy", None)
+    config.eval_strategy = "no"
+    train, _ = load_splits(script_args, config)
+    from ..planning import plan_memory
+
+    tokenizer = None
+    if plan_args.tokenizer:
+        from ..models.loading import load_tokenizer
+
+        try:
+            tokenizer = load_tokenizer(plan_args.tokenizer)
+        except (OSError, ValueError) as error:
+            raise UsageError(f"--tokenizer {plan_args.tokenizer}: {str(error).splitlines()[0]}") from error
+
+    try:
+        plan = plan_memory(model_args.model_name_or_path, train, trainer_class,
+                           processing_class=tokenizer, peft_config=peft_config_from(model_args),
+                           num_processes=plan_args.num_processes, engine=plan_args.engine,
+                           device=plan_args.device or plan_args.memory_budget, **fields)
+    except ValueError as error:
+        raise UsageError(str(error)) from error
+    print("\n".join(plan.lines()))
+    if budget is not None:
+        from ..planning.recommend import recommend
+
+        recommendation = recommend(plan, budget, model_args.model_name_or_path, train, trainer_class,
+                                   peft_config_from(model_args), plan_args, fields, tokenizer)
+        print("\n".join(recommendation.lines()))
+    if plan_args.plan_json:
+        with open(plan_args.plan_json, "w", encoding="utf-8") as handle:
+            json.dump(plan.to_dict(), handle, indent=2, default=str)
+        print(f"written: {plan_args.plan_json}", file=sys.stderr)
+    return 0

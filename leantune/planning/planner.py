@@ -1,0 +1,521 @@
+"""`plan_memory`: the peak memory of a training step, per process, before any weight is loaded.
+
+The step is the trainer's own: the method's trainer is built on the real data with a model whose parameters are fake
+(planning/fake_step.py), and `Trainer.train` runs two optimizer steps while leantune's `MemoryBreakdownCallback`
+measures the second (the first that holds optimizer states), exactly as it does in a real run. So every method,
+technique and architecture the trainers support is planned by the code that will run, and the prediction is the
+number the real run's memory breakdown reports.
+
+The worst batch is found among the batches the trainer's own data loader yields in its first epoch (its sampler,
+collator and batching): the batches with the most token slots and with the most loss targets are traced, and the
+larger peak is the plan's. Online methods (GRPO, RLOO, ...) generate every completion to `max_completion_length`,
+the worst case for memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..metrics.memory_breakdown import MIB, PARTS, MemoryBreakdown
+from .fake_step import WeightlessMode, fake_model_from_config, fake_parameters_convertible
+
+logger = logging.getLogger("leantune.plan")
+GIB = 1024 * MIB
+
+
+@dataclass
+class TracedStep:
+    """One traced optimizer step: its peak, the peak's parts, and the batch it ran."""
+
+    peak_bytes: int
+    parts: dict[str, int]
+    batch: str  # the batch's shape, in words
+    step: int | None = None  # the optimizer step (1-based) at which this batch arrives in the first epoch
+    micro_batch: int | None = None  # its micro-batch within that step (0-based), with gradient accumulation
+
+    @classmethod
+    def of(cls, breakdown: MemoryBreakdown, batch: str, step=None, micro_batch=None) -> TracedStep:
+        return cls(breakdown.peak_bytes, dict(breakdown.parts), batch, step, micro_batch)
+
+
+@dataclass
+class MemoryPlan:
+    method: str
+    model: str
+    num_parameters: int
+    trainable_parameters: int
+    num_processes: int
+    engine: str
+    worst: TracedStep
+    measured_step: TracedStep | None  # the step a real run's memory breakdown measures (its second step)
+    terms: list = field(default_factory=list)  # DeviceTerm: what the trace cannot see, each named with its source
+    notes: list[str] = field(default_factory=list)
+    config: dict = field(default_factory=dict)  # the fields set for this plan
+    seconds: float = 0.0
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.worst.peak_bytes
+
+    @property
+    def device_total_bytes(self) -> int:
+        return self.peak_bytes + sum(term.bytes for term in self.terms)
+
+    def to_dict(self) -> dict:
+        return {
+            "method": self.method, "model": self.model, "num_parameters": self.num_parameters,
+            "trainable_parameters": self.trainable_parameters, "num_processes": self.num_processes,
+            "engine": self.engine, "peak_bytes": self.peak_bytes, "worst": dataclasses.asdict(self.worst),
+            "measured_step": dataclasses.asdict(self.measured_step) if self.measured_step else None,
+            "terms": [dataclasses.asdict(term) for term in self.terms], "notes": self.notes,
+            "device_total_bytes": self.device_total_bytes, "config": self.config, "seconds": self.seconds,
+        }
+
+    def lines(self) -> list[str]:
+        per = "per process" if self.num_processes > 1 else "one process"
+        out = [f"{self.method} on {self.model}: {self.num_parameters / 1e9:.3f}B parameters "
+               f"({self.trainable_parameters / 1e9:.3f}B trained); {self.num_processes} process(es), {self.engine}, "
+               f"{per}"]
+        where = "" if self.worst.step is None else (
+            f", arriving at optimizer step {self.worst.step}" +
+            (f" (micro-batch {self.worst.micro_batch})" if self.worst.micro_batch else ""))
+        out.append(f"predicted step peak (worst batch: {self.worst.batch}{where}): {_mib(self.worst.peak_bytes)}")
+        out += [f"  {name.replace('_', ' '):<17} {_mib(self.worst.parts.get(name, 0))}" for name in PARTS
+                if self.worst.parts.get(name)]
+        if self.measured_step is not None:
+            out.append(f"predicted peak of step 2 (the step memory_breakdown measures; batch: "
+                       f"{self.measured_step.batch}): {_mib(self.measured_step.peak_bytes)}")
+        if self.terms:
+            out.append("on the device, beyond the traced tensors (docs/plan.md):")
+            out += [f"  {term.name:<30} {_mib(term.bytes)}  ({term.source})" for term in self.terms]
+            out.append(f"  {'device total':<30} {_mib(self.device_total_bytes)}")
+        out += [f"note: {note}" for note in self.notes]
+        out.append(f"planned in {self.seconds:.1f} s")
+        return out
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
+
+
+def _mib(size: int) -> str:
+    return f"{size / MIB:,.1f} MiB" if size < 10 * GIB else f"{size / GIB:,.2f} GiB"
+
+
+# --- methods: a trainer class and its config, found by name -----------------------------------------------------------
+
+def method_classes(method):
+    """(trainer class, config class) of a method name ("sft", "online_dpo", ...) or a trainer class: any leantune
+    trainer exported as `<NAME>Trainer` with a `config_class` plugs in without a change here."""
+    if isinstance(method, type):
+        trainer = method
+    else:
+        import leantune
+
+        wanted = str(method).replace("_", "").replace("-", "").lower() + "trainer"
+        names = [name for name in getattr(leantune, "_EXPORTS", {}) if name.lower() == wanted]
+        if not names:
+            known = sorted(name[:-len("Trainer")].lower() for name in getattr(leantune, "_EXPORTS", {})
+                           if name.endswith("Trainer"))
+            raise ValueError(f"`method`: unknown method {method!r}; known: {', '.join(known)}.")
+        trainer = getattr(leantune, names[0])
+    config = getattr(trainer, "config_class", None)
+    if config is None:
+        raise ValueError(f"`method`: {trainer.__name__} names no config_class.")
+    return trainer, config
+
+
+def method_name(trainer_class) -> str:
+    return trainer_class.__name__[:-len("Trainer")].lower() if trainer_class.__name__.endswith("Trainer") \
+        else trainer_class.__name__
+
+
+# --- the model, from its configuration only ----------------------------------------------------------------------------
+
+def model_config_of(model):
+    """A transformers config from a Hub id or local folder (config.json only: no weights are read), a config, or a
+    model (its config)."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(model, PretrainedConfig):
+        return model
+    if isinstance(model, torch.nn.Module):
+        return model.config
+    if isinstance(model, str):
+        try:
+            return AutoConfig.from_pretrained(model)
+        except (OSError, ValueError) as error:
+            raise ValueError(f"`model`: no model configuration found for {model!r} ({str(error).splitlines()[0]})") \
+                from error
+    raise TypeError(f"`model`: expected a Hub id, a local folder, a transformers config or a model, got "
+                    f"{type(model).__name__}.")
+
+
+def _dtype_of(fields: dict):
+    kwargs = fields.get("model_init_kwargs") or {}
+    dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
+    if dtype in (None, "auto"):
+        return torch.float32  # leantune loads a model given by name in float32 unless model_init_kwargs says
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+# --- the traced run ----------------------------------------------------------------------------------------------------
+
+PLANNING_FIELDS = dict(max_steps=2, save_strategy="no", report_to=[], disable_tqdm=True, memory_breakdown=True,
+                       logging_steps=1, eval_strategy="no", push_to_hub=False)
+
+
+def _planning_trainer_class(trainer_class, mode: WeightlessMode):
+    class Planned(trainer_class):
+        forced_batches: list | None = None
+
+        def load_models(self, *args, **kwargs):  # the model, its adapters and references: all fake
+            import warnings
+
+            with mode.building(), warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="model_init_kwargs are ignored")  # applied when built
+                return super().load_models(*args, **kwargs)
+
+        def get_batch_samples(self, epoch_iterator, num_batches, device):
+            if self.forced_batches is not None:
+                epoch_iterator = iter(self.forced_batches[:num_batches])
+            return super().get_batch_samples(epoch_iterator, num_batches, device)
+
+        def _save(self, *args, **kwargs):
+            pass
+
+    Planned.__name__ = Planned.__qualname__ = trainer_class.__name__
+    return Planned
+
+
+@contextlib.contextmanager
+def planning_session():
+    """The dispatch mode of fake weights, the module conversion it needs, and generation that runs to its length
+    limit with nothing to decode from fake tokens."""
+    from ..memory import offloading
+
+    mode = WeightlessMode()
+    storage_ptr = offloading._storage_ptr
+    # a fake storage has no address (reading one is undefined behaviour): offloading keeps such tensors as it does
+    # any subclass without a plain storage
+    offloading._storage_ptr = lambda tensor: None if _is_fake_tensor(tensor) else storage_ptr(tensor)
+    try:
+        with mode, fake_parameters_convertible(), _generation_to_length_limit(mode):
+            yield mode
+    finally:
+        offloading._storage_ptr = storage_ptr
+
+
+@contextlib.contextmanager
+def _generation_to_length_limit(mode: WeightlessMode):
+    from transformers.generation.utils import GenerationMixin
+
+    from ..generation import transformers_backend
+
+    original_generate = GenerationMixin.generate
+    original_logprobs = transformers_backend.sampled_logprobs
+
+    def generate(self, *args, **kwargs):
+        kwargs["eos_token_id"] = None  # no sequence ends early: the worst case for memory
+        output = original_generate(self, *args, **kwargs)
+        sequences = output.sequences if hasattr(output, "sequences") else output
+        prompt = kwargs.get("input_ids", args[0] if args else None)
+        filler = _filler_token(self.config)
+        real = torch.full(tuple(sequences.shape), filler, dtype=torch.long)
+        if prompt is not None and not _is_fake_tensor(prompt):
+            real[:, :prompt.shape[1]] = prompt
+        if hasattr(output, "sequences"):
+            output.sequences = real
+            return output
+        return real
+
+    def sampled_logprobs(scores, tokens):
+        return torch.zeros(tuple(tokens.shape), dtype=torch.float32)
+
+    GenerationMixin.generate = generate
+    transformers_backend.sampled_logprobs = sampled_logprobs
+    try:
+        yield
+    finally:
+        GenerationMixin.generate = original_generate
+        transformers_backend.sampled_logprobs = original_logprobs
+
+
+def _is_fake_tensor(value) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(value, FakeTensor)
+
+
+def _filler_token(config) -> int:
+    """A token id that no special token uses, for completions generated by a fake model."""
+    special = set()
+    for name in ("eos_token_id", "pad_token_id", "bos_token_id"):
+        value = getattr(config, name, None)
+        special.update(value if isinstance(value, (list, tuple)) else [value])
+    token = 100
+    while token in special:
+        token += 1
+    return min(token, getattr(config, "vocab_size", token + 1) - 1)
+
+
+def _batch_description(batch) -> tuple[tuple[int, int], str]:
+    """((token slots, loss targets), words) of a collated batch or of a list of prompt rows."""
+    if isinstance(batch, dict):
+        tensors = {k: v for k, v in batch.items() if torch.is_tensor(v) and v.dim() == 2
+                   and not v.dtype.is_floating_point and k.endswith("input_ids")}
+        if not tensors:
+            tensors = {k: v for k, v in batch.items() if torch.is_tensor(v) and v.dim() == 2}
+        slots = sum(v.numel() for v in tensors.values())
+        labels = batch.get("labels")
+        targets = int((labels != -100).sum()) if torch.is_tensor(labels) else slots
+        shapes = ", ".join(f"{k} {list(v.shape)}" for k, v in tensors.items())
+        return (slots, targets), shapes or "no token tensors"
+    if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], dict):
+        lengths = [len(row.get("prompt_ids") or row.get("input_ids") or []) for row in batch]
+        return (len(lengths) * max(lengths), sum(lengths)), f"{len(lengths)} prompts, longest {max(lengths)} tokens"
+    return (0, 0), type(batch).__name__
+
+
+def _first_epoch_batches(trainer, limit: int | None = None):
+    loader = trainer.get_train_dataloader()
+    for index, batch in enumerate(loader):
+        if limit is not None and index >= limit:
+            break
+        yield index, batch
+
+
+def plan_memory(model, train_dataset=None, method="sft", *, args=None, processing_class=None, peft_config=None,
+                reward_funcs=None, num_processes: int = 1, engine: str = "ddp", device: str | None = None,
+                measured_step: bool = True, max_batches: int | None = None, **config_fields) -> MemoryPlan:
+    """Predict the step peak of training `model` on `train_dataset` with `method`, per process.
+
+    `model`: Hub id, local folder (config.json is read, no weights), a transformers config, or a model (its config).
+    `train_dataset`: the data as the trainer reads it. `args`: a config of the method (or pass its fields as keyword
+    arguments). `device`: a GPU name of `planning.devices.GPUS` or a size ("24GiB"), to add the device's terms."""
+    from .devices import device_terms
+    from .engines import check_engine, per_rank_notes
+
+    started = time.perf_counter()
+    trainer_class, config_class = method_classes(method)
+    name = method_name(trainer_class)
+    check_engine(engine, num_processes)
+    if train_dataset is None:
+        raise ValueError("`train_dataset` is required (the data as the trainer reads it, or a length profile).")
+    fields = dict(config_fields)
+    if args is not None:
+        fields = {**{k: v for k, v in args.to_dict().items() if k in _explicit_fields(args)}, **fields}
+    if fields.get("load_in_4bit") or fields.get("load_in_8bit"):
+        raise ValueError("`load_in_4bit` / `load_in_8bit`: quantized (QLoRA) models are not planned yet.")
+    config = model_config_of(model)
+    model_label = model if isinstance(model, str) else getattr(config, "_name_or_path", "") or config.model_type
+    trainer_kwargs = {"processing_class": processing_class, "peft_config": peft_config}
+    if reward_funcs is not None:
+        trainer_kwargs["reward_funcs"] = reward_funcs
+    elif getattr(trainer_class, "needs_reward_funcs", None) or "reward_funcs" in _init_parameters(trainer_class):
+        trainer_kwargs["reward_funcs"] = _no_reward
+    logging_level = logging.getLogger("leantune").level
+    notes = []
+    try:
+        layers = _layer_count(config)
+        if layers is not None and layers > LAYERS_TRACED[-1]:
+            runs = [_trace(_with_layers(config, count), trainer_class, config_class, train_dataset, fields,
+                           trainer_kwargs, measured_step, max_batches) for count in LAYERS_TRACED]
+            extrapolated = _extrapolate(runs, layers)
+            if extrapolated is None:
+                notes.append(f"per-layer growth not exactly linear over {LAYERS_TRACED} layers: all {layers} traced")
+                result = _trace(config, trainer_class, config_class, train_dataset, fields, trainer_kwargs,
+                                measured_step, max_batches)
+            else:
+                result = extrapolated
+                notes.append(f"traced with {', '.join(map(str, LAYERS_TRACED))} of the {layers} layers; every part "
+                             "grew by the same bytes per layer (exact), extrapolated to all layers")
+        else:
+            result = _trace(config, trainer_class, config_class, train_dataset, fields, trainer_kwargs,
+                            measured_step, max_batches)
+    finally:
+        logging.getLogger("leantune").setLevel(logging_level)
+    num_parameters, trainable, second, traced = result
+    worst = max(traced, key=lambda step: step.peak_bytes)
+    plan = MemoryPlan(name, str(model_label), num_parameters, trainable, num_processes, engine, worst, second,
+                      device_terms(device, fields, num_processes, engine),
+                      per_rank_notes(engine, num_processes) + notes,
+                      {k: v for k, v in fields.items()}, 0.0)
+    if num_processes > 1 and engine == "ddp" and device is not None and str(device).lower() != "cpu":
+        from .devices import DeviceTerm
+
+        size = trainable * torch.empty((), dtype=_dtype_of(fields)).element_size()
+        plan.terms.append(DeviceTerm("DDP gradient buckets", size, "the reducer's flat copy of every trained "
+                                     "gradient (gradient_as_bucket_view=False, PyTorch's default)"))
+    plan.seconds = time.perf_counter() - started
+    return plan
+
+
+LAYERS_TRACED = (2, 3, 4)  # a 1-layer model peaks elsewhere in the step (measured); from 2 layers on it is linear
+
+
+def _trace(config, trainer_class, config_class, train_dataset, fields, trainer_kwargs, measured_step, max_batches):
+    """(parameters, trainable parameters, the trainer's own second step or None, [traced worst candidates])."""
+    with planning_session() as mode:
+        fake = fake_model_from_config(config, mode, _model_class(trainer_class), _dtype_of(fields))
+        run_args = config_class(**{"output_dir": "/tmp/leantune-plan", "use_cpu": True, **fields,
+                                   **PLANNING_FIELDS})
+        accumulation = run_args.gradient_accumulation_steps
+        trainer = _planning_trainer_class(trainer_class, mode)(model=fake, args=run_args,
+                                                               train_dataset=train_dataset, **trainer_kwargs)
+        _quiet(trainer)
+        _real_reward_weights(trainer)
+        num_parameters = sum(p.numel() for p in trainer.model.parameters())
+        trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+        second = None
+        if measured_step:
+            _train_quietly(trainer)
+            second = TracedStep.of(trainer.memory_breakdown, "the trainer's own second step")
+        traced = []
+        for index, batch, words in _worst_candidates(trainer, max_batches):
+            _reset_for_trace(trainer)
+            trainer.forced_batches = [batch] * (2 * accumulation)
+            _train_quietly(trainer)
+            traced.append(TracedStep.of(trainer.memory_breakdown, words, index // accumulation + 1,
+                                        index % accumulation))
+    return num_parameters, trainable, second, traced
+
+
+def _layer_count(config):
+    """Layers of a plain decoder (a multimodal model's nested text config is traced whole)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(config, "num_hidden_layers", None) if text is config else None
+
+
+def _with_layers(config, count: int):
+    smaller = copy.deepcopy(config)
+    smaller.num_hidden_layers = count
+    for name in ("layer_types", "mlp_only_layers"):
+        value = getattr(smaller, name, None)
+        if isinstance(value, list) and len(value) > count:
+            setattr(smaller, name, value[:count])
+    return smaller
+
+
+def _extrapolate(runs, layers: int):
+    """The traces of LAYERS_TRACED layers to `layers`, if every number grew by the same amount per layer; else None."""
+    def line(values):
+        first, second, third = values
+        if second - first != third - second:
+            return None
+        return first + (layers - LAYERS_TRACED[0]) * (second - first)
+
+    counts = [line([run[0] for run in runs]), line([run[1] for run in runs])]
+    steps = []
+    pairs = [[run[2] for run in runs]] if runs[0][2] is not None else []
+    pairs += [[run[3][i] for run in runs] for i in range(len(runs[0][3]))]
+    if any(len(run[3]) != len(runs[0][3]) for run in runs):
+        return None
+    for group in pairs:
+        peak = line([step.peak_bytes for step in group])
+        names = set().union(*(step.parts for step in group))
+        parts = {name: line([step.parts.get(name, 0) for step in group]) for name in names}
+        if peak is None or any(value is None for value in parts.values()):
+            return None
+        first = group[0]
+        steps.append(TracedStep(peak, parts, first.batch, first.step, first.micro_batch))
+    if None in counts:
+        return None
+    second = steps.pop(0) if runs[0][2] is not None else None
+    return counts[0], counts[1], second, steps
+
+
+def _explicit_fields(args) -> set[str]:
+    defaults = type(args)(output_dir=args.output_dir)
+    return {f.name for f in dataclasses.fields(args) if f.init and getattr(args, f.name, None) != getattr(
+        defaults, f.name, None)} - {"output_dir"}
+
+
+def _init_parameters(cls) -> set[str]:
+    import inspect
+
+    return set(inspect.signature(cls.__init__).parameters)
+
+
+def _no_reward(completions, **kwargs):
+    """The plan's reward: rewards cost no memory on the device (a reward model is a separate term)."""
+    return [float(i % 2) for i in range(len(completions))]
+
+
+def _model_class(trainer_class):
+    return getattr(trainer_class, "planned_model_class", None) or (
+        _sequence_classifier() if trainer_class.__name__ == "RewardTrainer" else None)
+
+
+def _sequence_classifier():
+    from transformers import AutoModelForSequenceClassification
+
+    return _WithOneLabel(AutoModelForSequenceClassification)
+
+
+class _WithOneLabel:
+    """The reward trainer's model: a sequence classifier with one output."""
+
+    def __init__(self, auto):
+        self.auto = auto
+
+    def from_config(self, config, **kwargs):
+        config = copy.deepcopy(config)
+        config.num_labels = 1
+        return self.auto.from_config(config, **kwargs)
+
+
+def _worst_candidates(trainer, max_batches):
+    """The first epoch's batches with the most token slots and with the most targets: (index, batch, words)."""
+    best_slots = best_targets = None
+    for index, batch in _first_epoch_batches(trainer, max_batches):
+        (slots, targets), words = _batch_description(batch)
+        if best_slots is None or slots > best_slots[0][0]:
+            best_slots = ((slots, targets), index, batch, words)
+        if best_targets is None or targets > best_targets[0][1]:
+            best_targets = ((slots, targets), index, batch, words)
+    if best_slots is None:
+        raise ValueError("`train_dataset`: the trainer's data loader yields no batch.")
+    found = [best_slots[1:]]
+    if best_targets[1] != best_slots[1] and best_targets[0] != best_slots[0]:
+        found.append(best_targets[1:])
+    return found
+
+
+def _real_reward_weights(trainer) -> None:
+    """Reward weights made while the models were built are fake; rewards are computed on the host from real text, and
+    their weights must be real for the round's bookkeeping (masks of NaN rewards)."""
+    rewards = getattr(trainer, "rewards", None)
+    for name, value in list(vars(rewards).items()) if rewards is not None else []:
+        if _is_fake_tensor(value):
+            given = getattr(trainer.args, "reward_weights", None)
+            real = torch.tensor(given, dtype=value.dtype) if given else torch.ones(tuple(value.shape), dtype=value.dtype)
+            setattr(rewards, name, real)
+
+
+def _reset_for_trace(trainer) -> None:
+    if hasattr(trainer, "_buffer"):
+        trainer._buffer = []
+    trainer.memory_breakdown = None
+
+
+def _quiet(trainer) -> None:
+    """Logging of a fake run prints zeros; keep only the trainer's warnings."""
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    trainer.remove_callback(PrinterCallback)
+    trainer.remove_callback(ProgressCallback)
+    logging.getLogger("leantune").setLevel(logging.WARNING)
+
+
+def _train_quietly(trainer) -> None:
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        trainer.train()

@@ -1,0 +1,113 @@
+"""The fastest configuration that fits a memory budget, among those that learn the same thing.
+
+What may change: the batch layout (padded, padding-free, packed: the same targets and, in leantune, the same loss
+normalisation), gradient checkpointing, activation offloading, and micro-batch x accumulation for the same global
+batch. What may not: the model, the data, the loss, LoRA or full training, the learning schedule.
+
+Candidates are ranked by an expected relative step time (`relative_time`, stated rules, docs/plan.md) and planned in
+that order; the first whose device total fits is the answer. Every candidate planned is printed with its peak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .devices import GIB, MIB
+
+CHECKPOINTING_COST = 1.33  # one more forward pass of the layers: forward ~1/3 of forward + backward
+OFFLOADING_COST = 1.10  # copies overlap compute on CUDA streams, not entirely
+HALVING_COST = 1.05  # per halving of the micro-batch: smaller matrix products, more optimizer-step overhead
+PADDED_COST = 1.10  # padded rows compute their padding; padding-free and packed rows do not
+
+
+@dataclass
+class Candidate:
+    fields: dict
+    relative_time: float
+    peak_bytes: int | None = None
+    total_bytes: int | None = None
+    error: str | None = None
+
+    def line(self) -> str:
+        shown = ", ".join(f"{k}={v}" for k, v in sorted(self.fields.items()) if k in VARIED)
+        if self.error:
+            return f"  time x{self.relative_time:.2f}  {shown}: not planned ({self.error})"
+        return (f"  time x{self.relative_time:.2f}  {shown}: peak {self.peak_bytes / GIB:.2f} GiB, on the device "
+                f"{self.total_bytes / GIB:.2f} GiB")
+
+
+VARIED = ("gradient_checkpointing", "activation_offloading", "per_device_train_batch_size",
+          "gradient_accumulation_steps", "packing", "padding_free")
+
+
+@dataclass
+class Recommendation:
+    budget: int
+    considered: list[Candidate] = field(default_factory=list)
+    chosen: Candidate | None = None
+
+    def lines(self) -> list[str]:
+        out = [f"memory budget {self.budget / GIB:.2f} GiB: candidates that learn the same thing, fastest first"]
+        out += [candidate.line() for candidate in self.considered]
+        if self.chosen is None:
+            out.append("none fits: a smaller model, LoRA, or more processes with a sharding engine is needed")
+        else:
+            out.append("recommended (fits, expected fastest):")
+            out += [f"  --{k} {v}" for k, v in sorted(self.chosen.fields.items()) if k in VARIED]
+        return out
+
+
+def candidates(method: str, fields: dict) -> list[Candidate]:
+    batch = int(fields.get("per_device_train_batch_size", 8))
+    accumulation = int(fields.get("gradient_accumulation_steps", 1))
+    layouts = [{}]
+    if method == "sft":
+        layouts = [{"packing": True, "padding_free": False}, {"packing": False, "padding_free": True},
+                   {"packing": False, "padding_free": False}]
+    elif "padding_free" in fields or method in ("dpo", "kto", "reward", "grpo", "rloo"):
+        layouts = [{"padding_free": True}, {"padding_free": False}]
+    found = []
+    for layout in layouts:
+        padded = not (layout.get("packing") or layout.get("padding_free"))
+        for checkpointing in (False, True):
+            for offloading in (False, True):
+                split = 1
+                while batch // split >= 1 and batch % split == 0:
+                    time = (PADDED_COST if padded else 1.0) * (CHECKPOINTING_COST if checkpointing else 1.0) * \
+                        (OFFLOADING_COST if offloading else 1.0) * HALVING_COST ** (split.bit_length() - 1)
+                    found.append(Candidate({**fields, **layout, "gradient_checkpointing": checkpointing,
+                                            "activation_offloading": offloading,
+                                            "per_device_train_batch_size": batch // split,
+                                            "gradient_accumulation_steps": accumulation * split}, time))
+                    split *= 2
+    found.sort(key=lambda c: c.relative_time)
+    return found
+
+
+def recommend(plan, budget: int, model, train_dataset, trainer_class, peft_config, plan_args, fields: dict,
+              processing_class=None, limit: int = 8) -> Recommendation:
+    """Plan candidates fastest first until one fits (at most `limit` planned)."""
+    from .planner import plan_memory
+
+    result = Recommendation(budget)
+    for candidate in candidates(plan.method, fields)[:limit * 4]:
+        if len(result.considered) >= limit:
+            break
+        try:
+            planned = plan_memory(model, train_dataset, trainer_class, peft_config=peft_config, processing_class=processing_class,
+                                  num_processes=plan_args.num_processes, engine=plan_args.engine,
+                                  device=plan_args.device or plan_args.memory_budget, measured_step=False,
+                                  **candidate.fields)
+        except ValueError as error:
+            candidate.error = str(error).splitlines()[0][:120]
+            result.considered.append(candidate)
+            continue
+        candidate.peak_bytes, candidate.total_bytes = planned.peak_bytes, planned.device_total_bytes
+        result.considered.append(candidate)
+        if candidate.total_bytes <= budget:
+            result.chosen = candidate
+            break
+    return result
+
+
+__all__ = ["Candidate", "Recommendation", "candidates", "recommend", "MIB"]
