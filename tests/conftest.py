@@ -15,7 +15,11 @@ TOKENIZER_DIR = SHARED / "tokenizers" / "mistral-7b-v0.1"
 GSM8K_TRAIN = SHARED / "data" / "gsm8k" / "train.jsonl"
 HH_PAIRS = SHARED / "data" / "hh-rlhf-harmless" / "test.jsonl.gz"
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# At most 2 threads per test process; under pytest-xdist the threads asked for (OMP_NUM_THREADS, else the cores) are
+# shared among the workers, so two workers on 2 cores do not each spin 2 OpenMP threads (measured: the whole suite
+# spent 12.5 of its 39 CPU minutes in the kernel that way). OMP_NUM_THREADS=4 still gives each worker 2 threads.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, torch.get_num_threads() // _WORKERS)))
 
 # Before anything imports triton: Liger's kernels on CPU need Triton's interpreter from the start (tests/liger_cpu.py)
 from .liger_cpu import hide_interpreter, interpreter_on_for_imports  # noqa: E402
