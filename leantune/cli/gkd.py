@@ -54,11 +54,11 @@ def run_demo(args, model_args, explicit: set[str]) -> int:
           f"{data['test'][0]['completion']!r}; teacher's held-out exact match {teacher_match:.1%}")
     trainer = GKDTrainer(model=student, teacher_model=teacher, args=args, train_dataset=data["train"],
                          eval_dataset=data["test"], processing_class=tokenizer, peft_config=peft_config)
-    before = trainer.evaluate()["eval_loss"], evaluate_exact_match(trainer.model, tokenizer, data["test"])
 
     def evaluate(trainer):
         return trainer.evaluate()["eval_loss"], evaluate_exact_match(trainer.model, tokenizer, data["test"])
 
+    before = evaluate(trainer)
     after = train_and_save(trainer, print_summary, evaluate)
     print(f"held-out JSD to the teacher (per completion token): {before[0]:.4f} before -> {after[0]:.4f} after; "
           f"student's held-out exact match {before[1]['exact_match']:.1%} -> {after[1]['exact_match']:.1%} (teacher: "

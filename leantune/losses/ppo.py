@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from .policy_gradient import k3_kl
+
 KL_ESTIMATORS = ("k1", "k3")
 WHITEN_EPS = 1e-8
 
@@ -20,8 +22,7 @@ def token_kl(logps: torch.Tensor, ref_logps: torch.Tensor, estimator: str) -> to
     if estimator == "k1":
         return logps - ref_logps
     if estimator == "k3":
-        log_ratio = ref_logps - logps
-        return torch.expm1(log_ratio) - log_ratio
+        return k3_kl(logps, ref_logps)
     raise ValueError(f"`kl_estimator` must be one of {KL_ESTIMATORS}, got {estimator!r}.")
 
 
