@@ -50,8 +50,11 @@ def run(argv: list[str]) -> int:
         "leantune plan", (PlanArguments, ScriptArguments, ModelConfig, config_class), argv)
     explicit.discard("use_cpu")
     if model_args.model_name_or_path is None or script_args.dataset_name is None:
-        missing = "--model_name_or_path" if model_args.model_name_or_path is None else "--dataset_name"
-        raise UsageError(f"{missing} is required (a Hub id or local folder: only its config.json is read).")
+        if model_args.model_name_or_path is None:
+            raise UsageError("--model_name_or_path is required (a Hub id or local folder: only its config.json is "
+                             "read).")
+        raise UsageError("--dataset_name is required (the data as the trainers read it: a Hub id, a local folder or "
+                         "a data file).")
     from ..planning.devices import parse_budget
     from .runner import load_splits
 

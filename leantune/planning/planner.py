@@ -18,6 +18,7 @@ import contextlib
 import copy
 import dataclasses
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -121,7 +122,7 @@ def method_classes(method):
         wanted = str(method).replace("_", "").replace("-", "").lower() + "trainer"
         names = [name for name in getattr(leantune, "_EXPORTS", {}) if name.lower() == wanted]
         if not names:
-            known = sorted(name[:-len("Trainer")].lower() for name in getattr(leantune, "_EXPORTS", {})
+            known = sorted(command_name(name[:-len("Trainer")]) for name in getattr(leantune, "_EXPORTS", {})
                            if name.endswith("Trainer"))
             raise ValueError(f"`method`: unknown method {method!r}; known: {', '.join(known)}.")
         trainer = getattr(leantune, names[0])
@@ -129,6 +130,11 @@ def method_classes(method):
     if config is None:
         raise ValueError(f"`method`: {trainer.__name__} names no config_class.")
     return trainer, config
+
+
+def command_name(trainer_stem: str) -> str:
+    """The name a user types, as the CLI command: "OnlineDPO" -> "online-dpo"."""
+    return re.sub(r"(?<=[a-z])(?=[A-Z])", "-", trainer_stem).lower()
 
 
 def method_name(trainer_class) -> str:
