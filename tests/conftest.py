@@ -29,6 +29,10 @@ interpreter_on_for_imports(cuda=torch.cuda.is_available())
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "liger_interpreter: runs with TRITON_INTERPRET=1 (Liger's kernels on CPU)")
+    if not SHARED.is_dir():
+        # Two thirds of the suite reads it: without it, a run would "pass" with hundreds of skips.
+        pytest.exit(f"shared test data not found at {SHARED}: clone leantune beside the `shared` folder, or set "
+                    "LEANTUNE_SHARED=/path/to/shared", returncode=2)
 
 
 @pytest.fixture(autouse=True)
