@@ -371,6 +371,8 @@ LAYERS_TRACED = (2, 3, 4)  # a 1-layer model peaks elsewhere in the step (measur
 def _trace(config, trainer_class, config_class, train_dataset, fields, trainer_kwargs, measured_step, max_batches,
            quantization=None):
     """(parameters, trainable parameters, the trainer's own second step or None, [traced worst candidates])."""
+    # PEFT resolves "all-linear" in the config it is given to this model's module names: each trace gets a copy
+    trainer_kwargs = {**trainer_kwargs, "peft_config": copy.deepcopy(trainer_kwargs.get("peft_config"))}
     with planning_session() as mode:
         fake = fake_model_from_config(config, mode, _model_class(trainer_class), _dtype_of(fields))
         if quantization is not None:
@@ -384,7 +386,9 @@ def _trace(config, trainer_class, config_class, train_dataset, fields, trainer_k
                                                                train_dataset=train_dataset, **trainer_kwargs)
         _quiet(trainer)
         _real_reward_weights(trainer)
-        num_parameters = sum(p.numel() for p in trainer.model.parameters())
+        from .quantized import parameter_count
+
+        num_parameters = sum(parameter_count(p) for p in trainer.model.parameters())
         trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
         second = None
         if measured_step:

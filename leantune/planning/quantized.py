@@ -121,5 +121,13 @@ def _quantize_8bit(module, weight) -> None:
     module.weight = stand_in
 
 
+def parameter_count(param) -> int:
+    """The parameters a weight stands for: a packed 4-bit weight holds two in a byte (its quantization state knows the
+    full shape), as transformers' `num_parameters` counts them."""
+    state = getattr(param, "quant_state", None)
+    shape = getattr(state, "shape", None)
+    return int(torch.Size(shape).numel()) if shape is not None else param.numel()
+
+
 def _model_dtype(model) -> torch.dtype:
     return next(model.parameters()).dtype
