@@ -37,11 +37,13 @@ def quantization_from_fields(fields: dict):
     given = given if given is not None else in_init
     if "use_bnb_nested_quant" in flags:
         flags.setdefault("bnb_4bit_use_double_quant", flags.pop("use_bnb_nested_quant"))
-    if given is not None and any(flags.get(name) for name in ("load_in_4bit", "load_in_8bit")):
-        raise ValueError("`load_in_4bit` / `load_in_8bit` and a `quantization_config` are both given; set one.")
+    if given is not None and any(value not in (None, False) for value in flags.values()):
+        name = next(name for name, value in flags.items() if value not in (None, False))
+        raise ValueError(f"`{name}` and a `quantization_config` are both given; set the quantization in one place.")
     if given is None and not (flags.get("load_in_4bit") or flags.get("load_in_8bit")):
-        if any(value not in (None, False) for name, value in flags.items() if name.startswith("bnb_")):
-            raise ValueError("`bnb_4bit_*` fields have no effect without `load_in_4bit`.")
+        unused = [name for name, value in flags.items() if value not in (None, False)]
+        if unused:
+            raise ValueError(f"`{unused[0]}` has no effect without `load_in_4bit` or `load_in_8bit`.")
         return None
     from ..models.loading import _import_bitsandbytes
 
