@@ -138,3 +138,13 @@ def test_a_4bit_70b_plans_from_config_only(tmp_path, tokenizer, gsm8k_rows):
     assert abs(plan.num_parameters - plan.trainable_parameters - 70.55e9) < 0.01e9
     assert plan.trainable_parameters == layers * lora
     assert cpu_seconds < 60
+
+
+def test_quantization_fields_that_cannot_apply_are_named(tokenizer, gsm8k_rows):
+    dataset = gsm8k_prompt_completion(gsm8k_rows, 2)
+    config = tiny_model("llama").config
+    with pytest.raises(ValueError, match="`bnb_4bit_quant_type` has no effect without `load_in_4bit`"):
+        plan_memory(config, dataset, "sft", processing_class=tokenizer, bnb_4bit_quant_type="nf4")
+    with pytest.raises(ValueError, match="`load_in_4bit` and a `quantization_config` are both given"):
+        plan_memory(config, dataset, "sft", processing_class=tokenizer, load_in_4bit=True,
+                    model_init_kwargs={"quantization_config": NF4_DOUBLE})
