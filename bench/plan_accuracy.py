@@ -87,6 +87,33 @@ CONFIGS = [
     ("rloo LoRA no ckpt", "rloo", "qwen2", 32000, 2, {"peft": True, "gradient_checkpointing": False}),
 ]
 
+# QLoRA: the real run loads a saved checkpoint with bitsandbytes (CPU backend); LoRA on all linear layers
+NF4_DQ = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True}
+FP4 = {"load_in_4bit": True, "bnb_4bit_quant_type": "fp4"}
+INT8 = {"load_in_8bit": True}
+CONFIGS += [
+    ("qlora sft nf4+dq", "sft", "llama", 32000, 2, {"peft": True, "quantization": NF4_DQ}),
+    ("qlora sft fp4 qwen2", "sft", "qwen2", 32000, 2, {"peft": True, "quantization": FP4}),
+    ("qlora sft 8-bit", "sft", "llama", 32000, 2, {"peft": True, "quantization": INT8}),
+    ("qlora sft nf4+dq qwen2 no ckpt", "sft", "qwen2", 32000, 2, {"peft": True, "quantization": NF4_DQ,
+                                                                   "gradient_checkpointing": False}),
+    ("qlora sft fp4 padding-free", "sft", "llama", 32000, 2, {"peft": True, "quantization": FP4,
+                                                              "padding_free": True}),
+    ("qlora sft 8-bit qwen2 packing", "sft", "qwen2", 32000, 2, {"peft": True, "quantization": INT8,
+                                                                 "packing": True}),
+    ("qlora sft nf4+dq 6 layers (extrapolated)", "sft", "llama", 32000, 6, {"peft": True, "quantization": NF4_DQ}),
+    ("qlora dpo nf4+dq", "dpo", "llama", 32000, 2, {"peft": True, "quantization": NF4_DQ}),
+    ("qlora dpo 8-bit qwen2", "dpo", "qwen2", 32000, 2, {"peft": True, "quantization": INT8}),
+    ("qlora dpo fp4 no ckpt", "dpo", "llama", 32000, 2, {"peft": True, "quantization": FP4,
+                                                          "gradient_checkpointing": False}),
+    ("qlora sft nf4+dq bf16 compute", "sft", "llama", 32000, 2, {"peft": True, "quantization": {
+        **NF4_DQ, "bnb_4bit_compute_dtype": "bfloat16"}}),
+    ("qlora grpo nf4+dq", "grpo", "llama", 32000, 2, {"peft": True, "quantization": NF4_DQ}),
+]
+
+
+PART_ERRORS = []  # (row, the largest |predicted - measured| of a part, as a share of the measured peak)
+
 
 def fields_for(method: str, extra: dict) -> dict:
     base = dict(per_device_train_batch_size=4, max_steps=2, seed=0, learning_rate=1e-4)
@@ -94,7 +121,7 @@ def fields_for(method: str, extra: dict) -> dict:
         base["max_length"] = 256
     if method in ("grpo", "rloo"):
         base.update(num_generations=4, max_completion_length=24, max_prompt_length=96)
-    base.update({k: v for k, v in extra.items() if k != "peft"})
+    base.update({k: v for k, v in extra.items() if k not in ("peft", "quantization")})
     return base
 
 
@@ -113,11 +140,17 @@ def run_one(name, method, arch, vocab, layers, extra, tokenizer):
     fields = fields_for(method, extra)
     peft = LoraConfig(r=8, lora_alpha=16, task_type="SEQ_CLS" if method == "reward" else "CAUSAL_LM") \
         if extra.get("peft") else None
+    quantization = extra.get("quantization")
+    if quantization:  # QLoRA: every linear layer adapted, the plan told the quantization as the run is
+        peft = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
+        kwargs_plan = {"quantization_config": quantization}
+    else:
+        kwargs_plan = {}
     dataset = data(METHOD_DATA[method], 48 if method in ("grpo", "rloo") else 64)
     kwargs = {"reward_funcs": reward_len} if method in ("grpo", "rloo") else {}
     started = time.perf_counter()
     plan = plan_memory(tiny_config(arch, vocab, layers), dataset, method, processing_class=tokenizer,
-                       peft_config=peft, **kwargs, **fields)
+                       peft_config=peft, **kwargs, **kwargs_plan, **fields)
     plan_seconds = time.perf_counter() - started
     torch.manual_seed(0)
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -128,6 +161,13 @@ def run_one(name, method, arch, vocab, layers, extra, tokenizer):
         model = AutoModelForSequenceClassification.from_config(config)
     else:
         model = AutoModelForCausalLM.from_config(config)
+    if quantization:  # bitsandbytes quantizes while loading: the run loads the saved model by path
+        import tempfile
+
+        folder = tempfile.mkdtemp(prefix="leantune-plan-qlora-")
+        model.save_pretrained(folder)
+        model = folder
+        fields = {**fields, "model_init_kwargs": {"quantization_config": quantization}}
     args = config_class(output_dir="/tmp/leantune-plan-bench", use_cpu=True, report_to=[], save_strategy="no",
                         disable_tqdm=True, logging_steps=1, memory_breakdown=True, **fields)
     trainer = trainer_class(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
@@ -139,6 +179,9 @@ def run_one(name, method, arch, vocab, layers, extra, tokenizer):
         trainer.train()
     measured = trainer.memory_breakdown.peak_bytes
     predicted = plan.measured_step.peak_bytes
+    parts = set(trainer.memory_breakdown.parts) | set(plan.measured_step.parts)
+    PART_ERRORS.append((name, max(abs(plan.measured_step.parts.get(part, 0) - trainer.memory_breakdown.parts.get(
+        part, 0)) for part in parts) / measured))
     return predicted, measured, plan.worst.peak_bytes, plan_seconds
 
 
@@ -173,6 +216,10 @@ def main() -> None:
     if errors:
         print(f"\n{len(errors)} configurations: worst |error| {100 * max(errors):.2f}%, within 2%: "
               f"{sum(e <= 0.02 for e in errors)}, within 5%: {sum(e <= 0.05 for e in errors)}")
+    if PART_ERRORS:
+        row, worst_part = max(PART_ERRORS, key=lambda item: item[1])
+        print(f"parts (parameters, gradients, optimizer states, activations, temporaries): worst |error| "
+              f"{100 * worst_part:.2f}% of the peak ({row})")
 
 
 if __name__ == "__main__":

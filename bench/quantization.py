@@ -13,11 +13,10 @@ The quantised rows keep every weight that is not a quantised linear layer (embed
 compute in fp32: PEFT's `prepare_model_for_kbit_training`, which leantune runs for every quantised model as TRL
 does, casts those to fp32 whatever `dtype` says.
 
-MemTracker counts a 4-bit weight by its packed uint8 storage only: bitsandbytes keeps the per-block scales
-(`quant_state.absmax`, 4 bytes per 64 weights, or about 1 byte per 256 with nested quantisation) beside the
-parameter, where MemTracker does not look; they are counted here separately ("quant. constants") and added to the
-reported peak ("peak + constants"). 8-bit weights are int8 parameters with one fp32 scale per row (`SCB`), also
-counted there. The process's peak RSS is shown too (it includes Python, torch and the dataset).
+bitsandbytes keeps the per-block scales of a 4-bit weight (`quant_state.absmax`, 4 bytes per 64 weights, or about 1
+byte per 256 with nested quantisation) and the row scales of an 8-bit one (`SCB`) beside the parameter, where
+MemTracker does not look; leantune's meter hands them to it as parameters (metrics/quantized_weights.py), so the step
+peak includes them; they are also shown alone ("quant. constants", part of the peak). The process's peak RSS is shown too (it includes Python, torch and the dataset).
 
 Memory numbers do not depend on the machine's load; the step time is printed but is not a benchmark here.
 """
@@ -155,14 +154,14 @@ def main() -> None:
         p = r["parts_mib"]
         split = "/".join(f"{p.get(k, 0):.0f}" for k in ("parameters", "gradients", "optimizer_states", "activations",
                                                           "temporaries"))
-        rows.append([r["label"], f"{r['peak_mib']:,.0f}", f"{r['constants_mib']:.1f}",
-                     f"{r['peak_mib'] + r['constants_mib']:,.0f}", split, f"{r['frozen_params_mib']:,.0f}",
+        rows.append([r["label"], f"{r['peak_mib']:,.0f}", f"{r['constants_mib']:.1f}", split,
+                     f"{r['frozen_params_mib']:,.0f}",
                      f"{r['peak_rss_mib']:,.0f}", f"{r['train_loss']:.4f}"])
     print(f"Model: Llama {MODEL}, {n_params / 1e6:.0f}M parameters; LoRA r=16 on all linear layers; "
           f"batch {SETTINGS['per_device_train_batch_size']} x max_length {SETTINGS['max_length']}")
     print(f"{machine_description()}; {library_versions('transformers', 'peft', 'bitsandbytes', 'accelerate')}; "
           f"{source_state()}")
-    print(markdown_table(["config", "step peak MiB (MemTracker)", "quant. constants MiB", "peak + constants MiB",
+    print(markdown_table(["config", "step peak MiB (MemTracker)", "of it quant. constants MiB",
                           "parts P/G/O/A/T MiB", "frozen base MiB", "process peak RSS MiB", "train loss"], rows))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))

@@ -64,8 +64,6 @@ def run(argv: list[str]) -> int:
     init = {k: v for k, v in model_init_kwargs_from(model_args).items() if k != "revision"}
     if init:
         fields["model_init_kwargs"] = {**init, **(fields.get("model_init_kwargs") or {})}
-    if model_args.load_in_4bit or model_args.load_in_8bit:
-        raise UsageError("--load_in_4bit / --load_in_8bit: quantized (QLoRA) models are not planned yet.")
     fields.pop("eval_strategy", None)
     config.eval_strategy = "no"
     train, _ = load_splits(script_args, config)

@@ -61,6 +61,7 @@ class StepMemoryMeter:
     def __init__(self, device: torch.device | str):
         self.device = torch.device(device)
         self._tracker = None
+        self._dequantization = None
 
     @property
     def running(self) -> bool:
@@ -73,11 +74,18 @@ class StepMemoryMeter:
             for tensor in tensors:  # a storage the tracker already files (a parameter's) keeps its part
                 if tensor.untyped_storage() not in tracker._WINFO:
                     tracker._update_and_maybe_create_winfos(tensor, part)
+        from .quantized_weights import quantization_state_tensors, visible_dequantization
+
+        for tensor in quantization_state_tensors(model):  # bitsandbytes' scales: held beside the weights
+            if tensor.untyped_storage() not in tracker._WINFO:
+                tracker._update_and_maybe_create_winfos(tensor, _param_kind())
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         tracker.__enter__()
         self._tracker = tracker
+        self._dequantization = visible_dequantization(model)
+        self._dequantization.__enter__()
 
     def next_micro_batch(self) -> None:
         """Gradient accumulation calls the model again within the step; the step's peak is kept."""
@@ -88,6 +96,9 @@ class StepMemoryMeter:
         tracker, self._tracker = self._tracker, None
         if tracker is None:
             return None
+        dequantization, self._dequantization = self._dequantization, None
+        if dequantization is not None:
+            dequantization.__exit__(None, None, None)
         tracker.__exit__(None, None, None)
         snapshot = tracker.get_tracker_snapshot("peak")
         by_device = {str(device): stats for device, stats in snapshot.items()}
@@ -134,6 +145,12 @@ def _tracker_class():
                 return super()._pre_fw_hook(module, inputs)
 
     return FrozenParameterSafeTracker
+
+
+def _param_kind():
+    from torch.distributed._tools.mem_tracker import _MemRefType
+
+    return _MemRefType.PARAM
 
 
 class _NoHook:

@@ -317,8 +317,10 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
     fields = dict(config_fields)
     if args is not None:
         fields = {**{k: v for k, v in args.to_dict().items() if k in _explicit_fields(args)}, **fields}
-    if fields.get("load_in_4bit") or fields.get("load_in_8bit"):
-        raise ValueError("`load_in_4bit` / `load_in_8bit`: quantized (QLoRA) models are not planned yet.")
+    from .quantized import quantization_from_fields
+
+    quantization = quantization_from_fields(fields)  # 4/8-bit (QLoRA): planning/quantized.py
+    quantized = {"quantization": quantization} if quantization is not None else {}
     config = model_config_of(model)
     model_label = model if isinstance(model, str) else getattr(config, "_name_or_path", "") or config.model_type
     trainer_kwargs = {"processing_class": processing_class, "peft_config": peft_config}
@@ -332,19 +334,19 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
         layers = _layer_count(config)
         if layers is not None and layers > LAYERS_TRACED[-1]:
             runs = [_trace(_with_layers(config, count), trainer_class, config_class, train_dataset, fields,
-                           trainer_kwargs, measured_step, max_batches) for count in LAYERS_TRACED]
+                           trainer_kwargs, measured_step, max_batches, **quantized) for count in LAYERS_TRACED]
             extrapolated = _extrapolate(runs, layers)
             if extrapolated is None:
                 notes.append(f"per-layer growth not exactly linear over {LAYERS_TRACED} layers: all {layers} traced")
                 result = _trace(config, trainer_class, config_class, train_dataset, fields, trainer_kwargs,
-                                measured_step, max_batches)
+                                measured_step, max_batches, **quantized)
             else:
                 result = extrapolated
                 notes.append(f"traced with {', '.join(map(str, LAYERS_TRACED))} of the {layers} layers; every part "
                              "grew by the same bytes per layer (exact), extrapolated to all layers")
         else:
             result = _trace(config, trainer_class, config_class, train_dataset, fields, trainer_kwargs,
-                            measured_step, max_batches)
+                            measured_step, max_batches, **quantized)
     finally:
         logging.getLogger("leantune").setLevel(logging_level)
     num_parameters, trainable, second, traced = result
@@ -366,10 +368,17 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
 LAYERS_TRACED = (2, 3, 4)  # a 1-layer model peaks elsewhere in the step (measured); from 2 layers on it is linear
 
 
-def _trace(config, trainer_class, config_class, train_dataset, fields, trainer_kwargs, measured_step, max_batches):
+def _trace(config, trainer_class, config_class, train_dataset, fields, trainer_kwargs, measured_step, max_batches,
+           quantization=None):
     """(parameters, trainable parameters, the trainer's own second step or None, [traced worst candidates])."""
+    # PEFT resolves "all-linear" in the config it is given to this model's module names: each trace gets a copy
+    trainer_kwargs = {**trainer_kwargs, "peft_config": copy.deepcopy(trainer_kwargs.get("peft_config"))}
     with planning_session() as mode:
         fake = fake_model_from_config(config, mode, _model_class(trainer_class), _dtype_of(fields))
+        if quantization is not None:
+            from .quantized import quantize_fake_model
+
+            fake = quantize_fake_model(fake, quantization, mode)
         run_args = config_class(**{"output_dir": "/tmp/leantune-plan", "use_cpu": True, **fields,
                                    **PLANNING_FIELDS})
         accumulation = run_args.gradient_accumulation_steps
@@ -377,7 +386,9 @@ def _trace(config, trainer_class, config_class, train_dataset, fields, trainer_k
                                                                train_dataset=train_dataset, **trainer_kwargs)
         _quiet(trainer)
         _real_reward_weights(trainer)
-        num_parameters = sum(p.numel() for p in trainer.model.parameters())
+        from .quantized import parameter_count
+
+        num_parameters = sum(parameter_count(p) for p in trainer.model.parameters())
         trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
         second = None
         if measured_step:
