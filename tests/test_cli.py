@@ -75,6 +75,23 @@ def test_sft_reads_parquet_csv_and_saved_folders(local_model_and_data, tmp_path)
         load_dataset_source(str(tmp_path / "missing.jsonl"))
 
 
+def test_lora_all_linear_from_the_command_line_adapts_every_linear_layer(local_model_and_data, tmp_path):
+    from leantune.cli.main import main
+
+    model_dir, data_file = local_model_and_data
+    out = tmp_path / "out"
+    code = main(["sft", "--model_name_or_path", str(model_dir), "--dataset_name", str(data_file), "--max_steps", "1",
+                 "--per_device_train_batch_size", "2", "--max_length", "64", "--use_peft", "true",
+                 "--lora_target_modules", "all-linear", "--output_dir", str(out), "--use_cpu", "true",
+                 "--report_to", "none", "--save_strategy", "no"])
+    assert code == 0
+    adapted = json.loads((out / "adapter_config.json").read_text())["target_modules"]
+    # PEFT's "all-linear", resolved to module names: every linear layer of every decoder layer, not the output head
+    assert {name.rsplit(".", 1)[-1] for name in adapted} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                            "up_proj", "down_proj"}
+    assert {name.split(".")[2] for name in adapted} == {str(i) for i in range(tiny_model().config.num_hidden_layers)}
+
+
 def test_demo_runs_with_no_model_or_dataset(tmp_path):
     result = leantune("sft", "--max_steps", "3", "--output_dir", str(tmp_path / "demo"))
     assert result.returncode == 0, result.stderr[-3000:]

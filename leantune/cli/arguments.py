@@ -111,8 +111,15 @@ def peft_config_from(model_args: ModelConfig):
         r=model_args.lora_r,
         lora_alpha=model_args.lora_alpha,
         lora_dropout=model_args.lora_dropout,
-        target_modules=model_args.lora_target_modules,
+        target_modules=_target_modules(model_args.lora_target_modules),
         modules_to_save=model_args.lora_modules_to_save,
         task_type=model_args.lora_task_type,
         use_rslora=model_args.use_rslora,
     )
+
+
+def _target_modules(names):
+    """PEFT reads its "all-linear" shortcut only as a string, and a flag of several values arrives as a list."""
+    if names is not None and len(names) == 1 and names[0] == "all-linear":
+        return "all-linear"
+    return names
