@@ -174,7 +174,7 @@ def _dtype_of(fields: dict):
 # --- the traced run ----------------------------------------------------------------------------------------------------
 
 PLANNING_FIELDS = dict(max_steps=2, save_strategy="no", report_to=[], disable_tqdm=True, memory_breakdown=True,
-                       logging_steps=1, eval_strategy="no", push_to_hub=False)
+                       logging_steps=1, eval_strategy="no", push_to_hub=False, plan_check=False)
 
 
 def _planning_trainer_class(trainer_class, mode: WeightlessMode):
