@@ -118,6 +118,7 @@ class LengthProfile:
     curves: dict[str, list]  # the figure's lines: kept share and padding waste against max_length
     seconds: dict[str, float] = field(default_factory=dict)
     lengths: np.ndarray | None = field(default=None, repr=False)  # stats["sequences"]'s lengths, for the figure
+    row_lengths: dict | None = field(default=None, repr=False)  # DatasetLengths.row_lengths(): `leantune plan --lengths`
 
     def candidate(self, max_length: int) -> CandidateRow:
         for row in self.candidates:
@@ -133,6 +134,7 @@ class LengthProfile:
             "stats": {name: stats.to_dict() for name, stats in self.stats.items()},
             "candidates": [row.to_dict() for row in self.candidates],
             "recommendation": self.recommendation.to_dict(),
+            **({"row_lengths": self.row_lengths} if self.row_lengths is not None else {}),
         }
 
     def to_json(self, path=None) -> str:
