@@ -77,11 +77,9 @@ RUN_ONLY_FIELDS = ("output_dir", "logging_dir", "run_name", "report_to", "save_s
                    "local_rank", "model_init_kwargs", "peft_config")
 
 
-def check_before_training(trainer, free_bytes: int | None = None):
+def check_before_training(trainer):
     """Plan `trainer`'s run, log its predicted peak, and warn in one line when it exceeds the memory this run can use.
-
-    `free_bytes`: the device's free memory (default: measured now, `available_memory`); what the trained model already
-    holds on the device is added to it. Returns the plan (None when the run is not planned, said in a log line)."""
+    Returns the plan (None when the run is not planned, said in a log line)."""
     if trainer.args.world_size > 1:
         logger.info("plan_check: %d processes; the check plans one process only: run `leantune plan --num_processes "
                     "%d` before the launch.", trainer.args.world_size, trainer.args.world_size)
@@ -92,10 +90,18 @@ def check_before_training(trainer, free_bytes: int | None = None):
         logger.warning("plan_check: this run could not be planned (%s); training goes on unchecked.",
                        str(error).splitlines()[0])
         return None
-    device = trainer.args.device
+    report_fit(plan, trainer.model, trainer.args.device)
+    return plan
+
+
+def report_fit(plan, model, device: torch.device, free_bytes: int | None = None) -> bool:
+    """Log the plan's peak against the memory this run can use; a one-line warning when it does not fit.
+
+    `free_bytes`: the device's free memory (default: measured now, `available_memory`); what `model` already holds on
+    the device is added to it. Returns whether the plan fits."""
     needed = plan.device_total_bytes + device_terms_of_run(plan, device)
     free = available_memory(device) if free_bytes is None else int(free_bytes)
-    usable = free + held_by_model(trainer.model, device)
+    usable = free + held_by_model(model, device)
     logger.info("plan_check: predicted step peak %s (worst batch: %s, optimizer step %s); %s usable on %s.",
                 _size(needed), plan.worst.batch, plan.worst.step, _size(usable), device)
     if needed > usable:
@@ -103,7 +109,7 @@ def check_before_training(trainer, free_bytes: int | None = None):
                        "model's %s); try `leantune plan --memory_budget %s` with this run's flags for a configuration "
                        "that fits.", _size(needed), _size(usable), device, _size(free),
                        _size(usable - free), _budget_flag(usable))
-    return plan
+    return needed <= usable
 
 
 def device_terms_of_run(plan, device: torch.device) -> int:
