@@ -14,7 +14,7 @@ import os
 
 import numpy as np
 
-SFT_METHODS = ("sft", "gkd")
+SFT_METHODS = ("sft",)
 PAIR_METHODS = ("dpo",)  # prompt_ids / chosen_ids / rejected_ids
 WHOLE_PAIR_METHODS = ("reward",)  # chosen_ids / rejected_ids are whole sequences (prompt + completion)
 

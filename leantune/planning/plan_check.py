@@ -62,6 +62,12 @@ def _plan_of_trainer(trainer, plan_memory, _explicit_fields):
     for name in RUN_ONLY_FIELDS:
         fields.pop(name, None)
     model = _unwrapped(trainer.model)
+    if getattr(model, "is_quantized", False) or getattr(getattr(model, "config", None), "quantization_config", None):
+        raise ValueError("quantized (4/8-bit) models are not planned yet")
+    import datasets
+
+    if isinstance(trainer.train_dataset, datasets.IterableDataset):
+        raise ValueError("a streamed train dataset is not planned (its rows are not all known before training)")
     dtype = next((p.dtype for p in model.parameters() if p.dtype.is_floating_point), torch.float32)
     fields["model_init_kwargs"] = {**(fields.get("model_init_kwargs") or {}), "dtype": dtype}
     peft_config = _peft_config(model)
