@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import logging
 import re
 from pathlib import Path
@@ -86,9 +87,16 @@ def test_plan_from_the_profile_json_is_the_plan_from_the_data(tokenizer, gsm8k_r
                             lengths=str(profile_path), **fields)
     assert from_json.worst == from_data.worst  # same batch, same step, same bytes per part: exact, not approximate
 
-    # Mistakes are one line: a file that is not a profile, a profile of another kind of data than the method reads.
+    # The command plans the same rows (the model folder holds config.json only; the tokenizer is named apart).
     model_dir = tmp_path / "model"
     config.save_pretrained(model_dir)
+    plan_json = tmp_path / "plan.json"
+    assert main(["plan", "--model_name_or_path", str(model_dir), "--tokenizer", str(tokenizer.name_or_path),
+                 "--lengths", str(profile_path), "--padding_free", "true", "--per_device_train_batch_size", "4",
+                 "--max_length", "96", "--plan_json", str(plan_json)]) == 0
+    assert json.loads(plan_json.read_text())["worst"]["peak_bytes"] == from_data.worst.peak_bytes
+
+    # Mistakes are one line: a file that is not a profile, a profile of another kind of data than the method reads.
     (tmp_path / "other.json").write_text("{}")
     capsys.readouterr()
     for lengths, method, said in [(tmp_path / "other.json", "sft", "row_lengths"), (profile_path, "dpo", "dpo")]:
