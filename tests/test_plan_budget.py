@@ -62,7 +62,7 @@ def test_plan_check_predicts_its_own_run_and_changes_nothing(tokenizer, gsm8k_ro
         assert report_fit(plan, checked.model, torch.device("cpu"), free_bytes=1 * MIB) is False
     warnings = [r.message for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "\n" not in warnings[0]
-    assert f"{plan.peak_bytes / MIB:,.1f} MiB" in warnings[0] and "leantune plan --memory_budget" in warnings[0]
+    assert f"{plan.peak_bytes / MIB:,.1f} MiB" in warnings[0] and "leantune plan --device cpu --memory_budget" in warnings[0]
     held = sum(p.numel() * p.element_size() for p in checked.model.parameters()) + sum(
         b.numel() * b.element_size() for b in checked.model.buffers())
     assert f"{(MIB + held) / MIB:,.1f} MiB this run can use" in warnings[0]

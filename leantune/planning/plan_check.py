@@ -112,9 +112,9 @@ def report_fit(plan, model, device: torch.device, free_bytes: int | None = None)
                 _size(needed), plan.worst.batch, plan.worst.step, _size(usable), device)
     if needed > usable:
         logger.warning("plan_check: the predicted step peak %s exceeds the %s this run can use on %s (free %s + the "
-                       "model's %s); try `leantune plan --memory_budget %s` with this run's flags for a configuration "
-                       "that fits.", _size(needed), _size(usable), device, _size(free),
-                       _size(usable - free), _budget_flag(usable))
+                       "model's %s); try `leantune plan %s--memory_budget %s` with this run's flags for a "
+                       "configuration that fits.", _size(needed), _size(usable), device, _size(free),
+                       _size(usable - free), "--device cpu " if device.type == "cpu" else "", _budget_flag(usable))
     return needed <= usable
 
 
