@@ -50,13 +50,13 @@ def held_by_model(model: torch.nn.Module, device: torch.device) -> int:
 def plan_of_trainer(trainer):
     """The plan of the run `trainer` is about to train: its class, prepared data, explicit fields, adapters, tokenizer
     and model config (the model's own dtype)."""
+    with _global_state_kept():  # a config built to find the explicit fields resets accelerate's state too
+        return _plan_of_trainer(trainer)
+
+
+def _plan_of_trainer(trainer):
     from .planner import _explicit_fields, plan_memory
 
-    with _global_state_kept():  # a config built to find the explicit fields resets accelerate's state too
-        return _plan_of_trainer(trainer, plan_memory, _explicit_fields)
-
-
-def _plan_of_trainer(trainer, plan_memory, _explicit_fields):
     args = trainer.args
     fields = {name: getattr(args, name) for name in _explicit_fields(args)}
     for name in RUN_ONLY_FIELDS:
@@ -92,9 +92,9 @@ def check_before_training(trainer):
         return None
     try:
         plan = plan_of_trainer(trainer)
-    except (ValueError, TypeError, NotImplementedError, RuntimeError) as error:
-        logger.warning("plan_check: this run could not be planned (%s); training goes on unchecked.",
-                       str(error).splitlines()[0])
+    except Exception as error:  # noqa: BLE001 - the check advises; a plan it cannot make must not stop the run
+        logger.warning("plan_check: this run could not be planned (%s: %s); training goes on unchecked.",
+                       type(error).__name__, (str(error).splitlines() or [""])[0])
         return None
     report_fit(plan, trainer.model, trainer.args.device)
     return plan
