@@ -71,6 +71,14 @@ def test_plan_check_predicts_its_own_run_and_changes_nothing(tokenizer, gsm8k_ro
         assert report_fit(plan, checked.model, torch.device("cpu"), free_bytes=plan.peak_bytes) is True
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
+    # A run the plan cannot take (a stream: its rows are not known before training) says so in one line and trains.
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="leantune.plan"):
+        streamed = _train(tiny_model("llama"), dataset.to_iterable_dataset(), tokenizer, plan_check=True, **fields)
+    assert streamed.memory_plan is None and streamed.state.global_step == 2
+    skipped = [r.message for r in caplog.records if r.name == "leantune.plan" and r.levelno == logging.WARNING]
+    assert len(skipped) == 1 and "streamed" in skipped[0] and "goes on unchecked" in skipped[0]
+
 
 def test_plan_from_the_profile_json_is_the_plan_from_the_data(tokenizer, gsm8k_rows, tmp_path, capsys):
     from leantune.profiling import profile_dataset
