@@ -107,9 +107,11 @@ def test_plan_from_the_profile_json_is_the_plan_from_the_data(tokenizer, gsm8k_r
     # Mistakes are one line: a file that is not a profile, a profile of another kind of data than the method reads.
     (tmp_path / "other.json").write_text("{}")
     capsys.readouterr()
-    for lengths, method, said in [(tmp_path / "other.json", "sft", "row_lengths"), (profile_path, "dpo", "dpo")]:
+    for lengths, method, said in [(tmp_path / "other.json", "sft", "row_lengths"), (profile_path, "dpo", "dpo"),
+                                  (profile_path, "sft", "--dataset_name")]:
+        both = ["--dataset_name", "x.jsonl"] if said == "--dataset_name" else []
         assert main(["plan", "--model_name_or_path", str(model_dir), "--lengths", str(lengths),
-                     "--method", method]) == 2
+                     "--method", method, *both]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "--lengths" in err[0] and said in err[0] and "Traceback" not in err[0]
 

@@ -57,6 +57,8 @@ def run(argv: list[str]) -> int:
                              "read).")
         raise UsageError("--dataset_name is required (the data as the trainers read it: a Hub id, a local folder or "
                          "a data file), or --lengths (leantune profile's JSON).")
+    if plan_args.lengths and script_args.dataset_name is not None:
+        raise UsageError("--lengths and --dataset_name: give one (the profile's row lengths, or the data).")
     from ..planning.devices import parse_budget
     from .runner import load_splits
 
