@@ -138,7 +138,13 @@ class LengthProfile:
         }
 
     def to_json(self, path=None) -> str:
-        text = json.dumps(self.to_dict(), indent=2)
+        values = self.to_dict()
+        rows = values.pop("row_lengths", None)
+        text = json.dumps(values, indent=2)
+        if rows is not None:  # one compact line per list: a number a line would be ~3x the size
+            listed = ",\n".join(f'    "{name}": {json.dumps(lengths, separators=(",", ":"))}'
+                                 for name, lengths in rows.items())
+            text = text[:-2] + ',\n  "row_lengths": {\n' + listed + "\n  }\n}"
         if path is not None:
             with open(path, "w", encoding="utf-8") as handle:
                 handle.write(text + "\n")
