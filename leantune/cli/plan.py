@@ -77,8 +77,12 @@ def run(argv: list[str]) -> int:
         from ..planning.planner import _filler_token, method_name, model_config_of
 
         try:
-            train = dataset_from_lengths(plan_args.lengths, method_name(trainer_class),
-                                         _filler_token(model_config_of(model_args.model_name_or_path)))
+            filler = _filler_token(model_config_of(model_args.model_name_or_path))
+        except ValueError as error:
+            raise UsageError(f"--model_name_or_path {model_args.model_name_or_path}: {str(error).split(': ', 1)[-1]}") \
+                from error
+        try:
+            train = dataset_from_lengths(plan_args.lengths, method_name(trainer_class), filler)
         except ValueError as error:
             raise UsageError(f"--lengths {plan_args.lengths}: {str(error).split(': ', 1)[-1]}") from error
     else:

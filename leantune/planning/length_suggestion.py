@@ -74,6 +74,8 @@ def current_max_length(config_class, fields: dict) -> int | None:
 def suggest_for_budget(recommendation, lengths, config_class, fields: dict, keep_threshold: float, search):
     """The suggestion, with its own budget search (`search(fields)` -> Recommendation) when the same-result search
     gave something up (it did not choose its fastest candidate, or nothing fitted)."""
+    if "max_length" not in getattr(config_class, "__dataclass_fields__", {}):
+        return None  # the method truncates by other fields (GRPO's prompt and completion lengths)
     suggestion = suggest_max_length(lengths, current_max_length(config_class, fields), keep_threshold)
     if suggestion is None:
         return None
