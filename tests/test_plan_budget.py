@@ -7,11 +7,14 @@ import contextlib
 import io
 import json
 import logging
+import random
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from transformers import TrainerCallback
 
 from leantune.cli.main import main
 from leantune.planning import plan_memory
@@ -28,9 +31,28 @@ def _train(model, dataset, tokenizer, **fields):
     args = SFTConfig(output_dir="/tmp/leantune-test-plan-budget", use_cpu=True, report_to=[], save_strategy="no",
                      disable_tqdm=True, max_steps=2, **fields)
     trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
+    probe = _RandomStates()
+    trainer.add_callback(probe)
+    probe.at_call = probe.now()  # as the Trainer's set-up left them (set_seed(args.seed)): the plan's order is theirs
     with contextlib.redirect_stdout(io.StringIO()):
         trainer.train()
+    trainer.random_states = probe
     return trainer
+
+
+class _RandomStates(TrainerCallback):
+    """The RNGs' states when train() was called and when the Trainer's loop began (after any plan_check)."""
+
+    @staticmethod
+    def now():
+        return torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.at_begin = self.now()
+
+    def unchanged(self) -> bool:
+        (t0, r0, n0), (t1, r1, n1) = self.at_call, self.at_begin
+        return torch.equal(t0, t1) and r0 == r1 and bool((n0 == n1).all())
 
 
 def test_plan_check_predicts_its_own_run_and_changes_nothing(tokenizer, gsm8k_rows, caplog):
@@ -49,11 +71,12 @@ def test_plan_check_predicts_its_own_run_and_changes_nothing(tokenizer, gsm8k_ro
     for part, size in measured.parts.items():
         assert abs(plan.measured_step.parts.get(part, 0) - size) <= 0.02 * measured.peak_bytes, part
     assert any("plan_check: predicted step peak" in r.message and r.levelno == logging.INFO for r in caplog.records)
-    # Planning ran in its own trainer, whose set-up re-seeds the RNGs (measured: torch's, numpy's and random's states
-    # all change without the restore); they, accelerate's state and the log level were put back, so the checked run
-    # trained bit for bit as the plain one (the sampler draws its order from torch's RNG).
+    # Planning ran in its own trainer, whose set-up re-seeds the RNGs (torch's, numpy's and random's states all change
+    # without the restore: checked below at the loop's start); they, accelerate's state and the log level were put
+    # back, so the checked run trained bit for bit as the plain one.
     for (name, a), b in zip(checked.model.named_parameters(), plain.model.parameters()):
         assert torch.equal(a, b), name
+    assert plain.random_states.unchanged() and checked.random_states.unchanged()  # the plan's set_seed undone
     assert logging.getLogger("leantune").level == level
 
     # The warning path, through the seam that takes the device's free memory as a number: the model already holds its
