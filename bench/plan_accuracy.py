@@ -85,6 +85,12 @@ CONFIGS = [
     ("grpo qwen2 128k padding-free", "grpo", "qwen2", 128256, 2, {"padding_free": True}),
     ("rloo default", "rloo", "llama", 32000, 2, {}),
     ("rloo LoRA no ckpt", "rloo", "qwen2", 32000, 2, {"peft": True, "gradient_checkpointing": False}),
+    # planned from `leantune profile`'s JSON of the same data (row lengths only), and by the run itself (plan_check)
+    ("sft from profile JSON", "sft", "llama", 32000, 2, {"lengths": True}),
+    ("sft padding-free from profile JSON", "sft", "qwen2", 32000, 2, {"lengths": True, "padding_free": True}),
+    ("dpo from profile JSON", "dpo", "llama", 32000, 2, {"lengths": True}),
+    ("reward from profile JSON", "reward", "llama", 32000, 2, {"lengths": True}),
+    ("sft plan_check (the run plans itself)", "sft", "llama", 32000, 2, {"plan_check": True, "packing": True}),
 ]
 
 # QLoRA: the real run loads a saved checkpoint with bitsandbytes (CPU backend); LoRA on all linear layers
@@ -121,7 +127,7 @@ def fields_for(method: str, extra: dict) -> dict:
         base["max_length"] = 256
     if method in ("grpo", "rloo"):
         base.update(num_generations=4, max_completion_length=24, max_prompt_length=96)
-    base.update({k: v for k, v in extra.items() if k not in ("peft", "quantization")})
+    base.update({k: v for k, v in extra.items() if k not in ("peft", "quantization", "lengths")})
     return base
 
 
@@ -149,8 +155,11 @@ def run_one(name, method, arch, vocab, layers, extra, tokenizer):
     dataset = data(METHOD_DATA[method], 48 if method in ("grpo", "rloo") else 64)
     kwargs = {"reward_funcs": reward_len} if method in ("grpo", "rloo") else {}
     started = time.perf_counter()
-    plan = plan_memory(tiny_config(arch, vocab, layers), dataset, method, processing_class=tokenizer,
-                       peft_config=peft, **kwargs, **kwargs_plan, **fields)
+    lengths = profile_json(dataset, tokenizer) if extra.get("lengths") else None
+    if not extra.get("plan_check"):
+        plan = plan_memory(tiny_config(arch, vocab, layers), None if lengths else dataset, method,
+                           processing_class=tokenizer, peft_config=peft, lengths=lengths, **kwargs, **kwargs_plan,
+                           **fields)
     plan_seconds = time.perf_counter() - started
     torch.manual_seed(0)
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -178,11 +187,24 @@ def run_one(name, method, arch, vocab, layers, extra, tokenizer):
     with contextlib.redirect_stdout(io.StringIO()):
         trainer.train()
     measured = trainer.memory_breakdown.peak_bytes
+    if extra.get("plan_check"):
+        plan, plan_seconds = trainer.memory_plan, trainer.memory_plan.seconds
     predicted = plan.measured_step.peak_bytes
     parts = set(trainer.memory_breakdown.parts) | set(plan.measured_step.parts)
     PART_ERRORS.append((name, max(abs(plan.measured_step.parts.get(part, 0) - trainer.memory_breakdown.parts.get(
         part, 0)) for part in parts) / measured))
     return predicted, measured, plan.worst.peak_bytes, plan_seconds
+
+
+def profile_json(dataset, tokenizer) -> str:
+    """`leantune profile`'s JSON of the data, written to a temporary file (its rows' lengths in data order)."""
+    import tempfile
+
+    from leantune.profiling import profile_dataset
+
+    path = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
+    profile_dataset(dataset, tokenizer, progress=False).to_json(path)
+    return path
 
 
 def main() -> None:

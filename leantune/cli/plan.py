@@ -26,6 +26,8 @@ class PlanArguments:
     tokenizer: str | None = field(
         default=None, metadata={"help": "Tokenizer id or folder, when --model_name_or_path holds only config.json."})
     plan_json: str | None = field(default=None, metadata={"help": "Also write the plan as JSON to this file."})
+    lengths: str | None = field(
+        default=None, metadata={"help": "leantune profile's JSON: plan rows of its lengths instead of --dataset_name."})
 
 
 def _method_of(argv: list[str]) -> str:
@@ -49,12 +51,14 @@ def run(argv: list[str]) -> int:
     plan_args, script_args, model_args, config, explicit = parse_command_args(
         "leantune plan", (PlanArguments, ScriptArguments, ModelConfig, config_class), argv)
     explicit.discard("use_cpu")
-    if model_args.model_name_or_path is None or script_args.dataset_name is None:
+    if model_args.model_name_or_path is None or (script_args.dataset_name is None and plan_args.lengths is None):
         if model_args.model_name_or_path is None:
             raise UsageError("--model_name_or_path is required (a Hub id or local folder: only its config.json is "
                              "read).")
         raise UsageError("--dataset_name is required (the data as the trainers read it: a Hub id, a local folder or "
-                         "a data file).")
+                         "a data file), or --lengths (leantune profile's JSON).")
+    if plan_args.lengths and script_args.dataset_name is not None:
+        raise UsageError("--lengths and --dataset_name: give one (the profile's row lengths, or the data).")
     from ..planning.devices import parse_budget
     from .runner import load_splits
 
@@ -66,7 +70,21 @@ def run(argv: list[str]) -> int:
         fields["model_init_kwargs"] = {**init, **(fields.get("model_init_kwargs") or {})}
     fields.pop("eval_strategy", None)
     config.eval_strategy = "no"
-    train, _ = load_splits(script_args, config)
+    if plan_args.lengths:
+        from ..planning.length_profile import dataset_from_lengths
+        from ..planning.planner import _filler_token, method_name, model_config_of
+
+        try:
+            filler = _filler_token(model_config_of(model_args.model_name_or_path))
+        except ValueError as error:
+            raise UsageError(f"--model_name_or_path {model_args.model_name_or_path}: {str(error).split(': ', 1)[-1]}") \
+                from error
+        try:
+            train = dataset_from_lengths(plan_args.lengths, method_name(trainer_class), filler)
+        except ValueError as error:
+            raise UsageError(f"--lengths {plan_args.lengths}: {str(error).split(': ', 1)[-1]}") from error
+    else:
+        train, _ = load_splits(script_args, config)
     from ..planning import plan_memory
 
     tokenizer = None
@@ -92,8 +110,39 @@ def run(argv: list[str]) -> int:
         recommendation = recommend(plan, budget, model_args.model_name_or_path, train, trainer_class,
                                    peft_config_from(model_args), plan_args, fields, tokenizer)
         print("\n".join(recommendation.lines()))
+        suggestion = _max_length_suggestion(recommendation, plan, budget, model_args, plan_args, train, trainer_class,
+                                            config_class, fields, tokenizer)
+        if suggestion is not None:
+            print("\n".join(suggestion.lines()))
     if plan_args.plan_json:
         with open(plan_args.plan_json, "w", encoding="utf-8") as handle:
             json.dump(plan.to_dict(), handle, indent=2, default=str)
         print(f"written: {plan_args.plan_json}", file=sys.stderr)
     return 0
+
+
+def _max_length_suggestion(recommendation, plan, budget, model_args, plan_args, train, trainer_class, config_class,
+                           fields, tokenizer):
+    """leantune profile's keep-threshold max_length, apart from the same-result candidates (planning/
+    length_suggestion.py); lengths from --lengths, else from the data through the trainer's tokenisation."""
+    from ..planning.length_profile import keep_threshold_of, sequence_lengths_of
+    from ..planning.length_suggestion import data_lengths, suggest_for_budget
+    from ..planning.recommend import recommend
+
+    if plan_args.lengths:
+        lengths, threshold = sequence_lengths_of(plan_args.lengths), keep_threshold_of(plan_args.lengths)
+    else:
+        from ..models.loading import load_tokenizer
+
+        try:
+            lengths = data_lengths(train, tokenizer or load_tokenizer(model_args.model_name_or_path))
+        except (OSError, ValueError) as error:
+            print(f"no max_length suggestion: the data's lengths are unknown ({str(error).splitlines()[0]})")
+            return None
+        threshold = 0.99
+
+    def search(shorter):
+        return recommend(plan, budget, model_args.model_name_or_path, train, trainer_class,
+                         peft_config_from(model_args), plan_args, shorter, tokenizer, limit=4)
+
+    return suggest_for_budget(recommendation, lengths, config_class, fields, threshold, search)

@@ -174,7 +174,7 @@ def _dtype_of(fields: dict):
 # --- the traced run ----------------------------------------------------------------------------------------------------
 
 PLANNING_FIELDS = dict(max_steps=2, save_strategy="no", report_to=[], disable_tqdm=True, memory_breakdown=True,
-                       logging_steps=1, eval_strategy="no", push_to_hub=False)
+                       logging_steps=1, eval_strategy="no", push_to_hub=False, plan_check=False)
 
 
 def _planning_trainer_class(trainer_class, mode: WeightlessMode):
@@ -299,12 +299,15 @@ def _first_epoch_batches(trainer, limit: int | None = None):
 
 def plan_memory(model, train_dataset=None, method="sft", *, args=None, processing_class=None, peft_config=None,
                 reward_funcs=None, num_processes: int = 1, engine: str = "ddp", device: str | None = None,
-                measured_step: bool = True, max_batches: int | None = None, **config_fields) -> MemoryPlan:
+                measured_step: bool = True, max_batches: int | None = None, lengths=None,
+                **config_fields) -> MemoryPlan:
     """Predict the step peak of training `model` on `train_dataset` with `method`, per process.
 
     `model`: Hub id, local folder (config.json is read, no weights), a transformers config, or a model (its config).
     `train_dataset`: the data as the trainer reads it. `args`: a config of the method (or pass its fields as keyword
-    arguments). `device`: a GPU name of `planning.devices.GPUS` or a size ("24GiB"), to add the device's terms."""
+    arguments). `device`: a GPU name of `planning.devices.GPUS` or a size ("24GiB"), to add the device's terms.
+    `lengths`: instead of `train_dataset`, `leantune profile`'s JSON (path or dict): rows of the profiled lengths
+    (planning/length_profile.py)."""
     from .devices import device_terms
     from .engines import check_engine, per_rank_notes
 
@@ -312,6 +315,10 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
     trainer_class, config_class = method_classes(method)
     name = method_name(trainer_class)
     check_engine(engine, num_processes)
+    if train_dataset is None and lengths is not None:
+        from .length_profile import dataset_from_lengths
+
+        train_dataset = dataset_from_lengths(lengths, name, _filler_token(model_config_of(model)))
     if train_dataset is None:
         raise ValueError("`train_dataset` is required (the data as the trainer reads it, or a length profile).")
     fields = dict(config_fields)

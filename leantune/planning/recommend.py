@@ -32,8 +32,13 @@ class Candidate:
         shown = ", ".join(f"{k}={v}" for k, v in sorted(self.fields.items()) if k in VARIED)
         if self.error:
             return f"  time x{self.relative_time:.2f}  {shown}: not planned ({self.error})"
-        return (f"  time x{self.relative_time:.2f}  {shown}: peak {self.peak_bytes / GIB:.2f} GiB, on the device "
-                f"{self.total_bytes / GIB:.2f} GiB")
+        return (f"  time x{self.relative_time:.2f}  {shown}: peak {_size(self.peak_bytes)}, on the device "
+                f"{_size(self.total_bytes)}")
+
+
+def _size(size: int) -> str:
+    """GiB with two decimals from 1 GiB on; below, MiB (a small model's candidates differ by MiB)."""
+    return f"{size / GIB:.2f} GiB" if size >= GIB else f"{size / MIB:.1f} MiB"
 
 
 VARIED = ("gradient_checkpointing", "activation_offloading", "per_device_train_batch_size",
@@ -47,7 +52,7 @@ class Recommendation:
     chosen: Candidate | None = None
 
     def lines(self) -> list[str]:
-        out = [f"memory budget {self.budget / GIB:.2f} GiB: candidates that learn the same thing, fastest first"]
+        out = [f"memory budget {_size(self.budget)}: candidates that learn the same thing, fastest first"]
         out += [candidate.line() for candidate in self.considered]
         if self.chosen is None:
             out.append("none fits: a smaller model, LoRA, or more processes with a sharding engine is needed")

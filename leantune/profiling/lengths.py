@@ -49,6 +49,18 @@ class DatasetLengths:
     num_empty: int = 0  # SFT: empty examples; preference: pairs with an empty completion (both dropped, counted)
     num_identical: int = 0  # preference: pairs whose chosen and rejected are the same (dropped, counted)
     parts: dict[str, np.ndarray] = field(default_factory=dict)  # preference: PREFERENCE_PARTS
+    # SFT prompt-completion data: each sequence's prompt tokens (not loss targets), for planning from lengths alone
+    prompts: np.ndarray | None = None
+
+    def row_lengths(self) -> dict[str, list[int]]:
+        """Every kept row's lengths in data order (what `leantune plan --lengths` rebuilds rows from): SFT
+        "sequences" (and "prompts"), preference "prompt", "chosen", "rejected"."""
+        if self.kind == "preference":
+            return {name: self.parts[name].tolist() for name in ("prompt", "chosen", "rejected")}
+        rows = {"sequences": self.sequences.tolist()}
+        if self.prompts is not None:
+            rows["prompts"] = self.prompts.tolist()
+        return rows
 
     @property
     def rows_per_item(self) -> int:
@@ -138,7 +150,9 @@ def _sft_lengths(dataset, tokenizer, fmt: SFTFormat, text_field: str, eos_id, nu
     count = SFTLengthCounter(SFTTokenizer(tokenizer, fmt, text_field, False, eos_id), text_field)
     counted = _map_lengths(dataset, count, num_proc)
     lengths, empty = _column(counted, "num_tokens").astype(np.int64), _column(counted, "is_empty").astype(bool)
-    return DatasetLengths("sft", fmt.value, len(dataset), lengths[~empty], int(empty.sum()))
+    prompts = _column(counted, "num_prompt_tokens").astype(np.int64)[~empty] if fmt in (
+        SFTFormat.PROMPT_COMPLETION, SFTFormat.CONVERSATIONAL_PROMPT_COMPLETION) else None
+    return DatasetLengths("sft", fmt.value, len(dataset), lengths[~empty], int(empty.sum()), prompts=prompts)
 
 
 def _preference_lengths(dataset, tokenizer, fmt: PreferenceFormat, eos_id, num_proc) -> DatasetLengths:
@@ -177,12 +191,14 @@ class SFTLengthCounter:
         empty = [is_empty_example({k: batch[k][i] for k in batch}, self.encoder.fmt, self.text_field)
                  for i in range(size)]
         kept = [i for i in range(size) if not empty[i]]
-        num_tokens = [0] * size
+        num_tokens, num_prompt = [0] * size, [0] * size
         if kept:
-            encoded = self.encoder({k: [batch[k][i] for i in kept] for k in batch})["input_ids"]
-            for i, ids in zip(kept, encoded):
+            encoded = self.encoder({k: [batch[k][i] for i in kept] for k in batch})
+            masks = encoded.get("completion_mask") or [None] * len(kept)
+            for i, ids, mask in zip(kept, encoded["input_ids"], masks):
                 num_tokens[i] = len(ids)
-        return {"num_tokens": num_tokens, "is_empty": empty}
+                num_prompt[i] = 0 if mask is None else len(mask) - sum(mask)
+        return {"num_tokens": num_tokens, "is_empty": empty, "num_prompt_tokens": num_prompt}
 
 
 class PreferenceLengthCounter:

@@ -167,6 +167,7 @@ def build_profile(lengths: DatasetLengths, *, max_lengths=None, batch_size: int 
         num_rows=lengths.num_rows, num_empty=lengths.num_empty, num_identical_pairs=lengths.num_identical,
         batch_size=batch_size, pad_to_multiple_of=pad_to_multiple_of, seed=seed, stats=stats,
         candidates=candidates, recommendation=recommendation, curves=curves, lengths=lengths.sequences,
+        row_lengths=lengths.row_lengths(),
     )
 
 

@@ -118,6 +118,7 @@ class LengthProfile:
     curves: dict[str, list]  # the figure's lines: kept share and padding waste against max_length
     seconds: dict[str, float] = field(default_factory=dict)
     lengths: np.ndarray | None = field(default=None, repr=False)  # stats["sequences"]'s lengths, for the figure
+    row_lengths: dict | None = field(default=None, repr=False)  # DatasetLengths.row_lengths(): `leantune plan --lengths`
 
     def candidate(self, max_length: int) -> CandidateRow:
         for row in self.candidates:
@@ -133,10 +134,17 @@ class LengthProfile:
             "stats": {name: stats.to_dict() for name, stats in self.stats.items()},
             "candidates": [row.to_dict() for row in self.candidates],
             "recommendation": self.recommendation.to_dict(),
+            **({"row_lengths": self.row_lengths} if self.row_lengths is not None else {}),
         }
 
     def to_json(self, path=None) -> str:
-        text = json.dumps(self.to_dict(), indent=2)
+        values = self.to_dict()
+        rows = values.pop("row_lengths", None)
+        text = json.dumps(values, indent=2)
+        if rows is not None:  # one compact line per list: a number a line would be ~3x the size
+            listed = ",\n".join(f'    "{name}": {json.dumps(lengths, separators=(",", ":"))}'
+                                 for name, lengths in rows.items())
+            text = text[:-2] + ',\n  "row_lengths": {\n' + listed + "\n  }\n}"
         if path is not None:
             with open(path, "w", encoding="utf-8") as handle:
                 handle.write(text + "\n")

@@ -529,6 +529,10 @@ class LeantuneTrainer(ContextParallelism, Trainer):
     # --- metrics ------------------------------------------------------------------------------------------------
 
     def train(self, *args, **kwargs):
+        if getattr(self.args, "plan_check", False):
+            from ..planning.plan_check import check_before_training
+
+            self.memory_plan = check_before_training(self)  # planning/plan_check.py: training itself is unchanged
         reset_peak_memory(self.args.device)
         self.throughput.restart()
         output = super().train(*args, **kwargs)

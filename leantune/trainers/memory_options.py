@@ -46,6 +46,11 @@ class MemoryOptions:
         default=True,
         metadata={"help": "Measure one training step's peak memory and its parts (parameters, gradients, ...) and log them."},
     )
+    plan_check: bool = field(
+        default=False,
+        metadata={"help": "Before training, plan the run's step peak (leantune plan, fake weights) and warn when it "
+                  "exceeds the training device's free memory."},
+    )
 
 
 def validate_memory_options(args) -> None:
