@@ -191,6 +191,8 @@ def _planning_trainer_class(trainer_class, mode: WeightlessMode):
         def get_batch_samples(self, epoch_iterator, num_batches, device):
             if self.forced_batches is not None:
                 epoch_iterator = iter(self.forced_batches[:num_batches])
+                if len(self.forced_batches) > num_batches:  # a rank's batches: each step takes its own
+                    self.forced_batches = self.forced_batches[num_batches:]
             return super().get_batch_samples(epoch_iterator, num_batches, device)
 
         def _save(self, *args, **kwargs):
@@ -299,12 +301,14 @@ def _first_epoch_batches(trainer, limit: int | None = None):
 
 def plan_memory(model, train_dataset=None, method="sft", *, args=None, processing_class=None, peft_config=None,
                 reward_funcs=None, num_processes: int = 1, engine: str = "ddp", device: str | None = None,
-                measured_step: bool = True, max_batches: int | None = None, **config_fields) -> MemoryPlan:
+                measured_step: bool = True, max_batches: int | None = None, rank: int = 0,
+                **config_fields) -> MemoryPlan:
     """Predict the step peak of training `model` on `train_dataset` with `method`, per process.
 
     `model`: Hub id, local folder (config.json is read, no weights), a transformers config, or a model (its config).
     `train_dataset`: the data as the trainer reads it. `args`: a config of the method (or pass its fields as keyword
-    arguments). `device`: a GPU name of `planning.devices.GPUS` or a size ("24GiB"), to add the device's terms."""
+    arguments). `device`: a GPU name of `planning.devices.GPUS` or a size ("24GiB"), to add the device's terms.
+    `rank`: with `num_processes` > 1, whose second step `measured_step` predicts (each rank sees its own batches)."""
     from .devices import device_terms
     from .engines import check_engine, per_rank_notes
 
@@ -320,6 +324,13 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
     if fields.get("load_in_4bit") or fields.get("load_in_8bit"):
         raise ValueError("`load_in_4bit` / `load_in_8bit`: quantized (QLoRA) models are not planned yet.")
     config = model_config_of(model)
+    zero = None
+    if engine in ("zero2", "zero3"):  # the one-process trace in DeepSpeed's dtype, a rank's states put in (zero.py)
+        from . import zero as zero_plan
+
+        zero = zero_plan.zero_settings(engine, fields, num_processes, config, _dtype_of(fields))
+        fields = zero_plan.traced_fields(fields, zero)
+    shard = (num_processes, rank) if num_processes > 1 else None
     model_label = model if isinstance(model, str) else getattr(config, "_name_or_path", "") or config.model_type
     trainer_kwargs = {"processing_class": processing_class, "peft_config": peft_config}
     if reward_funcs is not None:
@@ -332,22 +343,26 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
         layers = _layer_count(config)
         if layers is not None and layers > LAYERS_TRACED[-1]:
             runs = [_trace(_with_layers(config, count), trainer_class, config_class, train_dataset, fields,
-                           trainer_kwargs, measured_step, max_batches) for count in LAYERS_TRACED]
+                           trainer_kwargs, measured_step, max_batches, shard) for count in LAYERS_TRACED]
             extrapolated = _extrapolate(runs, layers)
             if extrapolated is None:
                 notes.append(f"per-layer growth not exactly linear over {LAYERS_TRACED} layers: all {layers} traced")
                 result = _trace(config, trainer_class, config_class, train_dataset, fields, trainer_kwargs,
-                                measured_step, max_batches)
+                                measured_step, max_batches, shard)
             else:
                 result = extrapolated
                 notes.append(f"traced with {', '.join(map(str, LAYERS_TRACED))} of the {layers} layers; every part "
                              "grew by the same bytes per layer (exact), extrapolated to all layers")
         else:
             result = _trace(config, trainer_class, config_class, train_dataset, fields, trainer_kwargs,
-                            measured_step, max_batches)
+                            measured_step, max_batches, shard)
     finally:
         logging.getLogger("leantune").setLevel(logging_level)
     num_parameters, trainable, second, traced = result
+    if zero is not None:
+        second, traced = zero_plan.per_rank(config, trainer_class, peft_config, zero, trainable, second, traced,
+                                            rank, device)
+        notes += zero_plan.notes(zero)
     worst = max(traced, key=lambda step: step.peak_bytes)
     plan = MemoryPlan(name, str(model_label), num_parameters, trainable, num_processes, engine, worst, second,
                       device_terms(device, fields, num_processes, engine),
@@ -366,7 +381,8 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
 LAYERS_TRACED = (2, 3, 4)  # a 1-layer model peaks elsewhere in the step (measured); from 2 layers on it is linear
 
 
-def _trace(config, trainer_class, config_class, train_dataset, fields, trainer_kwargs, measured_step, max_batches):
+def _trace(config, trainer_class, config_class, train_dataset, fields, trainer_kwargs, measured_step, max_batches,
+           shard=None):
     """(parameters, trainable parameters, the trainer's own second step or None, [traced worst candidates])."""
     with planning_session() as mode:
         fake = fake_model_from_config(config, mode, _model_class(trainer_class), _dtype_of(fields))
@@ -381,7 +397,13 @@ def _trace(config, trainer_class, config_class, train_dataset, fields, trainer_k
         trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
         second = None
         if measured_step:
+            if shard is not None:  # (processes, rank): the rank's micro-batches, every processes-th of one loader
+                processes, rank = shard
+                wanted = 2 * accumulation * processes
+                batches = [batch for _, batch in _first_epoch_batches(trainer, wanted)]
+                trainer.forced_batches = batches[rank::processes] if len(batches) == wanted else None
             _train_quietly(trainer)
+            trainer.forced_batches = None
             second = TracedStep.of(trainer.memory_breakdown, "the trainer's own second step")
         traced = []
         for index, batch, words in _worst_candidates(trainer, max_batches):
