@@ -5,6 +5,7 @@ Each configuration trains a tiny real model (random weights, built from a config
 weight (fake parameters, the same trainer and data). Printed: every row, its error, the worst error.
 
     PYTHONPATH=. OMP_NUM_THREADS=2 python bench/plan_accuracy.py [--only NAME_SUBSTRING]
+    PYTHONPATH=. OMP_NUM_THREADS=2 python bench/plan_accuracy.py --engines zero   # ZeRO-2/3, 1 and 2 processes
 """
 
 from __future__ import annotations
@@ -147,8 +148,15 @@ def main() -> None:
         return zero_worker(sys.argv[2])
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", default=None)
+    parser.add_argument("--engines", default=None, help="zero: the DeepSpeed ZeRO-2/3 rows (accelerate launches)")
     options = parser.parse_args()
     quiet()
+    if options.engines == "zero":
+        errors = run_zero(options.only)
+        if errors:
+            print(f"\n{len(errors)} ranks: worst |error| {100 * max(errors):.2f}%, within 2%: "
+                  f"{sum(e <= 0.02 for e in errors)}, within 5%: {sum(e <= 0.05 for e in errors)}")
+        return
     import logging
 
     logging.getLogger("leantune").setLevel(logging.ERROR)
@@ -195,6 +203,7 @@ ZERO_CONFIGS = [
         ("sft", 2, 1, 128, 5e6, False), ("sft", 2, 2, 128, 5e6, False), ("sft", 2, 2, 128, 5e6, True),
         ("dpo", 3, 2, 64, 5e6, False), ("dpo", 3, 1, 128, 5e6, False), ("dpo", 2, 2, 128, 5e6, False),
         ("grpo", 3, 2, 64, 5e6, False), ("grpo", 2, 2, 64, 5e6, False),
+        ("sft", 3, 1, 384, 5e8, False), ("sft", 3, 2, 384, 5e6, False), ("sft", 2, 2, 384, 5e8, False),
     ]
 ]
 ZERO_GLOBAL_BATCH = 4
@@ -202,7 +211,8 @@ ZERO_GLOBAL_BATCH = 4
 
 def zero_fields(method: str, processes: int, bf16: bool) -> dict:
     fields = fields_for(method, {"beta": 0.04} if method == "grpo" else {})
-    fields["per_device_train_batch_size"] = ZERO_GLOBAL_BATCH // processes
+    # GRPO's generation round on one process must hold whole groups (num_generations 4): 4 rows per process
+    fields["per_device_train_batch_size"] = 4 if method == "grpo" else ZERO_GLOBAL_BATCH // processes
     if bf16:
         fields["bf16"] = True
     return fields
@@ -305,6 +315,50 @@ def zero_launch(root: Path, name: str, method: str, stage: int, processes: int, 
     if run.returncode != 0:
         raise RuntimeError(f"{name} failed:\n{run.stderr[-3000:]}")
     return [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))], fields, ds_file
+
+
+def run_zero(only: str | None) -> list[float]:
+    """Every ZeRO row: launched for real, then planned per rank; one table line per rank."""
+    import logging
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    from leantune.planning import plan_memory
+
+    logging.getLogger("leantune").setLevel(logging.ERROR)
+    tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
+    errors = []
+    print("| configuration | rank | predicted MiB | measured MiB | error | predicted parts (MiB) | measured parts (MiB) "
+          "| peak moment |")
+    print("|---|---|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory(prefix="plan_zero_") as tmp:
+        for name, method, stage, processes, hidden, bucket, bf16 in ZERO_CONFIGS:
+            if only and not any(part in name for part in only.split(",")):
+                continue
+            try:
+                ranks, fields, ds_file = zero_launch(Path(tmp), name, method, stage, processes, hidden, bucket, bf16)
+            except Exception as error:  # a row that fails is reported, not hidden
+                print(f"| {name} | | launch failed: {str(error)[-200:]!r} | | | | | |", flush=True)
+                continue
+            dataset = data(METHOD_DATA[method], 48 if method in ("grpo", "rloo") else 64)
+            kwargs = {"reward_funcs": reward_len} if method in ("grpo", "rloo") else {}
+            for record in ranks:
+                plan = plan_memory(zero_model_config(hidden), dataset, method, processing_class=tokenizer,
+                                   num_processes=processes, engine=f"zero{stage}", deepspeed=str(ds_file),
+                                   rank=record["rank"], **kwargs, **fields)
+                predicted, measured = plan.measured_step.peak_bytes, record["peak"]
+                error = (predicted - measured) / measured
+                errors.append(abs(error))
+                print(f"| {name} | {record['rank']} | {predicted / MIB:.2f} | {measured / MIB:.2f} | "
+                      f"{100 * error:+.2f}% | {_parts(plan.measured_step.parts)} | {_parts(record['parts'])} | "
+                      f"{plan.measured_step.batch.split('peak at ')[-1]} |", flush=True)
+    return errors
+
+
+def _parts(parts: dict) -> str:
+    short = {"parameters": "P", "gradients": "G", "optimizer_states": "O", "activations": "A", "temporaries": "T"}
+    return " ".join(f"{short.get(k, k)} {v / MIB:.1f}" for k, v in parts.items() if v >= MIB / 100)
 
 
 def zero_model_config(hidden: int):

@@ -316,6 +316,8 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
     trainer_class, config_class = method_classes(method)
     name = method_name(trainer_class)
     check_engine(engine, num_processes)
+    if not 0 <= rank < num_processes:
+        raise ValueError(f"`rank`: {rank} is not a process of {num_processes} (0 to {num_processes - 1}).")
     if train_dataset is None:
         raise ValueError("`train_dataset` is required (the data as the trainer reads it, or a length profile).")
     fields = dict(config_fields)

@@ -186,14 +186,29 @@ def traced_moment(parts: dict, terms: RankTerms, shapes: ParameterShapes, settin
     moment["parameters"] = terms.parameters
     moment["optimizer_states"] = terms.master_and_states
     grads = parts.get("gradients", 0)
+    # weights the trace met beyond the policy's: frozen models (a reference copy) run in the step. ZeRO-2 gives
+    # them a plain replica (trainers/frozen_models.py), met whole; ZeRO-3 partitions them in an inference engine of
+    # their own, whose partitions the breakdown does not see (at one process each partition is the whole weight,
+    # met as its forward's activations)
+    frozen = frozen_weights(parts, shapes, settings)
+    in_backward = bool(grads or parts.get("temporaries", 0))
     if settings.stage == 3:
         in_flight = min(grads, shapes.head * settings.compute_bytes)  # a module's gradient before it is bucketed
         moment["gradients"] = terms.persistent_gradients + in_flight
-        if settings.num_processes > 1:
-            moment["activations"] = moment.get("activations", 0) + _gathered(shapes.head, shapes, settings)
-    elif grads:
+        if settings.num_processes == 1:
+            moment["activations"] = moment.get("activations", 0) + frozen
+        else:  # the head's weights gathered for its forward, or again for its backward (then a temporary)
+            part = "temporaries" if in_backward else "activations"
+            moment[part] = moment.get(part, 0) + _gathered(shapes.head, shapes, settings)
+        return moment
+    moment["parameters"] += frozen
+    if grads:
         moment["gradients"] = grads + terms.bucket  # the backward's bucket beside the gradients not yet reduced
     return moment
+
+
+def frozen_weights(parts: dict, shapes: ParameterShapes, settings: ZeroSettings) -> int:
+    return max(parts.get("parameters", 0) - sum(shapes.sizes) * settings.compute_bytes, 0)
 
 
 def _gathered(module_elements: int, shapes: ParameterShapes, settings: ZeroSettings) -> int:
@@ -201,12 +216,13 @@ def _gathered(module_elements: int, shapes: ParameterShapes, settings: ZeroSetti
 
 
 def reduce_moment(terms: RankTerms, shapes: ParameterShapes, settings: ZeroSettings, rank: int,
-                  on_gloo: bool) -> dict:
+                  on_gloo: bool, frozen: int = 0) -> dict:
     """The end of backward: the last gradient bucket reduced, no activations left."""
     n, size, bucket_elements = settings.num_processes, settings.compute_bytes, settings.reduce_bucket_size
     last, alone = _last_bucket(shapes.backward_order, bucket_elements, settings.contiguous_gradients)
     copies = 1 if on_gloo else 0  # gloo's reduce-scatter / reduce works on a copy of its input (NCCL: in place)
-    moment = {"parameters": terms.parameters, "optimizer_states": terms.master_and_states}
+    moment = {"parameters": terms.parameters + (frozen if settings.stage == 2 else 0),
+              "optimizer_states": terms.master_and_states}
     if settings.stage == 3:
         gradients = terms.persistent_gradients
         # reduce_scatter_coalesced (deepspeed/runtime/comm/coalesced_collectives.py) cats the bucket's gradients
@@ -246,7 +262,8 @@ def plan_parts(parts: dict, shapes: ParameterShapes, settings: ZeroSettings, tra
     """(peak, parts, moment) of a rank: the larger of the traced moment and the end of backward."""
     terms = rank_terms(shapes, settings, states_per_element(parts, trainable, traced_dtype))
     moments = {"traced": traced_moment(parts, terms, shapes, settings),
-               "end of backward": reduce_moment(terms, shapes, settings, rank, on_gloo)}
+               "end of backward": reduce_moment(terms, shapes, settings, rank, on_gloo,
+                                                frozen_weights(parts, shapes, settings))}
     name = max(moments, key=lambda key: sum(moments[key].values()))
     chosen = {k: int(v) for k, v in moments[name].items() if v}
     return sum(chosen.values()), chosen, name
