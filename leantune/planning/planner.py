@@ -341,6 +341,9 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
         trainer_kwargs["reward_funcs"] = _no_reward
     logging_level = logging.getLogger("leantune").level
     notes = []
+    engine_context = contextlib.ExitStack()
+    if zero is not None:
+        engine_context.enter_context(zero_plan.deepspeed_init_off())
     try:
         layers = _layer_count(config)
         if layers is not None and layers > LAYERS_TRACED[-1]:
@@ -360,6 +363,7 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
                             measured_step, max_batches, shard)
     finally:
         logging.getLogger("leantune").setLevel(logging_level)
+        engine_context.close()
     num_parameters, trainable, second, traced = result
     if zero is not None:
         second, traced = zero_plan.per_rank(config, trainer_class, peft_config, zero, trainable, second, traced,
@@ -412,8 +416,9 @@ def _trace(config, trainer_class, config_class, train_dataset, fields, trainer_k
             _reset_for_trace(trainer)
             trainer.forced_batches = [batch] * (2 * accumulation)
             _train_quietly(trainer)
-            traced.append(TracedStep.of(trainer.memory_breakdown, words, index // accumulation + 1,
-                                        index % accumulation))
+            processes = shard[0] if shard is not None else 1  # each step of N processes takes N loader batches
+            traced.append(TracedStep.of(trainer.memory_breakdown, words, index // (accumulation * processes) + 1,
+                                        index // processes % accumulation))
     return num_parameters, trainable, second, traced
 
 

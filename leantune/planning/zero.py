@@ -23,6 +23,7 @@ The plan is the larger, with its parts.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import dataclass, field
@@ -240,10 +241,17 @@ def reduce_moment(terms: RankTerms, shapes: ParameterShapes, settings: ZeroSetti
     if not alone and last == trained:  # every gradient in the one bucket
         moment["gradients"] = terms.bucket
         moment["activations"] = last * size + (copies * last // n * size if rank == 0 and n > 1 else 0)
-    else:  # the last gradient, larger than the bucket, flattened; the fp32 gradient partition the update reads
-        moment["activations"] = 2 * last * size
+    else:  # the fp32 gradient partition the update reads, beside the last gradient:
         moment["temporaries"] = _aligned(trained, 2 * n) // n * MASTER_BYTES
+        if alone:  # larger than the bucket: it and its flattened copy
+            moment["activations"] = 2 * last * size
+        else:  # the bucket, and the last gradient beside it (measured)
+            moment["gradients"] = terms.bucket + backward_last(shapes) * size
     return moment
+
+
+def backward_last(shapes: ParameterShapes) -> int:
+    return shapes.backward_order[-1] if shapes.backward_order else 0
 
 
 def _last_bucket(backward_order: list[int], bucket_elements: int, contiguous: bool) -> tuple[int, bool]:
@@ -276,12 +284,26 @@ def notes(settings: ZeroSettings) -> list[str]:
             f"the one-process step traced with DeepSpeed's model states per rank in its place (docs/plan.md)."]
 
 
+@contextlib.contextmanager
+def deepspeed_init_off():
+    """A config object holding a `deepspeed` field (the command line's) registers itself with transformers, which
+    then builds every model under `deepspeed.zero.Init`; the plan builds its fake models without it."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    registered = getattr(hf_deepspeed, "_hf_deepspeed_config_weak_ref", None)
+    hf_deepspeed._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = registered
+
+
 def model_shapes(config, trainer_class, peft_config, dtype) -> ParameterShapes:
     """The whole model's parameter shapes (every layer, the adapter's if any), from fake weights."""
     from .fake_step import fake_model_from_config
     from .planner import _model_class, planning_session
 
-    with planning_session() as mode:
+    with deepspeed_init_off(), planning_session() as mode:
         model = fake_model_from_config(config, mode, _model_class(trainer_class), dtype)
         if peft_config is not None:
             from peft import get_peft_model
