@@ -14,7 +14,7 @@ docs/plan.md, "Per process", lists the terms with their DeepSpeed config keys an
   allocates the bucket for each backward.
 - ZeRO-3 gathers a module's weights for its forward and backward (N > 1; at one process the partition is the
   weight): the head at the traced forward's peak, the input embedding at the end of backward.
-- Reducing the gradients at the end of backward flattens the last bucket and, on gloo (CPU), copies it once more.
+- Reducing the gradients at the end of backward flattens the last bucket (ZeRO-3 on gloo, CPU: copied once more).
 
 A step peaks at one of two moments: the traced one (the forward's or backward's activations, with the states above
 instead of the one-process ones), or the end of backward, when the last bucket is reduced (no activations left).
@@ -221,7 +221,7 @@ def reduce_moment(terms: RankTerms, shapes: ParameterShapes, settings: ZeroSetti
     """The end of backward: the last gradient bucket reduced, no activations left."""
     n, size, bucket_elements = settings.num_processes, settings.compute_bytes, settings.reduce_bucket_size
     last, alone = _last_bucket(shapes.backward_order, bucket_elements, settings.contiguous_gradients)
-    copies = 1 if on_gloo else 0  # gloo's reduce-scatter / reduce works on a copy of its input (NCCL: in place)
+    copies = 1 if on_gloo else 0  # gloo's reduce-scatter works on a copy of its input (measured; NCCL does not)
     moment = {"parameters": terms.parameters + (frozen if settings.stage == 2 else 0),
               "optimizer_states": terms.master_and_states}
     if settings.stage == 3:
@@ -238,15 +238,19 @@ def reduce_moment(terms: RankTerms, shapes: ParameterShapes, settings: ZeroSetti
         return moment
     # ZeRO-2 (stage_1_and_2.py): the bucket holds the gradients; reducing flattens them
     trained = sum(shapes.backward_order)
+    # `average_tensor` reduces the bucket one owner's slice after another (`allreduce_bucket`: flatten, reduce to the
+    # owner): a rank that is not the last owner holds its reduced slice while the later ones are flattened
+    held_slice = _aligned(trained, 2 * n) // n * size if rank < n - 1 else 0
     if not alone and last == trained:  # every gradient in the one bucket
         moment["gradients"] = terms.bucket
-        moment["activations"] = last * size + (copies * last // n * size if rank == 0 and n > 1 else 0)
+        moment["activations"] = last * size + held_slice
     else:  # the fp32 gradient partition the update reads, beside the last gradient:
         moment["temporaries"] = _aligned(trained, 2 * n) // n * MASTER_BYTES
         if alone:  # larger than the bucket: it and its flattened copy
             moment["activations"] = 2 * last * size
         else:  # the bucket, and the last gradient beside it (measured)
             moment["gradients"] = terms.bucket + backward_last(shapes) * size
+            moment["temporaries"] += held_slice
     return moment
 
 
