@@ -56,8 +56,8 @@ class ZeroSettings:
 
 @dataclass
 class ParameterShapes:
-    """The model's parameters, as DeepSpeed partitions them: each one's size, whether it trains, and the largest
-    module (its own parameters) that ZeRO-3 gathers at once."""
+    """The model's parameters, as DeepSpeed partitions them: each one's size, whether it trains, and the modules
+    whose weights ZeRO-3 has gathered at the two peak moments (the head, the input embedding)."""
 
     sizes: list[int]
     trained: list[bool]
@@ -200,7 +200,7 @@ def traced_moment(parts: dict, terms: RankTerms, shapes: ParameterShapes, settin
             moment["activations"] = moment.get("activations", 0) + frozen
         else:  # the head's weights gathered for its forward, or again for its backward (then a temporary)
             part = "temporaries" if in_backward else "activations"
-            moment[part] = moment.get(part, 0) + _gathered(shapes.head, shapes, settings)
+            moment[part] = moment.get(part, 0) + _gathered(shapes.head, settings)
         return moment
     moment["parameters"] += frozen
     if grads:
@@ -212,7 +212,7 @@ def frozen_weights(parts: dict, shapes: ParameterShapes, settings: ZeroSettings)
     return max(parts.get("parameters", 0) - sum(shapes.sizes) * settings.compute_bytes, 0)
 
 
-def _gathered(module_elements: int, shapes: ParameterShapes, settings: ZeroSettings) -> int:
+def _gathered(module_elements: int, settings: ZeroSettings) -> int:
     return module_elements * settings.compute_bytes
 
 
@@ -234,7 +234,7 @@ def reduce_moment(terms: RankTerms, shapes: ParameterShapes, settings: ZeroSetti
         moment["gradients"] = gradients
         moment["activations"] = (flattened + copies * last) * size
         if n > 1:
-            moment["temporaries"] = _gathered(shapes.embedding, shapes, settings)
+            moment["temporaries"] = _gathered(shapes.embedding, settings)
         return moment
     # ZeRO-2 (stage_1_and_2.py): the bucket holds the gradients; reducing flattens them
     trained = sum(shapes.backward_order)
@@ -283,9 +283,14 @@ def plan_parts(parts: dict, shapes: ParameterShapes, settings: ZeroSettings, tra
 
 def notes(settings: ZeroSettings) -> list[str]:
     n = settings.num_processes
-    return [f"ZeRO-{settings.stage}, {n} process(es), from {settings.source}: reduce_bucket_size "
-            f"{settings.reduce_bucket_size:,} elements in {str(settings.compute_dtype).replace('torch.', '')}; "
-            f"the one-process step traced with DeepSpeed's model states per rank in its place (docs/plan.md)."]
+    found = [f"ZeRO-{settings.stage}, {n} process(es), from {settings.source}: reduce_bucket_size "
+             f"{settings.reduce_bucket_size:,} elements in {str(settings.compute_dtype).replace('torch.', '')}; "
+             f"the one-process step traced with DeepSpeed's model states per rank in its place (docs/plan.md)."]
+    if settings.stage == 3 and n > 1 and settings.prefetch_bucket_size:
+        found.append(f"stage3_prefetch_bucket_size {settings.prefetch_bucket_size:,}: weights DeepSpeed gathers "
+                     "ahead of use are not in the plan (up to that many elements beside the module at work); set it "
+                     "to 0 for a plan that is exact")
+    return found
 
 
 @contextlib.contextmanager
