@@ -288,8 +288,8 @@ def notes(settings: ZeroSettings) -> list[str]:
              f"the one-process step traced with DeepSpeed's model states per rank in its place (docs/plan.md)."]
     if settings.stage == 3 and n > 1 and settings.prefetch_bucket_size:
         found.append(f"stage3_prefetch_bucket_size {settings.prefetch_bucket_size:,}: weights DeepSpeed gathers "
-                     "ahead of use are not in the plan (up to that many elements beside the module at work); set it "
-                     "to 0 for a plan that is exact")
+                     "ahead of use are not in the plan (up to that many elements beside the module at work; "
+                     "measured with it at 0)")
     return found
 
 
