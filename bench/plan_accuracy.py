@@ -192,11 +192,11 @@ def main() -> None:
 # DeepSpeed config file written for the row), with `memory_breakdown=True`; each rank writes the breakdown of its
 # second step. `plan_memory(..., num_processes=N, engine="zero3", deepspeed=<the same file>)` predicts it.
 
-# (name, method, stage, processes, hidden, reduce_bucket_size, bf16)
+# (name, method, stage, processes, hidden, reduce_bucket_size, bf16, LoRA)
 ZERO_CONFIGS = [
-    (f"{method} zero{stage} x{n} hidden {hidden} bucket {bucket:.0e}{' bf16' if bf16 else ''}", method, stage, n,
-     hidden, bucket, bf16)
-    for method, stage, n, hidden, bucket, bf16 in [
+    (f"{method} zero{stage} x{n} hidden {hidden} bucket {bucket:.0e}{' bf16' if bf16 else ''}{' LoRA' if lora else ''}",
+     method, stage, n, hidden, bucket, bf16, lora)
+    for method, stage, n, hidden, bucket, bf16, *lora in [
         ("sft", 3, 1, 64, 5e8, False), ("sft", 3, 2, 64, 5e8, False), ("sft", 3, 2, 64, 5e6, False),
         ("sft", 3, 1, 128, 5e6, False), ("sft", 3, 2, 128, 5e6, False), ("sft", 3, 2, 128, 5e6, True),
         ("sft", 2, 1, 64, 5e8, False), ("sft", 2, 2, 64, 5e8, False), ("sft", 2, 2, 64, 5e6, False),
@@ -204,8 +204,16 @@ ZERO_CONFIGS = [
         ("dpo", 3, 2, 64, 5e6, False), ("dpo", 3, 1, 128, 5e6, False), ("dpo", 2, 2, 128, 5e6, False),
         ("grpo", 3, 2, 64, 5e6, False), ("grpo", 2, 2, 64, 5e6, False),
         ("sft", 3, 1, 384, 5e8, False), ("sft", 3, 2, 384, 5e6, False), ("sft", 2, 2, 384, 5e8, False),
+        ("sft", 3, 2, 64, 5e6, False, True), ("sft", 2, 2, 64, 5e6, False, True),
     ]
+    for lora in [bool(lora)]
 ]
+
+
+def lora_config():
+    from peft import LoraConfig
+
+    return LoraConfig(r=8, lora_alpha=16, task_type="CAUSAL_LM")
 ZERO_GLOBAL_BATCH = 4
 
 
@@ -256,6 +264,8 @@ def zero_worker(spec_path: str) -> None:
     method = spec["method"]
     dataset = data(METHOD_DATA[method], 48 if method in ("grpo", "rloo") else 64)
     kwargs = {"reward_funcs": reward_len} if method in ("grpo", "rloo") else {}
+    if spec.get("lora"):
+        kwargs["peft_config"] = lora_config()
     args = config_class(output_dir=spec["out"], report_to=[], save_strategy="no", disable_tqdm=True,
                         logging_steps=1, memory_breakdown=True, **spec["fields"])
     trainer = trainer_class(spec["model"], args=args, train_dataset=dataset, processing_class=tokenizer, **kwargs)
@@ -276,7 +286,7 @@ def zero_worker(spec_path: str) -> None:
 
 
 def zero_launch(root: Path, name: str, method: str, stage: int, processes: int, hidden: int, bucket: float,
-                bf16: bool) -> tuple[list[dict], dict, Path]:
+                bf16: bool, lora: bool = False) -> tuple[list[dict], dict, Path]:
     """Launch one row (bench/scale_out_memory.py's launch, with the row's DeepSpeed file): (ranks, fields, file)."""
     import os
     import subprocess
@@ -304,7 +314,8 @@ def zero_launch(root: Path, name: str, method: str, stage: int, processes: int, 
         AutoTokenizer.from_pretrained(str(TOKENIZER_DIR)).save_pretrained(model_dir)
     fields = zero_fields(method, processes, bf16)
     spec = out / "spec.json"
-    spec.write_text(json.dumps({"method": method, "model": str(model_dir), "fields": fields, "out": str(out)}))
+    spec.write_text(json.dumps({"method": method, "model": str(model_dir), "fields": fields, "out": str(out),
+                                "lora": lora}))
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(accelerate_file),
                "--num_processes", str(processes), "--num_machines", "1", "--mixed_precision", "bf16" if bf16 else "no",
                "--dynamo_backend", "no", "--main_process_port", free_port(), __file__, "zero-worker", str(spec)]
@@ -333,16 +344,19 @@ def run_zero(only: str | None) -> list[float]:
           "| peak moment |")
     print("|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory(prefix="plan_zero_") as tmp:
-        for name, method, stage, processes, hidden, bucket, bf16 in ZERO_CONFIGS:
+        for name, method, stage, processes, hidden, bucket, bf16, lora in ZERO_CONFIGS:
             if only and not any(part in name for part in only.split(",")):
                 continue
             try:
-                ranks, fields, ds_file = zero_launch(Path(tmp), name, method, stage, processes, hidden, bucket, bf16)
+                ranks, fields, ds_file = zero_launch(Path(tmp), name, method, stage, processes, hidden, bucket, bf16,
+                                                     lora)
             except Exception as error:  # a row that fails is reported, not hidden
                 print(f"| {name} | | launch failed: {str(error)[-200:]!r} | | | | | |", flush=True)
                 continue
             dataset = data(METHOD_DATA[method], 48 if method in ("grpo", "rloo") else 64)
             kwargs = {"reward_funcs": reward_len} if method in ("grpo", "rloo") else {}
+            if lora:
+                kwargs["peft_config"] = lora_config()
             for record in ranks:
                 plan = plan_memory(zero_model_config(hidden), dataset, method, processing_class=tokenizer,
                                    num_processes=processes, engine=f"zero{stage}", deepspeed=str(ds_file),
