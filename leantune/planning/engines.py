@@ -28,5 +28,5 @@ def per_rank_notes(engine: str, num_processes: int) -> list[str]:
         return []  # planning/zero.py's notes
     if num_processes == 1:
         return []
-    return [f"DDP: each of the {num_processes} processes runs this step on its own micro-batch; the worst batch and "
-            "its step are those of a one-process loader (each process sees a different shard of the data)."]
+    return [f"DDP: each of the {num_processes} processes runs this step on its own micro-batch; the worst batch is the "
+            "epoch's worst (some process gets it), at the step the launch reaches it; step 2 is rank `rank`'s."]

@@ -410,7 +410,8 @@ def _trace(config, trainer_class, config_class, train_dataset, fields, trainer_k
                 trainer.forced_batches = batches[rank::processes] if len(batches) == wanted else None
             _train_quietly(trainer)
             trainer.forced_batches = None
-            second = TracedStep.of(trainer.memory_breakdown, "the trainer's own second step")
+            second = TracedStep.of(trainer.memory_breakdown, "the trainer's own second step" + (
+                f" on rank {shard[1]}" if shard is not None else ""))
         traced = []
         for index, batch, words in _worst_candidates(trainer, max_batches):
             _reset_for_trace(trainer)
