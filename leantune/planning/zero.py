@@ -1,8 +1,9 @@
 """Per-rank memory under DeepSpeed ZeRO-2 and ZeRO-3: the one-process trace, plus what DeepSpeed holds, term by term.
 
 DeepSpeed's engine is not traced (on fake weights its step stops at data-dependent checks, docs/plan.md). The plan
-is the method's one-process step traced with the model in DeepSpeed's compute dtype (fake weights, no engine), whose model states are then
-replaced by what a rank holds under DeepSpeed's own rules, read from the DeepSpeed config the run would use. Each
+is the method's one-process step traced with the model in DeepSpeed's compute dtype (fake weights, no engine), whose
+model states are then replaced by what a rank holds under DeepSpeed's own rules, read from the DeepSpeed config the
+run would use. Each
 term is filed under the part leantune's measured breakdown files it (metrics/memory_breakdown.py `_engine_tensors`;
 docs/plan.md, "Per process", lists the terms with their DeepSpeed config keys and sources):
 
