@@ -3,9 +3,8 @@
 DeepSpeed's engine is not traced (on fake weights its step stops at data-dependent checks, docs/plan.md). The plan
 is the method's one-process step traced with the model in DeepSpeed's compute dtype (fake weights, no engine), whose
 model states are then replaced by what a rank holds under DeepSpeed's own rules, read from the DeepSpeed config the
-run would use. Each
-term is filed under the part leantune's measured breakdown files it (metrics/memory_breakdown.py `_engine_tensors`;
-docs/plan.md, "Per process", lists the terms with their DeepSpeed config keys and sources):
+run would use. Each term is filed under the part leantune's measured breakdown files it (metrics/memory_breakdown.py
+`_engine_tensors`; docs/plan.md, "Per process", lists the terms with their DeepSpeed config keys and sources):
 
 - parameters: ZeRO-2 keeps every weight, flattened into one buffer padded to 2 x N elements; ZeRO-3 keeps
   ceil(numel / N) of each parameter (`ds_tensor`, DeepSpeed's per-parameter padding).
