@@ -5,6 +5,7 @@ Each configuration trains a tiny real model (random weights, built from a config
 weight (fake parameters, the same trainer and data). Printed: every row, its error, the worst error.
 
     PYTHONPATH=. OMP_NUM_THREADS=2 python bench/plan_accuracy.py [--only NAME_SUBSTRING]
+    PYTHONPATH=. OMP_NUM_THREADS=2 python bench/plan_accuracy.py --engines zero   # ZeRO-2/3, 1 and 2 processes
 """
 
 from __future__ import annotations
@@ -208,10 +209,19 @@ def profile_json(dataset, tokenizer) -> str:
 
 
 def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "zero-worker":
+        return zero_worker(sys.argv[2])
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", default=None)
+    parser.add_argument("--engines", default=None, help="zero: the DeepSpeed ZeRO-2/3 rows (accelerate launches)")
     options = parser.parse_args()
     quiet()
+    if options.engines == "zero":
+        errors = run_zero(options.only)
+        if errors:
+            print(f"\n{len(errors)} ranks: worst |error| {100 * max(errors):.2f}%, within 2%: "
+                  f"{sum(e <= 0.02 for e in errors)}, within 5%: {sum(e <= 0.05 for e in errors)}")
+        return
     import logging
 
     logging.getLogger("leantune").setLevel(logging.ERROR)
@@ -242,6 +252,202 @@ def main() -> None:
         row, worst_part = max(PART_ERRORS, key=lambda item: item[1])
         print(f"parts (parameters, gradients, optimizer states, activations, temporaries): worst |error| "
               f"{100 * worst_part:.2f}% of the peak ({row})")
+
+
+# --- per-rank plans under DeepSpeed ZeRO-2 / ZeRO-3 (--engines zero) -------------------------------------------------
+#
+# Each row is a real `accelerate launch` of 1 or 2 CPU processes (DS_ACCELERATOR=cpu, launched as
+# bench/scale_out_memory.py launches: the accelerate config of examples/accelerate/zero{2,3}.yaml pointing at a
+# DeepSpeed config file written for the row), with `memory_breakdown=True`; each rank writes the breakdown of its
+# second step. `plan_memory(..., num_processes=N, engine="zero3", deepspeed=<the same file>)` predicts it.
+
+# (name, method, stage, processes, hidden, reduce_bucket_size, bf16, LoRA)
+ZERO_CONFIGS = [
+    (f"{method} zero{stage} x{n} hidden {hidden} bucket {bucket:.0e}{' bf16' if bf16 else ''}{' LoRA' if lora else ''}",
+     method, stage, n, hidden, bucket, bf16, lora)
+    for method, stage, n, hidden, bucket, bf16, *lora in [
+        ("sft", 3, 1, 64, 5e8, False), ("sft", 3, 2, 64, 5e8, False), ("sft", 3, 2, 64, 5e6, False),
+        ("sft", 3, 1, 128, 5e6, False), ("sft", 3, 2, 128, 5e6, False), ("sft", 3, 2, 128, 5e6, True),
+        ("sft", 2, 1, 64, 5e8, False), ("sft", 2, 2, 64, 5e8, False), ("sft", 2, 2, 64, 5e6, False),
+        ("sft", 2, 1, 128, 5e6, False), ("sft", 2, 2, 128, 5e6, False), ("sft", 2, 2, 128, 5e6, True),
+        ("dpo", 3, 2, 64, 5e6, False), ("dpo", 3, 1, 128, 5e6, False), ("dpo", 2, 2, 128, 5e6, False),
+        ("grpo", 3, 2, 64, 5e6, False), ("grpo", 2, 2, 64, 5e6, False),
+        ("sft", 3, 1, 384, 5e8, False), ("sft", 3, 2, 384, 5e6, False), ("sft", 2, 2, 384, 5e8, False),
+        ("sft", 3, 2, 64, 5e6, False, True), ("sft", 2, 2, 64, 5e6, False, True),
+    ]
+    for lora in [bool(lora)]
+]
+
+
+def lora_config():
+    from peft import LoraConfig
+
+    return LoraConfig(r=8, lora_alpha=16, task_type="CAUSAL_LM")
+ZERO_GLOBAL_BATCH = 4
+
+
+def zero_fields(method: str, processes: int, bf16: bool) -> dict:
+    fields = fields_for(method, {"beta": 0.04} if method == "grpo" else {})
+    # GRPO's generation round on one process must hold whole groups (num_generations 4): 4 rows per process
+    fields["per_device_train_batch_size"] = 4 if method == "grpo" else ZERO_GLOBAL_BATCH // processes
+    if bf16:
+        fields["bf16"] = True
+    return fields
+
+
+def deepspeed_config(stage: int, bucket: float, bf16: bool) -> dict:
+    """What a user with a small model writes: the stage, the bucket; ZeRO-3 partitions every parameter (as
+    tests/cpu_engines/deepspeed_zero3_cpu.json, so a tiny model is sharded at all)."""
+    zero = {"stage": stage, "reduce_bucket_size": int(bucket)}
+    if stage == 3:
+        zero.update(stage3_param_persistence_threshold=0, stage3_max_live_parameters=0, stage3_max_reuse_distance=0,
+                    stage3_prefetch_bucket_size=0)
+    return {"zero_optimization": zero, "bf16": {"enabled": "auto"}, "gradient_clipping": "auto",
+            "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto", "zero_allow_untested_optimizer": True}
+
+
+def zero_worker(spec_path: str) -> None:
+    """One rank: the row's trainer on a model saved from a config, its second step's breakdown to rank<k>.json."""
+    import contextlib
+    import io
+    import os
+
+    import torch
+
+    quiet()
+    spec = json.loads(Path(spec_path).read_text())
+    torch.set_num_threads(1)
+    from transformers import AutoTokenizer
+
+    from leantune.planning.planner import method_classes
+
+    detail = []
+    if os.environ.get("LEANTUNE_BENCH_PEAK_DETAIL") == "1":
+        from bench.scale_out_memory import watch_peak_composition
+
+        watch_peak_composition(detail)
+
+    trainer_class, config_class = method_classes(spec["method"])
+    tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
+    method = spec["method"]
+    dataset = data(METHOD_DATA[method], 48 if method in ("grpo", "rloo") else 64)
+    kwargs = {"reward_funcs": reward_len} if method in ("grpo", "rloo") else {}
+    if spec.get("lora"):
+        kwargs["peft_config"] = lora_config()
+    args = config_class(output_dir=spec["out"], report_to=[], save_strategy="no", disable_tqdm=True,
+                        logging_steps=1, memory_breakdown=True, **spec["fields"])
+    trainer = trainer_class(spec["model"], args=args, train_dataset=dataset, processing_class=tokenizer, **kwargs)
+    with contextlib.redirect_stdout(io.StringIO()):
+        trainer.train()
+    state = trainer.accelerator
+    breakdown = trainer.memory_breakdown
+    record = {"rank": state.process_index, "world": state.num_processes,
+              "engine": str(state.distributed_type).split(".")[-1],
+              "peak": breakdown.peak_bytes, "parts": breakdown.parts,
+              "peak_detail": [[(k, round(v / MIB, 2)) for k, v in detail[0]], sorted(detail[1]), detail[2],
+                              detail[3]] if detail else None}
+    Path(spec["out"], f"rank{state.process_index}.json").write_text(json.dumps(record))
+    state.end_training()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # as tests/scripts/engine_run.py: no interpreter teardown after the work is written
+
+
+def zero_launch(root: Path, name: str, method: str, stage: int, processes: int, hidden: int, bucket: float,
+                bf16: bool, lora: bool = False) -> tuple[list[dict], dict, Path]:
+    """Launch one row (bench/scale_out_memory.py's launch, with the row's DeepSpeed file): (ranks, fields, file)."""
+    import os
+    import subprocess
+
+    from bench.scale_out_memory import EXAMPLES, free_port
+
+    out = root / name.replace(" ", "_")
+    out.mkdir()
+    ds_file = out / "deepspeed.json"
+    ds_file.write_text(json.dumps(deepspeed_config(stage, bucket, bf16)))
+    text = (EXAMPLES / f"zero{stage}.yaml").read_text()
+    text = text.replace("deepspeed_config:\n", f"deepspeed_config:\n  deepspeed_config_file: {ds_file}\n")
+    lines = [line for line in text.splitlines() if not line.strip().startswith(
+        ("zero_stage", "zero3_save_16bit", "offload_", "mixed_precision", "zero3_init_flag"))]
+    accelerate_file = out / "accelerate.yaml"
+    accelerate_file.write_text("\n".join(lines) + "\n")
+    model_dir = root / f"{method}_model_{hidden}"
+    if not model_dir.exists():
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.manual_seed(0)
+        config = zero_model_config(hidden)
+        AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+        AutoTokenizer.from_pretrained(str(TOKENIZER_DIR)).save_pretrained(model_dir)
+    fields = zero_fields(method, processes, bf16)
+    spec = out / "spec.json"
+    spec.write_text(json.dumps({"method": method, "model": str(model_dir), "fields": fields, "out": str(out),
+                                "lora": lora}))
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(accelerate_file),
+               "--num_processes", str(processes), "--num_machines", "1", "--mixed_precision", "bf16" if bf16 else "no",
+               "--dynamo_backend", "no", "--main_process_port", free_port(), __file__, "zero-worker", str(spec)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    env.update(LEANTUNE_BENCH_PEAK_DETAIL=os.environ.get("LEANTUNE_BENCH_PEAK_DETAIL", "0"), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
+               PYTHONPATH=str(REPO), TORCH_EXTENSIONS_DIR=str(Path.home() / ".cache/leantune/torch_extensions"))
+    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1200)
+    if run.returncode != 0:
+        raise RuntimeError(f"{name} failed:\n{run.stderr[-3000:]}")
+    return [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))], fields, ds_file
+
+
+def run_zero(only: str | None) -> list[float]:
+    """Every ZeRO row: launched for real, then planned per rank; one table line per rank."""
+    import logging
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    from leantune.planning import plan_memory
+
+    logging.getLogger("leantune").setLevel(logging.ERROR)
+    tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
+    errors = []
+    print("| configuration | rank | predicted MiB | measured MiB | error | predicted parts (MiB) | measured parts (MiB) "
+          "| peak moment |")
+    print("|---|---|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory(prefix="plan_zero_") as tmp:
+        for name, method, stage, processes, hidden, bucket, bf16, lora in ZERO_CONFIGS:
+            if only and not any(part in name for part in only.split(",")):
+                continue
+            try:
+                ranks, fields, ds_file = zero_launch(Path(tmp), name, method, stage, processes, hidden, bucket, bf16,
+                                                     lora)
+            except Exception as error:  # a row that fails is reported, not hidden
+                print(f"| {name} | | launch failed: {str(error)[-200:]!r} | | | | | |", flush=True)
+                continue
+            dataset = data(METHOD_DATA[method], 48 if method in ("grpo", "rloo") else 64)
+            kwargs = {"reward_funcs": reward_len} if method in ("grpo", "rloo") else {}
+            if lora:
+                kwargs["peft_config"] = lora_config()
+            for record in ranks:
+                plan = plan_memory(zero_model_config(hidden), dataset, method, processing_class=tokenizer,
+                                   num_processes=processes, engine=f"zero{stage}", deepspeed=str(ds_file),
+                                   rank=record["rank"], **kwargs, **fields)
+                predicted, measured = plan.measured_step.peak_bytes, record["peak"]
+                error = (predicted - measured) / measured
+                errors.append(abs(error))
+                print(f"| {name} | {record['rank']} | {predicted / MIB:.2f} | {measured / MIB:.2f} | "
+                      f"{100 * error:+.2f}% | {_parts(plan.measured_step.parts)} | {_parts(record['parts'])} | "
+                      f"{plan.measured_step.batch.split('peak at ')[-1]} |", flush=True)
+    return errors
+
+
+def _parts(parts: dict) -> str:
+    short = {"parameters": "P", "gradients": "G", "optimizer_states": "O", "activations": "A", "temporaries": "T"}
+    return " ".join(f"{short.get(k, k)} {v / MIB:.1f}" for k, v in parts.items() if v >= MIB / 100)
+
+
+def zero_model_config(hidden: int):
+    config = tiny_config("llama", 32000, 2)
+    config.hidden_size, config.intermediate_size = hidden, 2 * hidden
+    return config
 
 
 if __name__ == "__main__":

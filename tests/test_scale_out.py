@@ -223,6 +223,11 @@ def test_every_trainer_matches_one_process_under_each_engine(engine, assets, ini
         model = AutoModelForCausalLM.from_pretrained(str(out / "sft"))
         assert_same_weights({k: v.detach() for k, v in model.state_dict().items()},
                             saved_weights(one_process, "sft"), initial)
+    if engine in ("zero2", "zero3"):  # each rank's planned step against its measured breakdown (planning/zero.py)
+        from .plan_zero_check import assert_zero_plan_matches
+
+        deepspeed_file = HELPERS / "deepspeed_zero3_cpu.json" if engine == "zero3" else None  # zero2: accelerate's
+        assert_zero_plan_matches(assets, out, engine, deepspeed_file)
     if engine == "zero3":
         gathered, sharded = ranks(out, "grpo")[0], ranks(out, "grpo_sharded_generation")[0]
         # ds3_gather_for_generation=True holds the whole model once per round; False never holds more than the

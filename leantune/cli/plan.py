@@ -17,7 +17,10 @@ from .parser import parse_command_args
 class PlanArguments:
     method: str = field(default="sft", metadata={"help": "sft, dpo, kto, reward, grpo, rloo (any leantune trainer)."})
     num_processes: int = field(default=1, metadata={"help": "Processes of the launch (per-process plan)."})
-    engine: str = field(default="ddp", metadata={"help": "ddp (fsdp2, zero2, zero3, cp: not planned yet)."})
+    engine: str = field(default="ddp", metadata={"help": "ddp, zero2, zero3 (with --deepspeed: the run's DeepSpeed "
+                                                          "config file); fsdp2, cp: not planned yet."})
+    rank: int = field(default=0, metadata={"help": "With --num_processes > 1: the process whose batches the "
+                                           "measured step's plan uses."})
     device: str | None = field(
         default=None, metadata={"help": "A GPU name (h100, a100-40gb, l4, ...) to list its terms beyond the trace."})
     memory_budget: str | None = field(
@@ -99,7 +102,7 @@ def run(argv: list[str]) -> int:
     try:
         plan = plan_memory(model_args.model_name_or_path, train, trainer_class,
                            processing_class=tokenizer, peft_config=peft_config_from(model_args),
-                           num_processes=plan_args.num_processes, engine=plan_args.engine,
+                           num_processes=plan_args.num_processes, engine=plan_args.engine, rank=plan_args.rank,
                            device=plan_args.device or plan_args.memory_budget, **fields)
     except ValueError as error:
         raise UsageError(str(error)) from error

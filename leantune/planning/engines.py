@@ -2,14 +2,15 @@
 
 Under DDP every process runs the whole step on its own micro-batch, so its traced step is the one-process step of
 `per_device_train_batch_size`; DDP's gradient buckets live in C++ (invisible to MemTracker, so to the measured
-breakdown too) and are listed as a device term (devices.py). FSDP2, ZeRO-2/3 and context parallelism shard what a
-process holds; their per-rank plan is not traced yet and is refused rather than guessed.
+breakdown too) and are listed as a device term (devices.py). ZeRO-2/3: the one-process trace with DeepSpeed's model
+states per rank in place (zero.py). FSDP2 and context parallelism shard what a process holds; their per-rank plan is
+not traced yet and is refused rather than guessed.
 """
 
 from __future__ import annotations
 
 ENGINES = ("ddp", "fsdp2", "zero2", "zero3", "cp")
-PLANNED = ("ddp",)
+PLANNED = ("ddp", "zero2", "zero3")
 
 
 def check_engine(engine: str, num_processes: int) -> None:
@@ -23,7 +24,9 @@ def check_engine(engine: str, num_processes: int) -> None:
 
 
 def per_rank_notes(engine: str, num_processes: int) -> list[str]:
+    if engine in ("zero2", "zero3"):
+        return []  # planning/zero.py's notes
     if num_processes == 1:
         return []
-    return [f"DDP: each of the {num_processes} processes runs this step on its own micro-batch; the worst batch and "
-            "its step are those of a one-process loader (each process sees a different shard of the data)."]
+    return [f"DDP: each of the {num_processes} processes runs this step on its own micro-batch; the worst batch is the "
+            "epoch's worst (some process gets it), at the step the launch reaches it; step 2 is rank `rank`'s."]

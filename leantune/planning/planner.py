@@ -191,6 +191,8 @@ def _planning_trainer_class(trainer_class, mode: WeightlessMode):
         def get_batch_samples(self, epoch_iterator, num_batches, device):
             if self.forced_batches is not None:
                 epoch_iterator = iter(self.forced_batches[:num_batches])
+                if len(self.forced_batches) > num_batches:  # a rank's batches: each step takes its own
+                    self.forced_batches = self.forced_batches[num_batches:]
             return super().get_batch_samples(epoch_iterator, num_batches, device)
 
         def _save(self, *args, **kwargs):
@@ -299,7 +301,7 @@ def _first_epoch_batches(trainer, limit: int | None = None):
 
 def plan_memory(model, train_dataset=None, method="sft", *, args=None, processing_class=None, peft_config=None,
                 reward_funcs=None, num_processes: int = 1, engine: str = "ddp", device: str | None = None,
-                measured_step: bool = True, max_batches: int | None = None, lengths=None,
+                measured_step: bool = True, max_batches: int | None = None, lengths=None, rank: int = 0,
                 **config_fields) -> MemoryPlan:
     """Predict the step peak of training `model` on `train_dataset` with `method`, per process.
 
@@ -307,7 +309,8 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
     `train_dataset`: the data as the trainer reads it. `args`: a config of the method (or pass its fields as keyword
     arguments). `device`: a GPU name of `planning.devices.GPUS` or a size ("24GiB"), to add the device's terms.
     `lengths`: instead of `train_dataset`, `leantune profile`'s JSON (path or dict): rows of the profiled lengths
-    (planning/length_profile.py)."""
+    (planning/length_profile.py).
+    `rank`: with `num_processes` > 1, whose second step `measured_step` predicts (each rank sees its own batches)."""
     from .devices import device_terms
     from .engines import check_engine, per_rank_notes
 
@@ -315,6 +318,8 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
     trainer_class, config_class = method_classes(method)
     name = method_name(trainer_class)
     check_engine(engine, num_processes)
+    if not 0 <= rank < num_processes:
+        raise ValueError(f"`rank`: {rank} is not a process of {num_processes} (0 to {num_processes - 1}).")
     if train_dataset is None and lengths is not None:
         from .length_profile import dataset_from_lengths
 
@@ -329,6 +334,13 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
     quantization = quantization_from_fields(fields)  # 4/8-bit (QLoRA): planning/quantized.py
     quantized = {"quantization": quantization} if quantization is not None else {}
     config = model_config_of(model)
+    zero = None
+    if engine in ("zero2", "zero3"):  # the one-process trace in DeepSpeed's dtype, a rank's states put in (zero.py)
+        from . import zero as zero_plan
+
+        zero = zero_plan.zero_settings(engine, fields, num_processes, config, _dtype_of(fields))
+        fields = zero_plan.traced_fields(fields, zero)
+    shard = (num_processes, rank) if num_processes > 1 else None
     model_label = model if isinstance(model, str) else getattr(config, "_name_or_path", "") or config.model_type
     trainer_kwargs = {"processing_class": processing_class, "peft_config": peft_config}
     if reward_funcs is not None:
@@ -337,26 +349,34 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
         trainer_kwargs["reward_funcs"] = _no_reward
     logging_level = logging.getLogger("leantune").level
     notes = []
+    engine_context = contextlib.ExitStack()
+    if zero is not None:
+        engine_context.enter_context(zero_plan.deepspeed_init_off())
     try:
         layers = _layer_count(config)
         if layers is not None and layers > LAYERS_TRACED[-1]:
             runs = [_trace(_with_layers(config, count), trainer_class, config_class, train_dataset, fields,
-                           trainer_kwargs, measured_step, max_batches, **quantized) for count in LAYERS_TRACED]
+                           trainer_kwargs, measured_step, max_batches, shard, **quantized) for count in LAYERS_TRACED]
             extrapolated = _extrapolate(runs, layers)
             if extrapolated is None:
                 notes.append(f"per-layer growth not exactly linear over {LAYERS_TRACED} layers: all {layers} traced")
                 result = _trace(config, trainer_class, config_class, train_dataset, fields, trainer_kwargs,
-                                measured_step, max_batches, **quantized)
+                                measured_step, max_batches, shard, **quantized)
             else:
                 result = extrapolated
                 notes.append(f"traced with {', '.join(map(str, LAYERS_TRACED))} of the {layers} layers; every part "
                              "grew by the same bytes per layer (exact), extrapolated to all layers")
         else:
             result = _trace(config, trainer_class, config_class, train_dataset, fields, trainer_kwargs,
-                            measured_step, max_batches, **quantized)
+                            measured_step, max_batches, shard, **quantized)
     finally:
         logging.getLogger("leantune").setLevel(logging_level)
+        engine_context.close()
     num_parameters, trainable, second, traced = result
+    if zero is not None:
+        second, traced = zero_plan.per_rank(config, trainer_class, peft_config, zero, trainable, second, traced,
+                                            rank, device)
+        notes += zero_plan.notes(zero)
     worst = max(traced, key=lambda step: step.peak_bytes)
     plan = MemoryPlan(name, str(model_label), num_parameters, trainable, num_processes, engine, worst, second,
                       device_terms(device, fields, num_processes, engine),
@@ -376,7 +396,7 @@ LAYERS_TRACED = (2, 3, 4)  # a 1-layer model peaks elsewhere in the step (measur
 
 
 def _trace(config, trainer_class, config_class, train_dataset, fields, trainer_kwargs, measured_step, max_batches,
-           quantization=None):
+           shard=None, quantization=None):
     """(parameters, trainable parameters, the trainer's own second step or None, [traced worst candidates])."""
     # PEFT resolves "all-linear" in the config it is given to this model's module names: each trace gets a copy
     trainer_kwargs = {**trainer_kwargs, "peft_config": copy.deepcopy(trainer_kwargs.get("peft_config"))}
@@ -399,15 +419,23 @@ def _trace(config, trainer_class, config_class, train_dataset, fields, trainer_k
         trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
         second = None
         if measured_step:
+            if shard is not None:  # (processes, rank): the rank's micro-batches, every processes-th of one loader
+                processes, rank = shard
+                wanted = 2 * accumulation * processes
+                batches = [batch for _, batch in _first_epoch_batches(trainer, wanted)]
+                trainer.forced_batches = batches[rank::processes] if len(batches) == wanted else None
             _train_quietly(trainer)
-            second = TracedStep.of(trainer.memory_breakdown, "the trainer's own second step")
+            trainer.forced_batches = None
+            second = TracedStep.of(trainer.memory_breakdown, "the trainer's own second step" + (
+                f" on rank {shard[1]}" if shard is not None else ""))
         traced = []
         for index, batch, words in _worst_candidates(trainer, max_batches):
             _reset_for_trace(trainer)
             trainer.forced_batches = [batch] * (2 * accumulation)
             _train_quietly(trainer)
-            traced.append(TracedStep.of(trainer.memory_breakdown, words, index // accumulation + 1,
-                                        index % accumulation))
+            processes = shard[0] if shard is not None else 1  # each step of N processes takes N loader batches
+            traced.append(TracedStep.of(trainer.memory_breakdown, words, index // (accumulation * processes) + 1,
+                                        index // processes % accumulation))
     return num_parameters, trainable, second, traced
 
 
