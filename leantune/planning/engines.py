@@ -9,7 +9,7 @@ process holds; their per-rank plan is not traced yet and is refused rather than 
 from __future__ import annotations
 
 ENGINES = ("ddp", "fsdp2", "zero2", "zero3", "cp")
-PLANNED = ("ddp",)
+PLANNED = ("ddp", "fsdp2")
 
 
 def check_engine(engine: str, num_processes: int) -> None:

@@ -307,6 +307,7 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
     arguments). `device`: a GPU name of `planning.devices.GPUS` or a size ("24GiB"), to add the device's terms."""
     from .devices import device_terms
     from .engines import check_engine, per_rank_notes
+    from .sharded import traced_launch
 
     started = time.perf_counter()
     trainer_class, config_class = method_classes(method)
@@ -328,7 +329,9 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
         trainer_kwargs["reward_funcs"] = _no_reward
     logging_level = logging.getLogger("leantune").level
     notes = []
+    launch = contextlib.ExitStack()  # rank 0 of a sharded launch (planning/sharded.py), for the traces only
     try:
+        launch.enter_context(traced_launch(engine, num_processes))
         layers = _layer_count(config)
         if layers is not None and layers > LAYERS_TRACED[-1]:
             runs = [_trace(_with_layers(config, count), trainer_class, config_class, train_dataset, fields,
@@ -346,6 +349,7 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
             result = _trace(config, trainer_class, config_class, train_dataset, fields, trainer_kwargs,
                             measured_step, max_batches)
     finally:
+        launch.close()
         logging.getLogger("leantune").setLevel(logging_level)
     num_parameters, trainable, second, traced = result
     worst = max(traced, key=lambda step: step.peak_bytes)
