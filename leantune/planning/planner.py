@@ -290,11 +290,16 @@ def _batch_description(batch) -> tuple[tuple[int, int], str]:
 
 
 def _first_epoch_batches(trainer, limit: int | None = None):
-    loader = trainer.get_train_dataloader()
-    for index, batch in enumerate(loader):
-        if limit is not None and index >= limit:
-            break
-        yield index, batch
+    from .sharded import each_rank
+
+    for rank in each_rank():  # a traced launch (planning/sharded.py): every rank's own micro-batches
+        loader = trainer.get_train_dataloader()
+        if rank and type(loader).__name__ == "DataLoaderDispatcher":
+            break  # batches dispatched from rank 0: rank 0's loader saw them all
+        for index, batch in enumerate(loader):
+            if limit is not None and index >= limit:
+                break
+            yield index, batch
 
 
 def plan_memory(model, train_dataset=None, method="sft", *, args=None, processing_class=None, peft_config=None,
@@ -352,7 +357,7 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
         launch.close()
         logging.getLogger("leantune").setLevel(logging_level)
     num_parameters, trainable, second, traced = result
-    worst = max(traced, key=lambda step: step.peak_bytes)
+    worst = max(traced + ([second] if second is not None else []), key=lambda step: step.peak_bytes)
     plan = MemoryPlan(name, str(model_label), num_parameters, trainable, num_processes, engine, worst, second,
                       device_terms(device, fields, num_processes, engine),
                       per_rank_notes(engine, num_processes) + notes,

@@ -96,20 +96,11 @@ def _fsdp_on_cpu_state():
                 self.fsdp_plugin = plugin
             accelerate_state.PartialState._shared_state["distributed_type"] = self.distributed_type
 
-    original_partial = accelerate_state.PartialState.__init__
-
-    def partial_init(self, *args, **kwargs):
-        original_partial(self, *args, **kwargs)
-        if self.device is not None and self.device.type == "cpu" and self.device.index is not None:
-            self.device = torch.device("cpu")  # "cpu:<local rank>" is "cpu" to torch, not to fake tensors
-
     accelerate_state.AcceleratorState.__init__ = init
-    accelerate_state.PartialState.__init__ = partial_init
     try:
         yield
     finally:
         accelerate_state.AcceleratorState.__init__ = original
-        accelerate_state.PartialState.__init__ = original_partial
 
 
 @contextlib.contextmanager
@@ -176,12 +167,24 @@ def _ddp_as_its_buckets(active: bool):
     if not active:
         yield
         return
-    original = torch.nn.parallel.DistributedDataParallel
+    original, original_to = torch.nn.parallel.DistributedDataParallel, torch.nn.Module.to
+
+    def to(module, *args, **kwargs):
+        """accelerate moves models to the launch's device, "cpu:0" here: a fake parameter would keep that index, a
+        real batch moved there (copied, as in the real run) reports "cpu", and fake tensors refuse to mix the two."""
+        device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        if device is not None and device.type == "cpu":
+            device = torch.device("cpu")
+        return original_to(module, device=device, dtype=dtype, non_blocking=non_blocking,
+                           **({"memory_format": memory_format} if memory_format is not None else {}))
+
     torch.nn.parallel.DistributedDataParallel = _BucketsOfDDP
+    torch.nn.Module.to = to
     try:
         yield
     finally:
         torch.nn.parallel.DistributedDataParallel = original
+        torch.nn.Module.to = original_to
 
 
 class _DropCpuFsdpWarning(logging.Filter):
@@ -206,3 +209,32 @@ def traced_launch(engine: str, num_processes: int):
     if num_processes > 1 and engine in TRACED_ENGINES:
         return rank_zero_of(engine, num_processes)
     return contextlib.nullcontext()
+
+
+def each_rank():
+    """Every rank of the traced launch in turn (one process: rank 0 only): while a rank is current, accelerate builds
+    and iterates the data loader as that rank does, so the plan's worst batch is chosen among the micro-batches every
+    rank will see, not rank 0's alone. A loader that dispatches from rank 0 (an iterable dataset's) yields rank 0's."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    for rank in range(world):
+        with _as_rank(rank):
+            yield rank
+
+
+@contextlib.contextmanager
+def _as_rank(rank: int):
+    from accelerate.state import AcceleratorState, PartialState
+
+    shared = [PartialState._shared_state, AcceleratorState._shared_state]
+    saved = [(state.get("process_index"), state.get("local_process_index")) for state in shared]
+    for state in shared:
+        if "process_index" in state:
+            state["process_index"] = state["local_process_index"] = rank
+    try:
+        yield
+    finally:
+        for state, (index, local) in zip(shared, saved):
+            if index is not None:
+                state["process_index"], state["local_process_index"] = index, local
