@@ -264,7 +264,7 @@ def launch_row(root: Path, engine: str, processes: int, name: str) -> list[dict]
     return [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
 
 
-def plan_row(name: str, engine: str, processes: int, tokenizer):
+def plan_row(name: str, engine: str, processes: int, tokenizer, rank: int = 0):
     from peft import LoraConfig
 
     from leantune.planning import plan_memory
@@ -275,7 +275,7 @@ def plan_row(name: str, engine: str, processes: int, tokenizer):
     kwargs = {"reward_funcs": reward_len} if method in ("grpo", "rloo") else {}
     dataset = data(METHOD_DATA[method], 48 if method in ("grpo", "rloo") else 64)
     return plan_memory(tiny_config(arch, vocab, layers), dataset, method, processing_class=tokenizer,
-                       peft_config=peft, num_processes=processes, engine=engine, **kwargs,
+                       peft_config=peft, num_processes=processes, engine=engine, rank=rank, **kwargs,
                        **fields_for(method, extra))
 
 
@@ -297,15 +297,20 @@ def engines_main(engines: list[str], processes: list[int], only: str | None) -> 
                 for count in processes:
                     try:
                         ranks = launch_row(Path(tmp), engine, count, name)
-                        started = time.perf_counter()
-                        plan = plan_row(name, engine, count, tokenizer)
-                        seconds = time.perf_counter() - started
                     except Exception as error:  # a row that fails is reported, not hidden
                         print(f"| {name} | {engine} | {count} | | failed: {type(error).__name__}: "
                               f"{str(error)[-300:]} | | | | | |", flush=True)
                         continue
-                    predicted = plan.measured_step
-                    for record in ranks:
+                    for record in ranks:  # each rank's own plan: its own micro-batches
+                        try:
+                            started = time.perf_counter()
+                            plan = plan_row(name, engine, count, tokenizer, record["rank"])
+                            seconds = time.perf_counter() - started
+                        except Exception as error:
+                            print(f"| {name} | {engine} | {count} | {record['rank']} | plan failed: "
+                                  f"{type(error).__name__}: {str(error)[-300:]} | | | | | |", flush=True)
+                            continue
+                        predicted = plan.measured_step
                         error = (predicted.peak_bytes - record["peak"]) / record["peak"]
                         errors.append(abs(error))
                         print(f"| {name} | {engine} | {count} | {record['rank']} | {predicted.peak_bytes / MIB:.2f} | "

@@ -223,6 +223,10 @@ def test_every_trainer_matches_one_process_under_each_engine(engine, assets, ini
         model = AutoModelForCausalLM.from_pretrained(str(out / "sft"))
         assert_same_weights({k: v.detach() for k, v in model.state_dict().items()},
                             saved_weights(one_process, "sft"), initial)
+    if engine in ("ddp", "fsdp2"):  # rank 0's measured step 2 against its plan (tests/test_plan_engines.py)
+        from .test_plan_engines import assert_rank_zero_planned
+
+        assert_rank_zero_planned(assets, out, engine)
     if engine == "zero3":
         gathered, sharded = ranks(out, "grpo")[0], ranks(out, "grpo_sharded_generation")[0]
         # ds3_gather_for_generation=True holds the whole model once per round; False never holds more than the

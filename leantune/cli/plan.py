@@ -17,7 +17,7 @@ from .parser import parse_command_args
 class PlanArguments:
     method: str = field(default="sft", metadata={"help": "sft, dpo, kto, reward, grpo, rloo (any leantune trainer)."})
     num_processes: int = field(default=1, metadata={"help": "Processes of the launch (per-process plan)."})
-    engine: str = field(default="ddp", metadata={"help": "ddp (fsdp2, zero2, zero3, cp: not planned yet)."})
+    engine: str = field(default="ddp", metadata={"help": "ddp or fsdp2 (zero2, zero3, cp: not planned yet)."})
     device: str | None = field(
         default=None, metadata={"help": "A GPU name (h100, a100-40gb, l4, ...) to list its terms beyond the trace."})
     memory_budget: str | None = field(

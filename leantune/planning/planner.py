@@ -304,12 +304,14 @@ def _first_epoch_batches(trainer, limit: int | None = None):
 
 def plan_memory(model, train_dataset=None, method="sft", *, args=None, processing_class=None, peft_config=None,
                 reward_funcs=None, num_processes: int = 1, engine: str = "ddp", device: str | None = None,
-                measured_step: bool = True, max_batches: int | None = None, **config_fields) -> MemoryPlan:
+                measured_step: bool = True, max_batches: int | None = None, rank: int = 0,
+                **config_fields) -> MemoryPlan:
     """Predict the step peak of training `model` on `train_dataset` with `method`, per process.
 
     `model`: Hub id, local folder (config.json is read, no weights), a transformers config, or a model (its config).
     `train_dataset`: the data as the trainer reads it. `args`: a config of the method (or pass its fields as keyword
-    arguments). `device`: a GPU name of `planning.devices.GPUS` or a size ("24GiB"), to add the device's terms."""
+    arguments). `device`: a GPU name of `planning.devices.GPUS` or a size ("24GiB"), to add the device's terms.
+    `rank`: under a traced launch (planning/sharded.py), the process whose own step 2 `measured_step` is."""
     from .devices import device_terms
     from .engines import check_engine, per_rank_notes
     from .sharded import traced_launch
@@ -336,7 +338,7 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
     notes = []
     launch = contextlib.ExitStack()  # rank 0 of a sharded launch (planning/sharded.py), for the traces only
     try:
-        launch.enter_context(traced_launch(engine, num_processes))
+        launch.enter_context(traced_launch(engine, num_processes, rank))
         layers = _layer_count(config)
         if layers is not None and layers > LAYERS_TRACED[-1]:
             runs = [_trace(_with_layers(config, count), trainer_class, config_class, train_dataset, fields,
@@ -518,6 +520,9 @@ def _reset_for_trace(trainer) -> None:
     if hasattr(trainer, "_buffer"):
         trainer._buffer = []
     trainer.memory_breakdown = None
+    restart = getattr(trainer.model_wrapped, "restart_trace", None)  # a traced launch's DDP (planning/sharded.py)
+    if restart is not None:
+        restart()
 
 
 def _quiet(trainer) -> None:

@@ -36,8 +36,8 @@ TRACED_ENGINES = ("fsdp2", "ddp")  # DDP traced for rank 0's own batches and its
 
 
 @contextlib.contextmanager
-def rank_zero_of(engine: str, num_processes: int):
-    """This process as rank 0 of `num_processes` launched under `engine`, for the duration of one trace."""
+def rank_of(engine: str, num_processes: int, rank: int = 0):
+    """This process as `rank` of `num_processes` launched under `engine`, for the duration of one plan's traces."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -45,14 +45,14 @@ def rank_zero_of(engine: str, num_processes: int):
                          "its own; call plan_memory outside a launched run (this process already has a group).")
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    launch_env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(num_processes),
+    launch_env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(num_processes),
                   "LOCAL_WORLD_SIZE": str(num_processes), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}
     if engine == "fsdp2":
         launch_env.update(FSDP2_LAUNCH_ENV)
     saved = {name: os.environ.get(name) for name in launch_env}
     _reset_accelerate()
     os.environ.update(launch_env)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=num_processes)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=num_processes)
     try:
         with _fsdp_on_cpu_state(), _fake_tensors_with_addresses(), _without_cpu_fsdp_warning(), \
                 _ddp_as_its_buckets(engine == "ddp"):
@@ -144,6 +144,10 @@ class _BucketsOfDDP(torch.nn.Module):
                 self._buckets = _flat_gradient_copies(self.module)
         return self.module(*args, **kwargs)
 
+    def restart_trace(self) -> None:
+        """The planner traces each worst batch as a run of its own: its step 2 holds buckets rebuilt there too."""
+        self._synchronising_forwards, self._buckets = 0, []
+
     @contextlib.contextmanager
     def no_sync(self):
         before, self.require_backward_grad_sync = self.require_backward_grad_sync, False
@@ -204,10 +208,13 @@ def _without_cpu_fsdp_warning():
         logger.removeFilter(dropped)
 
 
-def traced_launch(engine: str, num_processes: int):
-    """The context a plan's traces run in: rank 0 of the launch for a traced engine, else this process as it is."""
+def traced_launch(engine: str, num_processes: int, rank: int = 0):
+    """The context a plan's traces run in: a rank (0 unless asked) of the launch for a traced engine, else this
+    process as it is."""
+    if not 0 <= rank < num_processes:
+        raise ValueError(f"`rank`: {rank} is not a rank of {num_processes} process(es).")
     if num_processes > 1 and engine in TRACED_ENGINES:
-        return rank_zero_of(engine, num_processes)
+        return rank_of(engine, num_processes, rank)
     return contextlib.nullcontext()
 
 

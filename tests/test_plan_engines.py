@@ -1,0 +1,67 @@
+"""Per-rank plans (planning/sharded.py): rank 0 of an N-process DDP or FSDP2 launch traced in this process.
+
+The launched check (`assert_rank_zero_planned`) runs inside tests/test_scale_out.py, on the 2-process DDP and FSDP2
+launches that test already makes: their `sft` case measures its step 2 (memory_breakdown=True) on every rank, and the
+plan of rank 0 must give the same numbers. The in-process test here needs no launch."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from leantune.planning import plan_memory
+
+from .conftest import gsm8k_prompt_completion, tiny_model
+
+# tests/scripts/engine_run.py's `sft` case: what each of its 2 processes trains
+ENGINE_RUN_SFT = dict(per_device_train_batch_size=2, max_length=64, max_steps=2, learning_rate=1e-2, optim="sgd",
+                      optim_args="momentum=0.9", max_grad_norm=0.0, seed=0, data_seed=0)
+
+
+def assert_rank_zero_planned(assets, out, engine: str) -> None:
+    from datasets import load_dataset
+    from transformers import AutoTokenizer
+
+    with open(out / "sft" / "rank0.json", encoding="utf-8") as handle:
+        measured = json.load(handle)["memory"]
+    data = load_dataset("json", data_files=str(assets.root / "sft.jsonl"))["train"]
+    plan = plan_memory(str(assets.model), data, "sft", processing_class=AutoTokenizer.from_pretrained(str(assets.model)),
+                       num_processes=2, engine=engine, **ENGINE_RUN_SFT)
+    predicted = plan.measured_step
+    # Both sides are MemTracker's sums of the same tensors' sizes on rank 0 (real there, fake here), independent of
+    # timing: measured equal to the byte (docs/benchmarks.md). 2% of the peak is the bound the plan promises, per part
+    # too; the momentum buffers are rank 0's shards (FSDP2: half of every parameter's rows), a size without any
+    # freedom, so they must be exact.
+    assert abs(predicted.peak_bytes - measured["peak"]) <= 0.02 * measured["peak"], (predicted, measured)
+    for part, size in measured["parts"].items():
+        assert abs(predicted.parts.get(part, 0) - size) <= 0.02 * measured["peak"], (part, predicted, measured)
+    assert predicted.parts["optimizer_states"] == measured["parts"]["optimizer_states"]
+
+
+def test_sharded_plans_are_rank_zero_and_leave_nothing_behind(tokenizer, gsm8k_rows):
+    import torch.distributed as dist
+    from accelerate.state import PartialState
+
+    config = tiny_model().config
+    dataset = gsm8k_prompt_completion(gsm8k_rows, 16)
+    plans = {(engine, n): plan_memory(config, dataset, "sft", processing_class=tokenizer, num_processes=n,
+                                      engine=engine, **ENGINE_RUN_SFT)
+             for engine, n in [("ddp", 1), ("fsdp2", 2), ("ddp", 2)]}
+    again = plan_memory(config, dataset, "sft", processing_class=tokenizer, **ENGINE_RUN_SFT)
+    # the fake process group, accelerate's shared state and the launch's environment are gone after each plan
+    assert not dist.is_initialized() and not PartialState._shared_state
+    assert "WORLD_SIZE" not in os.environ and "ACCELERATE_USE_FSDP" not in os.environ
+    one, fsdp2, ddp = plans["ddp", 1].measured_step, plans["fsdp2", 2].measured_step, plans["ddp", 2].measured_step
+    assert again.measured_step == one  # a one-process plan after sharded ones is the one-process plan
+    trained = sum(p.numel() for p in tiny_model().parameters()) * 4  # fp32 bytes of every parameter (P)
+    # SGD's momentum: P in one process and under DDP; FSDP2 keeps rank 0's dim-0 shard of each parameter, exactly
+    # P/2 here (every first dimension of this model is even, so FSDP2 pads nothing)
+    assert one.parts["optimizer_states"] == ddp.parts["optimizer_states"] == trained
+    assert fsdp2.parts["optimizer_states"] * 2 == trained
+    # DDP rebuilds its gradient buckets (a flat copy of every gradient, P) in step 2: held as activations from then on
+    assert ddp.parts["activations"] >= trained
+    assert plans["fsdp2", 2].worst.peak_bytes >= fsdp2.peak_bytes
+    with pytest.raises(ValueError, match="zero3"):
+        plan_memory(config, dataset, "sft", processing_class=tokenizer, num_processes=2, engine="zero3")
