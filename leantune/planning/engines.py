@@ -1,9 +1,9 @@
 """Which launches are planned, and what a process of each holds that one process would not.
 
-Under DDP every process runs the whole step on its own micro-batch, so its traced step is the one-process step of
-`per_device_train_batch_size`; DDP's gradient buckets live in C++ (invisible to MemTracker, so to the measured
-breakdown too) and are listed as a device term (devices.py). FSDP2, ZeRO-2/3 and context parallelism shard what a
-process holds; their per-rank plan is not traced yet and is refused rather than guessed.
+DDP and FSDP2 launches of N processes are traced as one rank of the launch in this process (planning/sharded.py):
+a fake process group of N, the rank's own micro-batches, FSDP2's shards and gathered units, DDP's gradient buckets
+where its reducer rebuilds them (step 2). ZeRO-2/3 and context parallelism shard what a process holds too; their
+per-rank plan is not traced yet and is refused rather than guessed.
 """
 
 from __future__ import annotations
@@ -25,5 +25,10 @@ def check_engine(engine: str, num_processes: int) -> None:
 def per_rank_notes(engine: str, num_processes: int) -> list[str]:
     if num_processes == 1:
         return []
-    return [f"DDP: each of the {num_processes} processes runs this step on its own micro-batch; the worst batch and "
-            "its step are those of a one-process loader (each process sees a different shard of the data)."]
+    if engine == "fsdp2":
+        return [f"FSDP2: one rank of {num_processes} processes traced (fake process group): its shards of parameters, "
+                "gradients and optimizer states, each unit gathered for its forward and backward; the worst batch is "
+                "the worst micro-batch of any rank."]
+    return [f"DDP: one rank of {num_processes} processes traced (fake process group), with DDP's gradient buckets (a "
+            "flat copy of the trained gradients, rebuilt in step 2); the worst batch is the worst micro-batch of any "
+            "rank."]

@@ -364,12 +364,6 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
                       device_terms(device, fields, num_processes, engine),
                       per_rank_notes(engine, num_processes) + notes,
                       {k: v for k, v in fields.items()}, 0.0)
-    if num_processes > 1 and engine == "ddp" and device is not None and str(device).lower() != "cpu":
-        from .devices import DeviceTerm
-
-        size = trainable * torch.empty((), dtype=_dtype_of(fields)).element_size()
-        plan.terms.append(DeviceTerm("DDP gradient buckets", size, "the reducer's flat copy of every trained "
-                                     "gradient (gradient_as_bucket_view=False, PyTorch's default)"))
     plan.seconds = time.perf_counter() - started
     return plan
 

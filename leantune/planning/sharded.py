@@ -1,15 +1,16 @@
-"""Rank 0 of an N-process launch, traced in this one process: the per-rank plan under FSDP2.
+"""One rank of an N-process launch, traced in this one process: the per-rank plan under FSDP2 and DDP.
 
 A real launch gives every process a process group, the launcher's environment (world size, rank, accelerate's FSDP
 settings) and a data loader that hands it its shard of each global batch. Here the process group is PyTorch's fake
-one (`torch.testing._internal.distributed.fake_pg`: world size N, this process rank 0, every collective a no-op
-that returns tensors of the right shapes), the environment is what `accelerate launch --config_file
-examples/accelerate/fsdp2.yaml --num_processes N` exports, and accelerate builds its state from it. So the trainer
-is prepared as on rank 0 of the real launch: `fully_shard` per decoder layer (TRANSFORMER_BASED_WRAP) and on the
-root, parameters and optimizer states as DTensors holding rank 0's dim-0 shard (padded as FSDP2 pads it), rank 0's
-batches from accelerate's sharded loader, each unit gathered for its forward and backward and its gradient
-reduce-scattered. The planner's MemoryBreakdownCallback then measures what rank 0's own breakdown measures
-(bench/plan_accuracy.py --engines: to the byte on CPU).
+one (`torch.testing._internal.distributed.fake_pg`: world size N, this process rank 0 or the rank asked for, every
+collective a no-op that returns tensors of the right shapes), the environment is what `accelerate launch
+--config_file examples/accelerate/<engine>.yaml --num_processes N` exports, and accelerate builds its state from it.
+So the trainer is prepared as on that rank of the real launch, with that rank's batches from accelerate's sharded
+loader. FSDP2: `fully_shard` per decoder layer (TRANSFORMER_BASED_WRAP) and on the root, parameters, gradients and
+optimizer states as DTensors holding the rank's dim-0 shard (padded as FSDP2 pads it), each unit gathered for its
+forward and backward and its gradient reduce-scattered. DDP: a stand-in holding DDP's gradient buckets where the
+reducer rebuilds them (`_BucketsOfDDP`). The planner's MemoryBreakdownCallback then measures what that rank's own
+breakdown measures (bench/plan_accuracy.py --engines: to the byte on CPU).
 
 What the fake group cannot show is what a real backend holds outside tensors (NCCL's buffers: a device term,
 planning/devices.py). Everything changed for the trace is put back afterwards: the group is destroyed, accelerate's
@@ -32,7 +33,7 @@ FSDP2_LAUNCH_ENV = {
     "FSDP_CPU_RAM_EFFICIENT_LOADING": "false", "FSDP_SYNC_MODULE_STATES": "false", "FSDP_USE_ORIG_PARAMS": "true",
     "FSDP_ACTIVATION_CHECKPOINTING": "false", "FSDP_FORWARD_PREFETCH": "false", "FSDP_MIN_NUM_PARAMS": "0",
 }
-TRACED_ENGINES = ("fsdp2", "ddp")  # DDP traced for rank 0's own batches and its buckets (_BucketsOfDDP)
+TRACED_ENGINES = ("fsdp2", "ddp")
 
 
 @contextlib.contextmanager
@@ -41,8 +42,8 @@ def rank_of(engine: str, num_processes: int, rank: int = 0):
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        raise ValueError(f"`engine`: a {engine} plan of {num_processes} processes traces rank 0 in a process group of "
-                         "its own; call plan_memory outside a launched run (this process already has a group).")
+        raise ValueError(f"`engine`: a {engine} plan of {num_processes} processes traces a rank in a process group "
+                         "of its own; call plan_memory outside a launched run (this process already has a group).")
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     launch_env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(num_processes),
