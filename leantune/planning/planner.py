@@ -338,7 +338,7 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
     notes = []
     launch = contextlib.ExitStack()  # rank 0 of a sharded launch (planning/sharded.py), for the traces only
     try:
-        launch.enter_context(traced_launch(engine, num_processes, rank))
+        launch.enter_context(traced_launch(engine, num_processes, rank, device))
         layers = _layer_count(config)
         if layers is not None and layers > LAYERS_TRACED[-1]:
             runs = [_trace(_with_layers(config, count), trainer_class, config_class, train_dataset, fields,

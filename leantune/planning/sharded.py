@@ -37,8 +37,9 @@ TRACED_ENGINES = ("fsdp2", "ddp")
 
 
 @contextlib.contextmanager
-def rank_of(engine: str, num_processes: int, rank: int = 0):
-    """This process as `rank` of `num_processes` launched under `engine`, for the duration of one plan's traces."""
+def rank_of(engine: str, num_processes: int, rank: int = 0, gloo: bool = True):
+    """This process as `rank` of `num_processes` launched under `engine`, for the duration of one plan's traces.
+    `gloo`: the launch's collectives are gloo's (a CPU launch), with the buffer its reduce-scatter stages."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -56,7 +57,7 @@ def rank_of(engine: str, num_processes: int, rank: int = 0):
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=num_processes)
     try:
         with _fsdp_on_cpu_state(), _fake_tensors_with_addresses(), _without_cpu_fsdp_warning(), \
-                _ddp_as_its_buckets(engine == "ddp"):
+                _ddp_as_its_buckets(engine == "ddp"), _gloo_reduce_scatter_staging(gloo):
             yield
     finally:
         dist.destroy_process_group()
@@ -192,6 +193,34 @@ def _ddp_as_its_buckets(active: bool):
         torch.nn.Module.to = original_to
 
 
+@contextlib.contextmanager
+def _gloo_reduce_scatter_staging(active: bool):
+    """gloo's reduce-scatter copies its input into a flat buffer of its own and, when the caller waits for it, splits
+    that buffer into the output (measured in a real CPU launch: MemTracker meets the buffer there, a temporary the
+    size of the input, freed with the work). FSDP2 reduce-scatters each unit's gradients once per backward; at the
+    root unit this buffer can be the peak's last piece. The fake group moves nothing, so the buffer is allocated here,
+    at the same moment, for the same lifetime. NCCL (a GPU launch) reduce-scatters from the input itself."""
+    if not active:
+        yield
+        return
+    import torch.distributed as dist
+
+    original = dist.reduce_scatter_single
+
+    def reduce_scatter_single(output, input, *args, **kwargs):
+        work = original(output, input, *args, **kwargs)
+        if not kwargs.get("async_op", False):
+            with torch.no_grad():
+                torch.empty_like(input).split(output.numel())  # gloo's staged copy, met and freed at the wait
+        return work
+
+    dist.reduce_scatter_single = reduce_scatter_single
+    try:
+        yield
+    finally:
+        dist.reduce_scatter_single = original
+
+
 class _DropCpuFsdpWarning(logging.Filter):
     def filter(self, record) -> bool:
         return "FSDP was asked for" not in record.getMessage()
@@ -209,13 +238,13 @@ def _without_cpu_fsdp_warning():
         logger.removeFilter(dropped)
 
 
-def traced_launch(engine: str, num_processes: int, rank: int = 0):
+def traced_launch(engine: str, num_processes: int, rank: int = 0, device=None):
     """The context a plan's traces run in: a rank (0 unless asked) of the launch for a traced engine, else this
-    process as it is."""
+    process as it is. `device` None or "cpu": a CPU launch (gloo's collectives); a GPU: NCCL's, which stage nothing."""
     if not 0 <= rank < num_processes:
         raise ValueError(f"`rank`: {rank} is not a rank of {num_processes} process(es).")
     if num_processes > 1 and engine in TRACED_ENGINES:
-        return rank_of(engine, num_processes, rank)
+        return rank_of(engine, num_processes, rank, gloo=device is None or str(device).lower() == "cpu")
     return contextlib.nullcontext()
 
 
