@@ -336,7 +336,7 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
         trainer_kwargs["reward_funcs"] = _no_reward
     logging_level = logging.getLogger("leantune").level
     notes = []
-    launch = contextlib.ExitStack()  # rank 0 of a sharded launch (planning/sharded.py), for the traces only
+    launch = contextlib.ExitStack()  # a rank of a traced launch (planning/sharded.py), for the traces only
     try:
         launch.enter_context(traced_launch(engine, num_processes, rank, device))
         layers = _layer_count(config)
@@ -359,7 +359,9 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
         launch.close()
         logging.getLogger("leantune").setLevel(logging_level)
     num_parameters, trainable, second, traced = result
-    worst = max(traced + ([second] if second is not None else []), key=lambda step: step.peak_bytes)
+    # the measured step 2 is an epoch's batch too (a rank's natural batch can outgrow the heuristic picks)
+    worst = max(traced + ([dataclasses.replace(second, step=2)] if second is not None else []),
+                key=lambda step: step.peak_bytes)
     plan = MemoryPlan(name, str(model_label), num_parameters, trainable, num_processes, engine, worst, second,
                       device_terms(device, fields, num_processes, engine),
                       per_rank_notes(engine, num_processes) + notes,
