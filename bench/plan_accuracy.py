@@ -213,7 +213,8 @@ def main() -> None:
         return zero_worker(sys.argv[2])
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", default=None)
-    parser.add_argument("--engines", default=None, help="zero: the DeepSpeed ZeRO-2/3 rows (accelerate launches)")
+    parser.add_argument("--engines", default=None, help="zero: the DeepSpeed ZeRO-2/3 rows; ddp,fsdp2: the DDP/FSDP2 rows (accelerate launches)")
+    parser.add_argument("--processes", default="1,2")
     options = parser.parse_args()
     quiet()
     if options.engines == "zero":
@@ -222,6 +223,9 @@ def main() -> None:
             print(f"\n{len(errors)} ranks: worst |error| {100 * max(errors):.2f}%, within 2%: "
                   f"{sum(e <= 0.02 for e in errors)}, within 5%: {sum(e <= 0.05 for e in errors)}")
         return
+    if options.engines:
+        return engines_main(options.engines.split(","), [int(n) for n in options.processes.split(",")],
+                            options.only)
     import logging
 
     logging.getLogger("leantune").setLevel(logging.ERROR)
@@ -450,5 +454,154 @@ def zero_model_config(hidden: int):
     return config
 
 
+
+
+# --- engines: 1 and 2 processes under DDP and FSDP2, launched for real ----------------------------------------------
+#
+#     PYTHONPATH=. python bench/plan_accuracy.py --engines ddp,fsdp2 [--processes 1,2] [--only NAME_SUBSTRING]
+#
+# Each row is `accelerate launch --config_file examples/accelerate/<engine>.yaml` of this file's worker (launched as
+# bench/scale_out_memory.py launches: FSDP2 on CPU through tests/cpu_engines/), which trains the row's configuration
+# with `memory_breakdown=True` on every rank; the plan is `plan_memory(..., num_processes=N, engine=<engine>)`.
+
+ENGINE_CONFIGS = ["sft default", "sft padding-free", "dpo default", "grpo default"]
+
+
+def engine_worker(out: str, name: str) -> None:
+    """One rank of a launched row: train it for real, write this rank's measured breakdown."""
+    import contextlib
+    import io
+    import os
+
+    import torch
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    from leantune.planning.planner import method_classes
+
+    quiet()
+    torch.set_num_threads(1)
+    _, method, arch, vocab, layers, extra = next(row for row in CONFIGS if row[0] == name)
+    trainer_class, config_class = method_classes(method)
+    fields = fields_for(method, extra)
+    tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
+    peft = LoraConfig(r=8, lora_alpha=16, task_type="SEQ_CLS" if method == "reward" else "CAUSAL_LM") \
+        if extra.get("peft") else None
+    dataset = data(METHOD_DATA[method], 48 if method in ("grpo", "rloo") else 64)
+    kwargs = {"reward_funcs": reward_len} if method in ("grpo", "rloo") else {}
+    torch.manual_seed(0)
+    config = tiny_config(arch, vocab, layers)
+    if method == "reward":
+        config.num_labels = 1
+        model = AutoModelForSequenceClassification.from_config(config)
+    else:
+        model = AutoModelForCausalLM.from_config(config)
+    args = config_class(output_dir=f"{out}/run", report_to=[], save_strategy="no", disable_tqdm=True,
+                        logging_steps=1, memory_breakdown=True, **fields)
+    trainer = trainer_class(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+                            peft_config=peft, **kwargs)
+    with contextlib.redirect_stdout(io.StringIO()):
+        trainer.train()
+    state = trainer.accelerator
+    breakdown = trainer.memory_breakdown
+    record = {"rank": state.process_index, "world": state.num_processes,
+              "engine": str(state.distributed_type).split(".")[-1],
+              "peak": breakdown.peak_bytes, "parts": dict(breakdown.parts)}
+    with open(f"{out}/rank{state.process_index}.json", "w") as handle:
+        json.dump(record, handle)
+    state.end_training()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # as tests/scripts/engine_run.py: no interpreter teardown after the work is written
+
+
+def launch_row(root: Path, engine: str, processes: int, name: str) -> list[dict]:
+    """The row trained by `processes` real processes under `engine` (bench/scale_out_memory.py's launch)."""
+    import os
+    import subprocess
+
+    from bench.scale_out_memory import EXAMPLES, HELPERS, free_port
+
+    out = root / f"{engine}_{processes}_{name.replace(' ', '_')}"
+    out.mkdir()
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(EXAMPLES / f"{engine}.yaml"),
+               "--num_processes", str(processes), "--num_machines", "1", "--mixed_precision", "no",
+               "--dynamo_backend", "no", "--main_process_port", free_port(), __file__, "worker", str(out), name]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(HELPERS), str(REPO)]))
+    if engine == "fsdp2":
+        env.update(LEANTUNE_TEST_CPU_FSDP="1")
+    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1200)
+    if run.returncode != 0:
+        raise RuntimeError(f"{name}, {engine} x {processes} failed:\n{run.stderr[-3000:]}")
+    return [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+
+
+def plan_row(name: str, engine: str, processes: int, tokenizer, rank: int = 0):
+    from peft import LoraConfig
+
+    from leantune.planning import plan_memory
+
+    _, method, arch, vocab, layers, extra = next(row for row in CONFIGS if row[0] == name)
+    peft = LoraConfig(r=8, lora_alpha=16, task_type="SEQ_CLS" if method == "reward" else "CAUSAL_LM") \
+        if extra.get("peft") else None
+    kwargs = {"reward_funcs": reward_len} if method in ("grpo", "rloo") else {}
+    dataset = data(METHOD_DATA[method], 48 if method in ("grpo", "rloo") else 64)
+    return plan_memory(tiny_config(arch, vocab, layers), dataset, method, processing_class=tokenizer,
+                       peft_config=peft, num_processes=processes, engine=engine, rank=rank, **kwargs,
+                       **fields_for(method, extra))
+
+
+def engines_main(engines: list[str], processes: list[int], only: str | None) -> None:
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
+    errors = []
+    print("| configuration | engine | processes | rank | predicted MiB | measured MiB | error | parts measured "
+          "(P/G/O/A/T MiB) | parts predicted | plan s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory(prefix="plan_engines_") as tmp:
+        for name in ENGINE_CONFIGS:
+            if only and not any(part in name for part in only.split(",")):
+                continue
+            for engine in engines:
+                for count in processes:
+                    try:
+                        ranks = launch_row(Path(tmp), engine, count, name)
+                    except Exception as error:  # a row that fails is reported, not hidden
+                        print(f"| {name} | {engine} | {count} | | failed: {type(error).__name__}: "
+                              f"{str(error)[-300:]} | | | | | |", flush=True)
+                        continue
+                    for record in ranks:  # each rank's own plan: its own micro-batches
+                        try:
+                            started = time.perf_counter()
+                            plan = plan_row(name, engine, count, tokenizer, record["rank"])
+                            seconds = time.perf_counter() - started
+                        except Exception as error:
+                            print(f"| {name} | {engine} | {count} | {record['rank']} | plan failed: "
+                                  f"{type(error).__name__}: {str(error)[-300:]} | | | | | |", flush=True)
+                            continue
+                        predicted = plan.measured_step
+                        error = (predicted.peak_bytes - record["peak"]) / record["peak"]
+                        errors.append(abs(error))
+                        print(f"| {name} | {engine} | {count} | {record['rank']} | {predicted.peak_bytes / MIB:.2f} | "
+                              f"{record['peak'] / MIB:.2f} | {100 * error:+.2f}% | {_parts(record['parts'])} | "
+                              f"{_parts(predicted.parts)} | {seconds:.1f} |", flush=True)
+    if errors:
+        print(f"\n{len(errors)} rank rows: worst |error| {100 * max(errors):.2f}%, within 2%: "
+              f"{sum(e <= 0.02 for e in errors)}, within 5%: {sum(e <= 0.05 for e in errors)}")
+
+
+def _parts(parts: dict) -> str:
+    names = ("parameters", "gradients", "optimizer_states", "activations", "temporaries")
+    return " / ".join(f"{parts.get(n, 0) / MIB:.2f}" for n in names)
+
+
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) > 1 and sys.argv[1] == "worker":
+        engine_worker(sys.argv[2], sys.argv[3])
+    else:
+        main()

@@ -223,7 +223,11 @@ def test_every_trainer_matches_one_process_under_each_engine(engine, assets, ini
         model = AutoModelForCausalLM.from_pretrained(str(out / "sft"))
         assert_same_weights({k: v.detach() for k, v in model.state_dict().items()},
                             saved_weights(one_process, "sft"), initial)
-    if engine in ("zero2", "zero3"):  # each rank's planned step against its measured breakdown (planning/zero.py)
+    if engine in ("ddp", "fsdp2"):  # rank 0's measured step 2 against its plan (tests/test_plan_engines.py)
+        from .test_plan_engines import assert_rank_zero_planned
+
+        assert_rank_zero_planned(assets, out, engine)
+    elif engine in ("zero2", "zero3"):  # each rank's planned step against its measured breakdown (planning/zero.py)
         from .plan_zero_check import assert_zero_plan_matches
 
         deepspeed_file = HELPERS / "deepspeed_zero3_cpu.json" if engine == "zero3" else None  # zero2: accelerate's

@@ -17,8 +17,8 @@ from .parser import parse_command_args
 class PlanArguments:
     method: str = field(default="sft", metadata={"help": "sft, dpo, kto, reward, grpo, rloo (any leantune trainer)."})
     num_processes: int = field(default=1, metadata={"help": "Processes of the launch (per-process plan)."})
-    engine: str = field(default="ddp", metadata={"help": "ddp, zero2, zero3 (with --deepspeed: the run's DeepSpeed "
-                                                          "config file); fsdp2, cp: not planned yet."})
+    engine: str = field(default="ddp", metadata={"help": "ddp, fsdp2, zero2, zero3 (with --deepspeed: the run's "
+                                                          "DeepSpeed config file); cp: not planned yet."})
     rank: int = field(default=0, metadata={"help": "With --num_processes > 1: the process whose batches the "
                                            "measured step's plan uses."})
     device: str | None = field(

@@ -48,7 +48,7 @@ def device_terms(device, fields: dict, num_processes: int, engine: str) -> list[
     terms = [DeviceTerm("CUDA context", CUDA_CONTEXT_BYTES, "context + library workspaces; measured 300-500 MiB"),
              DeviceTerm("allocator segment rounding", SEGMENT_BYTES,
                         "caching allocator: large blocks in 2 MiB segments, at most one partly used per stream")]
-    if num_processes > 1 and engine == "ddp":
+    if num_processes > 1 and engine in ("ddp", "fsdp2"):
         terms.append(DeviceTerm("NCCL buffers", 4 * 2 * MIB * 8,
                                 "NCCL_BUFFSIZE 4 MiB x 2 (send/recv) x 8 channels per peer group"))
     if fields.get("use_vllm") and fields.get("vllm_mode", "colocate") == "colocate":

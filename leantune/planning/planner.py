@@ -292,11 +292,16 @@ def _batch_description(batch) -> tuple[tuple[int, int], str]:
 
 
 def _first_epoch_batches(trainer, limit: int | None = None):
-    loader = trainer.get_train_dataloader()
-    for index, batch in enumerate(loader):
-        if limit is not None and index >= limit:
-            break
-        yield index, batch
+    from .sharded import each_rank
+
+    for rank in each_rank():  # a traced launch (planning/sharded.py): every rank's own micro-batches
+        loader = trainer.get_train_dataloader()
+        if rank and type(loader).__name__ == "DataLoaderDispatcher":
+            break  # batches dispatched from rank 0: rank 0's loader saw them all
+        for index, batch in enumerate(loader):
+            if limit is not None and index >= limit:
+                break
+            yield index, batch
 
 
 def plan_memory(model, train_dataset=None, method="sft", *, args=None, processing_class=None, peft_config=None,
@@ -310,9 +315,11 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
     arguments). `device`: a GPU name of `planning.devices.GPUS` or a size ("24GiB"), to add the device's terms.
     `lengths`: instead of `train_dataset`, `leantune profile`'s JSON (path or dict): rows of the profiled lengths
     (planning/length_profile.py).
-    `rank`: with `num_processes` > 1, whose second step `measured_step` predicts (each rank sees its own batches)."""
+    `rank`: with `num_processes` > 1, the process whose own step 2 `measured_step` is (each rank sees its own
+    batches: under DDP/FSDP2 a traced launch's loader, planning/sharded.py; under ZeRO every N-th batch)."""
     from .devices import device_terms
     from .engines import check_engine, per_rank_notes
+    from .sharded import traced_launch
 
     started = time.perf_counter()
     trainer_class, config_class = method_classes(method)
@@ -340,7 +347,8 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
 
         zero = zero_plan.zero_settings(engine, fields, num_processes, config, _dtype_of(fields))
         fields = zero_plan.traced_fields(fields, zero)
-    shard = (num_processes, rank) if num_processes > 1 else None
+    # ZeRO is not traced as a launch: a rank's micro-batches are every N-th of the one-process loader
+    shard = (num_processes, rank) if num_processes > 1 and zero is not None else None
     model_label = model if isinstance(model, str) else getattr(config, "_name_or_path", "") or config.model_type
     trainer_kwargs = {"processing_class": processing_class, "peft_config": peft_config}
     if reward_funcs is not None:
@@ -352,7 +360,9 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
     engine_context = contextlib.ExitStack()
     if zero is not None:
         engine_context.enter_context(zero_plan.deepspeed_init_off())
+    launch = contextlib.ExitStack()  # a rank of a traced launch (planning/sharded.py), for the traces only
     try:
+        launch.enter_context(traced_launch(engine, num_processes, rank, device))
         layers = _layer_count(config)
         if layers is not None and layers > LAYERS_TRACED[-1]:
             runs = [_trace(_with_layers(config, count), trainer_class, config_class, train_dataset, fields,
@@ -370,6 +380,7 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
             result = _trace(config, trainer_class, config_class, train_dataset, fields, trainer_kwargs,
                             measured_step, max_batches, shard, **quantized)
     finally:
+        launch.close()
         logging.getLogger("leantune").setLevel(logging_level)
         engine_context.close()
     num_parameters, trainable, second, traced = result
@@ -377,17 +388,13 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
         second, traced = zero_plan.per_rank(config, trainer_class, peft_config, zero, trainable, second, traced,
                                             rank, device)
         notes += zero_plan.notes(zero)
-    worst = max(traced, key=lambda step: step.peak_bytes)
+    # the measured step 2 is an epoch's batch too (a rank's natural batch can outgrow the heuristic picks)
+    worst = max(traced + ([dataclasses.replace(second, step=2)] if second is not None else []),
+                key=lambda step: step.peak_bytes)
     plan = MemoryPlan(name, str(model_label), num_parameters, trainable, num_processes, engine, worst, second,
                       device_terms(device, fields, num_processes, engine),
                       per_rank_notes(engine, num_processes) + notes,
                       {k: v for k, v in fields.items()}, 0.0)
-    if num_processes > 1 and engine == "ddp" and device is not None and str(device).lower() != "cpu":
-        from .devices import DeviceTerm
-
-        size = trainable * torch.empty((), dtype=_dtype_of(fields)).element_size()
-        plan.terms.append(DeviceTerm("DDP gradient buckets", size, "the reducer's flat copy of every trained "
-                                     "gradient (gradient_as_bucket_view=False, PyTorch's default)"))
     plan.seconds = time.perf_counter() - started
     return plan
 
@@ -555,6 +562,9 @@ def _reset_for_trace(trainer) -> None:
     if hasattr(trainer, "_buffer"):
         trainer._buffer = []
     trainer.memory_breakdown = None
+    restart = getattr(trainer.model_wrapped, "restart_trace", None)  # a traced launch's DDP (planning/sharded.py)
+    if restart is not None:
+        restart()
 
 
 def _quiet(trainer) -> None:

@@ -127,7 +127,7 @@ def sft_resumed(case):
 
 
 CASES = {
-    "sft": lambda case: sft(case, memory_breakdown=True),  # its second step's breakdown: tests/plan_zero_check.py
+    "sft": lambda case: sft(case, memory_breakdown=True),  # its measured step 2 is checked against `plan_memory` (DDP, FSDP2, ZeRO-2/3)
     "sft_packed_padding_free": lambda case: sft(case, packing=True, padding_free=True),
     "sft_lora": lambda case: sft(case, peft_config=lora()),
     "sft_resumed": sft_resumed,
@@ -187,8 +187,8 @@ for case in cases:
         "gathered_during_generation": generation_fractions,
         "seconds": time.perf_counter() - started,  # built, trained and saved (what the case adds to the suite)
     }
-    if getattr(trainer, "memory_breakdown", None) is not None:  # MemTracker's second step on this process
-        record["memory"] = {"peak": trainer.memory_breakdown.peak_bytes, **trainer.memory_breakdown.parts}
+    if trainer.memory_breakdown is not None:  # this process's measured step (memory_breakdown=True cases)
+        record["memory"] = {"peak": trainer.memory_breakdown.peak_bytes, "parts": trainer.memory_breakdown.parts}
     if hasattr(trainer, "on_policy_steps"):  # GKD: steps trained on the student's own samples
         record["on_policy_steps"] = trainer.on_policy_steps
     if hasattr(trainer, "value_function"):  # PPO: each process's value function after training (DDP keeps one)
