@@ -48,7 +48,9 @@ def data(kind: str, rows: int):
     return Dataset.from_list(lines)
 
 
-METHOD_DATA = {"sft": "sft", "dpo": "pairs", "kto": "pairs", "reward": "pairs", "grpo": "prompt", "rloo": "prompt"}
+METHOD_DATA = {"sft": "sft", "dpo": "pairs", "kto": "pairs", "reward": "pairs", "grpo": "prompt", "rloo": "prompt",
+               "online-dpo": "prompt", "ppo": "prompt", "gkd": "sft"}
+ONLINE = ("grpo", "rloo", "online-dpo", "ppo")
 
 # (name, method, arch, vocab, layers, fields)
 CONFIGS = [
@@ -85,21 +87,57 @@ CONFIGS = [
     ("grpo qwen2 128k padding-free", "grpo", "qwen2", 128256, 2, {"padding_free": True}),
     ("rloo default", "rloo", "llama", 32000, 2, {}),
     ("rloo LoRA no ckpt", "rloo", "qwen2", 32000, 2, {"peft": True, "gradient_checkpointing": False}),
+    # frozen models' weights (reference copy, reward model, teacher) are the breakdown's and the plan's frozen_models
+    ("dpo precomputed reference (none held)", "dpo", "llama", 32000, 2, {"precompute_ref_log_probs": True}),
+    ("grpo beta 0.04 reward model", "grpo", "llama", 32000, 2, {"beta": 0.04, "reward_model": True}),
+    ("online-dpo default (reference copy)", "online-dpo", "llama", 32000, 2, {}),
+    ("online-dpo LoRA (adapter off = reference)", "online-dpo", "llama", 32000, 2, {"peft": True}),
+    ("online-dpo reward model, padding-free", "online-dpo", "qwen2", 32000, 2, {"reward_model": True,
+                                                                             "padding_free": True}),
+    ("ppo default (reward model)", "ppo", "llama", 32000, 2, {"reward_model": True}),
+    ("ppo LoRA", "ppo", "llama", 32000, 2, {"reward_model": True, "peft": True}),
+    ("gkd off-policy (lmbda 0)", "gkd", "llama", 32000, 2, {"lmbda": 0.0}),
+    ("gkd on-policy (lmbda 1)", "gkd", "llama", 32000, 2, {"lmbda": 1.0}),
+    ("gkd qwen2 padding-free, lmbda 0.5", "gkd", "qwen2", 32000, 2, {"lmbda": 0.5, "padding_free": True}),
 ]
+NOT_FIELDS = ("peft", "reward_model")  # row settings that are not config fields
+TEACHER_LAYERS = 3  # GKD's teacher: the student's shape with one more layer
 
 
 def fields_for(method: str, extra: dict) -> dict:
     base = dict(per_device_train_batch_size=4, max_steps=2, seed=0, learning_rate=1e-4)
-    if method in ("sft", "dpo", "kto", "reward"):
+    if method in ("sft", "dpo", "kto", "reward", "gkd"):
         base["max_length"] = 256
     if method in ("grpo", "rloo"):
         base.update(num_generations=4, max_completion_length=24, max_prompt_length=96)
-    base.update({k: v for k, v in extra.items() if k != "peft"})
+    if method == "online-dpo":
+        base.update(per_device_train_batch_size=2, max_new_tokens=24, max_length=128)
+    if method == "ppo":
+        base.update(max_completion_length=24, max_prompt_length=96)
+    if method == "gkd":
+        base.update(max_new_tokens=24)
+    base.update({k: v for k, v in extra.items() if k not in NOT_FIELDS})
     return base
 
 
 def reward_len(completions, **kwargs):
     return [float(len(text) % 7) for text in completions]
+
+
+def reward_model_path(arch: str, vocab: int, tokenizer) -> str:
+    """A tiny reward model and its tokenizer saved once (a real run loads it from the folder; the plan reads its
+    config.json and tokenizer only)."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    path = Path("/tmp/leantune-plan-bench-reward") / f"{arch}-{vocab}"
+    if not (path / "config.json").exists():
+        config = tiny_config(arch, vocab, 2)
+        config.num_labels = 1
+        torch.manual_seed(1)
+        AutoModelForSequenceClassification.from_config(config).save_pretrained(path)
+        tokenizer.save_pretrained(path)
+    return str(path)
 
 
 def run_one(name, method, arch, vocab, layers, extra, tokenizer):
@@ -113,11 +151,14 @@ def run_one(name, method, arch, vocab, layers, extra, tokenizer):
     fields = fields_for(method, extra)
     peft = LoraConfig(r=8, lora_alpha=16, task_type="SEQ_CLS" if method == "reward" else "CAUSAL_LM") \
         if extra.get("peft") else None
-    dataset = data(METHOD_DATA[method], 48 if method in ("grpo", "rloo") else 64)
-    kwargs = {"reward_funcs": reward_len} if method in ("grpo", "rloo") else {}
+    dataset = data(METHOD_DATA[method], 48 if method in ONLINE else 64)
+    kwargs = {"reward_funcs": reward_len} if method in ONLINE else {}
+    if extra.get("reward_model"):
+        kwargs["reward_funcs"] = [reward_model_path(arch, vocab, tokenizer)]
     started = time.perf_counter()
+    teacher = {"teacher_model_name_or_path": tiny_config(arch, vocab, TEACHER_LAYERS)} if method == "gkd" else {}
     plan = plan_memory(tiny_config(arch, vocab, layers), dataset, method, processing_class=tokenizer,
-                       peft_config=peft, **kwargs, **fields)
+                       peft_config=peft, **kwargs, **teacher, **fields)
     plan_seconds = time.perf_counter() - started
     torch.manual_seed(0)
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -128,6 +169,8 @@ def run_one(name, method, arch, vocab, layers, extra, tokenizer):
         model = AutoModelForSequenceClassification.from_config(config)
     else:
         model = AutoModelForCausalLM.from_config(config)
+    if method == "gkd":
+        kwargs["teacher_model"] = AutoModelForCausalLM.from_config(tiny_config(arch, vocab, TEACHER_LAYERS))
     args = config_class(output_dir="/tmp/leantune-plan-bench", use_cpu=True, report_to=[], save_strategy="no",
                         disable_tqdm=True, logging_steps=1, memory_breakdown=True, **fields)
     trainer = trainer_class(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,

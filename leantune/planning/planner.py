@@ -26,6 +26,7 @@ import torch
 
 from ..metrics.memory_breakdown import MIB, PARTS, MemoryBreakdown
 from .fake_step import WeightlessMode, fake_model_from_config, fake_parameters_convertible
+from .frozen import fake_frozen_sources
 
 logger = logging.getLogger("leantune.plan")
 GIB = 1024 * MIB
@@ -370,6 +371,8 @@ def _trace(config, trainer_class, config_class, train_dataset, fields, trainer_k
     """(parameters, trainable parameters, the trainer's own second step or None, [traced worst candidates])."""
     with planning_session() as mode:
         fake = fake_model_from_config(config, mode, _model_class(trainer_class), _dtype_of(fields))
+        fields, trainer_kwargs = fake_frozen_sources(trainer_class, fields, trainer_kwargs, mode,
+                                                     trainer_kwargs.get("processing_class"), _dtype_of(fields))
         run_args = config_class(**{"output_dir": "/tmp/leantune-plan", "use_cpu": True, **fields,
                                    **PLANNING_FIELDS})
         accumulation = run_args.gradient_accumulation_steps
