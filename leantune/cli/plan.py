@@ -10,12 +10,14 @@ from dataclasses import dataclass, field
 
 from .arguments import ModelConfig, ScriptArguments, model_init_kwargs_from, peft_config_from
 from .errors import UsageError
+from .help_cache import method_flag as _method_of
 from .parser import parse_command_args
 
 
 @dataclass
 class PlanArguments:
-    method: str = field(default="sft", metadata={"help": "sft, dpo, kto, reward, grpo, rloo (any leantune trainer)."})
+    method: str = field(default="sft", metadata={"help": "sft, dpo, kto, reward, grpo, rloo, online-dpo, ppo, gkd (any "
+                                                         "leantune trainer); --help then lists its fields."})
     num_processes: int = field(default=1, metadata={"help": "Processes of the launch (per-process plan)."})
     engine: str = field(default="ddp", metadata={"help": "ddp (fsdp2, zero2, zero3, cp: not planned yet)."})
     device: str | None = field(
@@ -26,15 +28,6 @@ class PlanArguments:
     tokenizer: str | None = field(
         default=None, metadata={"help": "Tokenizer id or folder, when --model_name_or_path holds only config.json."})
     plan_json: str | None = field(default=None, metadata={"help": "Also write the plan as JSON to this file."})
-
-
-def _method_of(argv: list[str]) -> str:
-    for index, arg in enumerate(argv):
-        if arg == "--method" and index + 1 < len(argv):
-            return argv[index + 1]
-        if arg.startswith("--method="):
-            return arg.split("=", 1)[1]
-    return "sft"
 
 
 def run(argv: list[str]) -> int:
