@@ -63,7 +63,12 @@ def argument_types(command: str) -> tuple:
         from .arguments import ModelConfig, ScriptArguments
         from .plan import PlanArguments
 
-        return (PlanArguments, ScriptArguments, ModelConfig, _load(METHODS[command.split()[-1]].config))
+        method = METHODS[command.split()[-1]]
+        if method.online:
+            from .online_runs import RewardArguments
+
+            return (PlanArguments, ScriptArguments, RewardArguments, ModelConfig, _load(method.config))
+        return (PlanArguments, ScriptArguments, ModelConfig, _load(method.config))
     if command == "profile":
         from .profile import ProfileArguments
 

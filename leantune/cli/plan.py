@@ -31,7 +31,8 @@ class PlanArguments:
 
 
 def run(argv: list[str]) -> int:
-    from ..planning.planner import method_classes
+    from ..planning.planner import _init_parameters, method_classes
+    from .online_runs import RewardArguments
 
     try:
         trainer_class, config_class = method_classes(_method_of(argv))
@@ -39,8 +40,15 @@ def run(argv: list[str]) -> int:
         raise UsageError(str(error)) from error
     if not any(arg.split("=")[0] == "--use_cpu" for arg in argv):
         argv = [*argv, "--use_cpu", "true"]  # the plan runs here, on CPU, for any device (bf16 included)
-    plan_args, script_args, model_args, config, explicit = parse_command_args(
-        "leantune plan", (PlanArguments, ScriptArguments, ModelConfig, config_class), argv)
+    online = "reward_funcs" in _init_parameters(trainer_class)  # as `leantune <method>`: --reward_funcs
+    types = (PlanArguments, ScriptArguments, *([RewardArguments] if online else []), ModelConfig, config_class)
+    parsed = parse_command_args("leantune plan", types, argv)
+    plan_args, script_args, model_args, config, explicit = *parsed[:2], *parsed[-3:]
+    rewards = {}
+    if online and parsed[2].reward_funcs:  # reward models among them are planned from their config.json
+        from .runner import online_reward_funcs
+
+        rewards["reward_funcs"] = online_reward_funcs(parsed[2])
     explicit.discard("use_cpu")
     if model_args.model_name_or_path is None or script_args.dataset_name is None:
         if model_args.model_name_or_path is None:
@@ -77,7 +85,7 @@ def run(argv: list[str]) -> int:
         plan = plan_memory(model_args.model_name_or_path, train, trainer_class,
                            processing_class=tokenizer, peft_config=peft_config_from(model_args),
                            num_processes=plan_args.num_processes, engine=plan_args.engine,
-                           device=plan_args.device or plan_args.memory_budget, **fields)
+                           device=plan_args.device or plan_args.memory_budget, **rewards, **fields)
     except ValueError as error:
         raise UsageError(str(error)) from error
     print("\n".join(plan.lines()))
@@ -85,7 +93,7 @@ def run(argv: list[str]) -> int:
         from ..planning.recommend import recommend
 
         recommendation = recommend(plan, budget, model_args.model_name_or_path, train, trainer_class,
-                                   peft_config_from(model_args), plan_args, fields, tokenizer)
+                                   peft_config_from(model_args), plan_args, {**fields, **rewards}, tokenizer)
         print("\n".join(recommendation.lines()))
     if plan_args.plan_json:
         with open(plan_args.plan_json, "w", encoding="utf-8") as handle:

@@ -26,9 +26,6 @@ def fake_frozen_sources(trainer_class, fields: dict, trainer_kwargs: dict, mode:
     if teacher is not None:
         init_kwargs = fields.pop("teacher_model_init_kwargs", None)  # applied here: the trainer gets an object
         kwargs["teacher_model"] = _fake(teacher, mode, None, _dtype_in(init_kwargs, torch.float32))
-    path = fields.get("reward_model_path")
-    if path is not None and getattr(kwargs.get("reward_funcs"), "__name__", None) == "_no_reward":
-        kwargs["reward_funcs"] = [fields.pop("reward_model_path")]  # PPO's score source when no function is given
     funcs = kwargs.get("reward_funcs")
     if isinstance(funcs, (list, tuple)) or _is_model_source(funcs):
         funcs = list(funcs) if isinstance(funcs, (list, tuple)) else [funcs]

@@ -349,7 +349,9 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
     finally:
         logging.getLogger("leantune").setLevel(logging_level)
     num_parameters, trainable, second, traced = result
-    worst = max(traced, key=lambda step: step.peak_bytes)
+    # the trainer's own second step is a step of the run too: where it generates (GKD's on-policy steps, online
+    # methods) its batch is not the loader's, and it may peak above the loader's worst
+    worst = max([*traced, *([second] if second is not None else [])], key=lambda step: step.peak_bytes)
     plan = MemoryPlan(name, str(model_label), num_parameters, trainable, num_processes, engine, worst, second,
                       device_terms(device, fields, num_processes, engine),
                       per_rank_notes(engine, num_processes) + notes,
@@ -385,7 +387,7 @@ def _trace(config, trainer_class, config_class, train_dataset, fields, trainer_k
         second = None
         if measured_step:
             _train_quietly(trainer)
-            second = TracedStep.of(trainer.memory_breakdown, "the trainer's own second step")
+            second = TracedStep.of(trainer.memory_breakdown, "the trainer's own second step", 2)
         traced = []
         for index, batch, words in _worst_candidates(trainer, max_batches):
             _reset_for_trace(trainer)
