@@ -1,0 +1,161 @@
+"""Frozen models (a reference copy, reward models, a distillation teacher) in the memory breakdown and in the plan.
+
+Their weights are resident through the whole step, so they are a part of their own, `frozen_models`, counted once per
+storage and included in the peak; a PEFT base that serves as the reference (adapter disabled) is the trained model's
+and is not counted again. Every number compared here is a sum of byte sizes of tensors (integers, no rounding): the
+frozen part must equal the frozen models' weight bytes exactly, and two runs that differ only by holding a frozen model
+must differ by exactly those bytes. The plan runs the same trainer with fake weights, so it must report the same
+bytes as the real run's breakdown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import pytest
+import torch
+from datasets import Dataset
+
+from leantune import (DPOConfig, DPOTrainer, GKDConfig, GKDTrainer, GRPOConfig, GRPOTrainer, OnlineDPOConfig,
+                      OnlineDPOTrainer, PPOConfig, PPOTrainer)
+from leantune.defaults import build_default_model_config, build_default_tokenizer
+from leantune.planning import plan_memory
+
+WORDS = ["cat", "dog", "bird", "fish", "tree", "lake", "road", "moon"]
+RUN = dict(output_dir="/tmp/leantune-test-frozen", use_cpu=True, report_to=[], save_strategy="no", max_steps=2,
+           per_device_train_batch_size=4, disable_tqdm=True, memory_breakdown=True, seed=0)
+
+
+@pytest.fixture(scope="module")
+def char_tokenizer():
+    return build_default_tokenizer()
+
+
+def config_of(tokenizer, layers: int = 2, labels: int | None = None):
+    """The demo's Llama shape (~100-token vocabulary), hidden 64: a few hundred KiB of weights."""
+    config = build_default_model_config(tokenizer)
+    config.hidden_size, config.intermediate_size, config.num_hidden_layers = 64, 128, layers
+    if labels is not None:
+        config.num_labels = labels
+    return config
+
+
+def model_of(config, seed: int = 0, classifier: bool = False):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    torch.manual_seed(seed)
+    return (AutoModelForSequenceClassification if classifier else AutoModelForCausalLM).from_config(config)
+
+
+def weight_bytes(model) -> int:
+    """Bytes of a model's weights and buffers, each storage once (a tied head shares the embedding's)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in [*model.parameters(), *model.buffers()]}
+    return sum(storages.values())
+
+
+def pairs():
+    return Dataset.from_dict({"prompt": [f"reverse: {w} =" for w in WORDS], "chosen": [f" {w[::-1]}" for w in WORDS],
+                              "rejected": [f" {w}" for w in WORDS]})
+
+
+def prompts():
+    return Dataset.from_dict({"prompt": [f"reverse: {w} =" for w in WORDS]})
+
+
+def completions():
+    return Dataset.from_dict({"prompt": [f"reverse: {w} =" for w in WORDS], "completion": [f" {w[::-1]}" for w in WORDS]})
+
+
+def length_reward(completions, **kwargs):
+    return [float(len(text) % 5) for text in completions]
+
+
+def trained(trainer):
+    with contextlib.redirect_stdout(io.StringIO()):
+        trainer.train()
+    breakdown = trainer.memory_breakdown
+    assert breakdown.peak_bytes == sum(breakdown.parts.values())  # the peak is the sum of its parts, frozen included
+    return breakdown
+
+
+def test_frozen_models_are_their_own_part_of_the_measured_peak(char_tokenizer):
+    from peft import LoraConfig
+
+    config = config_of(char_tokenizer)
+    policy_bytes = weight_bytes(model_of(config))
+    dpo = {}
+    for label, fields, peft in [("copy", {}, None), ("precomputed", {"precompute_ref_log_probs": True}, None),
+                                ("peft", {}, LoraConfig(r=4, task_type="CAUSAL_LM"))]:
+        trainer = DPOTrainer(model=model_of(config), args=DPOConfig(**RUN, max_length=64, **fields),
+                             train_dataset=pairs(), processing_class=char_tokenizer, peft_config=peft)
+        dpo[label] = trained(trainer)
+    # the reference copy is the initial policy: its bytes exactly; precomputed log-probs and a disabled adapter hold
+    # no second copy (the PEFT base is the trained model's parameters, not counted twice)
+    assert dpo["copy"].parts["frozen_models"] == policy_bytes
+    assert dpo["precomputed"].parts.get("frozen_models", 0) == 0 and dpo["peft"].parts.get("frozen_models", 0) == 0
+    assert dpo["copy"].parts["parameters"] == dpo["precomputed"].parts["parameters"]
+    assert dpo["peft"].parts["parameters"] >= policy_bytes - 1024  # the base (minus its buffers) plus adapters
+    # same data, same steps: everything else is identical, and the peak is higher by exactly the reference's weights
+    assert dpo["copy"].peak_bytes - dpo["precomputed"].peak_bytes == policy_bytes
+
+    grpo = {}
+    for beta in (0.04, 0.0):
+        trainer = GRPOTrainer(model=model_of(config), reward_funcs=length_reward, train_dataset=prompts(),
+                              args=GRPOConfig(**RUN, beta=beta, num_generations=4, max_completion_length=8),
+                              processing_class=char_tokenizer)
+        grpo[beta] = trained(trainer)
+    assert grpo[0.04].parts["frozen_models"] == policy_bytes and grpo[0.0].parts.get("frozen_models", 0) == 0
+    assert grpo[0.04].peak_bytes - grpo[0.0].peak_bytes == policy_bytes
+
+    teacher = model_of(config_of(char_tokenizer, layers=3), seed=1)
+    trainer = GKDTrainer(model=model_of(config), teacher_model=teacher, train_dataset=completions(),
+                         args=GKDConfig(**RUN, max_length=64, lmbda=0.0), processing_class=char_tokenizer)
+    gkd = trained(trainer)
+    assert gkd.parts["frozen_models"] == weight_bytes(teacher) != policy_bytes
+    assert "frozen models" in gkd.line() and gkd.as_metrics()["memory_frozen_models_mb"] > 0
+
+
+def _measured(trainer_class, config_class, tokenizer, dataset, fields, **models):
+    args = config_class(**{**RUN, **fields})
+    return trained(trainer_class(args=args, train_dataset=dataset, processing_class=tokenizer, **models))
+
+
+def test_plan_of_online_dpo_ppo_and_gkd_equals_their_measured_step(char_tokenizer, tmp_path):
+    """Reward models given by folder and a teacher given by config are built fake in the plan (config only) and
+    counted as the real run counts them; the reference copy appears with its exact weight bytes."""
+    config = config_of(char_tokenizer)
+    reward_dir = tmp_path / "reward"
+    reward = model_of(config_of(char_tokenizer, labels=1), seed=2, classifier=True)
+    reward.save_pretrained(reward_dir)
+    char_tokenizer.save_pretrained(reward_dir)
+    policy_bytes, reward_bytes = weight_bytes(model_of(config)), weight_bytes(reward)
+    teacher_config = config_of(char_tokenizer, layers=3)
+    cases = [
+        ("online-dpo", OnlineDPOTrainer, OnlineDPOConfig, prompts(), dict(max_new_tokens=8, max_length=48),
+         {"reward_funcs": [str(reward_dir)]}, policy_bytes + reward_bytes),
+        ("ppo", PPOTrainer, PPOConfig, prompts(), dict(max_completion_length=8),
+         {"reward_funcs": [str(reward_dir)]}, policy_bytes + reward_bytes),
+        ("gkd", GKDTrainer, GKDConfig, completions(), dict(max_length=64, max_new_tokens=8, lmbda=1.0),
+         {"teacher_model": teacher_config}, weight_bytes(model_of(teacher_config))),
+    ]
+    for method, trainer_class, config_class, dataset, fields, frozen, frozen_bytes in cases:
+        plan = plan_memory(config, dataset, method, processing_class=char_tokenizer, max_batches=1, **fields,
+                           **frozen, per_device_train_batch_size=4)
+        models = {"teacher_model": model_of(teacher_config)} if method == "gkd" else frozen
+        measured = _measured(trainer_class, config_class, char_tokenizer, dataset, fields, model=model_of(config),
+                             **models)
+        predicted = plan.measured_step
+        assert measured.parts["frozen_models"] == frozen_bytes, method
+        # byte sums of the same tensors (real in the run, fake in the plan): equal to the byte, part by part
+        assert predicted.parts == measured.parts, method
+        assert predicted.peak_bytes == measured.peak_bytes, method
+        assert plan.worst.peak_bytes >= predicted.peak_bytes
+
+    # GRPO: beta 0.04 holds a reference copy, beta 0 none; the plan differs by exactly its weights
+    grpo = {beta: plan_memory(config, prompts(), "grpo", processing_class=char_tokenizer, max_batches=1,
+                              reward_funcs=length_reward, beta=beta, num_generations=4, max_completion_length=8,
+                              per_device_train_batch_size=4).measured_step for beta in (0.04, 0.0)}
+    assert grpo[0.04].parts["frozen_models"] == policy_bytes
+    assert grpo[0.04].peak_bytes - grpo[0.0].peak_bytes == policy_bytes
