@@ -5,6 +5,7 @@ Each configuration trains a tiny real model (random weights, built from a config
 weight (fake parameters, the same trainer and data). Printed: every row, its error, the worst error.
 
     PYTHONPATH=. OMP_NUM_THREADS=2 python bench/plan_accuracy.py [--only NAME_SUBSTRING]
+    for i in $(seq 0 40); do PYTHONPATH=. OMP_NUM_THREADS=2 python bench/plan_accuracy.py --row $i; done
 """
 
 from __future__ import annotations
@@ -188,6 +189,9 @@ def run_one(name, method, arch, vocab, layers, extra, tokenizer):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", default=None)
+    parser.add_argument("--row", type=int, default=None, help="only CONFIGS[ROW], without the table's header (run "
+                        "each row in a process of its own: long sequences of fake-tensor plans in one process have "
+                        "crashed in libc)")
     options = parser.parse_args()
     quiet()
     import logging
@@ -197,10 +201,11 @@ def main() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
     rows, errors = [], []
-    print(f"| configuration | method | arch | vocab | layers | predicted MiB | measured MiB | error | worst batch MiB "
-          f"| plan s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for name, method, arch, vocab, layers, extra in CONFIGS:
+    if options.row is None:
+        print(f"| configuration | method | arch | vocab | layers | predicted MiB | measured MiB | error | "
+              f"worst batch MiB | plan s |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, method, arch, vocab, layers, extra in CONFIGS if options.row is None else CONFIGS[options.row:][:1]:
         if options.only and not any(part in name for part in options.only.split(",")):
             continue
         try:
@@ -213,7 +218,7 @@ def main() -> None:
         errors.append(abs(error))
         print(f"| {name} | {method} | {arch} | {vocab} | {layers} | {predicted / MIB:.2f} | {measured / MIB:.2f} | "
               f"{100 * error:+.2f}% | {worst / MIB:.2f} | {seconds:.1f} |", flush=True)
-    if errors:
+    if errors and options.row is None:
         print(f"\n{len(errors)} configurations: worst |error| {100 * max(errors):.2f}%, within 2%: "
               f"{sum(e <= 0.02 for e in errors)}, within 5%: {sum(e <= 0.05 for e in errors)}")
 

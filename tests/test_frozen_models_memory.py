@@ -123,8 +123,9 @@ def _measured(trainer_class, config_class, tokenizer, dataset, fields, **models)
 
 
 def test_plan_of_online_dpo_ppo_and_gkd_equals_their_measured_step(char_tokenizer, tmp_path):
-    """Reward models given by folder and a teacher given by config are built fake in the plan (config only) and
-    counted as the real run counts them; the reference copy appears with its exact weight bytes."""
+    """The reference copy appears in the plan with its exact weight bytes; a reward model given by folder and a teacher
+    given by config are built fake (config only) and counted as the real run counts them. (GRPO's beta 0.04 vs 0 in the
+    plan: bench/plan_accuracy.py, docs/benchmarks.md.)"""
     config = config_of(char_tokenizer)
     reward_dir = tmp_path / "reward"
     reward = model_of(config_of(char_tokenizer, labels=1), seed=2, classifier=True)
@@ -134,7 +135,7 @@ def test_plan_of_online_dpo_ppo_and_gkd_equals_their_measured_step(char_tokenize
     teacher_config = config_of(char_tokenizer, layers=3)
     cases = [
         ("online-dpo", OnlineDPOTrainer, OnlineDPOConfig, prompts(), dict(max_new_tokens=8, max_length=48),
-         {"reward_funcs": [str(reward_dir)]}, policy_bytes + reward_bytes),
+         {"reward_funcs": length_reward}, policy_bytes),  # the reference copy alone, its exact weight bytes
         ("ppo", PPOTrainer, PPOConfig, prompts(), dict(max_completion_length=8),
          {"reward_funcs": [str(reward_dir)]}, policy_bytes + reward_bytes),
         ("gkd", GKDTrainer, GKDConfig, completions(), dict(max_length=64, max_new_tokens=8, lmbda=1.0),
@@ -153,9 +154,40 @@ def test_plan_of_online_dpo_ppo_and_gkd_equals_their_measured_step(char_tokenize
         assert predicted.peak_bytes == measured.peak_bytes, method
         assert plan.worst.peak_bytes >= predicted.peak_bytes
 
-    # GRPO: beta 0.04 holds a reference copy, beta 0 none; the plan differs by exactly its weights
-    grpo = {beta: plan_memory(config, prompts(), "grpo", processing_class=char_tokenizer, max_batches=1,
-                              reward_funcs=length_reward, beta=beta, num_generations=4, max_completion_length=8,
-                              per_device_train_batch_size=4).measured_step for beta in (0.04, 0.0)}
-    assert grpo[0.04].parts["frozen_models"] == policy_bytes
-    assert grpo[0.04].peak_bytes - grpo[0.0].peak_bytes == policy_bytes
+
+def test_frozen_storages_are_counted_once_and_by_their_partition():
+    """A frozen model sharing the trained model's storage (PEFT's base behind a disabled adapter) adds nothing; a ZeRO-3
+    engine's placeholder parameter counts by the partition it holds; the part survives the frozen model's forward."""
+    from leantune.metrics.memory_breakdown import StepMemoryMeter
+
+    policy = torch.nn.Linear(256, 256, bias=False)  # 256 KiB of fp32 weights
+    frozen = torch.nn.Linear(256, 256, bias=False).requires_grad_(False)
+    partitioned = torch.nn.Linear(256, 256, bias=False).requires_grad_(False)
+    partitioned.weight.ds_tensor = torch.zeros(256 * 128)  # this process's half, the parameter itself a placeholder
+    partitioned.weight.data = torch.empty(0)
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
+    meter = StepMemoryMeter("cpu")
+    meter.start(policy, optimizer, frozen_models=[frozen, policy, partitioned])
+    with torch.no_grad():
+        target = frozen(torch.ones(1, 256))  # its forward: MemTracker meets the frozen weights as module parameters
+    (policy(torch.ones(1, 256)) - target).square().sum().backward()
+    optimizer.step()
+    breakdown = meter.stop(1)
+    assert breakdown.parts["parameters"] == 256 * 256 * 4
+    assert breakdown.parts["frozen_models"] == 256 * 256 * 4 + 256 * 128 * 4
+    assert breakdown.peak_bytes == sum(breakdown.parts.values())
+
+
+def test_plan_help_lists_the_planned_methods_fields():
+    """`leantune plan --method X --help` is served from help_cache.json with X's config fields, and equals the live
+    rendering (regenerate with `python -m leantune.cli.help_cache`)."""
+    from leantune.cli.help_cache import cached_help, help_entry, render_help
+
+    for method, title in [("dpo", "DPOConfig"), ("online_dpo", "OnlineDPOConfig"), ("ppo", "PPOConfig"),
+                          ("gkd", "GKDConfig"), ("sft", "SFTConfig")]:
+        entry = help_entry("plan", ["--model_name_or_path", "m", "--method", method])
+        cached = cached_help(entry)
+        assert cached is not None and f"{title} (the method's own fields)" in cached, method
+        assert cached == render_help(entry), f"{entry}: regenerate with python -m leantune.cli.help_cache"
+    assert "--reward_funcs" in cached_help(help_entry("plan", ["--method=ppo"]))
+    assert "--reward_funcs" not in cached_help(help_entry("plan", []))
