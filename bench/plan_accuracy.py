@@ -5,7 +5,7 @@ Each configuration trains a tiny real model (random weights, built from a config
 weight (fake parameters, the same trainer and data). Printed: every row, its error, the worst error.
 
     PYTHONPATH=. OMP_NUM_THREADS=2 python bench/plan_accuracy.py [--only NAME_SUBSTRING]
-    for i in $(seq 0 40); do PYTHONPATH=. OMP_NUM_THREADS=2 python bench/plan_accuracy.py --row $i; done
+    for i in $(seq 0 39); do PYTHONPATH=. OMP_NUM_THREADS=2 python bench/plan_accuracy.py --row $i; done
 """
 
 from __future__ import annotations
