@@ -191,3 +191,29 @@ def test_plan_help_lists_the_planned_methods_fields():
         assert cached == render_help(entry), f"{entry}: regenerate with python -m leantune.cli.help_cache"
     assert "--reward_funcs" in cached_help(help_entry("plan", ["--method=ppo"]))
     assert "--reward_funcs" not in cached_help(help_entry("plan", []))
+
+
+def test_plan_command_plans_ppo_and_gkd_with_their_frozen_models(char_tokenizer, tmp_path, capsys):
+    """`leantune plan --method ppo --reward_funcs FOLDER` and `--method gkd --teacher_model_name_or_path FOLDER`: the
+    folders hold config.json and a tokenizer only (no weights), and the frozen models are a line of the plan."""
+    import json
+
+    from leantune.cli.main import main
+
+    for name, config in [("policy", config_of(char_tokenizer)), ("teacher", config_of(char_tokenizer, layers=3)),
+                         ("reward", config_of(char_tokenizer, labels=1))]:
+        config.save_pretrained(tmp_path / name)
+        char_tokenizer.save_pretrained(tmp_path / name)
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in completions()))
+    common = ["--model_name_or_path", str(tmp_path / "policy"), "--dataset_name", str(data),
+              "--per_device_train_batch_size", "4"]
+    for method, extra in [("ppo", ["--reward_funcs", str(tmp_path / "reward"), "--max_completion_length", "8"]),
+                          ("gkd", ["--teacher_model_name_or_path", str(tmp_path / "teacher"), "--max_length", "64",
+                                   "--plan_json", str(tmp_path / "gkd.json")])]:
+        assert main(["plan", "--method", method, *common, *extra]) == 0, method
+        assert "frozen models" in capsys.readouterr().out, method
+    plan = json.loads((tmp_path / "gkd.json").read_text())
+    teacher = model_of(config_of(char_tokenizer, layers=3))
+    assert plan["measured_step"]["parts"]["frozen_models"] == weight_bytes(teacher)
+    assert not any(tmp_path.glob("*/*.safetensors"))  # nothing to read but configs
