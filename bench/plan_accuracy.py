@@ -189,9 +189,8 @@ def run_one(name, method, arch, vocab, layers, extra, tokenizer):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", default=None)
-    parser.add_argument("--row", type=int, default=None, help="only CONFIGS[ROW], without the table's header (run "
-                        "each row in a process of its own: long sequences of fake-tensor plans in one process have "
-                        "crashed in libc)")
+    parser.add_argument("--row", type=int, default=None, help="only CONFIGS[ROW], without the table's header (each "
+                        "row in a process of its own)")
     options = parser.parse_args()
     quiet()
     import logging
