@@ -6,6 +6,7 @@ weight (fake parameters, the same trainer and data). Printed: every row, its err
 
     PYTHONPATH=. OMP_NUM_THREADS=2 python bench/plan_accuracy.py [--only NAME_SUBSTRING]
     PYTHONPATH=. OMP_NUM_THREADS=2 python bench/plan_accuracy.py --engines zero   # ZeRO-2/3, 1 and 2 processes
+    for i in $(seq 0 39); do PYTHONPATH=. OMP_NUM_THREADS=2 python bench/plan_accuracy.py --row $i; done
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ def data(kind: str, rows: int):
     return Dataset.from_list(lines)
 
 
-METHOD_DATA = {"sft": "sft", "dpo": "pairs", "kto": "pairs", "reward": "pairs", "grpo": "prompt", "rloo": "prompt"}
+METHOD_DATA = {"sft": "sft", "dpo": "pairs", "kto": "pairs", "reward": "pairs", "grpo": "prompt", "rloo": "prompt",
+               "online-dpo": "prompt", "ppo": "prompt", "gkd": "sft"}
+ONLINE = ("grpo", "rloo", "online-dpo", "ppo")
 
 # (name, method, arch, vocab, layers, fields)
 CONFIGS = [
@@ -92,7 +95,21 @@ CONFIGS = [
     ("dpo from profile JSON", "dpo", "llama", 32000, 2, {"lengths": True}),
     ("reward from profile JSON", "reward", "llama", 32000, 2, {"lengths": True}),
     ("sft plan_check (the run plans itself)", "sft", "llama", 32000, 2, {"plan_check": True, "packing": True}),
+    # frozen models' weights (reference copy, reward model, teacher) are the breakdown's and the plan's frozen_models
+    ("dpo precomputed reference (none held)", "dpo", "llama", 32000, 2, {"precompute_ref_log_probs": True}),
+    ("grpo beta 0.04 reward model", "grpo", "llama", 32000, 2, {"beta": 0.04, "reward_model": True}),
+    ("online-dpo default (reference copy)", "online-dpo", "llama", 32000, 2, {}),
+    ("online-dpo LoRA (adapter off = reference)", "online-dpo", "llama", 32000, 2, {"peft": True}),
+    ("online-dpo reward model, padding-free", "online-dpo", "qwen2", 32000, 2, {"reward_model": True,
+                                                                             "padding_free": True}),
+    ("ppo default (reward model)", "ppo", "llama", 32000, 2, {"reward_model": True}),
+    ("ppo LoRA", "ppo", "llama", 32000, 2, {"reward_model": True, "peft": True}),
+    ("gkd off-policy (lmbda 0)", "gkd", "llama", 32000, 2, {"lmbda": 0.0}),
+    ("gkd on-policy (lmbda 1)", "gkd", "llama", 32000, 2, {"lmbda": 1.0}),
+    ("gkd qwen2 padding-free, lmbda 0.5", "gkd", "qwen2", 32000, 2, {"lmbda": 0.5, "padding_free": True}),
 ]
+NOT_FIELDS = ("peft", "reward_model", "quantization", "lengths")  # row settings that are not config fields
+TEACHER_LAYERS = 3  # GKD's teacher: the student's shape with one more layer
 
 # QLoRA: the real run loads a saved checkpoint with bitsandbytes (CPU backend); LoRA on all linear layers
 NF4_DQ = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True}
@@ -124,16 +141,38 @@ PART_ERRORS = []  # (row, the largest |predicted - measured| of a part, as a sha
 
 def fields_for(method: str, extra: dict) -> dict:
     base = dict(per_device_train_batch_size=4, max_steps=2, seed=0, learning_rate=1e-4)
-    if method in ("sft", "dpo", "kto", "reward"):
+    if method in ("sft", "dpo", "kto", "reward", "gkd"):
         base["max_length"] = 256
     if method in ("grpo", "rloo"):
         base.update(num_generations=4, max_completion_length=24, max_prompt_length=96)
-    base.update({k: v for k, v in extra.items() if k not in ("peft", "quantization", "lengths")})
+    if method == "online-dpo":
+        base.update(per_device_train_batch_size=2, max_new_tokens=24, max_length=128)
+    if method == "ppo":
+        base.update(max_completion_length=24, max_prompt_length=96)
+    if method == "gkd":
+        base.update(max_new_tokens=24)
+    base.update({k: v for k, v in extra.items() if k not in NOT_FIELDS})
     return base
 
 
 def reward_len(completions, **kwargs):
     return [float(len(text) % 7) for text in completions]
+
+
+def reward_model_path(arch: str, vocab: int, tokenizer) -> str:
+    """A tiny reward model and its tokenizer saved once (a real run loads it from the folder; the plan reads its
+    config.json and tokenizer only)."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    path = Path("/tmp/leantune-plan-bench-reward") / f"{arch}-{vocab}"
+    if not (path / "config.json").exists():
+        config = tiny_config(arch, vocab, 2)
+        config.num_labels = 1
+        torch.manual_seed(1)
+        AutoModelForSequenceClassification.from_config(config).save_pretrained(path)
+        tokenizer.save_pretrained(path)
+    return str(path)
 
 
 def run_one(name, method, arch, vocab, layers, extra, tokenizer):
@@ -153,14 +192,17 @@ def run_one(name, method, arch, vocab, layers, extra, tokenizer):
         kwargs_plan = {"quantization_config": quantization}
     else:
         kwargs_plan = {}
-    dataset = data(METHOD_DATA[method], 48 if method in ("grpo", "rloo") else 64)
-    kwargs = {"reward_funcs": reward_len} if method in ("grpo", "rloo") else {}
+    dataset = data(METHOD_DATA[method], 48 if method in ONLINE else 64)
+    kwargs = {"reward_funcs": reward_len} if method in ONLINE else {}
+    if extra.get("reward_model"):
+        kwargs["reward_funcs"] = [reward_model_path(arch, vocab, tokenizer)]
     started = time.perf_counter()
+    teacher = {"teacher_model_name_or_path": tiny_config(arch, vocab, TEACHER_LAYERS)} if method == "gkd" else {}
     lengths = profile_json(dataset, tokenizer) if extra.get("lengths") else None
     if not extra.get("plan_check"):
         plan = plan_memory(tiny_config(arch, vocab, layers), None if lengths else dataset, method,
                            processing_class=tokenizer, peft_config=peft, lengths=lengths, **kwargs, **kwargs_plan,
-                           **fields)
+                           **teacher, **fields)
     plan_seconds = time.perf_counter() - started
     torch.manual_seed(0)
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -178,6 +220,8 @@ def run_one(name, method, arch, vocab, layers, extra, tokenizer):
         model.save_pretrained(folder)
         model = folder
         fields = {**fields, "model_init_kwargs": {"quantization_config": quantization}}
+    if method == "gkd":
+        kwargs["teacher_model"] = AutoModelForCausalLM.from_config(tiny_config(arch, vocab, TEACHER_LAYERS))
     args = config_class(output_dir="/tmp/leantune-plan-bench", use_cpu=True, report_to=[], save_strategy="no",
                         disable_tqdm=True, logging_steps=1, memory_breakdown=True, **fields)
     trainer = trainer_class(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
@@ -215,6 +259,8 @@ def main() -> None:
     parser.add_argument("--only", default=None)
     parser.add_argument("--engines", default=None, help="zero: the DeepSpeed ZeRO-2/3 rows; ddp,fsdp2: the DDP/FSDP2 rows (accelerate launches)")
     parser.add_argument("--processes", default="1,2")
+    parser.add_argument("--row", type=int, default=None, help="only CONFIGS[ROW], without the table's header (each "
+                        "row in a process of its own)")
     options = parser.parse_args()
     quiet()
     if options.engines == "zero":
@@ -233,10 +279,11 @@ def main() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
     rows, errors = [], []
-    print(f"| configuration | method | arch | vocab | layers | predicted MiB | measured MiB | error | worst batch MiB "
-          f"| plan s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for name, method, arch, vocab, layers, extra in CONFIGS:
+    if options.row is None:
+        print(f"| configuration | method | arch | vocab | layers | predicted MiB | measured MiB | error | "
+              f"worst batch MiB | plan s |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, method, arch, vocab, layers, extra in CONFIGS if options.row is None else CONFIGS[options.row:][:1]:
         if options.only and not any(part in name for part in options.only.split(",")):
             continue
         try:
@@ -249,7 +296,7 @@ def main() -> None:
         errors.append(abs(error))
         print(f"| {name} | {method} | {arch} | {vocab} | {layers} | {predicted / MIB:.2f} | {measured / MIB:.2f} | "
               f"{100 * error:+.2f}% | {worst / MIB:.2f} | {seconds:.1f} |", flush=True)
-    if errors:
+    if errors and options.row is None:
         print(f"\n{len(errors)} configurations: worst |error| {100 * max(errors):.2f}%, within 2%: "
               f"{sum(e <= 0.02 for e in errors)}, within 5%: {sum(e <= 0.05 for e in errors)}")
     if PART_ERRORS:

@@ -37,12 +37,38 @@ def cached_help(command: str) -> str | None:
     return cache.get("help", {}).get(command)
 
 
+def method_flag(argv: list[str]) -> str:
+    """The value of `--method` in a command line (`leantune plan`), "sft" when absent."""
+    for index, arg in enumerate(argv):
+        if arg == "--method" and index + 1 < len(argv):
+            return argv[index + 1]
+        if arg.startswith("--method="):
+            return arg.split("=", 1)[1]
+    return "sft"
+
+
+def help_entry(command: str, argv: list[str]) -> str:
+    """The cache entry of a command line's help: `plan` lists the fields of the method it plans, one entry each."""
+    method = method_flag(argv).lower().replace("_", "-")
+    return command if command != "plan" or method == "sft" else f"plan --method {method}"
+
+
 def argument_types(command: str) -> tuple:
-    from .runner import METHODS
+    from .runner import METHODS, _load
     from .runner import argument_types as method_types
 
     if command in METHODS:
         return method_types(METHODS[command])
+    if command.startswith("plan --method "):
+        from .arguments import ModelConfig, ScriptArguments
+        from .plan import PlanArguments
+
+        method = METHODS[command.split()[-1]]
+        if method.online:
+            from .online_runs import RewardArguments
+
+            return (PlanArguments, ScriptArguments, RewardArguments, ModelConfig, _load(method.config))
+        return (PlanArguments, ScriptArguments, ModelConfig, _load(method.config))
     if command == "profile":
         from .profile import ProfileArguments
 
@@ -63,13 +89,16 @@ def argument_types(command: str) -> tuple:
 def render_help(command: str) -> str:
     from .parser import make_parser
 
-    return make_parser(f"leantune {command}", argument_types(command)).format_help()
+    return make_parser(f"leantune {command.split(' --')[0]}", argument_types(command)).format_help()
 
 
 def write_cache() -> Path:
     from .main import COMMANDS
 
-    cache = {"key": cache_key(), "help": {command: render_help(command) for command in COMMANDS}}
+    from .runner import METHODS
+
+    commands = [*COMMANDS, *(f"plan --method {method}" for method in METHODS if method != "sft")]
+    cache = {"key": cache_key(), "help": {command: render_help(command) for command in commands}}
     CACHE_FILE.write_text(json.dumps(cache, indent=1, sort_keys=True) + "\n", encoding="utf-8")
     return CACHE_FILE
 

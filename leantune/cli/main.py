@@ -45,9 +45,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nleantune: unknown command {command!r}.", file=sys.stderr)
         return 2
     if "-h" in rest or "--help" in rest:
-        from .help_cache import cached_help
+        from .help_cache import cached_help, help_entry
 
-        text = cached_help(command)
+        text = cached_help(help_entry(command, rest))
         if text is not None:  # the command's help without importing torch and transformers
             print(text, end="")
             return 0

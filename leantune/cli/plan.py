@@ -10,12 +10,14 @@ from dataclasses import dataclass, field
 
 from .arguments import ModelConfig, ScriptArguments, model_init_kwargs_from, peft_config_from
 from .errors import UsageError
+from .help_cache import method_flag as _method_of
 from .parser import parse_command_args
 
 
 @dataclass
 class PlanArguments:
-    method: str = field(default="sft", metadata={"help": "sft, dpo, kto, reward, grpo, rloo (any leantune trainer)."})
+    method: str = field(default="sft", metadata={"help": "sft, dpo, kto, reward, grpo, rloo, online-dpo, ppo, gkd (any "
+                                                         "leantune trainer); --help then lists its fields."})
     num_processes: int = field(default=1, metadata={"help": "Processes of the launch (per-process plan)."})
     engine: str = field(default="ddp", metadata={"help": "ddp, fsdp2, zero2, zero3 (with --deepspeed: the run's "
                                                           "DeepSpeed config file); cp: not planned yet."})
@@ -33,17 +35,9 @@ class PlanArguments:
         default=None, metadata={"help": "leantune profile's JSON: plan rows of its lengths instead of --dataset_name."})
 
 
-def _method_of(argv: list[str]) -> str:
-    for index, arg in enumerate(argv):
-        if arg == "--method" and index + 1 < len(argv):
-            return argv[index + 1]
-        if arg.startswith("--method="):
-            return arg.split("=", 1)[1]
-    return "sft"
-
-
 def run(argv: list[str]) -> int:
-    from ..planning.planner import method_classes
+    from ..planning.planner import _init_parameters, method_classes
+    from .online_runs import RewardArguments
 
     try:
         trainer_class, config_class = method_classes(_method_of(argv))
@@ -51,8 +45,15 @@ def run(argv: list[str]) -> int:
         raise UsageError(str(error)) from error
     if not any(arg.split("=")[0] == "--use_cpu" for arg in argv):
         argv = [*argv, "--use_cpu", "true"]  # the plan runs here, on CPU, for any device (bf16 included)
-    plan_args, script_args, model_args, config, explicit = parse_command_args(
-        "leantune plan", (PlanArguments, ScriptArguments, ModelConfig, config_class), argv)
+    online = "reward_funcs" in _init_parameters(trainer_class)  # as `leantune <method>`: --reward_funcs
+    types = (PlanArguments, ScriptArguments, *([RewardArguments] if online else []), ModelConfig, config_class)
+    parsed = parse_command_args("leantune plan", types, argv)
+    plan_args, script_args, model_args, config, explicit = *parsed[:2], *parsed[-3:]
+    rewards = {}
+    if online and parsed[2].reward_funcs:  # reward models among them are planned from their config.json
+        from .runner import online_reward_funcs
+
+        rewards["reward_funcs"] = online_reward_funcs(parsed[2])
     explicit.discard("use_cpu")
     if model_args.model_name_or_path is None or (script_args.dataset_name is None and plan_args.lengths is None):
         if model_args.model_name_or_path is None:
@@ -103,7 +104,7 @@ def run(argv: list[str]) -> int:
         plan = plan_memory(model_args.model_name_or_path, train, trainer_class,
                            processing_class=tokenizer, peft_config=peft_config_from(model_args),
                            num_processes=plan_args.num_processes, engine=plan_args.engine, rank=plan_args.rank,
-                           device=plan_args.device or plan_args.memory_budget, **fields)
+                           device=plan_args.device or plan_args.memory_budget, **rewards, **fields)
     except ValueError as error:
         raise UsageError(str(error)) from error
     print("\n".join(plan.lines()))
@@ -111,7 +112,7 @@ def run(argv: list[str]) -> int:
         from ..planning.recommend import recommend
 
         recommendation = recommend(plan, budget, model_args.model_name_or_path, train, trainer_class,
-                                   peft_config_from(model_args), plan_args, fields, tokenizer)
+                                   peft_config_from(model_args), plan_args, {**fields, **rewards}, tokenizer)
         print("\n".join(recommendation.lines()))
         suggestion = _max_length_suggestion(recommendation, plan, budget, model_args, plan_args, train, trainer_class,
                                             config_class, fields, tokenizer)

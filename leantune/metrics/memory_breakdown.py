@@ -9,6 +9,11 @@ an FSDP2 DTensor by its local shard; DeepSpeed keeps what it holds outside the m
 optimizer's state (ZeRO-3's partitions, the fp32 master copy, ZeRO-3's gradient buffers), which are handed to the
 tracker by part here (`_engine_tensors`). Memory the optimizer's step allocates and frees (its temporaries, which
 MemTracker files as optimizer states) is reported under temporaries.
+
+Frozen models the trainer holds beside the trained one (a reference copy, reward models, a distillation teacher) are
+resident through the whole step: their weights and buffers are a part of their own, "frozen_models", counted once per
+storage (a PEFT base that serves as the reference through a disabled adapter is the trained model's, "parameters").
+MemTracker would otherwise meet them only when their forward runs and file them as parameters from then on.
 """
 
 from __future__ import annotations
@@ -22,9 +27,10 @@ from transformers import TrainerCallback
 logger = logging.getLogger("leantune.memory")
 
 MIB = 1024 * 1024
-PARTS = ("parameters", "buffers", "gradients", "optimizer_states", "activations", "temporaries", "other")
+PARTS = ("parameters", "buffers", "gradients", "optimizer_states", "activations", "temporaries", "other",
+         "frozen_models")
 _TRACKER_NAMES = {"PARAM": "parameters", "BUFFER": "buffers", "GRAD": "gradients", "OPT": "optimizer_states",
-                  "ACT": "activations", "TEMP": "temporaries", "OTH": "other"}
+                  "ACT": "activations", "TEMP": "temporaries", "OTH": "other", "FROZEN": "frozen_models"}
 
 
 @dataclass
@@ -67,10 +73,13 @@ class StepMemoryMeter:
     def running(self) -> bool:
         return self._tracker is not None
 
-    def start(self, model: torch.nn.Module, optimizer=None) -> None:
+    def start(self, model: torch.nn.Module, optimizer=None, frozen_models=()) -> None:
+        """`frozen_models`: the models the step runs without training (trainers' `frozen_models()`)."""
         tracker = _tracker_class()()
         tracker.track_external(*(obj for obj in (model, optimizer) if obj is not None))
-        for part, tensors in _engine_tensors(model, optimizer).items():
+        found = _engine_tensors(model, optimizer)
+        found[_frozen_ref_type()] = frozen_model_tensors(frozen_models)
+        for part, tensors in found.items():
             for tensor in tensors:  # a storage the tracker already files (a parameter's) keeps its part
                 if tensor.untyped_storage() not in tracker._WINFO:
                     tracker._update_and_maybe_create_winfos(tensor, part)
@@ -122,12 +131,54 @@ class StepMemoryMeter:
         return MemoryBreakdown(step, main, int(stats.get("Total", sum(parts.values()))), parts, allocator, others)
 
 
+def frozen_model_tensors(models) -> list[torch.Tensor]:
+    """The weights and buffers of frozen models, each storage once; a ZeRO-3 engine's placeholder parameter counts by
+    the partition it holds (`ds_tensor`), an FSDP2 DTensor by its local shard (MemTracker reads its inner tensor)."""
+    tensors, seen = [], set()
+    for model in models:
+        if model is None:
+            continue
+        for tensor in [*model.parameters(), *model.buffers()]:
+            partition = getattr(tensor, "ds_tensor", None)
+            tensor = partition if isinstance(partition, torch.Tensor) else tensor
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                tensors.append(tensor)
+    return tensors
+
+
+_FROZEN_REF_TYPE = None
+
+
+def _frozen_ref_type():
+    """MemTracker's reference types with one more: frozen models' weights (its enum cannot be extended)."""
+    global _FROZEN_REF_TYPE
+    if _FROZEN_REF_TYPE is None:
+        from torch.distributed._tools.mem_tracker import _RefType
+
+        _FROZEN_REF_TYPE = _RefType("FrozenRefType", {"FROZEN": "Frozen models"})
+    return _FROZEN_REF_TYPE.FROZEN
+
+
 def _tracker_class():
-    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed._tools.mem_tracker import _MemRefType, MemTracker
+
+    frozen = _frozen_ref_type()
 
     class FrozenParameterSafeTracker(MemTracker):
         """MemTracker hooks the gradient of every parameter it meets; frozen ones (PEFT base weights, a reference
-        model) cannot take a hook, so they are marked as already hooked."""
+        model) cannot take a hook, so they are marked as already hooked. A frozen model's storages keep their own
+        part when its forward runs (MemTracker would file them as parameters from then on)."""
+
+        def __init__(self):
+            super().__init__()
+            self._ref_class = (*_MemRefType, frozen)
+
+        def _update_and_maybe_create_winfos(self, t, reftype, update_existing=False):
+            if reftype is not frozen and any(self._WINFO.get(st, (None,))[0] is not None and
+                                             self._WINFO[st][0].reftype is frozen for st in _storages(t)):
+                return set()
+            return super()._update_and_maybe_create_winfos(t, reftype, update_existing)
 
         def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
             for param in module.parameters():
@@ -151,6 +202,12 @@ def _param_kind():
     from torch.distributed._tools.mem_tracker import _MemRefType
 
     return _MemRefType.PARAM
+
+
+def _storages(tensor):
+    from torch.distributed._tools.common_utils import get_untyped_storages
+
+    return get_untyped_storages(tensor)
 
 
 class _NoHook:
@@ -218,10 +275,12 @@ class MemoryBreakdownCallback(TrainerCallback):
     """Measure one optimizer step of any transformers Trainer: by default the second (the first that holds
     optimizer states), or the only one. `on_result(MemoryBreakdown)` receives the measurement."""
 
-    def __init__(self, device, on_result, step: int | None = None):
+    def __init__(self, device, on_result, step: int | None = None, frozen_models=None):
+        """`frozen_models`: a callable returning the models the trainer holds frozen (its `frozen_models`)."""
         self.meter = StepMemoryMeter(device)
         self.on_result = on_result
         self.step = step
+        self.frozen_models = frozen_models
 
     def _measured_step(self, state) -> int:
         if self.step is not None:
@@ -230,7 +289,7 @@ class MemoryBreakdownCallback(TrainerCallback):
 
     def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         if state.global_step == self._measured_step(state) and not self.meter.running:
-            self.meter.start(model, optimizer)
+            self.meter.start(model, optimizer, self.frozen_models() if self.frozen_models is not None else ())
 
     def on_substep_end(self, args, state, control, **kwargs):
         self.meter.next_micro_batch()

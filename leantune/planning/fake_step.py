@@ -130,3 +130,31 @@ def fake_parameters_convertible():
         yield
     finally:
         torch.nn.Module._apply = original
+
+
+@contextlib.contextmanager
+def fake_tensors_copyable():
+    """`copy.deepcopy` of a model of fake weights (a reference copy of the initial policy): torch's default deep copy
+    of a tensor subclass also deep-copies its `__dict__`, which for a FakeTensor holds its FakeTensorMode and that
+    mode's native state; copying it corrupted the heap after a few plans (a segfault or malloc abort, later, in
+    unrelated code). A fake tensor's copy is its clone, in the same mode."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    had = "__deepcopy__" in FakeTensor.__dict__
+    original = FakeTensor.__dict__.get("__deepcopy__")
+
+    def deepcopy(self, memo):
+        if id(self) not in memo:
+            with torch.no_grad():
+                copied = self.clone()
+            memo[id(self)] = copied.requires_grad_(self.requires_grad) if self.is_leaf else copied
+        return memo[id(self)]
+
+    FakeTensor.__deepcopy__ = deepcopy
+    try:
+        yield
+    finally:
+        if had:
+            FakeTensor.__deepcopy__ = original
+        else:
+            del FakeTensor.__deepcopy__

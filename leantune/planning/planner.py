@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..metrics.memory_breakdown import MIB, PARTS, MemoryBreakdown
-from .fake_step import WeightlessMode, fake_model_from_config, fake_parameters_convertible
+from .fake_step import WeightlessMode, fake_model_from_config, fake_parameters_convertible, fake_tensors_copyable
+from .frozen import fake_frozen_sources
 
 logger = logging.getLogger("leantune.plan")
 GIB = 1024 * MIB
@@ -214,7 +215,7 @@ def planning_session():
     # any subclass without a plain storage
     offloading._storage_ptr = lambda tensor: None if _is_fake_tensor(tensor) else storage_ptr(tensor)
     try:
-        with mode, fake_parameters_convertible(), _generation_to_length_limit(mode):
+        with mode, fake_parameters_convertible(), fake_tensors_copyable(), _generation_to_length_limit(mode):
             yield mode
     finally:
         offloading._storage_ptr = storage_ptr
@@ -388,9 +389,9 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
         second, traced = zero_plan.per_rank(config, trainer_class, peft_config, zero, trainable, second, traced,
                                             rank, device)
         notes += zero_plan.notes(zero)
-    # the measured step 2 is an epoch's batch too (a rank's natural batch can outgrow the heuristic picks)
-    worst = max(traced + ([dataclasses.replace(second, step=2)] if second is not None else []),
-                key=lambda step: step.peak_bytes)
+    # the trainer's own second step is a step of the run too: where it generates (GKD's on-policy steps, online
+    # methods) its batch is not the loader's, and it may peak above the loader's worst
+    worst = max([*traced, *([second] if second is not None else [])], key=lambda step: step.peak_bytes)
     plan = MemoryPlan(name, str(model_label), num_parameters, trainable, num_processes, engine, worst, second,
                       device_terms(device, fields, num_processes, engine),
                       per_rank_notes(engine, num_processes) + notes,
@@ -413,6 +414,8 @@ def _trace(config, trainer_class, config_class, train_dataset, fields, trainer_k
             from .quantized import quantize_fake_model
 
             fake = quantize_fake_model(fake, quantization, mode)
+        fields, trainer_kwargs = fake_frozen_sources(trainer_class, fields, trainer_kwargs, mode,
+                                                     trainer_kwargs.get("processing_class"), _dtype_of(fields))
         run_args = config_class(**{"output_dir": "/tmp/leantune-plan", "use_cpu": True, **fields,
                                    **PLANNING_FIELDS})
         accumulation = run_args.gradient_accumulation_steps
@@ -434,7 +437,7 @@ def _trace(config, trainer_class, config_class, train_dataset, fields, trainer_k
             _train_quietly(trainer)
             trainer.forced_batches = None
             second = TracedStep.of(trainer.memory_breakdown, "the trainer's own second step" + (
-                f" on rank {shard[1]}" if shard is not None else ""))
+                f" on rank {shard[1]}" if shard is not None else ""), 2)
         traced = []
         for index, batch, words in _worst_candidates(trainer, max_batches):
             _reset_for_trace(trainer)

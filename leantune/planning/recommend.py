@@ -69,7 +69,7 @@ def candidates(method: str, fields: dict) -> list[Candidate]:
     if method == "sft":
         layouts = [{"packing": True, "padding_free": False}, {"packing": False, "padding_free": True},
                    {"packing": False, "padding_free": False}]
-    elif "padding_free" in fields or method in ("dpo", "kto", "reward", "grpo", "rloo"):
+    elif "padding_free" in fields or method in ("dpo", "kto", "reward", "grpo", "rloo", "onlinedpo", "ppo", "gkd"):
         layouts = [{"padding_free": True}, {"padding_free": False}]
     found = []
     for layout in layouts:

@@ -152,7 +152,8 @@ class LeantuneTrainer(ContextParallelism, Trainer):
         self._router_loss = None
         self._check_context_parallelism()
         if config.memory_breakdown:
-            self.add_callback(MemoryBreakdownCallback(self.args.device, self._record_memory_breakdown))
+            self.add_callback(MemoryBreakdownCallback(self.args.device, self._record_memory_breakdown,
+                                                      frozen_models=self.frozen_models))
 
     def _note_liger_head(self) -> None:
         """The one-line notice when the model's head keeps Liger from running (the chunked head runs instead)."""
@@ -545,6 +546,11 @@ class LeantuneTrainer(ContextParallelism, Trainer):
         if self.memory_breakdown is not None and self.is_world_process_zero():
             logger.info(self.memory_breakdown.line())
         return output
+
+    def frozen_models(self) -> list[torch.nn.Module]:
+        """The models this trainer holds and runs without training (a reference copy, reward models, a teacher):
+        their weights are resident through every step, a part of the memory breakdown of their own."""
+        return []
 
     def _record_memory_breakdown(self, breakdown: MemoryBreakdown) -> None:
         self.memory_breakdown = breakdown

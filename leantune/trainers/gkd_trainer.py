@@ -96,6 +96,9 @@ class GKDTrainer(SFTTrainer):
     def attach_reference(self, loaded, args) -> None:
         self.teacher_model = prepare_frozen_model(self.accelerator, loaded.ref_model, args)
 
+    def frozen_models(self) -> list[torch.nn.Module]:
+        return [*super().frozen_models(), self.teacher_model]
+
     def prepare_split(self, dataset, split, tokenizer, args):
         """SFT's preparation; a `messages` dataset trains on its last message, as in TRL's GKD."""
         if not self.skips_preparation(args):

@@ -227,6 +227,11 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
             args.dataloader_num_workers = 0
         return train_dataset, eval_dataset, reports
 
+    def frozen_models(self) -> list[torch.nn.Module]:
+        """The reference and every reward function that is a model (as prepared for the engine when it was)."""
+        runners = getattr(getattr(self, "rewards", None), "runners", {})
+        return [*super().frozen_models(), *(model for model in runners.values() if model is not None)]
+
     def attach_reference(self, loaded, args) -> None:
         super().attach_reference(loaded, args)
         self._reference_ready = True  # online methods score the reference as they go

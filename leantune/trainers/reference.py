@@ -139,6 +139,10 @@ class ReferenceModelMixin:
         self.ref_model = prepare_frozen_model(self.accelerator, loaded.ref_model, args)
         self._reference_ready = not getattr(args, "precompute_ref_log_probs", False)
 
+    def frozen_models(self) -> list[torch.nn.Module]:
+        """A separate reference is held frozen (a disabled adapter or precomputed log-probs hold none)."""
+        return [*super().frozen_models(), *([self.ref_model] if getattr(self, "ref_model", None) is not None else [])]
+
     @contextlib.contextmanager
     def reference_model(self, policy_if_none: bool = False):
         """The frozen reference, or the policy with its adapter off; the initial policy itself when precomputing."""
