@@ -8,7 +8,9 @@ number the real run's memory breakdown reports.
 
 The worst batch is found among the batches the trainer's own data loader yields in its first epoch (its sampler,
 collator and batching): the batches with the most token slots and with the most loss targets are traced, and the
-larger peak is the plan's. Online methods (GRPO, RLOO, ...) generate every completion to `max_completion_length`,
+larger peak is the plan's, with the step it arrives at. Another seed or epoch orders the rows otherwise, so the rows
+with the most tokens, and those with the most targets, are also traced together (planning/any_order.py): the bound
+a budget must hold. Online methods (GRPO, RLOO, ...) generate every completion to `max_completion_length`,
 the worst case for memory.
 """
 
@@ -41,6 +43,7 @@ class TracedStep:
     batch: str  # the batch's shape, in words
     step: int | None = None  # the optimizer step (1-based) at which this batch arrives in the first epoch
     micro_batch: int | None = None  # its micro-batch within that step (0-based), with gradient accumulation
+    any_order: bool = False  # the longest rows together (planning/any_order.py): no step, a bound of every order
 
     @classmethod
     def of(cls, breakdown: MemoryBreakdown, batch: str, step=None, micro_batch=None) -> TracedStep:
@@ -57,6 +60,7 @@ class MemoryPlan:
     engine: str
     worst: TracedStep
     measured_step: TracedStep | None  # the step a real run's memory breakdown measures (its second step)
+    any_order: TracedStep | None = None  # the longest rows together (or most targets): what any seed or epoch reaches
     terms: list = field(default_factory=list)  # DeviceTerm: what the trace cannot see, each named with its source
     notes: list[str] = field(default_factory=list)
     config: dict = field(default_factory=dict)  # the fields set for this plan
@@ -64,7 +68,8 @@ class MemoryPlan:
 
     @property
     def peak_bytes(self) -> int:
-        return self.worst.peak_bytes
+        """What the run must fit: the worst of the first epoch, or of any order where that bound was traced."""
+        return max(self.worst.peak_bytes, self.any_order.peak_bytes if self.any_order else 0)
 
     @property
     def device_total_bytes(self) -> int:
@@ -76,6 +81,7 @@ class MemoryPlan:
             "trainable_parameters": self.trainable_parameters, "num_processes": self.num_processes,
             "engine": self.engine, "peak_bytes": self.peak_bytes, "worst": dataclasses.asdict(self.worst),
             "measured_step": dataclasses.asdict(self.measured_step) if self.measured_step else None,
+            "any_order": dataclasses.asdict(self.any_order) if self.any_order else None,
             "terms": [dataclasses.asdict(term) for term in self.terms], "notes": self.notes,
             "device_total_bytes": self.device_total_bytes, "config": self.config, "seconds": self.seconds,
         }
@@ -91,6 +97,9 @@ class MemoryPlan:
         out.append(f"predicted step peak (worst batch: {self.worst.batch}{where}): {_mib(self.worst.peak_bytes)}")
         out += [f"  {name.replace('_', ' '):<17} {_mib(self.worst.parts.get(name, 0))}" for name in PARTS
                 if self.worst.parts.get(name)]
+        if self.any_order is not None:
+            out.append(f"in any order (another seed, a later epoch: {self.any_order.batch}): "
+                       f"{_mib(self.any_order.peak_bytes)}; a budget must hold this")
         if self.measured_step is not None:
             out.append(f"predicted peak of step 2 (the step memory_breakdown measures; batch: "
                        f"{self.measured_step.batch}): {_mib(self.measured_step.peak_bytes)}")
@@ -391,9 +400,11 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
         notes += zero_plan.notes(zero)
     # the trainer's own second step is a step of the run too: where it generates (GKD's on-policy steps, online
     # methods) its batch is not the loader's, and it may peak above the loader's worst
+    bound = sorted((step for step in traced if step.any_order), key=lambda step: -step.peak_bytes)
+    traced = [step for step in traced if not step.any_order]
     worst = max([*traced, *([second] if second is not None else [])], key=lambda step: step.peak_bytes)
     plan = MemoryPlan(name, str(model_label), num_parameters, trainable, num_processes, engine, worst, second,
-                      device_terms(device, fields, num_processes, engine),
+                      bound[0] if bound else None, device_terms(device, fields, num_processes, engine),
                       per_rank_notes(engine, num_processes) + notes,
                       {k: v for k, v in fields.items()}, 0.0)
     plan.seconds = time.perf_counter() - started
@@ -443,6 +454,9 @@ def _trace(config, trainer_class, config_class, train_dataset, fields, trainer_k
             _reset_for_trace(trainer)
             trainer.forced_batches = [batch] * (2 * accumulation)
             _train_quietly(trainer)
+            if index is None:  # the longest rows together: a bound, at no step
+                traced.append(dataclasses.replace(TracedStep.of(trainer.memory_breakdown, words), any_order=True))
+                continue
             processes = shard[0] if shard is not None else 1  # each step of N processes takes N loader batches
             traced.append(TracedStep.of(trainer.memory_breakdown, words, index // (accumulation * processes) + 1,
                                         index // processes % accumulation))
@@ -486,7 +500,7 @@ def _extrapolate(runs, layers: int):
         if peak is None or any(value is None for value in parts.values()):
             return None
         first = group[0]
-        steps.append(TracedStep(peak, parts, first.batch, first.step, first.micro_batch))
+        steps.append(TracedStep(peak, parts, first.batch, first.step, first.micro_batch, first.any_order))
     if None in counts:
         return None
     second = steps.pop(0) if runs[0][2] is not None else None
@@ -547,6 +561,11 @@ def _worst_candidates(trainer, max_batches):
     found = [best_slots[1:]]
     if best_targets[1] != best_slots[1] and best_targets[0] != best_slots[0]:
         found.append(best_targets[1:])
+    if max_batches is None and isinstance(best_slots[2], dict):  # the whole epoch of collated rows was read: add
+        # the batches no order can beat (planning/any_order.py); online methods' batches are prompts, generated anew
+        from .any_order import longest_rows_batches
+
+        found += [(None, batch, words) for batch, words in longest_rows_batches(trainer)]
     return found
 
 

@@ -337,6 +337,6 @@ def per_rank(config, trainer_class, peft_config, settings: ZeroSettings, trainab
                                          on_gloo)
         # the traced peak may hold less than the sum of its parts' peaks only if the parts were read at other
         # moments; MemTracker reads them at the peak, so their sum is the peak
-        return TracedStep(peak, parts, f"{step.batch}; peak at {moment}", step.step, step.micro_batch)
+        return TracedStep(peak, parts, f"{step.batch}; peak at {moment}", step.step, step.micro_batch, step.any_order)
 
     return of(second), [of(step) for step in traced]
