@@ -187,29 +187,35 @@ def traced_moment(parts: dict, terms: RankTerms, shapes: ParameterShapes, settin
     moment["parameters"] = terms.parameters
     moment["optimizer_states"] = terms.master_and_states
     grads = parts.get("gradients", 0)
-    # weights the trace met beyond the policy's: frozen models (a reference copy) run in the step. ZeRO-2 gives
-    # them a plain replica (trainers/frozen_models.py), met whole; ZeRO-3 partitions them in an inference engine of
-    # their own, whose partitions the breakdown does not see (at one process each partition is the whole weight,
-    # met as its forward's activations)
-    frozen = frozen_weights(parts, shapes, settings)
+    # frozen models (a reference copy, reward models): the trace holds them whole; ZeRO-2 gives them a plain replica
+    # (trainers/frozen_models.py), ZeRO-3 partitions them in an inference engine of their own
+    frozen = frozen_held(parts, shapes, settings)
+    if frozen:
+        moment["frozen_models"] = frozen
     in_backward = bool(grads or parts.get("temporaries", 0))
     if settings.stage == 3:
         in_flight = min(grads, shapes.head * settings.compute_bytes)  # a module's gradient before it is bucketed
         moment["gradients"] = terms.persistent_gradients + in_flight
-        if settings.num_processes == 1:
-            moment["activations"] = moment.get("activations", 0) + frozen
-        else:  # the head's weights gathered for its forward, or again for its backward (then a temporary)
+        if settings.num_processes > 1:  # the head's weights gathered for its forward, or again for its backward
             part = "temporaries" if in_backward else "activations"
             moment[part] = moment.get(part, 0) + _gathered(shapes.head, settings)
         return moment
-    moment["parameters"] += frozen
     if grads:
         moment["gradients"] = grads + terms.bucket  # the backward's bucket beside the gradients not yet reduced
     return moment
 
 
-def frozen_weights(parts: dict, shapes: ParameterShapes, settings: ZeroSettings) -> int:
-    return max(parts.get("parameters", 0) - sum(shapes.sizes) * settings.compute_bytes, 0)
+def frozen_held(parts: dict, shapes: ParameterShapes, settings: ZeroSettings) -> int:
+    """Bytes of frozen models' weights a rank holds (the breakdown's `frozen_models`): the trace's whole weights, or
+    under ZeRO-3 with N processes their partitions (ceil(numel / N) per parameter: a reference copy has the policy's
+    shapes; another model is divided as a whole)."""
+    whole = parts.get("frozen_models", 0)
+    n, size = settings.num_processes, settings.compute_bytes
+    if settings.stage != 3 or n == 1 or not whole:
+        return whole
+    if whole == sum(shapes.sizes) * size:
+        return sum(math.ceil(s / n) for s in shapes.sizes) * size
+    return math.ceil(whole / size / n) * size
 
 
 def _gathered(module_elements: int, settings: ZeroSettings) -> int:
@@ -222,8 +228,7 @@ def reduce_moment(terms: RankTerms, shapes: ParameterShapes, settings: ZeroSetti
     n, size, bucket_elements = settings.num_processes, settings.compute_bytes, settings.reduce_bucket_size
     last, alone = _last_bucket(shapes.backward_order, bucket_elements, settings.contiguous_gradients)
     copies = 1 if on_gloo else 0  # gloo's reduce-scatter works on a copy of its input (measured; NCCL does not)
-    moment = {"parameters": terms.parameters + (frozen if settings.stage == 2 else 0),
-              "optimizer_states": terms.master_and_states}
+    moment = {"parameters": terms.parameters, "optimizer_states": terms.master_and_states, "frozen_models": frozen}
     if settings.stage == 3:
         gradients = terms.persistent_gradients
         # reduce_scatter_coalesced (deepspeed/runtime/comm/coalesced_collectives.py) cats the bucket's gradients
@@ -275,7 +280,7 @@ def plan_parts(parts: dict, shapes: ParameterShapes, settings: ZeroSettings, tra
     terms = rank_terms(shapes, settings, states_per_element(parts, trainable, traced_dtype))
     moments = {"traced": traced_moment(parts, terms, shapes, settings),
                "end of backward": reduce_moment(terms, shapes, settings, rank, on_gloo,
-                                                frozen_weights(parts, shapes, settings))}
+                                                frozen_held(parts, shapes, settings))}
     name = max(moments, key=lambda key: sum(moments[key].values()))
     chosen = {k: int(v) for k, v in moments[name].items() if v}
     return sum(chosen.values()), chosen, name
