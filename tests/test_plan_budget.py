@@ -212,3 +212,47 @@ def test_candidates_are_ranked_by_the_documented_factors():
     times = [c.relative_time for c in ranked]
     assert times == sorted(times)
     assert ranked[0].fields["packing"] and not ranked[0].fields["gradient_checkpointing"]
+    # with the vocabulary known, each candidate also comes with a quarter of the default loss chunk (docs/plan.md)
+    chunk = float(re.search(r"\| a quarter of the default loss chunk \| x([0-9.]+)", table).group(1))
+    with_chunks = candidates("sft", dict(per_device_train_batch_size=4, gradient_accumulation_steps=2), 32000)
+    smaller = [c for c in with_chunks if "loss_chunk_size" in c.fields]
+    assert len(with_chunks) == 2 * len(ranked) and len(smaller) == len(ranked)
+    assert {c.fields["loss_chunk_size"] for c in smaller} == {64 * 2 ** 20 // (4 * 32000) // 4}
+    assert sorted(c.relative_time for c in smaller) == pytest.approx([t * chunk for t in times], rel=1e-12)
+
+
+def test_a_lora_run_that_does_not_fit_is_offered_qlora_apart(tokenizer, gsm8k_rows):
+    from peft import LoraConfig
+
+    from leantune import SFTConfig
+    from leantune.cli.arguments import ModelConfig, ScriptArguments
+    from leantune.cli.parser import parse_command_args
+    from leantune.cli.plan import PlanArguments
+    from leantune.planning.qlora_suggestion import suggest_qlora
+    from leantune.planning.recommend import candidates, recommend
+
+    dataset = gsm8k_prompt_completion(gsm8k_rows, 8)
+    config = tiny_model("llama").config
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
+    fields = dict(per_device_train_batch_size=2, max_length=128)
+    fastest = plan_memory(config, dataset, "sft", processing_class=tokenizer, peft_config=lora, measured_step=False,
+                          **candidates("sft", fields)[0].fields)
+    budget = fastest.peak_bytes - 1
+    plan_args = PlanArguments(device="cpu", memory_budget=str(budget))
+    found = recommend(fastest, budget, config, dataset, "sft", lora, plan_args, fields, tokenizer, limit=1)
+    assert found.chosen is None  # the one same-result candidate planned misses by a byte
+
+    def search(quantized):
+        return recommend(fastest, budget, config, dataset, "sft", lora, plan_args, quantized, tokenizer, limit=1)
+
+    assert suggest_qlora(found, fields, uses_peft=False, search=search) is None  # full training: no adapter to keep
+    suggestion = suggest_qlora(found, fields, uses_peft=True, search=search)
+    chosen = suggestion.search.chosen
+    # the same fastest layout with the 4-bit base: the decoder's linear weights at ~0.52 byte instead of 4 fit it
+    assert chosen is not None and chosen.peak_bytes <= budget < fastest.peak_bytes
+    text = suggestion.lines()
+    assert text[0].startswith("changes what is learned")
+    flags = [word for line in text[text.index("    --load_in_4bit true"):] for word in line.split()]
+    _, model_args, _, _ = parse_command_args("leantune sft", (ScriptArguments, ModelConfig, SFTConfig),
+                                             flags + ["--use_peft", "true", "--output_dir", "/tmp/x"])  # as sft reads them
+    assert model_args.load_in_4bit and model_args.bnb_4bit_quant_type == "nf4" and model_args.use_bnb_nested_quant

@@ -118,6 +118,10 @@ def run(argv: list[str]) -> int:
                                             config_class, fields, tokenizer)
         if suggestion is not None:
             print("\n".join(suggestion.lines()))
+        qlora = _qlora_suggestion(recommendation, plan, budget, model_args, plan_args, train, trainer_class,
+                                  fields, tokenizer)
+        if qlora is not None:
+            print("\n".join(qlora.lines()))
     if plan_args.plan_json:
         with open(plan_args.plan_json, "w", encoding="utf-8") as handle:
             json.dump(plan.to_dict(), handle, indent=2, default=str)
@@ -150,3 +154,15 @@ def _max_length_suggestion(recommendation, plan, budget, model_args, plan_args, 
                          peft_config_from(model_args), plan_args, shorter, tokenizer, limit=4)
 
     return suggest_for_budget(recommendation, lengths, config_class, fields, threshold, search)
+
+
+def _qlora_suggestion(recommendation, plan, budget, model_args, plan_args, train, trainer_class, fields, tokenizer):
+    """A 4-bit base for a LoRA run, apart from the same-result candidates (planning/qlora_suggestion.py)."""
+    from ..planning.qlora_suggestion import suggest_qlora
+    from ..planning.recommend import recommend
+
+    def search(quantized):
+        return recommend(plan, budget, model_args.model_name_or_path, train, trainer_class,
+                         peft_config_from(model_args), plan_args, quantized, tokenizer, limit=4)
+
+    return suggest_qlora(recommendation, fields, bool(model_args.use_peft), search)

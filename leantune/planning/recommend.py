@@ -1,8 +1,8 @@
 """The fastest configuration that fits a memory budget, among those that learn the same thing.
 
 What may change: the batch layout (padded, padding-free, packed: the same targets and, in leantune, the same loss
-normalisation), gradient checkpointing, activation offloading, and micro-batch x accumulation for the same global
-batch. What may not: the model, the data, the loss, LoRA or full training, the learning schedule.
+normalisation), gradient checkpointing, activation offloading, the chunked loss's chunk size (exact at any size), and
+micro-batch x accumulation for the same global batch. What may not: the model, the data, the loss, LoRA or full training, the learning schedule.
 
 Candidates are ranked by an expected relative step time (`relative_time`, stated rules, docs/plan.md) and planned in
 that order; the first whose device total fits is the answer. Every candidate planned is printed with its peak.
@@ -18,6 +18,7 @@ CHECKPOINTING_COST = 1.33  # one more forward pass of the layers: forward ~1/3 o
 OFFLOADING_COST = 1.10  # copies overlap compute on CUDA streams, not entirely
 HALVING_COST = 1.05  # per halving of the micro-batch: smaller matrix products, more optimizer-step overhead
 PADDED_COST = 1.10  # padded rows compute their padding; padding-free and packed rows do not
+SMALLER_CHUNK_COST = 1.02  # a quarter of the default chunk: four times as many, smaller head products
 
 
 @dataclass
@@ -42,7 +43,7 @@ def _size(size: int) -> str:
 
 
 VARIED = ("gradient_checkpointing", "activation_offloading", "per_device_train_batch_size",
-          "gradient_accumulation_steps", "packing", "padding_free")
+          "gradient_accumulation_steps", "packing", "padding_free", "loss_chunk_size")
 
 
 @dataclass
@@ -62,7 +63,10 @@ class Recommendation:
         return out
 
 
-def candidates(method: str, fields: dict) -> list[Candidate]:
+def candidates(method: str, fields: dict, vocab_size: int | None = None) -> list[Candidate]:
+    """Every same-result configuration, fastest first. With `vocab_size`, and the chunked loss on with its default
+    chunk, a quarter of that chunk is a candidate too (its fp32 logits chunk, x3 while its gradient forms, is the
+    loss's temporary memory)."""
     batch = int(fields.get("per_device_train_batch_size", 8))
     accumulation = int(fields.get("gradient_accumulation_steps", 1))
     layouts = [{}]
@@ -85,6 +89,13 @@ def candidates(method: str, fields: dict) -> list[Candidate]:
                                             "per_device_train_batch_size": batch // split,
                                             "gradient_accumulation_steps": accumulation * split}, time))
                     split *= 2
+    chunked = fields.get("chunked_loss", True) and not (fields.get("use_liger_kernel") or fields.get("use_liger_loss"))
+    if vocab_size and chunked and fields.get("loss_chunk_size") is None:
+        from ..losses.token_logprobs import chunk_tokens_for
+
+        quarter = max(16, chunk_tokens_for(vocab_size) // 4)
+        found += [Candidate({**c.fields, "loss_chunk_size": quarter}, c.relative_time * SMALLER_CHUNK_COST)
+                  for c in list(found)]
     found.sort(key=lambda c: c.relative_time)
     return found
 
@@ -92,10 +103,11 @@ def candidates(method: str, fields: dict) -> list[Candidate]:
 def recommend(plan, budget: int, model, train_dataset, trainer_class, peft_config, plan_args, fields: dict,
               processing_class=None, limit: int = 8) -> Recommendation:
     """Plan candidates fastest first until one fits (at most `limit` planned)."""
-    from .planner import plan_memory
+    from .planner import model_config_of, plan_memory
 
     result = Recommendation(budget)
-    for candidate in candidates(plan.method, fields)[:limit * 4]:
+    vocab_size = getattr(model_config_of(model).get_text_config(), "vocab_size", None)
+    for candidate in candidates(plan.method, fields, vocab_size)[:limit * 4]:
         if len(result.considered) >= limit:
             break
         try:
