@@ -166,6 +166,7 @@ BAD_INPUTS = [
     (["--model_name_or_path", "./no-such-model"], "--model_name_or_path ./no-such-model: no such folder"),
     (["--model_name_or_path", "{qa.jsonl}"], "is a file"),
     (["--eval_strategy", "steps"], "--dataset_test_split"),
+    (["--deepspeed", "/nonexistent/ds_zero3.json"], "--deepspeed /nonexistent/ds_zero3.json: no such file"),
 ]
 
 

@@ -172,6 +172,7 @@ def parse_command_args(prog: str, dataclass_types: tuple, argv: list[str]):
         values = _read_yaml(known.config, parser)
         parser.set_defaults(**values)
         explicit |= set(values)
+    _check_config_files(argv, values if known.config else {})
     try:
         outputs = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
     except UsageError:
@@ -182,3 +183,19 @@ def parse_command_args(prog: str, dataclass_types: tuple, argv: list[str]):
     if outputs[-1]:
         raise UsageError(_explain_parse_error(f"unrecognized arguments: {' '.join(outputs[-1])}", parser))
     return (*outputs[: len(dataclass_types)], explicit - {"config", "debug"})
+
+
+def _check_config_files(argv: list[str], yaml_values: dict) -> None:
+    """A DeepSpeed or FSDP config named by a path that is not there: one line naming the flag (transformers' own
+    message does not)."""
+    import os
+
+    for name in ("deepspeed", "fsdp_config"):
+        value = yaml_values.get(name)
+        for index, arg in enumerate(argv):
+            if arg == f"--{name}" and index + 1 < len(argv):
+                value = argv[index + 1]
+            elif arg.startswith(f"--{name}="):
+                value = arg.split("=", 1)[1]
+        if isinstance(value, str) and value.endswith(".json") and not os.path.isfile(value):
+            raise UsageError(f"--{name} {value}: no such file (a JSON config the engine reads).")
