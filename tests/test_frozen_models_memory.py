@@ -17,8 +17,18 @@ import pytest
 import torch
 from datasets import Dataset
 
-from leantune import (DPOConfig, DPOTrainer, GKDConfig, GKDTrainer, GRPOConfig, GRPOTrainer, OnlineDPOConfig,
-                      OnlineDPOTrainer, PPOConfig, PPOTrainer)
+from leantune import (
+    DPOConfig,
+    DPOTrainer,
+    GKDConfig,
+    GKDTrainer,
+    GRPOConfig,
+    GRPOTrainer,
+    OnlineDPOConfig,
+    OnlineDPOTrainer,
+    PPOConfig,
+    PPOTrainer,
+)
 from leantune.defaults import build_default_model_config, build_default_tokenizer
 from leantune.planning import plan_memory
 

@@ -94,7 +94,6 @@ def render_help(command: str) -> str:
 
 def write_cache() -> Path:
     from .main import COMMANDS
-
     from .runner import METHODS
 
     commands = [*COMMANDS, *(f"plan --method {method}" for method in METHODS if method != "sft")]

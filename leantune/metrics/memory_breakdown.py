@@ -161,7 +161,7 @@ def _frozen_ref_type():
 
 
 def _tracker_class():
-    from torch.distributed._tools.mem_tracker import _MemRefType, MemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
     frozen = _frozen_ref_type()
 
