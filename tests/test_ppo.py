@@ -318,6 +318,28 @@ def test_configuration_errors_are_clear(char_tokenizer):
     assert no_reference.ref_model is None and "ref_logps" not in one_round(no_reference)[0]
 
 
+def test_reward_model_path_is_trl_s_ppo_reward_model(char_tokenizer, tmp_path):
+    """TRL's PPO names its reward model by `reward_model_path`; Online DPO's config refuses that field (its TRL form
+    is unused), PPO's takes it: the model is loaded, held frozen, and scores the round."""
+    import copy
+
+    from transformers import AutoModelForSequenceClassification
+
+    policy = char_model(char_tokenizer)
+    reward_config = copy.deepcopy(policy.config)
+    reward_config.num_labels = 1
+    torch.manual_seed(3)
+    AutoModelForSequenceClassification.from_config(reward_config).save_pretrained(tmp_path / "rm")
+    char_tokenizer.save_pretrained(tmp_path / "rm")
+    trainer = PPOTrainer(args=config(reward_model_path=str(tmp_path / "rm")), processing_class=char_tokenizer,
+                         model=policy, train_dataset=prompts())
+    held = [m for m in trainer.frozen_models() if isinstance(m, AutoModelForSequenceClassification._model_mapping[
+        type(reward_config)])]
+    assert len(held) == 1 and not any(p.requires_grad for p in held[0].parameters())
+    batch = one_round(trainer)[0]
+    assert torch.isfinite(batch["advantages"]).all()  # the round was scored by the reward model
+
+
 # --- the command line ----------------------------------------------------------------------------------------------
 
 

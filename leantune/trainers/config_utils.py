@@ -55,7 +55,7 @@ UNSUPPORTED_TRL_FIELDS: dict[str, str] = {
     "use_transformers_paged": "generate with `use_vllm=True`, or with transformers' generate (default)",
     "log_unique_prompts": "`num_completions_to_print` limits how many completions `log_completions` logs",
     "log_completions_hub_repo": "`log_completions=True` logs completions with the training log",
-    # Online DPO
+    # Online DPO (PPO implements it: PPOConfig.implemented_trl_fields)
     "reward_model_path": "pass the reward model (a Hub id, a folder or a model object) in `reward_funcs`",
 }
 
@@ -64,7 +64,8 @@ def refuse_unsupported_trl_fields(args) -> None:
     """A value other than TRL's default for a field leantune does not implement yet is a one-line ValueError."""
     import dataclasses
 
-    names = {f.name for f in dataclasses.fields(args)}
+    implemented = set(getattr(type(args), "implemented_trl_fields", ()))  # a config that implements a listed name
+    names = {f.name for f in dataclasses.fields(args)} - implemented
     for name in non_default(args, *(name for name in UNSUPPORTED_TRL_FIELDS if name in names)):
         raise ValueError(f"`{name}`={getattr(args, name)!r} is not supported by leantune yet; "
                          f"{UNSUPPORTED_TRL_FIELDS[name]}.")

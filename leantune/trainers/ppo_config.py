@@ -23,6 +23,7 @@ class PPOConfig(OnlineConfig):
     """
 
     min_num_generations = 1  # the value function is the baseline: no groups needed
+    implemented_trl_fields = ("reward_model_path",)  # TRL's PPO scores with it (Online DPO's refuses it)
 
     learning_rate: float = field(default=5e-5, metadata={"help": "Initial AdamW learning rate."})
     num_generations: int = field(default=1, metadata={"help": "Completions sampled per prompt."})
