@@ -155,6 +155,19 @@ def fields_for(method: str, extra: dict) -> dict:
     return base
 
 
+def tiny_model(method: str, arch: str, vocab: int, layers: int):
+    """The row's real model, random weights seeded 0: a one-output sequence classifier for reward, else a causal LM."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    torch.manual_seed(0)
+    config = tiny_config(arch, vocab, layers)
+    if method == "reward":
+        config.num_labels = 1
+        return AutoModelForSequenceClassification.from_config(config)
+    return AutoModelForCausalLM.from_config(config)
+
+
 def reward_len(completions, **kwargs):
     return [float(len(text) % 7) for text in completions]
 
@@ -176,7 +189,6 @@ def reward_model_path(arch: str, vocab: int, tokenizer) -> str:
 
 
 def run_one(name, method, arch, vocab, layers, extra, tokenizer):
-    import torch
     from peft import LoraConfig
 
     from leantune.planning import plan_memory
@@ -204,15 +216,9 @@ def run_one(name, method, arch, vocab, layers, extra, tokenizer):
                            processing_class=tokenizer, peft_config=peft, lengths=lengths, **kwargs, **kwargs_plan,
                            **teacher, **fields)
     plan_seconds = time.perf_counter() - started
-    torch.manual_seed(0)
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import AutoModelForCausalLM
 
-    config = tiny_config(arch, vocab, layers)
-    if method == "reward":
-        config.num_labels = 1
-        model = AutoModelForSequenceClassification.from_config(config)
-    else:
-        model = AutoModelForCausalLM.from_config(config)
+    model = tiny_model(method, arch, vocab, layers)
     if quantization:  # bitsandbytes quantizes while loading: the run loads the saved model by path
         import tempfile
 
@@ -280,8 +286,8 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
     rows, errors = [], []
     if options.row is None:
-        print(f"| configuration | method | arch | vocab | layers | predicted MiB | measured MiB | error | "
-              f"worst batch MiB | plan s |")
+        print("| configuration | method | arch | vocab | layers | predicted MiB | measured MiB | error | "
+              "worst batch MiB | plan s |")
         print("|---|---|---|---|---|---|---|---|---|---|")
     for name, method, arch, vocab, layers, extra in CONFIGS if options.row is None else CONFIGS[options.row:][:1]:
         if options.only and not any(part in name for part in options.only.split(",")):
@@ -522,7 +528,7 @@ def engine_worker(out: str, name: str) -> None:
 
     import torch
     from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from leantune.planning.planner import method_classes
 
@@ -534,15 +540,9 @@ def engine_worker(out: str, name: str) -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
     peft = LoraConfig(r=8, lora_alpha=16, task_type="SEQ_CLS" if method == "reward" else "CAUSAL_LM") \
         if extra.get("peft") else None
-    dataset = data(METHOD_DATA[method], 48 if method in ("grpo", "rloo") else 64)
-    kwargs = {"reward_funcs": reward_len} if method in ("grpo", "rloo") else {}
-    torch.manual_seed(0)
-    config = tiny_config(arch, vocab, layers)
-    if method == "reward":
-        config.num_labels = 1
-        model = AutoModelForSequenceClassification.from_config(config)
-    else:
-        model = AutoModelForCausalLM.from_config(config)
+    dataset = data(METHOD_DATA[method], 48 if method in ONLINE else 64)
+    kwargs = {"reward_funcs": reward_len} if method in ONLINE else {}
+    model = tiny_model(method, arch, vocab, layers)
     args = config_class(output_dir=f"{out}/run", report_to=[], save_strategy="no", disable_tqdm=True,
                         logging_steps=1, memory_breakdown=True, **fields)
     trainer = trainer_class(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
