@@ -188,19 +188,20 @@ def test_frozen_storages_are_counted_once_and_by_their_partition():
     assert breakdown.peak_bytes == sum(breakdown.parts.values())
 
 
-def test_plan_help_lists_the_planned_methods_fields():
-    """`leantune plan --method X --help` is served from help_cache.json with X's config fields, and equals the live
-    rendering (regenerate with `python -m leantune.cli.help_cache`)."""
-    from leantune.cli.help_cache import cached_help, help_entry, render_help
+def test_plan_help_lists_the_planned_methods_fields(tmp_path, monkeypatch):
+    """`leantune plan --method X --help` has an entry of its own with X's config fields, kept in the user's cache as
+    it was rendered."""
+    from leantune.cli.help_cache import cached_help, help_entry, help_text, render_help
 
+    monkeypatch.setenv("LEANTUNE_CACHE_DIR", str(tmp_path))
     for method, title in [("dpo", "DPOConfig"), ("online_dpo", "OnlineDPOConfig"), ("ppo", "PPOConfig"),
                           ("gkd", "GKDConfig"), ("sft", "SFTConfig")]:
         entry = help_entry("plan", ["--model_name_or_path", "m", "--method", method])
-        cached = cached_help(entry)
-        assert cached is not None and f"{title} (the method's own fields)" in cached, method
-        assert cached == render_help(entry), f"{entry}: regenerate with python -m leantune.cli.help_cache"
-    assert "--reward_funcs" in cached_help(help_entry("plan", ["--method=ppo"]))
-    assert "--reward_funcs" not in cached_help(help_entry("plan", []))
+        text = help_text(entry)
+        assert f"{title} (the method's own fields)" in text, method
+        assert cached_help(entry) == text == render_help(entry), entry
+    assert "--reward_funcs" in help_text(help_entry("plan", ["--method=ppo"]))
+    assert "--reward_funcs" not in help_text(help_entry("plan", []))
 
 
 def test_plan_command_plans_ppo_and_gkd_with_their_frozen_models(char_tokenizer, tmp_path, capsys):

@@ -1,19 +1,41 @@
 """`leantune <command> --help` in well under a second.
 
 The flags come from config classes that subclass transformers' TrainingArguments, and importing that takes about
-5 s on a small CPU. The rendered help of every command is therefore kept in help_cache.json, tagged with the
-versions it was rendered under; it is used only when they match (otherwise the help is rendered live). A test
-checks that it equals the live rendering. Regenerate it with `python -m leantune.cli.help_cache`.
+5 s on a small CPU. So the first `--help` of a command renders it live and keeps the text in the user's cache
+(`$LEANTUNE_CACHE_DIR`, else `$XDG_CACHE_HOME/leantune`, else `~/.cache/leantune`), under a key made of the
+versions of leantune, transformers and Python and a fingerprint of leantune's own source files; every later
+`--help` under the same key is read from there without importing torch. Nothing is kept in the repository, so a
+new Python or transformers release, or an edited config field, only costs one live rendering.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import sys
+import tempfile
 from importlib import metadata
 from pathlib import Path
 
-CACHE_FILE = Path(__file__).with_name("help_cache.json")
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
+
+
+def cache_dir() -> Path:
+    explicit = os.environ.get("LEANTUNE_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "leantune"
+
+
+def source_fingerprint() -> str:
+    """Sizes and modification times of leantune's .py files: an edited field or help text changes it (~2 ms)."""
+    digest = hashlib.sha256()
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        stat = path.stat()
+        digest.update(f"{path.relative_to(PACKAGE_DIR)}:{stat.st_size}:{stat.st_mtime_ns};".encode())
+    return digest.hexdigest()[:16]
 
 
 def cache_key() -> dict:
@@ -24,17 +46,40 @@ def cache_key() -> dict:
     except metadata.PackageNotFoundError:
         transformers_version = None
     return {"leantune": __version__, "transformers": transformers_version,
-            "python": f"{sys.version_info.major}.{sys.version_info.minor}"}
+            "python": f"{sys.version_info.major}.{sys.version_info.minor}", "sources": source_fingerprint()}
+
+
+def cache_file(key: dict | None = None) -> Path:
+    key = cache_key() if key is None else key
+    name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return cache_dir() / "help" / f"{name}.json"
+
+
+def _read(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
 
 
 def cached_help(command: str) -> str | None:
+    return _read(cache_file()).get("help", {}).get(command)
+
+
+def store_help(command: str, text: str) -> None:
+    """Add one command's rendering to the cache; a cache that cannot be written is only a slower next --help."""
+    key = cache_key()
+    path = cache_file(key)
+    cache = _read(path) or {"key": key, "help": {}}
+    cache["help"][command] = text
     try:
-        cache = json.loads(CACHE_FILE.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if cache.get("key") != cache_key():
-        return None
-    return cache.get("help", {}).get(command)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(handle, "w", encoding="utf-8") as stream:
+            json.dump(cache, stream, sort_keys=True)
+        os.replace(temporary, path)  # readers see the old file or the new one, never half of one
+    except OSError:
+        pass
 
 
 def method_flag(argv: list[str]) -> str:
@@ -92,15 +137,10 @@ def render_help(command: str) -> str:
     return make_parser(f"leantune {command.split(' --')[0]}", argument_types(command)).format_help()
 
 
-def write_cache() -> Path:
-    from .main import COMMANDS
-    from .runner import METHODS
-
-    commands = [*COMMANDS, *(f"plan --method {method}" for method in METHODS if method != "sft")]
-    cache = {"key": cache_key(), "help": {command: render_help(command) for command in commands}}
-    CACHE_FILE.write_text(json.dumps(cache, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-    return CACHE_FILE
-
-
-if __name__ == "__main__":
-    print(f"written: {write_cache()}")
+def help_text(entry: str) -> str:
+    """The help of one entry, from the cache or rendered live and kept for next time."""
+    text = cached_help(entry)
+    if text is None:
+        text = render_help(entry)
+        store_help(entry, text)
+    return text

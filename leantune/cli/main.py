@@ -45,10 +45,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nleantune: unknown command {command!r}.", file=sys.stderr)
         return 2
     if "-h" in rest or "--help" in rest:
-        from .help_cache import cached_help, help_entry
+        from .help_cache import help_entry, help_text
 
-        text = cached_help(help_entry(command, rest))
-        if text is not None:  # the command's help without importing torch and transformers
+        try:  # from the user's cache without importing torch and transformers, else rendered once and kept
+            text = help_text(help_entry(command, rest))
+        except KeyError:  # not a command line with help of its own (`plan --method nope`): the command says why
+            text = None
+        if text is not None:
             print(text, end="")
             return 0
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
