@@ -1,7 +1,8 @@
 """Shared helpers for leantune's benchmarks (bench/*.py): paths, data, tiny models, timing, memory, tables.
 
-Nothing here is imported by the library itself. The benchmarks need `/work/shared` (found as `<repo>/../shared`),
-which holds the GSM8K data and the Mistral tokenizer; nothing is downloaded.
+Nothing here is imported by the library itself. Data: the full-size copies in the project's `shared/` folder
+(`LEANTUNE_SHARED=/path/to/shared`, else `<repo>/../shared` where it exists), or else the slices of the same files kept
+in the repository's tests/data/shared (3,000 GSM8K rows, 300 HH-RLHF pairs, the same tokenizer); nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -17,7 +18,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
+
+
+def data_root() -> Path:
+    """Where the benchmarks read their data: full size where the shared folder is given or beside the clone."""
+    explicit = os.environ.get("LEANTUNE_SHARED")
+    if explicit:
+        return Path(explicit)
+    beside = REPO.parent / "shared"
+    return beside if beside.is_dir() else REPO / "tests" / "data" / "shared"
+
+
+SHARED = data_root()
 GSM8K_TRAIN = SHARED / "data" / "gsm8k" / "train.jsonl"
 TOKENIZER_DIR = SHARED / "tokenizers" / "mistral-7b-v0.1"
 

@@ -1,4 +1,4 @@
-"""Shared fixtures: the real tokenizer and datasets from ../shared, and tiny models built from configs."""
+"""Shared fixtures: the real tokenizer and datasets kept in tests/data, and tiny models built from configs."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("LEANTUNE_SHARED", REPO.parent / "shared"))
-TOKENIZER_DIR = SHARED / "tokenizers" / "mistral-7b-v0.1"
-GSM8K_TRAIN = SHARED / "data" / "gsm8k" / "train.jsonl"
-HH_PAIRS = SHARED / "data" / "hh-rlhf-harmless" / "test.jsonl.gz"
+# Slices of the full-size data, with their licences (tests/data/README.md): the suite needs nothing beside the clone.
+DATA = REPO / "tests" / "data" / "shared"  # laid out as shared/ is
+TOKENIZER_DIR = DATA / "tokenizers" / "mistral-7b-v0.1"
+GSM8K_TRAIN = DATA / "data" / "gsm8k" / "train.jsonl"
+HH_PAIRS = DATA / "data" / "hh-rlhf-harmless" / "test.jsonl.gz"
 
 # At most 2 threads per test process; under pytest-xdist the threads asked for (OMP_NUM_THREADS, else the cores) are
 # shared among the workers, so two workers on 2 cores do not each spin 2 OpenMP threads (measured: the whole suite
@@ -29,10 +30,6 @@ interpreter_on_for_imports(cuda=torch.cuda.is_available())
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "liger_interpreter: runs with TRITON_INTERPRET=1 (Liger's kernels on CPU)")
-    if not SHARED.is_dir():
-        # Two thirds of the suite reads it: without it, a run would "pass" with hundreds of skips.
-        pytest.exit(f"shared test data not found at {SHARED}: clone leantune beside the `shared` folder, or set "
-                    "LEANTUNE_SHARED=/path/to/shared", returncode=2)
 
 
 @pytest.fixture(autouse=True)
@@ -42,8 +39,7 @@ def _interpreter_only_for_liger_tests(request, monkeypatch):
 
 
 def _require(path: Path) -> Path:
-    if not path.exists():
-        pytest.skip(f"shared test data not found at {path} (set LEANTUNE_SHARED)")
+    assert path.exists(), f"test fixture missing from the repository: {path}"
     return path
 
 
