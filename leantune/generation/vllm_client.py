@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -143,10 +142,10 @@ class VLLMServerClient:
                     continue
                 raise VLLMServerError(f"{method} {self.base_url}{path} failed with HTTP {error.code}: "
                                       f"{_server_message(error)}", status=error.code) from None
-            except (TimeoutError, socket.timeout) as error:
+            except TimeoutError as error:
                 raise VLLMServerError(_timeout_message(method, self.base_url + path, timeout)) from error
             except urllib.error.URLError as error:
-                if isinstance(error.reason, (TimeoutError, socket.timeout)):
+                if isinstance(error.reason, TimeoutError):
                     raise VLLMServerError(_timeout_message(method, self.base_url + path, timeout)) from None
                 raise
 

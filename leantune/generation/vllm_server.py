@@ -72,13 +72,6 @@ def sampling_to_json(sampling: SamplingSettings) -> dict:
     return data
 
 
-def sampling_from_json(data: dict, limits: GenerationLimits | None = None) -> SamplingSettings:
-    """SamplingSettings from JSON, every field checked (server_requests); without limits, only names and types."""
-    if limits is None:
-        limits = GenerationLimits(vocab_size=2**62, context_length=2**62, max_prompts=2**62, max_new_tokens=2**62)
-    return checked_sampling(data, limits)
-
-
 def logprobs_to_json(logprobs: list[list[float]] | None) -> list[list[float | None]] | None:
     """NaN (not reported) and -inf travel as null: JSON has neither."""
     if logprobs is None:
