@@ -245,3 +245,15 @@ def test_the_client_times_out_naming_the_server():
         assert time.monotonic() - started < 10
         for conn, _ in held:
             conn.close()
+
+
+def test_the_configs_request_timeout_reaches_the_client(server):
+    from types import SimpleNamespace
+
+    from leantune import GRPOConfig
+    from leantune.generation.vllm_client import DEFAULT_REQUEST_TIMEOUT, VLLMServerBackend
+
+    assert GRPOConfig.__dataclass_fields__["vllm_server_request_timeout"].default == DEFAULT_REQUEST_TIMEOUT
+    args = SimpleNamespace(vllm_server_base_url=server[0], vllm_server_host="0.0.0.0", vllm_server_port=8000,
+                           vllm_server_timeout=30.0, vllm_server_request_timeout=7.0)
+    assert VLLMServerBackend(args, tiny_model(), None, accelerator=None).client.request_timeout == 7.0
