@@ -195,6 +195,42 @@ def _train_against_server(trainer_cls, config_cls, model_dir, url, tmp_path, **c
     return trainer
 
 
+def test_real_vllm_engine_checks_options_and_updates_before_applying(vllm_server, model_dir):
+    """Issue 27 on the vLLM engine: generation options are an allow-list mapped onto SamplingParams, and a weight
+    chunk with a bad tensor (unknown name, wrong shape, NaN, int) is refused and nothing of its update reaches vLLM."""
+    from safetensors.torch import save
+    from transformers import AutoModelForCausalLM
+
+    from leantune.generation.vllm_client import VLLMServerError
+
+    client = VLLMServerClient(vllm_server)
+    client.update_weights(AutoModelForCausalLM.from_pretrained(model_dir).state_dict().items())  # the checkpoint's
+    before = client.generate(PROMPTS, greedy(6))
+
+    def ask(extra):
+        return client._call("POST", "/generate", {"prompts": [PROMPTS[0]],
+                                                  "sampling": {"max_new_tokens": 4, "temperature": 0.0, "extra": extra}})
+
+    assert len(ask({"presence_penalty": 0.5, "min_tokens": 4})["completions"][0]) == 4  # min_tokens: no early EOS
+    with pytest.raises(VLLMServerError, match=r"HTTP 400.*sampling\.extra\.logits_processors: not a generation"):
+        ask({"logits_processors": ["os.system"]})
+    with pytest.raises(VLLMServerError, match="HTTP 400.*no_repeat_ngram_size: not supported by the vllm engine"):
+        ask({"no_repeat_ngram_size": 2})
+    with pytest.raises(VLLMServerError, match="HTTP 400.*max_new_tokens: 300 is outside"):
+        client.generate(PROMPTS, greedy(300))  # --max_model_len 256
+    norm = "model.norm.weight"
+    for chunk, message in [({"model.no.such": torch.zeros(3)}, "model.no.such: not the model's"),
+                           ({norm: torch.zeros(7)}, r"shape \[7\], the model's is \[128\]"),
+                           ({norm: torch.full((128,), float("nan"))}, "has NaN"),
+                           ({norm: torch.ones(128, dtype=torch.int32)}, "dtype int32 does not cast")]:
+        with pytest.raises(VLLMServerError, match=f"HTTP 400.*{message}"):
+            client._post_bytes("/update_weights", save({"model.layers.0.mlp.up_proj.weight": torch.zeros(256, 128),
+                                                        **chunk}))
+        with pytest.raises(VLLMServerError, match="HTTP 400.*the update was refused"):
+            client._call("POST", "/update_weights/done", {})
+    assert client.generate(PROMPTS, greedy(6)) == before  # the zeroed up_proj of the refused chunks never applied
+
+
 def test_grpo_trains_against_real_vllm_and_corrects_with_its_logprobs(vllm_server, model_dir, tmp_path):
     from leantune import GRPOConfig, GRPOTrainer
 

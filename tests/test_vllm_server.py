@@ -182,7 +182,7 @@ def _full_vocab_lora():
 
 def test_server_errors_come_back_with_the_servers_message(server):
     client = VLLMServerClient(server)
-    with pytest.raises(VLLMServerError, match="not the model's: no.such.weight"):
+    with pytest.raises(VLLMServerError, match="tensor no.such.weight: not the model.s"):
         client.update_weights([("no.such.weight", torch.zeros(3))])
     with pytest.raises(VLLMServerError, match="HTTP 400.*unknown sampling field"):
         client._call("POST", "/generate", {"prompts": [[1]], "sampling": {"max_new_tokens": 2, "beams": 3}})

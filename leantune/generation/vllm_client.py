@@ -6,6 +6,11 @@ safetensors chunks of bounded size (cast to the server's dtype), then tells the 
 its prefix cache); under ZeRO-3 every process takes part in the gathering, and all wait for the update to land
 before any generates again. The server never sleeps, so `sleep` and `wake_up` do nothing.
 
+Every request carries the server's token when `LEANTUNE_VLLM_SERVER_TOKEN` is set (server_access), waits at most
+`vllm_server_request_timeout` seconds for an answer (a timeout is a VLLMServerError naming the server), and is sent
+again while the server answers 503 (busy), within that time. A refused weight chunk ends its update on the server
+(nothing of it is applied) before the error is raised.
+
 Verified on CPU (tests/test_vllm_server.py) against the server's transformers engine.
 """
 
@@ -20,6 +25,7 @@ import urllib.request
 import torch
 
 from .sampling import Completions, SamplingSettings, cut_completion
+from .server_access import authorization_header
 from .vllm_server import logprobs_from_json, sampling_to_json
 from .weight_sync import base_model_name_or_path, policy_weights_for_sync
 from .zero3 import is_zero3
@@ -27,16 +33,22 @@ from .zero3 import is_zero3
 logger = logging.getLogger("leantune.generation")
 
 DEFAULT_CHUNK_BYTES = 256 * 2**20
+DEFAULT_REQUEST_TIMEOUT = 1800.0  # a long generation round (many prompts, long completions) must fit in it
+BUSY_RETRY_SECONDS = 0.5
 
 
 class VLLMServerError(RuntimeError):
-    """The server answered with an error, or did not answer."""
+    """The server answered with an error (`status`: its HTTP status), or did not answer (`status` None)."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
 
 
 class VLLMServerClient:
     """HTTP calls to a `leantune vllm-serve` server."""
 
-    def __init__(self, base_url: str, request_timeout: float | None = None):
+    def __init__(self, base_url: str, request_timeout: float = DEFAULT_REQUEST_TIMEOUT):
         self.base_url = base_url.rstrip("/")
         self.request_timeout = request_timeout
         self.server_info: dict = {}
@@ -49,7 +61,9 @@ class VLLMServerClient:
             try:
                 self.server_info = self._call("GET", "/health", timeout=max(0.1, min(5.0, remaining)))
                 return self.server_info
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as error:
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, VLLMServerError) as error:
+                if getattr(error, "status", None) is not None:
+                    raise  # it answered, with an error (a wrong token, say)
                 if time.monotonic() + 1.0 > deadline:
                     hint = f" Start one with: {start_command}" if start_command else ""
                     raise VLLMServerError(f"No leantune vLLM server answered at {self.base_url}/health within "
@@ -83,15 +97,22 @@ class VLLMServerClient:
         target = getattr(torch, dtype) if dtype else None
         chunk: dict[str, torch.Tensor] = {}
         size = sent = 0
-        for name, tensor in named_tensors:
-            cast = target if target is not None and tensor.is_floating_point() else tensor.dtype
-            chunk[name] = tensor.detach().to(device="cpu", dtype=cast, copy=True).contiguous()
-            size += chunk[name].numel() * chunk[name].element_size()
-            if size >= chunk_bytes:
+        try:
+            for name, tensor in named_tensors:
+                cast = target if target is not None and tensor.is_floating_point() else tensor.dtype
+                chunk[name] = tensor.detach().to(device="cpu", dtype=cast, copy=True).contiguous()
+                size += chunk[name].numel() * chunk[name].element_size()
+                if size >= chunk_bytes:
+                    sent += self._post_bytes("/update_weights", save(chunk))["loaded"]
+                    chunk, size = {}, 0
+            if chunk:
                 sent += self._post_bytes("/update_weights", save(chunk))["loaded"]
-                chunk, size = {}, 0
-        if chunk:
-            sent += self._post_bytes("/update_weights", save(chunk))["loaded"]
+        except VLLMServerError:
+            try:  # end the refused update on the server, so the next sync starts a new one
+                self._call("POST", "/update_weights/done", {})
+            except VLLMServerError:
+                pass
+            raise
         self._call("POST", "/update_weights/done", {})
         return sent
 
@@ -105,14 +126,28 @@ class VLLMServerClient:
               content_type: str = "application/json", timeout: float | None = None) -> dict:
         if payload is not None:
             data = json.dumps(payload).encode()
-        request = urllib.request.Request(self.base_url + path, data=data, method=method,
-                                         headers={"Content-Type": content_type} if data is not None else {})
-        try:
-            with urllib.request.urlopen(request, timeout=timeout or self.request_timeout) as response:
-                return json.loads(response.read() or b"{}")
-        except urllib.error.HTTPError as error:
-            raise VLLMServerError(f"{method} {self.base_url}{path} failed with HTTP {error.code}: "
-                                  f"{_server_message(error)}") from None
+        headers = {"Content-Type": content_type} if data is not None else {}
+        timeout = timeout or self.request_timeout
+        deadline = time.monotonic() + timeout
+        while True:
+            request = urllib.request.Request(self.base_url + path, data=data, method=method,
+                                             headers={**headers, **authorization_header()})
+            try:
+                with urllib.request.urlopen(request, timeout=timeout) as response:
+                    return json.loads(response.read() or b"{}")
+            except urllib.error.HTTPError as error:
+                if error.code == 503 and time.monotonic() + BUSY_RETRY_SECONDS < deadline:
+                    error.close()
+                    time.sleep(BUSY_RETRY_SECONDS)  # busy: all its request slots are taken
+                    continue
+                raise VLLMServerError(f"{method} {self.base_url}{path} failed with HTTP {error.code}: "
+                                      f"{_server_message(error)}", status=error.code) from None
+            except TimeoutError as error:
+                raise VLLMServerError(_timeout_message(method, self.base_url + path, timeout)) from error
+            except urllib.error.URLError as error:
+                if isinstance(error.reason, TimeoutError):
+                    raise VLLMServerError(_timeout_message(method, self.base_url + path, timeout)) from None
+                raise
 
 
 class VLLMServerBackend:
@@ -124,7 +159,8 @@ class VLLMServerBackend:
         self.accelerator = accelerator
         self.chunk_bytes = DEFAULT_CHUNK_BYTES
         self.needs_sync = True  # the server holds its checkpoint until the first sync
-        self.client = VLLMServerClient(server_url(args))
+        self.client = VLLMServerClient(server_url(args), request_timeout=float(
+            getattr(args, "vllm_server_request_timeout", None) or DEFAULT_REQUEST_TIMEOUT))
         source = base_model_name_or_path(model, accelerator) or "PATH"
         command = f"leantune vllm-serve --model {source} --port {_port(self.client.base_url, args)}"
         info = self.client.wait_until_up(args.vllm_server_timeout, start_command=command)
@@ -170,6 +206,11 @@ def _port(base_url: str, args) -> int:
     from urllib.parse import urlparse
 
     return urlparse(base_url).port or args.vllm_server_port
+
+
+def _timeout_message(method: str, url: str, timeout: float) -> str:
+    return (f"{method} {url}: the vLLM server gave no answer within {timeout:g} s (vllm_server_request_timeout); "
+            "it may be stuck or overloaded: check its log, or raise the timeout for very long generations.")
 
 
 def _server_message(error: urllib.error.HTTPError) -> str:

@@ -19,7 +19,8 @@ VLLM_MODES = ("colocate", "server")
 # Options read only by one vLLM mode (generation/vllm_colocate.py, generation/vllm_client.py).
 VLLM_COLOCATE_OPTIONS = ("vllm_enable_sleep_mode", "vllm_gpu_memory_utilization", "vllm_max_model_length",
                          "vllm_tensor_parallel_size")
-VLLM_SERVER_OPTIONS = ("vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout")
+VLLM_SERVER_OPTIONS = ("vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout",
+                       "vllm_server_request_timeout")
 
 
 @dataclass
@@ -99,6 +100,9 @@ class OnlineConfig(MemoryOptions, CausalLMOptions, ReferenceSyncOptions, Trainin
     vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "Server: host."})
     vllm_server_port: int = field(default=8000, metadata={"help": "Server: port."})
     vllm_server_timeout: float = field(default=240.0, metadata={"help": "Server: seconds to wait for it to answer."})
+    vllm_server_request_timeout: float = field(
+        default=1800.0, metadata={"help": "Server: seconds one request (a generation round, a weight chunk) may take."}
+    )
 
     # Objective
     beta: float = field(default=0.0, metadata={"help": "KL coefficient; 0 loads no reference model."})
