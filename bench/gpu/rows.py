@@ -1,0 +1,389 @@
+"""The kit's rows, most valuable first. Each row fills its `row` dict as it goes (so a row cut by its time budget
+keeps what it measured) and raises on failure; bench/gpu/kit.py runs them, times them and writes the results."""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .harness import (
+    GIB,
+    RowTimeout,
+    Settings,
+    build_model,
+    compare_losses,
+    dataset,
+    error_record,
+    free_memory,
+    is_oom,
+    load_4bit,
+    log,
+    lora_config,
+    plan_peak,
+    preference_rows,
+    prompt_rows,
+    quantized_checkpoint,
+    random_text,
+    text_rows,
+    train_measured,
+    unpaired_rows,
+)
+
+LIBRARIES = ("leantune", "trl")
+
+
+@dataclass
+class Context:
+    settings: Settings
+    tok: object
+    scratch: Path
+
+
+def config_class(library: str, method: str):
+    import importlib
+
+    module = importlib.import_module("leantune" if library == "leantune" else "trl")
+    return getattr(module, f"{method}Config"), getattr(module, f"{method}Trainer")
+
+
+def library_fields(library: str, fields: dict, leantune_only: dict | None = None) -> dict:
+    fields = dict(fields)
+    if library == "leantune":
+        fields["memory_breakdown"] = False  # the kit's own meter measures both libraries alike
+        fields.update(leantune_only or {})
+    return fields
+
+
+def run_pair(ctx: Context, row: dict, method: str, shape: str, train_rows: list[dict], fields: dict,
+             leantune_only: dict | None = None, peft: bool = False, quantized: bool = False,
+             compare: bool = True, trainer_kwargs: dict | None = None) -> None:
+    """leantune then TRL on the same model (same seed), data and settings; then the planner for leantune's run."""
+    settings = ctx.settings
+    results = row.setdefault("libraries", {})
+    for library in LIBRARIES:
+        model = trainer = None
+        try:
+            started = time.perf_counter()
+            if quantized:
+                model = load_4bit(settings, quantized_checkpoint(settings, shape, ctx.tok, ctx.scratch / shape))
+            else:
+                model = build_model(settings, shape, ctx.tok)
+            config_cls, trainer_cls = config_class(library, method)
+            args = config_cls(**library_fields(library, fields, leantune_only))
+            trainer = trainer_cls(model=model, args=args, train_dataset=dataset(train_rows), processing_class=ctx.tok,
+                                  peft_config=lora_config() if peft else None, **(trainer_kwargs or {}))
+            setup_s = time.perf_counter() - started
+            result = train_measured(settings, trainer, model)
+            result["setup_s"] = round(setup_s, 1)
+            results[library] = result
+            log(settings, f"  {row['name']} / {library}: peak {result['max_allocated_gib']:.2f} GiB "
+                          f"({result['meter']}), {result['tokens_per_s'] or 0:,.0f} tok/s, losses {result['losses']}")
+        except RowTimeout:
+            raise
+        except Exception as error:  # noqa: BLE001 - one library failing must not hide the other
+            results[library] = error_record(error)
+            log(settings, f"  {row['name']} / {library}: ERROR {results[library]['error']}")
+        finally:
+            del model, trainer
+            free_memory()
+    lt = results.get("leantune", {})
+    if "error" not in lt and settings.remaining() > 30:
+        try:
+            lt.update(plan_peak(settings, shape, ctx.tok, train_rows, method.lower(),
+                                library_fields("leantune", fields, leantune_only),
+                                lora_config() if peft else None, quantized))
+            lt["plan_over_measured"] = lt["plan_peak_gib"] / lt["max_allocated_gib"]
+        except RowTimeout:
+            raise
+        except Exception as error:  # noqa: BLE001 - the planner's failure is reported, the row's numbers stand
+            lt["plan_error"] = error_record(error)["error"]
+    errors = [f"{lib}: {r['error']}" for lib, r in results.items() if "error" in r]
+    if errors:
+        raise RuntimeError("; ".join(errors))
+    if compare:
+        row.update(compare_losses(settings, lt["losses"], results["trl"]["losses"]))
+        if not row["losses_match"]:
+            raise AssertionError(f"per-step losses differ by {row['loss_max_rel_diff']:.3g} relative "
+                                 f"(tolerance {row['loss_rtol']:.3g}): leantune {lt['losses']}, "
+                                 f"TRL {results['trl']['losses']}")
+
+
+# --- correctness on the device, fp32, tiny model ------------------------------------------------------------------
+
+
+def tiny_fp32_model(settings: Settings, tok):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                         pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                         attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).to(settings.device, torch.float32)
+
+
+def rel_diff(a, b) -> float:
+    import torch
+
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
+
+
+def liger_chunked_full(ctx: Context, row: dict) -> None:
+    """Per-token log-probs and their gradient wrt the hidden states: Liger's fused kernel, leantune's chunked head
+    and the full logits. Tolerance as tests/test_liger_cpu.py: fp32 log-softmax in other orders differs by ~1e-6
+    on log-probs of ~10 (1e-7 relative): 1e-5 relative to the largest value; gradients 5e-5 (compounded ulps)."""
+    import torch
+
+    from leantune.losses.liger import liger_target_logprobs
+    from leantune.losses.token_logprobs import chunked_logprobs, logprobs_from_logits, select_targets
+    from leantune.models.output_head import OutputHead
+
+    settings = ctx.settings
+    model = tiny_fp32_model(settings, ctx.tok)
+    torch.manual_seed(1)
+    ids = torch.randint(3, 100, (2, 200), device=settings.device)
+    labels = ids.clone()
+    labels[1, 150:] = -100  # a padded tail: ignored targets
+    hidden0 = model.model(input_ids=ids).last_hidden_state.detach()
+    head = OutputHead.of(model)
+    targets = select_targets(labels)
+    values, grads = {}, {}
+    for name in ("full", "chunked", "liger"):
+        hidden = hidden0.clone().requires_grad_(True)
+        if name == "full":
+            logps = logprobs_from_logits(head.logits(hidden), targets)
+        elif name == "chunked":
+            logps = chunked_logprobs(hidden, head, targets, chunk_size=64)
+        else:
+            logps = liger_target_logprobs(hidden, head, targets)
+        (logps * torch.linspace(0.5, 1.5, logps.numel(), device=logps.device)).sum().backward()
+        values[name], grads[name] = logps.detach(), hidden.grad.detach()
+    row["targets"] = int(targets.tokens.numel())
+    row["chunked_vs_full"] = rel_diff(values["chunked"], values["full"])
+    row["liger_vs_full"] = rel_diff(values["liger"], values["full"])
+    row["chunked_grad_vs_full"] = rel_diff(grads["chunked"], grads["full"])
+    row["liger_grad_vs_full"] = rel_diff(grads["liger"], grads["full"])
+    bad = {k: row[k] for k in ("chunked_vs_full", "liger_vs_full") if not row[k] <= 1e-5}
+    bad.update({k: row[k] for k in ("chunked_grad_vs_full", "liger_grad_vs_full") if not row[k] <= 5e-5})
+    row["summary"] = (f"{row['targets']} targets: chunked {row['chunked_vs_full']:.2g}, Liger {row['liger_vs_full']:.2g} "
+                      f"(grad {row['chunked_grad_vs_full']:.2g}, {row['liger_grad_vs_full']:.2g}) vs full")
+    if bad:
+        raise AssertionError(f"over tolerance: {bad}")
+
+
+def padded_vs_padding_free(ctx: Context, row: dict) -> None:
+    """Per-token next-token NLL of every sequence: leantune's padded batch and its padding-free row (one flattened
+    row, position ids restarting per sequence) through the same fp32 model on the device. Tolerance 1e-5 relative to
+    the largest NLL: the same arithmetic per token, only the attention's batching differs (few fp32 ulps)."""
+    import torch
+    import torch.nn.functional as F
+
+    from leantune import SFTConfig, SFTTrainer
+
+    settings = ctx.settings
+    model = tiny_fp32_model(settings, ctx.tok)
+    rows = dataset(text_rows(6, 120 if settings.dry else 400, seed=3))
+    per_layout = {}
+    for layout, extra in (("padded", {}), ("padding_free", {"padding_free": True})):
+        args = SFTConfig(output_dir=str(ctx.scratch / layout), max_length=512, report_to=[], save_strategy="no",
+                         per_device_train_batch_size=6, max_steps=1, memory_breakdown=False,
+                         use_cpu=settings.dry, **extra)
+        trainer = SFTTrainer(model=model, args=args, train_dataset=rows, processing_class=ctx.tok)
+        batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(trainer.train_dataset))])
+        batch = {k: v.to(settings.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+        inputs = {k: v for k, v in batch.items() if k not in ("labels", "num_real_tokens")}
+        with torch.no_grad():
+            logits = model(**inputs).logits.float()
+        nll = F.cross_entropy(logits[:, :-1].transpose(1, 2), batch["labels"][:, 1:], reduction="none",
+                              ignore_index=-100)
+        sequences = {}
+        for r in range(batch["input_ids"].shape[0]):
+            ids = batch["input_ids"][r]
+            if "attention_mask" in batch:
+                n = int(batch["attention_mask"][r].sum())
+                bounds = [(0, n)]
+            else:
+                starts = torch.nonzero(batch["position_ids"][r] == 0).flatten().tolist() + [len(ids)]
+                bounds = list(zip(starts[:-1], starts[1:]))
+            for a, b in bounds:  # the last position of a sequence predicts nothing of its own
+                sequences[tuple(ids[a:b].tolist())] = nll[r, a:b - 1]
+        per_layout[layout] = sequences
+        del trainer
+    padded, flat = per_layout["padded"], per_layout["padding_free"]
+    if set(padded) != set(flat):
+        raise AssertionError(f"the layouts hold different sequences ({len(padded)} vs {len(flat)})")
+    worst = max(rel_diff(flat[key], padded[key]) for key in padded)
+    row["sequences"], row["max_rel_diff"] = len(padded), worst
+    row["summary"] = f"{len(padded)} sequences, per-token NLL max rel diff {worst:.2g} (tolerance 1e-5)"
+    if not worst <= 1e-5:
+        raise AssertionError(row["summary"])
+
+
+# --- the SFT, DPO, KTO, GRPO rows ---------------------------------------------------------------------------------
+
+SFT_VARIANTS = {
+    "padded": ({}, {}),
+    "packed_padding_free": ({"packing": True, "padding_free": True}, {}),
+    "liger": ({"use_liger_kernel": True}, {}),
+    "offload_streams": ({"activation_offloading": True}, {"activation_offloading_use_streams": True}),
+}
+
+
+def sft(shape: str, variant: str, peft: bool = False, quantized: bool = False):
+    def row_fn(ctx: Context, row: dict) -> None:
+        settings = ctx.settings
+        length, batch = settings.seq_len(shape), settings.batch(shape)
+        extra, leantune_only = SFT_VARIANTS.get(variant, ({}, {}))
+        rows = text_rows(settings.steps() * batch * 2, length)
+        fields = {**settings.common_fields(str(ctx.scratch / row["name"])), "max_length": length,
+                  "per_device_train_batch_size": batch, "shuffle_dataset": False, **extra}
+        run_pair(ctx, row, "SFT", shape, rows, fields, leantune_only, peft=peft, quantized=quantized)
+
+    return row_fn
+
+
+def dpo(ctx: Context, row: dict) -> None:
+    settings, shape = ctx.settings, "qwen2.5-1.5b"
+    length, batch = settings.seq_len(shape), settings.batch(shape)
+    fields = {**settings.common_fields(str(ctx.scratch / row["name"])), "max_length": length, "beta": 0.1,
+              "per_device_train_batch_size": batch}
+    run_pair(ctx, row, "DPO", shape, preference_rows(settings.steps() * batch, length), fields)
+
+
+def kto(ctx: Context, row: dict) -> None:
+    settings, shape = ctx.settings, "qwen2.5-1.5b"
+    length, batch = settings.seq_len(shape), settings.batch(shape)
+    fields = {**settings.common_fields(str(ctx.scratch / row["name"])), "max_length": length, "beta": 0.1,
+              "per_device_train_batch_size": batch}
+    run_pair(ctx, row, "KTO", shape, unpaired_rows(settings.steps() * batch, length), fields)
+
+
+def length_reward(completions, **kwargs):
+    """A reward both libraries compute alike: the completion's share of letters."""
+    return [sum(ch.isalpha() for ch in str(c)) / max(1, len(str(c))) for c in completions]
+
+
+def grpo(ctx: Context, row: dict) -> None:
+    """transformers generation (no vLLM on the machine). Completions are sampled: the two libraries draw them in
+    their own order, so their losses are reported, not compared."""
+    settings, shape = ctx.settings, "qwen2.5-1.5b"
+    batch = settings.batch(shape)
+    completion = 8 if settings.dry else 64
+    from .shapes import model_config
+
+    vocab = model_config(shape, ctx.tok, settings.dry).vocab_size
+    fields = {**settings.common_fields(str(ctx.scratch / row["name"])), "per_device_train_batch_size": batch,
+              "num_generations": batch, "max_completion_length": completion, "temperature": 1.0, "beta": 0.0,
+              "loss_type": "dapo", "shuffle_dataset": False,
+              # Both generate the full length; ids the tokenizer cannot decode are never sampled.
+              "generation_kwargs": {"min_new_tokens": completion, "suppress_tokens": list(range(len(ctx.tok), vocab))}}
+    run_pair(ctx, row, "GRPO", shape, prompt_rows(settings.steps() * batch, 32 if settings.dry else 128), fields,
+             compare=False, trainer_kwargs={"reward_funcs": length_reward})
+    row["summary"] = "losses not compared: sampled completions"
+
+
+# --- longest context ----------------------------------------------------------------------------------------------
+
+
+def longest_context(ctx: Context, row: dict) -> None:
+    """The longest row that trains one step of Llama-3.1-8B QLoRA (batch 1), for leantune and for TRL: a bisection
+    on real steps, seeded by the planner's line through two short lengths extrapolated to the GPU's memory.
+    Unsloth's published anchor for this setting: 342,733 tokens (Unsloth) vs 28,454 (TRL + FA2) on one H100 80GB.
+    Dry: the same search against a 256 MiB RSS budget on tiny shapes."""
+    import torch
+    from peft import get_peft_model
+
+    settings, shape = ctx.settings, "llama-3.1-8b"
+    capacity = 256 * 1024**2 if settings.dry else torch.cuda.mem_get_info()[1]
+    row["capacity_gib"] = capacity / GIB
+    short = (256, 512) if settings.dry else (4096, 8192)
+    base_fields = {**settings.common_fields(str(ctx.scratch / row["name"])), "per_device_train_batch_size": 1,
+                   "max_steps": 1}
+    seed = None
+    try:
+        plans = [plan_peak(settings, shape, ctx.tok, text_rows(1, n, seed=n), "sft",
+                           library_fields("leantune", {**base_fields, "max_length": n}), lora_config(), True)
+                 for n in short]
+        slope = (plans[1]["plan_peak_gib"] - plans[0]["plan_peak_gib"]) * GIB / (short[1] - short[0])
+        seed = int(short[1] + (0.9 * capacity - plans[1]["plan_peak_gib"] * GIB) / max(slope, 1.0))
+        row["planner_points"] = {str(n): p["plan_peak_gib"] for n, p in zip(short, plans)}
+    except RowTimeout:
+        raise
+    except Exception as error:  # noqa: BLE001 - no planner seed: start from the short length
+        row["plan_error"] = error_record(error)["error"]
+    ceiling = 4096 if settings.dry else 1 << 20
+    seed = max(short[1], min(seed or short[1] * 4, ceiling))
+    row["planner_seed"] = seed
+
+    model = load_4bit(settings, quantized_checkpoint(settings, shape, ctx.tok, ctx.scratch / shape))
+    model = get_peft_model(model, lora_config())
+    results = row.setdefault("libraries", {})
+    share = 0.55  # of the row's remaining time, for leantune; TRL gets the rest
+    for library in LIBRARIES:
+        deadline = time.monotonic() + (row["_budget_left"]() * share if library == "leantune" else
+                                       row["_budget_left"]() - 5)
+        results[library] = search = {"probes": []}
+
+        def probe(length: int) -> bool:
+            config_cls, trainer_cls = config_class(library, "SFT")
+            args = config_cls(**library_fields(library, {**base_fields, "max_length": length}))
+            # One row of max_length tokens (the character tokenizer: one token a character, + BOS and EOS).
+            trainer = trainer_cls(model=model, args=args, processing_class=ctx.tok,
+                                  train_dataset=dataset([{"text": random_text(random.Random(length), length - 4)}]))
+            started = time.perf_counter()
+            fits, error = True, None
+            from .harness import Meter
+
+            meter = Meter(settings)
+            meter.start()
+            try:
+                trainer.train()
+                peak = meter.stop()["max_allocated_gib"] * GIB
+                if settings.dry:
+                    fits = peak - meter.before <= capacity
+            except RowTimeout:
+                raise
+            except Exception as exc:  # noqa: BLE001 - an OOM is the answer; anything else is reported
+                if not is_oom(exc):
+                    raise
+                fits, error = False, "OOM"
+            finally:
+                del trainer
+                free_memory()
+            search["probes"].append({"max_length": length, "fits": fits, "seconds": round(time.perf_counter() -
+                                                                                          started, 1),
+                                     **({"error": error} if error else {})})
+            log(settings, f"  longest context / {library}: {length:,} tokens {'fits' if fits else 'does not fit'}")
+            return fits
+
+        lo, hi = 0, None
+        length = seed
+        try:
+            while time.monotonic() < deadline:
+                if probe(length):
+                    lo = length
+                    if length >= ceiling:
+                        break
+                    length = min(ceiling, length * 2) if hi is None else (lo + hi) // 2
+                else:
+                    hi = length
+                    length = length // 2 if lo == 0 else (lo + hi) // 2
+                if hi is not None and lo and hi / lo < 1.1 or length < 64:
+                    break
+        except RowTimeout:
+            raise
+        except Exception as error:  # noqa: BLE001
+            search.update(error_record(error))
+        search.update(longest_fitting_max_length=lo, smallest_failing_max_length=hi)
+    row["summary"] = (f"longest max_length that trained: leantune {results['leantune'].get('longest_fitting_max_length')}"
+                      f", TRL {results['trl'].get('longest_fitting_max_length')} (capacity {row['capacity_gib']:.1f} GiB"
+                      f", planner seed {seed:,})")
+    del model
+    free_memory()
+    failures = [lib for lib in LIBRARIES if "error" in results[lib] or not results[lib]["probes"]]
+    if failures:
+        raise RuntimeError(f"longest-context search failed for {failures}")
