@@ -53,7 +53,7 @@ class Settings:
         return 2 if self.dry else 4  # the first step is a warm-up, left out of tokens/s
 
     def seq_len(self, shape: str) -> int:
-        return 64 if self.dry else 1024
+        return 48 if self.dry else 1024
 
     def batch(self, shape: str) -> int:
         if self.dry:
@@ -84,20 +84,34 @@ def log(settings: Settings | None, message: str) -> None:
 
 
 @contextmanager
-def time_limit(seconds: float):
-    """Raise RowTimeout in this (main) thread after `seconds`. Training returns to Python between kernels, so the
-    exception lands within a step's op; a stuck C call is cut by run.sh's outer `timeout` instead."""
+def time_limit(seconds: float, error=RowTimeout):
+    """Raise `error` in this (main) thread after `seconds`. Training returns to Python between kernels, so the
+    exception lands within a step's op; a stuck C call is cut by run.sh's outer `timeout` instead. Nested: an inner
+    limit never outlasts the outer one, which is re-armed with what it had left when the inner one ends."""
+    outer_left, _ = signal.getitimer(signal.ITIMER_REAL)
+    outer_handler = signal.getsignal(signal.SIGALRM)
+    entered = time.monotonic()
+    if outer_left and outer_left < seconds:
+        seconds, error = outer_left, RowTimeout  # the outer limit comes first: it is the outer one's timeout
 
     def expire(signum, frame):
-        raise RowTimeout(f"ran past its {seconds:.0f} s budget")
+        raise error(f"ran past its {seconds:.0f} s budget")
 
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, max(1.0, seconds))
+    signal.signal(signal.SIGALRM, expire)
+    # Repeats every second until cleared: an exception raised inside a __del__ or a C callback is swallowed by
+    # Python ("Exception ignored in ..."), and the next tick raises again.
+    signal.setitimer(signal.ITIMER_REAL, max(0.5, seconds), 1.0)
     try:
         yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        signal.signal(signal.SIGALRM, outer_handler)
+        if outer_left:
+            signal.setitimer(signal.ITIMER_REAL, max(0.1, outer_left - (time.monotonic() - entered)), 1.0)
+
+
+class PlanTimeout(Exception):
+    """The planner ran past the time a row gives it (the row's own numbers stand)."""
 
 
 # --- data ---------------------------------------------------------------------------------------------------------
@@ -330,7 +344,7 @@ def plan_peak(settings: Settings, shape: str, tok, train_rows, method: str, fiel
         fields["model_init_kwargs"] = {"quantization_config": dict(QUANT_FIELDS), "dtype": "bfloat16"}
     started = time.perf_counter()
     plan = plan_memory(model_config(shape, tok, settings.dry), dataset(train_rows), method, processing_class=tok,
-                       peft_config=peft_config, max_batches=settings.steps(), **fields)
+                       peft_config=peft_config, max_batches=1, **fields)
     return {"plan_peak_gib": plan.peak_bytes / GIB, "plan_seconds": round(time.perf_counter() - started, 1)}
 
 

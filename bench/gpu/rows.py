@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import random
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from .harness import (
     GIB,
+    PlanTimeout,
     RowTimeout,
     Settings,
     build_model,
@@ -25,6 +27,7 @@ from .harness import (
     preference_rows,
     prompt_rows,
     quantized_checkpoint,
+    time_limit,
     random_text,
     text_rows,
     train_measured,
@@ -48,17 +51,26 @@ def config_class(library: str, method: str):
     return getattr(module, f"{method}Config"), getattr(module, f"{method}Trainer")
 
 
-def library_fields(library: str, fields: dict, leantune_only: dict | None = None) -> dict:
+# TRL's CUDA-only paths: on CPU (--dry) TRL runs without them, and its losses are still the reference, since
+# neither changes the arithmetic. TRL's `use_liger_kernel` patches the model with Liger's RMSNorm/RoPE/SwiGLU
+# kernels, which Triton's interpreter cannot run; its activation offloading needs a CUDA stream.
+TRL_CUDA_ONLY = ("use_liger_kernel", "activation_offloading")
+
+
+def library_fields(library: str, fields: dict, leantune_only: dict | None = None, dry: bool = False) -> dict:
     fields = dict(fields)
     if library == "leantune":
         fields["memory_breakdown"] = False  # the kit's own meter measures both libraries alike
         fields.update(leantune_only or {})
+    elif dry:
+        for name in TRL_CUDA_ONLY:
+            fields.pop(name, None)
     return fields
 
 
 def run_pair(ctx: Context, row: dict, method: str, shape: str, train_rows: list[dict], fields: dict,
              leantune_only: dict | None = None, peft: bool = False, quantized: bool = False,
-             compare: bool = True, trainer_kwargs: dict | None = None) -> None:
+             compare: bool = True, trainer_kwargs: dict | None = None, reference: bool = False) -> None:
     """leantune then TRL on the same model (same seed), data and settings; then the planner for leantune's run."""
     settings = ctx.settings
     results = row.setdefault("libraries", {})
@@ -71,9 +83,13 @@ def run_pair(ctx: Context, row: dict, method: str, shape: str, train_rows: list[
             else:
                 model = build_model(settings, shape, ctx.tok)
             config_cls, trainer_cls = config_class(library, method)
-            args = config_cls(**library_fields(library, fields, leantune_only))
+            args = config_cls(**library_fields(library, fields, leantune_only, settings.dry))
+            kwargs = dict(trainer_kwargs or {})
+            if reference:  # the same frozen copy for both (TRL would load it from the Hub id, which there is none)
+                kwargs["ref_model"] = build_model(settings, shape, ctx.tok)
             trainer = trainer_cls(model=model, args=args, train_dataset=dataset(train_rows), processing_class=ctx.tok,
-                                  peft_config=lora_config() if peft else None, **(trainer_kwargs or {}))
+                                  peft_config=lora_config() if peft else None, **kwargs)
+            kwargs.clear()
             setup_s = time.perf_counter() - started
             result = train_measured(settings, trainer, model)
             result["setup_s"] = round(setup_s, 1)
@@ -89,16 +105,21 @@ def run_pair(ctx: Context, row: dict, method: str, shape: str, train_rows: list[
             del model, trainer
             free_memory()
     lt = results.get("leantune", {})
-    if "error" not in lt and settings.remaining() > 30:
-        try:
-            lt.update(plan_peak(settings, shape, ctx.tok, train_rows, method.lower(),
-                                library_fields("leantune", fields, leantune_only),
-                                lora_config() if peft else None, quantized))
+    if "error" not in lt:
+        try:  # the planner gets what is left of the row's budget; its failure is reported, the row's numbers stand
+            # Dry: 10 s at most (the planner's trace is most of a tiny row's CPU time).
+            with time_limit(10 if settings.dry else row["_budget_left"]() - 1, PlanTimeout):
+                lt.update(plan_peak(settings, shape, ctx.tok, train_rows, method.lower(),
+                                    library_fields("leantune", fields, leantune_only),
+                                    lora_config() if peft else None, quantized))
             lt["plan_over_measured"] = lt["plan_peak_gib"] / lt["max_allocated_gib"]
         except RowTimeout:
             raise
-        except Exception as error:  # noqa: BLE001 - the planner's failure is reported, the row's numbers stand
+        except Exception as error:  # noqa: BLE001
             lt["plan_error"] = error_record(error)["error"]
+    dropped = [name for name in TRL_CUDA_ONLY if fields.get(name)] if settings.dry else []
+    if dropped:
+        row["summary"] = f"dry (CPU): TRL ran without {dropped} (CUDA only); losses compared with leantune's"
     errors = [f"{lib}: {r['error']}" for lib, r in results.items() if "error" in r]
     if errors:
         raise RuntimeError("; ".join(errors))
@@ -117,7 +138,7 @@ def tiny_fp32_model(settings: Settings, tok):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=512 if settings.dry else 4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                          pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                          attn_implementation="sdpa")
@@ -145,9 +166,10 @@ def liger_chunked_full(ctx: Context, row: dict) -> None:
     settings = ctx.settings
     model = tiny_fp32_model(settings, ctx.tok)
     torch.manual_seed(1)
-    ids = torch.randint(3, 100, (2, 200), device=settings.device)
+    width = 40 if settings.dry else 200  # Triton's interpreter (dry) runs a kernel program by program in numpy
+    ids = torch.randint(3, 100, (2, width), device=settings.device)
     labels = ids.clone()
-    labels[1, 150:] = -100  # a padded tail: ignored targets
+    labels[1, width * 3 // 4:] = -100  # a padded tail: ignored targets
     hidden0 = model.model(input_ids=ids).last_hidden_state.detach()
     head = OutputHead.of(model)
     targets = select_targets(labels)
@@ -186,7 +208,7 @@ def padded_vs_padding_free(ctx: Context, row: dict) -> None:
 
     settings = ctx.settings
     model = tiny_fp32_model(settings, ctx.tok)
-    rows = dataset(text_rows(6, 120 if settings.dry else 400, seed=3))
+    rows = dataset(text_rows(6, 60 if settings.dry else 400, seed=3))
     per_layout = {}
     for layout, extra in (("padded", {}), ("padding_free", {"padding_free": True})):
         args = SFTConfig(output_dir=str(ctx.scratch / layout), max_length=512, report_to=[], save_strategy="no",
@@ -233,17 +255,62 @@ SFT_VARIANTS = {
 }
 
 
+@contextmanager
+def liger_patches_undone(dry: bool):
+    """Liger's model patching (TRL's `use_liger_kernel`, leantune's on CUDA) also replaces module-level names of
+    transformers' modeling_qwen2 / modeling_llama (RoPE, RMSNorm, MLP) and may replace torch's cross_entropy:
+    restored after the row, so later rows build the plain models. Dry: Liger's kernels under Triton's interpreter
+    need the two bridges of tests/liger_cpu.py (a float kernel argument; libdevice's tanh/rsqrt)."""
+    import torch.nn.functional as F
+    from transformers.models.llama import modeling_llama
+    from transformers.models.qwen2 import modeling_qwen2
+
+    saved = [(module, dict(vars(module))) for module in (modeling_llama, modeling_qwen2)]
+    forwards = [(cls, cls.__dict__["forward"]) for cls in (modeling_llama.LlamaForCausalLM,
+                                                            modeling_qwen2.Qwen2ForCausalLM)]
+    cross_entropy = F.cross_entropy
+    bridge = None
+    if dry:
+        import pytest
+
+        from tests.liger_cpu import bridge_interpreter_gaps
+
+        bridge = pytest.MonkeyPatch()
+        bridge_interpreter_gaps(bridge)
+    try:
+        yield
+    finally:
+        for module, names in saved:
+            for name in [n for n in vars(module) if n not in names]:
+                delattr(module, name)
+            for name, value in names.items():
+                if vars(module).get(name) is not value:
+                    setattr(module, name, value)
+        for cls, forward in forwards:
+            cls.forward = forward
+        F.cross_entropy = cross_entropy
+        if bridge is not None:
+            bridge.undo()
+
+
 def sft(shape: str, variant: str, peft: bool = False, quantized: bool = False):
     def row_fn(ctx: Context, row: dict) -> None:
-        settings = ctx.settings
-        length, batch = settings.seq_len(shape), settings.batch(shape)
-        extra, leantune_only = SFT_VARIANTS.get(variant, ({}, {}))
-        rows = text_rows(settings.steps() * batch * 2, length)
-        fields = {**settings.common_fields(str(ctx.scratch / row["name"])), "max_length": length,
-                  "per_device_train_batch_size": batch, "shuffle_dataset": False, **extra}
-        run_pair(ctx, row, "SFT", shape, rows, fields, leantune_only, peft=peft, quantized=quantized)
+        if variant == "liger":
+            with liger_patches_undone(ctx.settings.dry):
+                return sft_row(ctx, row, shape, variant, peft, quantized)
+        return sft_row(ctx, row, shape, variant, peft, quantized)
 
     return row_fn
+
+
+def sft_row(ctx: Context, row: dict, shape: str, variant: str, peft: bool, quantized: bool) -> None:
+    settings = ctx.settings
+    length, batch = settings.seq_len(shape), settings.batch(shape)
+    extra, leantune_only = SFT_VARIANTS.get(variant, ({}, {}))
+    rows = text_rows(settings.steps() * batch * 2, length)
+    fields = {**settings.common_fields(str(ctx.scratch / row["name"])), "max_length": length,
+              "per_device_train_batch_size": batch, "shuffle_dataset": False, **extra}
+    run_pair(ctx, row, "SFT", shape, rows, fields, leantune_only, peft=peft, quantized=quantized)
 
 
 def dpo(ctx: Context, row: dict) -> None:
@@ -251,7 +318,7 @@ def dpo(ctx: Context, row: dict) -> None:
     length, batch = settings.seq_len(shape), settings.batch(shape)
     fields = {**settings.common_fields(str(ctx.scratch / row["name"])), "max_length": length, "beta": 0.1,
               "per_device_train_batch_size": batch}
-    run_pair(ctx, row, "DPO", shape, preference_rows(settings.steps() * batch, length), fields)
+    run_pair(ctx, row, "DPO", shape, preference_rows(settings.steps() * batch, length), fields, reference=True)
 
 
 def kto(ctx: Context, row: dict) -> None:
@@ -259,7 +326,7 @@ def kto(ctx: Context, row: dict) -> None:
     length, batch = settings.seq_len(shape), settings.batch(shape)
     fields = {**settings.common_fields(str(ctx.scratch / row["name"])), "max_length": length, "beta": 0.1,
               "per_device_train_batch_size": batch}
-    run_pair(ctx, row, "KTO", shape, unpaired_rows(settings.steps() * batch, length), fields)
+    run_pair(ctx, row, "KTO", shape, unpaired_rows(settings.steps() * batch, length), fields, reference=True)
 
 
 def length_reward(completions, **kwargs):
@@ -295,8 +362,6 @@ def longest_context(ctx: Context, row: dict) -> None:
     Unsloth's published anchor for this setting: 342,733 tokens (Unsloth) vs 28,454 (TRL + FA2) on one H100 80GB.
     Dry: the same search against a 256 MiB RSS budget on tiny shapes."""
     import torch
-    from peft import get_peft_model
-
     settings, shape = ctx.settings, "llama-3.1-8b"
     capacity = 256 * 1024**2 if settings.dry else torch.cuda.mem_get_info()[1]
     row["capacity_gib"] = capacity / GIB
@@ -305,9 +370,10 @@ def longest_context(ctx: Context, row: dict) -> None:
                    "max_steps": 1}
     seed = None
     try:
-        plans = [plan_peak(settings, shape, ctx.tok, text_rows(1, n, seed=n), "sft",
-                           library_fields("leantune", {**base_fields, "max_length": n}), lora_config(), True)
-                 for n in short]
+        with time_limit(row["_budget_left"]() * 0.25 if not settings.dry else 10, PlanTimeout):
+            plans = [plan_peak(settings, shape, ctx.tok, text_rows(1, n, seed=n), "sft",
+                               library_fields("leantune", {**base_fields, "max_length": n}), lora_config(), True)
+                     for n in short]
         slope = (plans[1]["plan_peak_gib"] - plans[0]["plan_peak_gib"]) * GIB / (short[1] - short[0])
         seed = int(short[1] + (0.9 * capacity - plans[1]["plan_peak_gib"] * GIB) / max(slope, 1.0))
         row["planner_points"] = {str(n): p["plan_peak_gib"] for n, p in zip(short, plans)}
@@ -319,8 +385,10 @@ def longest_context(ctx: Context, row: dict) -> None:
     seed = max(short[1], min(seed or short[1] * 4, ceiling))
     row["planner_seed"] = seed
 
+    # One 4-bit load for every probe: each trainer adds the LoRA adapter (peft_config) and the probe unloads it
+    # again. (Passing one PeftModel to every trainer is what TRL takes, but leantune refuses a quantized PeftModel
+    # without peft_config: leantune/models/loading.py apply_peft, reported by this kit.)
     model = load_4bit(settings, quantized_checkpoint(settings, shape, ctx.tok, ctx.scratch / shape))
-    model = get_peft_model(model, lora_config())
     results = row.setdefault("libraries", {})
     share = 0.55  # of the row's remaining time, for leantune; TRL gets the rest
     for library in LIBRARIES:
@@ -332,7 +400,7 @@ def longest_context(ctx: Context, row: dict) -> None:
             config_cls, trainer_cls = config_class(library, "SFT")
             args = config_cls(**library_fields(library, {**base_fields, "max_length": length}))
             # One row of max_length tokens (the character tokenizer: one token a character, + BOS and EOS).
-            trainer = trainer_cls(model=model, args=args, processing_class=ctx.tok,
+            trainer = trainer_cls(model=model, args=args, processing_class=ctx.tok, peft_config=lora_config(),
                                   train_dataset=dataset([{"text": random_text(random.Random(length), length - 4)}]))
             started = time.perf_counter()
             fits, error = True, None
@@ -352,7 +420,12 @@ def longest_context(ctx: Context, row: dict) -> None:
                     raise
                 fits, error = False, "OOM"
             finally:
-                del trainer
+                wrapped = trainer.model
+                while not hasattr(wrapped, "unload") and hasattr(wrapped, "module"):
+                    wrapped = wrapped.module
+                if hasattr(wrapped, "unload"):
+                    wrapped.unload()  # the base modules, in place, without the probe's adapter
+                del trainer, wrapped
                 free_memory()
             search["probes"].append({"max_length": length, "fits": fits, "seconds": round(time.perf_counter() -
                                                                                           started, 1),
@@ -363,7 +436,7 @@ def longest_context(ctx: Context, row: dict) -> None:
         lo, hi = 0, None
         length = seed
         try:
-            while time.monotonic() < deadline:
+            while True:  # at least one probe, then as long as the library's share of the time lasts
                 if probe(length):
                     lo = length
                     if length >= ceiling:
@@ -372,7 +445,7 @@ def longest_context(ctx: Context, row: dict) -> None:
                 else:
                     hi = length
                     length = length // 2 if lo == 0 else (lo + hi) // 2
-                if hi is not None and lo and hi / lo < 1.1 or length < 64:
+                if hi is not None and lo and hi / lo < 1.1 or length < 64 or time.monotonic() >= deadline:
                     break
         except RowTimeout:
             raise
