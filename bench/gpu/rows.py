@@ -35,6 +35,7 @@ from .harness import (
 )
 
 LIBRARIES = ("leantune", "trl")
+DRY_PLANNED_ROW = "sft_qwen2.5-1.5b_padded"  # --dry runs the planner in this row only (and to seed longest context)
 
 
 @dataclass
@@ -105,10 +106,11 @@ def run_pair(ctx: Context, row: dict, method: str, shape: str, train_rows: list[
             del model, trainer
             free_memory()
     lt = results.get("leantune", {})
-    if "error" not in lt:
+    if settings.dry and row["name"] != DRY_PLANNED_ROW and "error" not in lt:
+        lt["plan_error"] = f"skipped in --dry (its trace is most of a tiny row's CPU time; see {DRY_PLANNED_ROW})"
+    elif "error" not in lt:
         try:  # the planner gets what is left of the row's budget; its failure is reported, the row's numbers stand
-            # Dry: 10 s at most (the planner's trace is most of a tiny row's CPU time).
-            with time_limit(10 if settings.dry else row["_budget_left"]() - 1, PlanTimeout):
+            with time_limit(row["_budget_left"]() - 1, PlanTimeout):
                 lt.update(plan_peak(settings, shape, ctx.tok, train_rows, method.lower(),
                                     library_fields("leantune", fields, leantune_only),
                                     lora_config() if peft else None, quantized))
@@ -363,14 +365,14 @@ def longest_context(ctx: Context, row: dict) -> None:
     Dry: the same search against a 256 MiB RSS budget on tiny shapes."""
     import torch
     settings, shape = ctx.settings, "llama-3.1-8b"
-    capacity = 256 * 1024**2 if settings.dry else torch.cuda.mem_get_info()[1]
+    capacity = 64 * 1024**2 if settings.dry else torch.cuda.mem_get_info()[1]
     row["capacity_gib"] = capacity / GIB
-    short = (256, 512) if settings.dry else (4096, 8192)
+    short = (128, 256) if settings.dry else (4096, 8192)
     base_fields = {**settings.common_fields(str(ctx.scratch / row["name"])), "per_device_train_batch_size": 1,
                    "max_steps": 1}
     seed = None
     try:
-        with time_limit(row["_budget_left"]() * 0.25 if not settings.dry else 10, PlanTimeout):
+        with time_limit(row["_budget_left"]() * 0.25, PlanTimeout):
             plans = [plan_peak(settings, shape, ctx.tok, text_rows(1, n, seed=n), "sft",
                                library_fields("leantune", {**base_fields, "max_length": n}), lora_config(), True)
                      for n in short]
@@ -381,7 +383,7 @@ def longest_context(ctx: Context, row: dict) -> None:
         raise
     except Exception as error:  # noqa: BLE001 - no planner seed: start from the short length
         row["plan_error"] = error_record(error)["error"]
-    ceiling = 4096 if settings.dry else 1 << 20
+    ceiling = 512 if settings.dry else 1 << 20
     seed = max(short[1], min(seed or short[1] * 4, ceiling))
     row["planner_seed"] = seed
 
@@ -393,7 +395,7 @@ def longest_context(ctx: Context, row: dict) -> None:
     share = 0.55  # of the row's remaining time, for leantune; TRL gets the rest
     for library in LIBRARIES:
         deadline = time.monotonic() + (row["_budget_left"]() * share if library == "leantune" else
-                                       row["_budget_left"]() - 5)
+                                       row["_budget_left"]() * 0.8)
         results[library] = search = {"probes": []}
 
         def probe(length: int) -> bool:
