@@ -110,6 +110,10 @@ def time_limit(seconds: float, error=RowTimeout):
             signal.setitimer(signal.ITIMER_REAL, max(0.1, outer_left - (time.monotonic() - entered)), 1.0)
 
 
+class ProbeTimeout(Exception):
+    """One longest-context probe ran past its library's share of the row's time."""
+
+
 class PlanTimeout(Exception):
     """The planner ran past the time a row gives it (the row's own numbers stand)."""
 

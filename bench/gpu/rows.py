@@ -12,6 +12,7 @@ from pathlib import Path
 from .harness import (
     GIB,
     PlanTimeout,
+    ProbeTimeout,
     RowTimeout,
     Settings,
     build_model,
@@ -75,14 +76,16 @@ def run_pair(ctx: Context, row: dict, method: str, shape: str, train_rows: list[
     """leantune then TRL on the same model (same seed), data and settings; then the planner for leantune's run."""
     settings = ctx.settings
     results = row.setdefault("libraries", {})
+    shared_4bit = None
+    if quantized:  # one 4-bit load for both libraries (an 8B load quantizes 16 GB): each trainer adds the adapter
+        started = time.perf_counter()
+        shared_4bit = load_4bit(settings, quantized_checkpoint(settings, shape, ctx.tok, ctx.scratch / shape))
+        row["load_4bit_s"] = round(time.perf_counter() - started, 1)
     for library in LIBRARIES:
         model = trainer = None
         try:
             started = time.perf_counter()
-            if quantized:
-                model = load_4bit(settings, quantized_checkpoint(settings, shape, ctx.tok, ctx.scratch / shape))
-            else:
-                model = build_model(settings, shape, ctx.tok)
+            model = shared_4bit if quantized else build_model(settings, shape, ctx.tok)
             config_cls, trainer_cls = config_class(library, method)
             args = config_cls(**library_fields(library, fields, leantune_only, settings.dry))
             kwargs = dict(trainer_kwargs or {})
@@ -103,8 +106,12 @@ def run_pair(ctx: Context, row: dict, method: str, shape: str, train_rows: list[
             results[library] = error_record(error)
             log(settings, f"  {row['name']} / {library}: ERROR {results[library]['error']}")
         finally:
+            if trainer is not None and quantized:
+                unload_adapter(trainer)
             del model, trainer
             free_memory()
+    del shared_4bit
+    free_memory()
     lt = results.get("leantune", {})
     if settings.dry and row["name"] != DRY_PLANNED_ROW and "error" not in lt:
         lt["plan_error"] = f"skipped in --dry (its trace is most of a tiny row's CPU time; see {DRY_PLANNED_ROW})"
@@ -131,6 +138,15 @@ def run_pair(ctx: Context, row: dict, method: str, shape: str, train_rows: list[
             raise AssertionError(f"per-step losses differ by {row['loss_max_rel_diff']:.3g} relative "
                                  f"(tolerance {row['loss_rtol']:.3g}): leantune {lt['losses']}, "
                                  f"TRL {results['trl']['losses']}")
+
+
+def unload_adapter(trainer) -> None:
+    """Take the trainer's LoRA adapter out of the (shared 4-bit) base model, in place."""
+    wrapped = trainer.model
+    while not hasattr(wrapped, "unload") and hasattr(wrapped, "module"):
+        wrapped = wrapped.module
+    if hasattr(wrapped, "unload"):
+        wrapped.unload()
 
 
 # --- correctness on the device, fp32, tiny model ------------------------------------------------------------------
@@ -383,7 +399,10 @@ def longest_context(ctx: Context, row: dict) -> None:
         raise
     except Exception as error:  # noqa: BLE001 - no planner seed: start from the short length
         row["plan_error"] = error_record(error)["error"]
-    ceiling = 512 if settings.dry else 1 << 20
+    # One step at L tokens costs ~12 L^2 d layers FLOPs of attention (forward, recompute, backward): at 65,536 tokens
+    # about 2e16, ~1 minute on an H100 with the 4-bit dequantization; Unsloth's 342,733 would take ~15 minutes, past
+    # the call. So the GPU search stops at 65,536: "fits at the ceiling" reads as ">= 65,536".
+    ceiling = 512 if settings.dry else 65536
     seed = max(short[1], min(seed or short[1] * 4, ceiling))
     row["planner_seed"] = seed
 
@@ -411,23 +430,22 @@ def longest_context(ctx: Context, row: dict) -> None:
             meter = Meter(settings)
             meter.start()
             try:
-                trainer.train()
+                with time_limit(max(5.0, deadline - time.monotonic()), ProbeTimeout):
+                    trainer.train()
                 peak = meter.stop()["max_allocated_gib"] * GIB
                 if settings.dry:
                     fits = peak - meter.before <= capacity
             except RowTimeout:
                 raise
+            except ProbeTimeout:
+                fits, error = None, "timed out (the library's share of the row's time)"
             except Exception as exc:  # noqa: BLE001 - an OOM is the answer; anything else is reported
                 if not is_oom(exc):
                     raise
                 fits, error = False, "OOM"
             finally:
-                wrapped = trainer.model
-                while not hasattr(wrapped, "unload") and hasattr(wrapped, "module"):
-                    wrapped = wrapped.module
-                if hasattr(wrapped, "unload"):
-                    wrapped.unload()  # the base modules, in place, without the probe's adapter
-                del trainer, wrapped
+                unload_adapter(trainer)
+                del trainer
                 free_memory()
             search["probes"].append({"max_length": length, "fits": fits, "seconds": round(time.perf_counter() -
                                                                                           started, 1),
@@ -439,7 +457,10 @@ def longest_context(ctx: Context, row: dict) -> None:
         length = seed
         try:
             while True:  # at least one probe, then as long as the library's share of the time lasts
-                if probe(length):
+                fits = probe(length)
+                if fits is None:  # out of time: what is known stands
+                    break
+                if fits:
                     lo = length
                     if length >= ceiling:
                         break
