@@ -11,6 +11,7 @@ from pathlib import Path
 
 from .harness import (
     GIB,
+    Meter,
     PlanTimeout,
     ProbeTimeout,
     RowTimeout,
@@ -28,9 +29,9 @@ from .harness import (
     preference_rows,
     prompt_rows,
     quantized_checkpoint,
-    time_limit,
     random_text,
     text_rows,
+    time_limit,
     train_measured,
     unpaired_rows,
 )
@@ -165,7 +166,6 @@ def tiny_fp32_model(settings: Settings, tok):
 
 
 def rel_diff(a, b) -> float:
-    import torch
 
     a, b = a.detach().double(), b.detach().double()
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
@@ -374,6 +374,46 @@ def grpo(ctx: Context, row: dict) -> None:
 # --- longest context ----------------------------------------------------------------------------------------------
 
 
+def probe(ctx: Context, model, library: str, length: int, base_fields: dict, capacity: int, deadline: float,
+          search: dict) -> bool | None:
+    """One training step of one `length`-token row: True (it fits), False (out of memory; in --dry: over the RSS
+    budget), None (out of time)."""
+    settings = ctx.settings
+    config_cls, trainer_cls = config_class(library, "SFT")
+    args = config_cls(**library_fields(library, {**base_fields, "max_length": length}))
+    # One row of max_length tokens (the character tokenizer: one token a character, + BOS and EOS).
+    trainer = trainer_cls(model=model, args=args, processing_class=ctx.tok, peft_config=lora_config(),
+                          train_dataset=dataset([{"text": random_text(random.Random(length), length - 4)}]))
+    started = time.perf_counter()
+    fits, error = True, None
+    meter = Meter(settings)
+    meter.start()
+    try:
+        with time_limit(max(5.0, deadline - time.monotonic()), ProbeTimeout):
+            trainer.train()
+        peak = meter.stop()["max_allocated_gib"] * GIB
+        if settings.dry:
+            fits = peak - meter.before <= capacity
+    except RowTimeout:
+        raise
+    except ProbeTimeout:
+        fits, error = None, "timed out (the library's share of the row's time)"
+    except Exception as exc:  # noqa: BLE001 - an OOM is the answer; anything else is reported
+        if not is_oom(exc):
+            raise
+        fits, error = False, "OOM"
+    finally:
+        unload_adapter(trainer)
+        del trainer
+        free_memory()
+    search["probes"].append({"max_length": length, "fits": fits, "seconds": round(time.perf_counter() -
+                                                                                  started, 1),
+                             **({"error": error} if error else {})})
+    log(settings, f"  longest context / {library}: {length:,} tokens "
+                  f"{'fits' if fits else 'out of time' if fits is None else 'does not fit'}")
+    return fits
+
+
 def longest_context(ctx: Context, row: dict) -> None:
     """The longest row that trains one step of Llama-3.1-8B QLoRA (batch 1), for leantune and for TRL: a bisection
     on real steps, seeded by the planner's line through two short lengths extrapolated to the GPU's memory.
@@ -417,47 +457,11 @@ def longest_context(ctx: Context, row: dict) -> None:
                                        row["_budget_left"]() * 0.8)
         results[library] = search = {"probes": []}
 
-        def probe(length: int) -> bool:
-            config_cls, trainer_cls = config_class(library, "SFT")
-            args = config_cls(**library_fields(library, {**base_fields, "max_length": length}))
-            # One row of max_length tokens (the character tokenizer: one token a character, + BOS and EOS).
-            trainer = trainer_cls(model=model, args=args, processing_class=ctx.tok, peft_config=lora_config(),
-                                  train_dataset=dataset([{"text": random_text(random.Random(length), length - 4)}]))
-            started = time.perf_counter()
-            fits, error = True, None
-            from .harness import Meter
-
-            meter = Meter(settings)
-            meter.start()
-            try:
-                with time_limit(max(5.0, deadline - time.monotonic()), ProbeTimeout):
-                    trainer.train()
-                peak = meter.stop()["max_allocated_gib"] * GIB
-                if settings.dry:
-                    fits = peak - meter.before <= capacity
-            except RowTimeout:
-                raise
-            except ProbeTimeout:
-                fits, error = None, "timed out (the library's share of the row's time)"
-            except Exception as exc:  # noqa: BLE001 - an OOM is the answer; anything else is reported
-                if not is_oom(exc):
-                    raise
-                fits, error = False, "OOM"
-            finally:
-                unload_adapter(trainer)
-                del trainer
-                free_memory()
-            search["probes"].append({"max_length": length, "fits": fits, "seconds": round(time.perf_counter() -
-                                                                                          started, 1),
-                                     **({"error": error} if error else {})})
-            log(settings, f"  longest context / {library}: {length:,} tokens {'fits' if fits else 'does not fit'}")
-            return fits
-
         lo, hi = 0, None
         length = seed
         try:
             while True:  # at least one probe, then as long as the library's share of the time lasts
-                fits = probe(length)
+                fits = probe(ctx, model, library, length, base_fields, capacity, deadline, search)
                 if fits is None:  # out of time: what is known stands
                     break
                 if fits:
