@@ -65,14 +65,14 @@ def parse_args(argv=None):
     parser.add_argument("--dry", action="store_true", help="every row at tiny size on CPU (< 2 minutes)")
     parser.add_argument("--out", default=os.environ.get("OUT") or "gpu-results", help="results folder ($OUT)")
     parser.add_argument("--total-s", type=float, default=float(os.environ.get("GPUKIT_TOTAL_S", 0)) or None,
-                        help="stop starting rows after this many seconds (default 420 on GPU, 110 dry)")
+                        help="stop starting rows after this many seconds (default 420 on GPU; 300 dry, a guard against a hang: the dry target is < 2 minutes)")
     parser.add_argument("--rows", default=None, help=f"comma-separated subset of {ROW_NAMES}")
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
     opts = parse_args(argv)
-    settings = Settings(dry=opts.dry, out=Path(opts.out), total_s=opts.total_s or (110 if opts.dry else 420))
+    settings = Settings(dry=opts.dry, out=Path(opts.out), total_s=opts.total_s or (300 if opts.dry else 420))
     import torch
 
     if not opts.dry and not torch.cuda.is_available():

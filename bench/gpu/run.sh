@@ -18,7 +18,7 @@ if [ "$dry" = 1 ]; then
   # Liger's Triton kernels run on CPU tensors under Triton's interpreter (set before triton is first imported).
   export TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES="" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
   export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
-  exec timeout -k 10 "${GPUKIT_DRY_TIMEOUT_S:-170}" "$py" "$here/kit.py" "$@"
+  exec timeout -k 10 "${GPUKIT_DRY_TIMEOUT_S:-330}" "$py" "$here/kit.py" "$@"
 fi
 if compgen -G "$here/wheels/*.whl" >/dev/null; then
   echo "[$(date -u +%H:%M:%S)] installing $(ls "$here"/wheels/*.whl | wc -l) carried wheels into /tmp/gpukit-site"
