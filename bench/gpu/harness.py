@@ -337,7 +337,7 @@ def train_measured(settings: Settings, trainer, model) -> dict:
 
 
 def plan_peak(settings: Settings, shape: str, tok, train_rows, method: str, fields: dict, peft_config=None,
-              quantized: bool = False) -> dict:
+              quantized: bool = False, reward_funcs=None) -> dict:
     """The planner's step peak for the same run (leantune.plan_memory on the config: no weights)."""
     from leantune import plan_memory
 
@@ -348,7 +348,7 @@ def plan_peak(settings: Settings, shape: str, tok, train_rows, method: str, fiel
         fields["model_init_kwargs"] = {"quantization_config": dict(QUANT_FIELDS), "dtype": "bfloat16"}
     started = time.perf_counter()
     plan = plan_memory(model_config(shape, tok, settings.dry), dataset(train_rows), method, processing_class=tok,
-                       peft_config=peft_config, max_batches=1, **fields)
+                       peft_config=peft_config, reward_funcs=reward_funcs, max_batches=1, **fields)
     return {"plan_peak_gib": plan.peak_bytes / GIB, "plan_seconds": round(time.perf_counter() - started, 1)}
 
 

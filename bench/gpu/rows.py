@@ -121,7 +121,8 @@ def run_pair(ctx: Context, row: dict, method: str, shape: str, train_rows: list[
             with time_limit(row["_budget_left"]() - 1, PlanTimeout):
                 lt.update(plan_peak(settings, shape, ctx.tok, train_rows, method.lower(),
                                     library_fields("leantune", fields, leantune_only),
-                                    lora_config() if peft else None, quantized))
+                                    lora_config() if peft else None, quantized,
+                                    (trainer_kwargs or {}).get("reward_funcs")))
             lt["plan_over_measured"] = lt["plan_peak_gib"] / lt["max_allocated_gib"]
         except RowTimeout:
             raise
