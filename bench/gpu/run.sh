@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: install the carried wheels, print versions, run every row, write $OUT/results.json
+# and $OUT/results.md. `--dry`: every row at tiny size on CPU (no install; the local environment's packages).
+# See bench/gpu/README.md for the device call.
+set -uo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+repo="$(cd "$here/../.." && pwd)"
+cd "$repo"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export OUT="${OUT:-$repo/gpu-results}"
+mkdir -p "$OUT"
+py="${PYTHON:-python3}"
+dry=0
+for arg in "$@"; do [ "$arg" = "--dry" ] && dry=1; done
+echo "[$(date -u +%H:%M:%S)] leantune GPU kit: $repo (dry=$dry), results in $OUT"
+"$py" "$here/carry_size.py" || echo "warning: the carried-size check failed (see above)"
+if [ "$dry" = 1 ]; then
+  # Liger's Triton kernels run on CPU tensors under Triton's interpreter (set before triton is first imported).
+  export TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES="" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+  export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
+  exec timeout -k 10 "${GPUKIT_DRY_TIMEOUT_S:-330}" "$py" "$here/kit.py" "$@"
+fi
+if compgen -G "$here/wheels/*.whl" >/dev/null; then
+  echo "[$(date -u +%H:%M:%S)] installing $(ls "$here"/wheels/*.whl | wc -l) carried wheels into /tmp/gpukit-site"
+  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/gpukit-site \
+    "$here"/wheels/*.whl || { echo "wheel install failed"; exit 3; }
+  export PYTHONPATH="$repo:/tmp/gpukit-site${PYTHONPATH:+:$PYTHONPATH}"
+else
+  echo "no wheels in $here/wheels: run bench/gpu/fetch_wheels.sh here and name bench/gpu/wheels in carry"
+  export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
+# The kit's own guard stops starting rows at 420 s; this outer limit cuts a stuck kernel before the 8-minute mark.
+timeout -k 10 450 "$py" "$here/kit.py" "$@"
+rc=$?
+echo "[$(date -u +%H:%M:%S)] kit exit code $rc"
+exit $rc
