@@ -408,3 +408,25 @@ def test_a_liger_without_per_token_gradients_trains_per_token_losses_on_the_chun
     torch.testing.assert_close(loss, chunked_loss, rtol=RTOL, atol=1e-7)  # log 2 on both: policy == reference
     for name, reference in chunked_grads.items():
         assert rel_diff(grads[name], reference) <= GRAD_RTOL, name
+
+
+def test_plan_of_a_liger_run_equals_its_measured_step(tokenizer, gsm8k_rows, kernel_calls):
+    """The planner traces a Liger run with fake weights: Triton launches on fake tensors are skipped (a kernel writes
+    only into tensors torch allocated around it, which are traced), so the plan equals the measured breakdown. Before,
+    the trace failed ("Cannot copy out of meta tensor": the launch read the fake tensors' memory)."""
+    from leantune.planning import plan_memory
+
+    from .test_plan import _measured_peak
+
+    dataset = gsm8k_prompt_completion(gsm8k_rows, 12)
+    fields = dict(use_liger_kernel=True, per_device_train_batch_size=2, max_length=128)
+    model = tiny_model()
+    plan = plan_memory(model.config, dataset, "sft", processing_class=tokenizer, max_batches=2, **fields)
+    assert kernel_calls.take() > 0  # the plan traced Liger's path (its launches skipped), not the chunked head
+    measured = _measured_peak(SFTTrainer, SFTConfig, model, dataset, tokenizer, fields)
+    assert kernel_calls.take() > 0  # and so did the measured run, for real under Triton's interpreter
+    predicted = plan.measured_step
+    # The same bound as tests/test_plan.py: both sides are MemTracker's sums of the same tensors' sizes (real, fake).
+    assert abs(predicted.peak_bytes - measured.peak_bytes) <= 0.02 * measured.peak_bytes
+    for part, size in measured.parts.items():
+        assert abs(predicted.parts.get(part, 0) - size) <= 0.02 * measured.peak_bytes, part

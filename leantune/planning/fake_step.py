@@ -133,6 +133,35 @@ def fake_parameters_convertible():
 
 
 @contextlib.contextmanager
+def triton_launches_skipped_on_fake():
+    """Liger's Triton kernels on fake tensors: a kernel launch reads its arguments' memory (a GPU address, or a host
+    copy under Triton's interpreter), which a fake tensor has none of. A kernel only writes into tensors that torch
+    allocated around it (those allocations are traced as any other), so a launch on fake arguments is skipped."""
+    try:
+        from triton.runtime.jit import KernelInterface
+    except ImportError:  # no triton: no kernel to launch
+        yield
+        return
+    original = KernelInterface.__getitem__
+
+    def launcher(kernel, grid):
+        launch = original(kernel, grid)
+
+        def run(*args, **kwargs):
+            if any(_is_fake(value) for value in (*args, *kwargs.values())):
+                return None
+            return launch(*args, **kwargs)
+
+        return run
+
+    KernelInterface.__getitem__ = launcher
+    try:
+        yield
+    finally:
+        KernelInterface.__getitem__ = original
+
+
+@contextlib.contextmanager
 def fake_tensors_copyable():
     """`copy.deepcopy` of a model of fake weights (a reference copy of the initial policy): torch's default deep copy
     of a tensor subclass also deep-copies its `__dict__`, which for a FakeTensor holds its FakeTensorMode and that

@@ -27,7 +27,13 @@ from dataclasses import dataclass, field
 import torch
 
 from ..metrics.memory_breakdown import MIB, PARTS, MemoryBreakdown
-from .fake_step import WeightlessMode, fake_model_from_config, fake_parameters_convertible, fake_tensors_copyable
+from .fake_step import (
+    WeightlessMode,
+    fake_model_from_config,
+    fake_parameters_convertible,
+    fake_tensors_copyable,
+    triton_launches_skipped_on_fake,
+)
 from .frozen import fake_frozen_sources
 
 logger = logging.getLogger("leantune.plan")
@@ -224,7 +230,8 @@ def planning_session():
     # any subclass without a plain storage
     offloading._storage_ptr = lambda tensor: None if _is_fake_tensor(tensor) else storage_ptr(tensor)
     try:
-        with mode, fake_parameters_convertible(), fake_tensors_copyable(), _generation_to_length_limit(mode):
+        with (mode, fake_parameters_convertible(), fake_tensors_copyable(), triton_launches_skipped_on_fake(),
+              _generation_to_length_limit(mode)):
             yield mode
     finally:
         offloading._storage_ptr = storage_ptr
