@@ -186,6 +186,29 @@ def test_a_model_object_repacked_before_the_trainer_is_unpacked(model_dir, gsm8k
 
 
 @needs_bnb
+def test_a_4bit_model_that_already_has_its_adapter_trains_without_peft_config(model_dir, gsm8k_rows, tmp_path):
+    """TRL trains a PeftModel over a 4-bit base given as the model (its adapter attached by the user); leantune
+    refused it ("only through an adapter: pass peft_config") though the adapter was there. Only the adapter moves."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from leantune import SFTConfig, SFTTrainer
+
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), quantization_config=BitsAndBytesConfig(**QUANT[4]),
+                                                device_map={"": "cpu"})
+    model = get_peft_model(base, lora(init_random=True))
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    frozen = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight.detach().clone()
+    trainer = SFTTrainer(model=model, train_dataset=gsm8k_prompt_completion(gsm8k_rows, 8),
+                         args=SFTConfig(**settings(tmp_path, max_steps=1)))
+    assert math.isfinite(trainer.train().metrics["train_loss"])
+    after = dict(trainer.model.named_parameters())
+    assert before and all("lora_" in n for n in before)
+    assert all(not torch.equal(after[n].detach(), value) for n, value in before.items())
+    assert torch.equal(model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight, frozen)
+
+
+@needs_bnb
 @pytest.mark.parametrize("bits", [4, 8])
 def test_dpo_lora_gradients_equal_the_dequantised_fp32_model(bits, model_dir, hh_pairs, tmp_path):
     """DPO runs the reference (adapter disabled) without gradient: the eval-mode no-grad pattern, inside training."""

@@ -186,13 +186,23 @@ def is_quantized(model) -> bool:
     return bool(getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False))
 
 
+def has_adapter(model) -> bool:
+    """A PEFT model (e.g. a 4-bit base with its LoRA adapter already attached): it trains through that adapter."""
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
 def apply_peft(model, peft_config, args):
     """Wrap the model in a PEFT adapter, ready for (k-bit) training with gradient checkpointing."""
     if is_quantized(model):
         keep_4bit_layers_trainable(model)  # a model object may not have come through load_causal_lm
     if peft_config is None:
-        if is_quantized(model):
-            raise ValueError("A quantised model can only be trained through an adapter: pass `peft_config`.")
+        if is_quantized(model) and not has_adapter(model):
+            raise ValueError("A quantised model can only be trained through an adapter: pass `peft_config`, or a "
+                             "model that already has one (a PeftModel).")
         return model
     require("peft", "peft_config")
     from peft import get_peft_model, prepare_model_for_kbit_training
