@@ -16,6 +16,7 @@ from .errors import UsageError
 logger = logging.getLogger("leantune.cli")
 
 CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+STAGING = re.compile(r"^tmp-checkpoint-(\d+)$")  # trainers/checkpoint_files.py: a save not yet renamed
 TRUE_WORDS = ("true", "yes", "1", "latest")
 FALSE_WORDS = ("false", "no", "0", "none", "")
 
@@ -37,6 +38,16 @@ def any_checkpoints(output_dir: str) -> list[str]:
     if not os.path.isdir(output_dir):
         return []
     return sorted(n for n in os.listdir(output_dir) if CHECKPOINT.match(n))
+
+
+def incomplete_checkpoints(output_dir: str) -> list[str]:
+    """Entries that look like checkpoints but are not complete ones: staging folders of a save cut short
+    (tmp-checkpoint-N), checkpoint-N without a readable trainer_state.json, a file named checkpoint-N."""
+    if not os.path.isdir(output_dir):
+        return []
+    complete = {os.path.basename(path) for path in complete_checkpoints(output_dir)}
+    return sorted(n for n in os.listdir(output_dir)
+                  if (CHECKPOINT.match(n) and n not in complete) or STAGING.match(n))
 
 
 def _readable_state(path: str) -> bool:
@@ -65,7 +76,8 @@ def resolve_resume(value, output_dir: str, overwrite: bool) -> str | None:
 
     `--resume_from_checkpoint PATH` resumes from PATH; `true` from the latest complete checkpoint in --output_dir.
     A fresh run refuses an --output_dir that holds an earlier run's checkpoints unless --overwrite_output_dir,
-    which deletes them first: checkpoints of two runs in one folder would be mixed up by resuming and rotation.
+    which deletes them once the new run has loaded (clear_checkpoints): checkpoints of two runs in one folder would
+    be mixed up by resuming and rotation.
     """
     if value is not None and not isinstance(value, bool):
         value = str(value).strip()
@@ -78,6 +90,10 @@ def resolve_resume(value, output_dir: str, overwrite: bool) -> str | None:
         if not checkpoints:
             raise UsageError(f"--resume_from_checkpoint true: no checkpoint (checkpoint-N with trainer_state.json) "
                              f"in --output_dir {output_dir}; give the checkpoint's path, or start without it.")
+        ignored = incomplete_checkpoints(output_dir)
+        if ignored:
+            logger.warning("--resume_from_checkpoint true: ignored %s (incomplete: a save cut short, or no readable "
+                           "trainer_state.json).", ", ".join(ignored))
         logger.info("Resuming from the latest checkpoint: %s", checkpoints[-1])
         return checkpoints[-1]
     if value:
@@ -97,11 +113,22 @@ def resolve_resume(value, output_dir: str, overwrite: bool) -> str | None:
     return None
 
 
-def clear_checkpoints(output_dir: str) -> None:
-    """--overwrite_output_dir: the earlier run's checkpoints go, so that the new run's are the only ones."""
-    for name in any_checkpoints(output_dir):
-        shutil.rmtree(os.path.join(output_dir, name))
-        logger.info("--overwrite_output_dir: deleted the earlier run's %s", name)
+def clear_checkpoints(output_dir: str) -> list[str]:
+    """--overwrite_output_dir, once the new run has loaded its model and data: the earlier run's complete checkpoints
+    (checkpoint-N folders with a readable trainer_state.json) go, so that the new run's are the only ones. Anything
+    else named like a checkpoint (a file, a folder without a state, a staging folder) is left and named in one line.
+    Returns the names deleted."""
+    deleted = []
+    for path in complete_checkpoints(output_dir):
+        shutil.rmtree(path)
+        deleted.append(os.path.basename(path))
+    if deleted:
+        logger.warning("--overwrite_output_dir: deleted the earlier run's %s", ", ".join(deleted))
+    left = incomplete_checkpoints(output_dir)
+    if left:
+        logger.warning("--overwrite_output_dir: left %s in %s (not a complete checkpoint: not deleted; remove them "
+                       "yourself if they are not needed).", ", ".join(left), output_dir)
+    return deleted
 
 
 def looks_like_path(name: str) -> bool:

@@ -1,0 +1,104 @@
+"""Checkpoint folders that appear whole or not at all, and a full disk said in one line.
+
+A checkpoint is written into `tmp-checkpoint-N/checkpoint-N`, every file and folder fsynced, then renamed to
+`checkpoint-N` (one rename on one file system): a process killed at any point leaves the last complete checkpoint
+and at most a staging folder, which resuming ignores and the next save of that step replaces.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+
+STAGING_PREFIX = "tmp-checkpoint"
+# A write that fails for want of room: ENOSPC (disk full), EDQUOT (quota), EFBIG (a file-size limit).
+NO_ROOM_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+NO_ROOM_WORDS = ("no space left", "disk quota", "file too large", "file write failed", "unexpected pos")
+
+
+class NoRoomError(OSError):
+    """A checkpoint or model could not be written for want of disk space; the message says where, how much and what
+    to do. The last complete checkpoint is left as it was."""
+
+
+def staging_folder(run_dir: str, step: int) -> str:
+    return os.path.join(run_dir, f"{STAGING_PREFIX}-{step}")
+
+
+def remove_tree(path: str) -> None:
+    if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def fsync_tree(folder: str) -> None:
+    """Every file under `folder`, then every folder bottom-up, to disk: the rename that follows publishes data
+    that is already durable."""
+    for root, _, files in os.walk(folder, topdown=False):
+        for name in files:
+            descriptor = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(descriptor)
+            finally:
+                os.close(descriptor)
+        fsync_dir(root)
+
+
+def fsync_dir(folder: str) -> None:
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def publish(staged: str, final: str) -> None:
+    """Rename the fsynced `staged` folder to `final` (an old `final` of the same step, from a run that went past
+    this step before a resume from an earlier one, is moved aside first and removed after)."""
+    fsync_tree(staged)
+    old = None
+    if os.path.lexists(final):
+        old = f"{final}.replaced"
+        remove_tree(old)
+        os.replace(final, old)
+    os.replace(staged, final)
+    fsync_dir(os.path.dirname(os.path.abspath(final)))
+    if old is not None:
+        remove_tree(old)
+
+
+def is_no_room(error: BaseException) -> bool:
+    """Whether `error` (or what caused it) is a write that failed for want of space. torch.save and safetensors
+    report ENOSPC as RuntimeError / their own error with the OS message in the text."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in NO_ROOM_ERRNOS:
+            return True
+        if any(word in str(error).lower() for word in NO_ROOM_WORDS):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def folder_bytes(folder: str) -> int:
+    total = 0
+    for root, _, files in os.walk(folder):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(root, name))
+            except OSError:
+                pass
+    return total
+
+
+def no_room_error(folder: str, needed: int, what: str = "the checkpoint") -> NoRoomError:
+    free = shutil.disk_usage(folder if os.path.isdir(folder) else os.path.dirname(os.path.abspath(folder))).free
+    return NoRoomError(
+        f"no room to write {what} in {folder}: it needs about {_mib(needed)} and {_mib(free)} is free; free space "
+        f"there, choose another --output_dir, or keep fewer checkpoints with --save_total_limit (the last complete "
+        f"checkpoint is intact).")
+
+
+def _mib(count: int) -> str:
+    return f"{count / (1024 * 1024):.1f} MiB"
