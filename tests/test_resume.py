@@ -19,7 +19,6 @@ import pytest
 from transformers import TrainerCallback
 
 from leantune import SFTConfig, SFTTrainer
-from leantune.trainers.checkpoint_files import NoRoomError
 
 from .conftest import gsm8k_prompt_completion, tiny_model
 
@@ -157,28 +156,87 @@ def test_adaptive_entropy_state_missing_from_a_checkpoint_is_an_error(tmp_path):
 
 
 @pytest.fixture
+def model_and_data(tmp_path, tokenizer, gsm8k_rows):
+    """A saved tiny model (with the real tokenizer) and a GSM8K prompt/completion JSONL file, as the CLI reads them."""
+    model_dir = tmp_path / "tiny-llama"
+    tiny_model().save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    data_file = tmp_path / "train.jsonl"
+    data_file.write_text("".join(json.dumps({"prompt": r["question"], "completion": " " + r["answer"]}) + "\n"
+                                 for r in gsm8k_rows[:8]))
+    return model_dir, data_file
+
+
+@pytest.fixture
 def tmpfs(tmp_path):
-    """A real small file system (tmpfs of 40 MiB): room for one checkpoint of the tiny model (~25 MiB of weights
-    and Adam states), not two."""
+    """A real small file system (tmpfs of 80 MiB): room for one checkpoint of the tiny model (~50 MiB: weights
+    16 MiB, Adam states 33 MiB), not two."""
     folder = tmp_path / "small-disk"
     folder.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40m", "tmpfs", str(folder)],
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=80m", "tmpfs", str(folder)],
                       capture_output=True).returncode != 0:
         pytest.skip("cannot mount a tmpfs here (needs root)")
     yield folder
-    subprocess.run(["umount", str(folder)], check=False)
+    subprocess.run(["umount", "-l", str(folder)], check=False)
 
 
-def test_a_full_disk_says_where_and_keeps_the_last_checkpoint(tokenizer, gsm8k_rows, tmpfs):
+def test_a_full_disk_is_one_line_and_keeps_the_last_checkpoint(model_and_data, tmpfs, capsys):
+    from leantune.cli.main import main
+
+    model_dir, data_file = model_and_data
     out = tmpfs / "out"
-    trainer = make_trainer(out, tokenizer, gsm8k_rows, max_steps=3, save_steps=1, save_total_limit=None)
-    with pytest.raises(NoRoomError) as raised:
-        trainer.train()
-    message = str(raised.value)
-    assert f"in {out}" in message and "MiB is free" in message and "--save_total_limit" in message
+    code = main(["sft", "--model_name_or_path", str(model_dir), "--dataset_name", str(data_file), "--max_length", "64",
+                 "--per_device_train_batch_size", "2", "--max_steps", "3", "--save_steps", "1", "--report_to", "none",
+                 "--disable_tqdm", "true", "--memory_breakdown", "false", "--output_dir", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(f"leantune sft: error: no room to write checkpoint-2 in {out}: it needs about ")
+    assert "MiB is free" in line and "--save_total_limit" in line
     assert checkpoints(out) == ["checkpoint-1"]  # no staging folder left, the complete one untouched
-    state = json.loads((out / "checkpoint-1" / "trainer_state.json").read_text())
-    assert state["global_step"] == 1
-    resumed = make_trainer(tmpfs / "out", tokenizer, gsm8k_rows, max_steps=1)
-    resumed.train(resume_from_checkpoint=str(out / "checkpoint-1"))  # loads: every file of it is whole
-    assert resumed.trained_nothing
+    assert json.loads((out / "checkpoint-1" / "trainer_state.json").read_text())["global_step"] == 1
+    assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth"} <= set(os.listdir(out / "checkpoint-1"))
+
+
+# --- --overwrite_output_dir: nothing deleted before the new run has loaded, nothing deleted that is not a checkpoint --
+
+
+def _earlier_run(out) -> None:
+    (out / "checkpoint-2").mkdir(parents=True)
+    (out / "checkpoint-2" / "trainer_state.json").write_text(json.dumps({"global_step": 2, "log_history": []}))
+    (out / "checkpoint-3").write_text("a file, not a checkpoint")
+    (out / "checkpoint-4").mkdir()  # no trainer_state.json: not known to be a checkpoint
+
+
+def _sft(model_dir, data_file, out, *extra):
+    from leantune.cli.main import main
+
+    return main(["sft", "--model_name_or_path", str(model_dir), "--dataset_name", str(data_file), "--max_length", "64",
+                 "--per_device_train_batch_size", "2", "--max_steps", "1", "--save_strategy", "no", "--report_to",
+                 "none", "--disable_tqdm", "true", "--memory_breakdown", "false", "--output_dir", str(out),
+                 "--overwrite_output_dir", "true", *extra])
+
+
+def test_overwrite_deletes_nothing_when_the_model_does_not_load(model_and_data, tmp_path):
+    model_dir, data_file = model_and_data
+    weights = model_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # a copy cut short
+    out = tmp_path / "out"
+    _earlier_run(out)
+    try:
+        _sft(model_dir, data_file, out)
+    except Exception:  # the load fails, in whatever words the loader has: what matters is what is left
+        pass
+    assert (out / "checkpoint-2" / "trainer_state.json").exists()  # deleted before the load, it used to be
+
+
+def test_overwrite_deletes_only_complete_checkpoints_and_names_the_rest(model_and_data, tmp_path, caplog):
+    model_dir, data_file = model_and_data
+    out = tmp_path / "out"
+    _earlier_run(out)
+    with caplog.at_level("WARNING", logger="leantune.cli"):
+        assert _sft(model_dir, data_file, out) == 0  # a file named checkpoint-3 used to stop it with a traceback
+    assert not (out / "checkpoint-2").exists()
+    assert (out / "checkpoint-3").is_file() and (out / "checkpoint-4").is_dir()
+    assert "deleted the earlier run's checkpoint-2" in caplog.text
+    assert "left checkpoint-3, checkpoint-4" in caplog.text
