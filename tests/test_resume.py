@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 from transformers import TrainerCallback
@@ -21,6 +22,9 @@ from transformers import TrainerCallback
 from leantune import SFTConfig, SFTTrainer
 
 from .conftest import gsm8k_prompt_completion, tiny_model
+from .test_launch import cpu_only, launch, torchrun
+
+SCRIPT = Path(__file__).parent / "scripts" / "sft_resume_launch.py"
 
 REL = 1e-6
 
@@ -90,6 +94,25 @@ def test_stop_and_resume_gives_the_uninterrupted_losses(boundary, tokenizer, gsm
         assert got[step] == pytest.approx(loss, rel=REL), (boundary, step)
     last = max(expected)
     assert checkpoints(out) == [f"checkpoint-{last - 1}", f"checkpoint-{last}"]  # rotation, no staging left
+
+
+@pytest.mark.slow
+@cpu_only
+def test_stop_and_resume_in_two_processes(model_and_data, tmp_path):
+    """torchrun, 2 processes on CPU (gloo): each process's data shard, RNG state (rng_state_<rank>.pth) and the one
+    optimizer state come back; the resumed losses equal the uninterrupted run's in the same processes."""
+    model_dir, data_file = model_and_data
+    out = tmp_path / "launch"
+    run, _ = launch(torchrun(str(SCRIPT), str(out), str(model_dir), str(data_file), "2"), timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    ranks = [json.loads((out / f"rank{i}.json").read_text()) for i in (0, 1)]
+    for rank in ranks:
+        assert rank["world"] == 2 and rank["stopped_at"] == 2
+        assert sorted(rank["resumed"]) == sorted(rank["whole"]) == ["1", "2", "3", "4"]
+        for step, loss in rank["whole"].items():
+            assert rank["resumed"][step] == pytest.approx(loss, rel=REL), step
+    assert {"rng_state_0.pth", "rng_state_1.pth"} <= set(os.listdir(out / "stopped" / "checkpoint-4"))
+    assert checkpoints(out / "stopped") == [f"checkpoint-{i}" for i in (1, 2, 3, 4)]
 
 
 @pytest.mark.parametrize("settings", [dict(max_steps=3), dict(max_steps=-1, num_train_epochs=1)],
