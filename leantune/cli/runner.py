@@ -138,7 +138,7 @@ def no_room_as_usage_error(folder: str | None = None, trainer=None):
     except NoRoomError as error:
         raise UsageError(str(error)) from error
     except Exception as error:
-        if folder is None or not is_no_room(error):
+        if folder is None or not is_no_room(error, folder):
             raise
         needed = sum(p.numel() * p.element_size() for p in trainer.model.parameters()) if trainer else 0
         raise UsageError(str(no_room_error(folder, needed, "the model"))) from error

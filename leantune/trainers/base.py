@@ -547,7 +547,7 @@ class LeantuneTrainer(ContextParallelism, Trainer):
                 checkpoint_files.publish(staged, final)
                 checkpoint_files.remove_tree(staging_root)
         except Exception as error:
-            if not (self.args.should_save and checkpoint_files.is_no_room(error)):
+            if not (self.args.should_save and checkpoint_files.is_no_room(error, run_dir)):
                 raise
             written = checkpoint_files.folder_bytes(staging_root)
             checkpoint_files.remove_tree(staging_root)

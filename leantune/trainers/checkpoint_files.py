@@ -14,7 +14,10 @@ import shutil
 STAGING_PREFIX = "tmp-checkpoint"
 # A write that fails for want of room: ENOSPC (disk full), EDQUOT (quota), EFBIG (a file-size limit).
 NO_ROOM_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
-NO_ROOM_WORDS = ("no space left", "disk quota", "file too large", "file write failed", "unexpected pos")
+NO_ROOM_WORDS = ("no space left", "disk quota", "file too large", "file write failed", "unexpected pos",
+                 "iostream error")
+# A failed write that left less than this free where it wrote is taken as a full disk, whatever its message said.
+NEARLY_FULL = 1024 * 1024
 
 
 class NoRoomError(OSError):
@@ -67,9 +70,14 @@ def publish(staged: str, final: str) -> None:
         remove_tree(old)
 
 
-def is_no_room(error: BaseException) -> bool:
+def is_no_room(error: BaseException, folder: str | None = None) -> bool:
     """Whether `error` (or what caused it) is a write that failed for want of space. torch.save and safetensors
-    report ENOSPC as RuntimeError / their own error with the OS message in the text."""
+    report ENOSPC as RuntimeError / their own error with various texts (measured on a full tmpfs: "unexpected pos
+    ... vs ...", "basic_ios::clear: iostream error"), so a failed write that left `folder`'s disk nearly full counts
+    too."""
+    if folder is not None and isinstance(error, (OSError, RuntimeError)) and os.path.isdir(folder):
+        if shutil.disk_usage(folder).free < NEARLY_FULL:
+            return True
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
