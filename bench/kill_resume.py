@@ -1,13 +1,14 @@
 """`kill -9` at random points of an SFT run that saves every step, resumed each time: no step lost, none repeated.
 
-A reference run trains STEPS steps uninterrupted. The killed run starts, is killed with SIGKILL after a random
-(seeded) delay once training has begun (steps, saves and renames all take part of each step, so kills land in
-saves too: counted by the staging folders they leave), and resumes from the latest complete checkpoint, KILLS
-times; then it runs to the end. Checked: the final checkpoint's history holds steps 1..STEPS once each, with the
-reference's losses (same float operations in the same order: 1e-6 relative, see tests/test_resume.py), and every
-step a killed attempt trained (journal written at each log) had the reference's loss too.
+A reference run trains STEPS steps uninterrupted. The killed run starts, is killed with SIGKILL at a random (seeded)
+moment once training has begun (up to --max_delay times the reference's time per step and save; steps, saves and
+renames each take part of that time, so kills land in saves too, counted by the staging folders they leave), and
+resumes from the latest complete checkpoint, KILLS times; then it runs to the end. Checked: the final checkpoint's
+history holds steps 1..STEPS once each, with the reference's losses (same float operations in the same order: 1e-6
+relative, see tests/test_resume.py), and every step a killed attempt trained (a journal written at each log) had the
+reference's loss too.
 
-    PYTHONPATH=. OMP_NUM_THREADS=1 python bench/kill_resume.py --kills 20 --steps 24 --seed 0
+    PYTHONPATH=. OMP_NUM_THREADS=1 python bench/kill_resume.py --kills 20 --steps 30 --seed 0
 """
 
 from __future__ import annotations
@@ -26,7 +27,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import GSM8K_TRAIN, TOKENIZER_DIR  # noqa: E402
+from bench.common import SHARED  # noqa: E402
+
+SHARED = Path(os.environ.get("LEANTUNE_SHARED", SHARED))  # a worktree's own data folder, as the tests take it
+GSM8K_TRAIN = SHARED / "data" / "gsm8k" / "train.jsonl"
+TOKENIZER_DIR = SHARED / "tokenizers" / "mistral-7b-v0.1"
 
 REL = 1e-6
 CHILD = r'''
@@ -95,8 +100,11 @@ def run(kills: int, steps: int, seed: int, max_delay: float, root: Path) -> dict
     model, data = prepare(root, 2 * steps)
     reference_journal = root / "reference.jsonl"
     child = start(root / "reference", model, data, steps, reference_journal)
+    child.stdout.readline()
+    began = time.perf_counter()
     child.communicate()
     assert child.returncode == 0, "the reference run failed"
+    step_seconds = (time.perf_counter() - began) / steps  # a step and its save, on this machine now
     reference = dict(final_losses(root / "reference", steps))
     out, journal = root / "killed", root / "killed.jsonl"
     landed_in_save, attempts = 0, 0
@@ -104,7 +112,7 @@ def run(kills: int, steps: int, seed: int, max_delay: float, root: Path) -> dict
         staged_before = staging_folders(out)
         child = start(out, model, data, steps, journal)
         child.stdout.readline()  # "TRAINING": the model loaded, the checkpoint (if any) restored
-        time.sleep(rng.uniform(0.0, max_delay))
+        time.sleep(rng.uniform(0.0, max_delay * step_seconds))
         if child.poll() is not None:
             break  # it finished first: the run is complete
         os.killpg(child.pid, signal.SIGKILL)
@@ -128,16 +136,17 @@ def run(kills: int, steps: int, seed: int, max_delay: float, root: Path) -> dict
     trained = [json.loads(line) for line in journal.read_text().splitlines()]
     worst_attempt = max(abs(loss - reference[s]) / abs(reference[s]) for s, loss in trained)
     assert worst_attempt <= REL, f"a killed attempt trained a step differently: {worst_attempt:.1e}"
-    return {"kills": attempts, "kills_during_a_save": landed_in_save, "steps": steps,
+    return {"seconds_per_step": round(step_seconds, 2), "kills": attempts, "kills_during_a_save": landed_in_save, "steps": steps,
             "steps_trained_in_all_attempts": len(trained), "worst_relative_difference": worst}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kills", type=int, default=20)
-    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max_delay", type=float, default=4.0, help="seconds after training began, at most")
+    parser.add_argument("--max_delay", type=float, default=3.0,
+                        help="the kill comes at most this many steps' time (step and save) after training began")
     options = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         result = run(options.kills, options.steps, options.seed, options.max_delay, Path(folder))
