@@ -164,6 +164,22 @@ def test_a_checkpoint_is_renamed_into_place_whole(tokenizer, gsm8k_rows, tmp_pat
     assert checkpoints(out) == ["checkpoint-2"]
 
 
+def test_the_latest_checkpoint_is_the_newest_complete_one_and_the_rest_are_named(tmp_path, caplog):
+    from transformers.trainer_utils import get_last_checkpoint
+
+    from leantune.trainers.checkpoint_files import latest_complete_checkpoint
+
+    for name in ("checkpoint-1", "checkpoint-2"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "trainer_state.json").write_text("{}")
+    (tmp_path / "checkpoint-3").mkdir()  # an older leantune's save cut short: no trainer_state.json
+    (tmp_path / "tmp-checkpoint-4" / "checkpoint-4").mkdir(parents=True)  # a staged save, not renamed
+    assert get_last_checkpoint(str(tmp_path)).endswith("checkpoint-3")  # what transformers alone would resume
+    with caplog.at_level("WARNING", logger="leantune.trainer"):
+        assert latest_complete_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-2")
+    assert "ignored checkpoint-3, tmp-checkpoint-4" in caplog.text
+
+
 def test_adaptive_entropy_state_missing_from_a_checkpoint_is_an_error(tmp_path):
     from leantune.losses.entropy_bonus import STATE_FILE, EntropyBonus
 

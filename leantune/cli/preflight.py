@@ -5,58 +5,23 @@ A mistake found here costs the user a second, not a model load and a tokenisatio
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import re
 import shutil
 
+from ..trainers.checkpoint_files import (
+    any_checkpoints,
+    complete_checkpoints,
+    incomplete_checkpoints,
+    latest_complete_checkpoint,
+    readable_state,
+)
 from .errors import UsageError
 
 logger = logging.getLogger("leantune.cli")
 
-CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
-STAGING = re.compile(r"^tmp-checkpoint-(\d+)$")  # trainers/checkpoint_files.py: a save not yet renamed
 TRUE_WORDS = ("true", "yes", "1", "latest")
 FALSE_WORDS = ("false", "no", "0", "none", "")
-
-
-def complete_checkpoints(output_dir: str) -> list[str]:
-    """Checkpoint folders of output_dir whose trainer state was written (a killed save leaves none), oldest first."""
-    if not os.path.isdir(output_dir):
-        return []
-    found = []
-    for name in os.listdir(output_dir):
-        match = CHECKPOINT.match(name)
-        path = os.path.join(output_dir, name)
-        if match and os.path.isdir(path) and _readable_state(path):
-            found.append((int(match.group(1)), path))
-    return [path for _, path in sorted(found)]
-
-
-def any_checkpoints(output_dir: str) -> list[str]:
-    if not os.path.isdir(output_dir):
-        return []
-    return sorted(n for n in os.listdir(output_dir) if CHECKPOINT.match(n))
-
-
-def incomplete_checkpoints(output_dir: str) -> list[str]:
-    """Entries that look like checkpoints but are not complete ones: staging folders of a save cut short
-    (tmp-checkpoint-N), checkpoint-N without a readable trainer_state.json, a file named checkpoint-N."""
-    if not os.path.isdir(output_dir):
-        return []
-    complete = {os.path.basename(path) for path in complete_checkpoints(output_dir)}
-    return sorted(n for n in os.listdir(output_dir)
-                  if (CHECKPOINT.match(n) and n not in complete) or STAGING.match(n))
-
-
-def _readable_state(path: str) -> bool:
-    try:
-        with open(os.path.join(path, "trainer_state.json"), encoding="utf-8") as handle:
-            json.load(handle)
-        return True
-    except (OSError, ValueError):
-        return False
 
 
 def check_output_dir(output_dir: str | None) -> None:
@@ -86,20 +51,16 @@ def resolve_resume(value, output_dir: str, overwrite: bool) -> str | None:
         elif value.lower() in FALSE_WORDS:
             value = None
     if value is True:
-        checkpoints = complete_checkpoints(output_dir)
-        if not checkpoints:
+        latest = latest_complete_checkpoint(output_dir)
+        if latest is None:
             raise UsageError(f"--resume_from_checkpoint true: no checkpoint (checkpoint-N with trainer_state.json) "
                              f"in --output_dir {output_dir}; give the checkpoint's path, or start without it.")
-        ignored = incomplete_checkpoints(output_dir)
-        if ignored:
-            logger.warning("--resume_from_checkpoint true: ignored %s (incomplete: a save cut short, or no readable "
-                           "trainer_state.json).", ", ".join(ignored))
-        logger.info("Resuming from the latest checkpoint: %s", checkpoints[-1])
-        return checkpoints[-1]
+        logger.info("Resuming from the latest checkpoint: %s", latest)
+        return latest
     if value:
         if not os.path.isdir(value):
             raise UsageError(f"--resume_from_checkpoint {value}: no such folder.")
-        if not _readable_state(value):
+        if not readable_state(value):
             raise UsageError(f"--resume_from_checkpoint {value}: not a checkpoint (no readable trainer_state.json "
                              "in it); give a checkpoint-N folder written by a run.")
         return value

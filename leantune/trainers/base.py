@@ -591,10 +591,17 @@ class LeantuneTrainer(ContextParallelism, Trainer):
             from ..planning.plan_check import check_before_training
 
             self.memory_plan = check_before_training(self)  # planning/plan_check.py: training itself is unchanged
+        if args and "resume_from_checkpoint" not in kwargs:
+            kwargs["resume_from_checkpoint"], args = args[0], args[1:]
+        if kwargs.get("resume_from_checkpoint") is True:  # the newest complete one, incomplete entries named
+            kwargs["resume_from_checkpoint"] = checkpoint_files.latest_complete_checkpoint(self.args.output_dir)
+            if kwargs["resume_from_checkpoint"] is None:
+                raise ValueError(f"`resume_from_checkpoint`=True: no complete checkpoint (checkpoint-N with a "
+                                 f"trainer_state.json) in {self.args.output_dir}.")
         reset_peak_memory(self.args.device)
         self.throughput.restart()
         output = super().train(*args, **kwargs)
-        resumed = bool(kwargs.get("resume_from_checkpoint", args[0] if args else None))
+        resumed = bool(kwargs.get("resume_from_checkpoint"))
         self._trained_nothing = (resumed and self.state.global_step == getattr(self, "_initial_global_step", -1)
                                  and self.state.global_step >= self.state.max_steps)
         if self._trained_nothing and self.is_world_process_zero():

@@ -8,10 +8,17 @@ and at most a staging folder, which resuming ignores and the next save of that s
 from __future__ import annotations
 
 import errno
+import json
+import logging
 import os
+import re
 import shutil
 
+logger = logging.getLogger("leantune.trainer")
+
 STAGING_PREFIX = "tmp-checkpoint"
+CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+STAGING = re.compile(rf"^{STAGING_PREFIX}-(\d+)$")  # a save not yet renamed
 # A write that fails for want of room: ENOSPC (disk full), EDQUOT (quota), EFBIG (a file-size limit).
 NO_ROOM_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 NO_ROOM_WORDS = ("no space left", "disk quota", "file too large", "file write failed", "unexpected pos",
@@ -23,6 +30,54 @@ NEARLY_FULL = 1024 * 1024
 class NoRoomError(OSError):
     """A checkpoint or model could not be written for want of disk space; the message says where, how much and what
     to do. The last complete checkpoint is left as it was."""
+
+
+def complete_checkpoints(output_dir: str) -> list[str]:
+    """Checkpoint folders of output_dir whose trainer state was written (a killed save leaves none), oldest first."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = []
+    for name in os.listdir(output_dir):
+        match = CHECKPOINT.match(name)
+        path = os.path.join(output_dir, name)
+        if match and os.path.isdir(path) and readable_state(path):
+            found.append((int(match.group(1)), path))
+    return [path for _, path in sorted(found)]
+
+
+def any_checkpoints(output_dir: str) -> list[str]:
+    if not os.path.isdir(output_dir):
+        return []
+    return sorted(n for n in os.listdir(output_dir) if CHECKPOINT.match(n))
+
+
+def incomplete_checkpoints(output_dir: str) -> list[str]:
+    """Entries that look like checkpoints but are not complete ones: staging folders of a save cut short
+    (tmp-checkpoint-N), checkpoint-N without a readable trainer_state.json, a file named checkpoint-N."""
+    if not os.path.isdir(output_dir):
+        return []
+    complete = {os.path.basename(path) for path in complete_checkpoints(output_dir)}
+    return sorted(n for n in os.listdir(output_dir)
+                  if (CHECKPOINT.match(n) and n not in complete) or STAGING.match(n))
+
+
+def readable_state(path: str) -> bool:
+    try:
+        with open(os.path.join(path, "trainer_state.json"), encoding="utf-8") as handle:
+            json.load(handle)
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def latest_complete_checkpoint(output_dir: str) -> str | None:
+    """The newest complete checkpoint of output_dir (None: none), the incomplete entries it passed over named."""
+    ignored = incomplete_checkpoints(output_dir)
+    if ignored:
+        logger.warning("Resuming: ignored %s in %s (incomplete: a save cut short, or no readable trainer_state.json).",
+                       ", ".join(ignored), output_dir)
+    found = complete_checkpoints(output_dir)
+    return found[-1] if found else None
 
 
 def staging_folder(run_dir: str, step: int) -> str:
