@@ -536,7 +536,9 @@ class LeantuneTrainer(ContextParallelism, Trainer):
             checkpoint_files.remove_tree(staging_root)  # a save of this step that a kill cut short
             os.makedirs(staged)
         self.accelerator.wait_for_everyone()
-        save_total_limit, self.args.save_total_limit = self.args.save_total_limit, None  # rotation after the rename
+        # rotation and a push to the Hub (an upload that runs on in the background) come after the rename
+        save_total_limit, self.args.save_total_limit = self.args.save_total_limit, None
+        push, self.args.push_to_hub = self.args.push_to_hub, False
         self._get_output_dir = lambda trial=None: staging_root
         try:
             super()._save_checkpoint(model, trial)
@@ -556,8 +558,10 @@ class LeantuneTrainer(ContextParallelism, Trainer):
             raise checkpoint_files.no_room_error(run_dir, max([written, *earlier]), f"checkpoint-{step}") from error
         finally:
             del self._get_output_dir
-            self.args.save_total_limit = save_total_limit
+            self.args.save_total_limit, self.args.push_to_hub = save_total_limit, push
         self.accelerator.wait_for_everyone()
+        if push:
+            self._push_from_checkpoint(final)
         if self.args.should_save:
             rotate_checkpoints(output_dir=run_dir, save_total_limit=save_total_limit,
                                best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
