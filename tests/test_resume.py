@@ -61,10 +61,10 @@ def checkpoints(out) -> list[str]:
 
 # name: (settings of the run, step it is stopped at, settings of the resumed run or None for the same)
 BOUNDARIES = {
-    # 8 rows / batch 2: 4 steps an epoch; stopped where the first epoch ends, resumed into the second
-    "epoch_end": (dict(max_steps=-1, num_train_epochs=2), 4, None),
-    # 2 micro-batches a step, stopped mid-epoch: the resumed run skips exactly 2 x 3 batches
-    "mid_accumulation": (dict(per_device_train_batch_size=1, gradient_accumulation_steps=2, max_steps=6), 3, None),
+    # 8 rows / batch 4: 2 steps an epoch; stopped where the first epoch ends, resumed into the second
+    "epoch_end": (dict(max_steps=-1, num_train_epochs=2, per_device_train_batch_size=4), 2, None),
+    # 2 micro-batches a step (4 steps an epoch), stopped mid-epoch: the resumed run skips exactly 2 x 3 batches
+    "mid_accumulation": (dict(per_device_train_batch_size=1, gradient_accumulation_steps=2, max_steps=4), 3, None),
     # a run of 3 steps, finished, continued to 6: the same as a run of 6 (a constant rate, so the schedule of the
     # first 3 steps does not depend on max_steps)
     "larger_max_steps": (dict(max_steps=3, lr_scheduler_type="constant"), 3,
