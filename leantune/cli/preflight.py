@@ -5,47 +5,23 @@ A mistake found here costs the user a second, not a model load and a tokenisatio
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import re
 import shutil
 
+from ..trainers.checkpoint_files import (
+    any_checkpoints,
+    complete_checkpoints,
+    incomplete_checkpoints,
+    latest_complete_checkpoint,
+    readable_state,
+)
 from .errors import UsageError
 
 logger = logging.getLogger("leantune.cli")
 
-CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 TRUE_WORDS = ("true", "yes", "1", "latest")
 FALSE_WORDS = ("false", "no", "0", "none", "")
-
-
-def complete_checkpoints(output_dir: str) -> list[str]:
-    """Checkpoint folders of output_dir whose trainer state was written (a killed save leaves none), oldest first."""
-    if not os.path.isdir(output_dir):
-        return []
-    found = []
-    for name in os.listdir(output_dir):
-        match = CHECKPOINT.match(name)
-        path = os.path.join(output_dir, name)
-        if match and os.path.isdir(path) and _readable_state(path):
-            found.append((int(match.group(1)), path))
-    return [path for _, path in sorted(found)]
-
-
-def any_checkpoints(output_dir: str) -> list[str]:
-    if not os.path.isdir(output_dir):
-        return []
-    return sorted(n for n in os.listdir(output_dir) if CHECKPOINT.match(n))
-
-
-def _readable_state(path: str) -> bool:
-    try:
-        with open(os.path.join(path, "trainer_state.json"), encoding="utf-8") as handle:
-            json.load(handle)
-        return True
-    except (OSError, ValueError):
-        return False
 
 
 def check_output_dir(output_dir: str | None) -> None:
@@ -65,7 +41,8 @@ def resolve_resume(value, output_dir: str, overwrite: bool) -> str | None:
 
     `--resume_from_checkpoint PATH` resumes from PATH; `true` from the latest complete checkpoint in --output_dir.
     A fresh run refuses an --output_dir that holds an earlier run's checkpoints unless --overwrite_output_dir,
-    which deletes them first: checkpoints of two runs in one folder would be mixed up by resuming and rotation.
+    which deletes them once the new run has loaded (clear_checkpoints): checkpoints of two runs in one folder would
+    be mixed up by resuming and rotation.
     """
     if value is not None and not isinstance(value, bool):
         value = str(value).strip()
@@ -74,16 +51,16 @@ def resolve_resume(value, output_dir: str, overwrite: bool) -> str | None:
         elif value.lower() in FALSE_WORDS:
             value = None
     if value is True:
-        checkpoints = complete_checkpoints(output_dir)
-        if not checkpoints:
+        latest = latest_complete_checkpoint(output_dir)
+        if latest is None:
             raise UsageError(f"--resume_from_checkpoint true: no checkpoint (checkpoint-N with trainer_state.json) "
                              f"in --output_dir {output_dir}; give the checkpoint's path, or start without it.")
-        logger.info("Resuming from the latest checkpoint: %s", checkpoints[-1])
-        return checkpoints[-1]
+        logger.info("Resuming from the latest checkpoint: %s", latest)
+        return latest
     if value:
         if not os.path.isdir(value):
             raise UsageError(f"--resume_from_checkpoint {value}: no such folder.")
-        if not _readable_state(value):
+        if not readable_state(value):
             raise UsageError(f"--resume_from_checkpoint {value}: not a checkpoint (no readable trainer_state.json "
                              "in it); give a checkpoint-N folder written by a run.")
         return value
@@ -97,11 +74,22 @@ def resolve_resume(value, output_dir: str, overwrite: bool) -> str | None:
     return None
 
 
-def clear_checkpoints(output_dir: str) -> None:
-    """--overwrite_output_dir: the earlier run's checkpoints go, so that the new run's are the only ones."""
-    for name in any_checkpoints(output_dir):
-        shutil.rmtree(os.path.join(output_dir, name))
-        logger.info("--overwrite_output_dir: deleted the earlier run's %s", name)
+def clear_checkpoints(output_dir: str) -> list[str]:
+    """--overwrite_output_dir, once the new run has loaded its model and data: the earlier run's complete checkpoints
+    (checkpoint-N folders with a readable trainer_state.json) go, so that the new run's are the only ones. Anything
+    else named like a checkpoint (a file, a folder without a state, a staging folder) is left and named in one line.
+    Returns the names deleted."""
+    deleted = []
+    for path in complete_checkpoints(output_dir):
+        shutil.rmtree(path)
+        deleted.append(os.path.basename(path))
+    if deleted:
+        logger.warning("--overwrite_output_dir: deleted the earlier run's %s", ", ".join(deleted))
+    left = incomplete_checkpoints(output_dir)
+    if left:
+        logger.warning("--overwrite_output_dir: left %s in %s (not a complete checkpoint: not deleted; remove them "
+                       "yourself if they are not needed).", ", ".join(left), output_dir)
+    return deleted
 
 
 def looks_like_path(name: str) -> bool:

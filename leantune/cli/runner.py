@@ -7,6 +7,7 @@ shared pieces are in demos.py, the summary's frame is print_run_summary here).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import time
@@ -103,22 +104,44 @@ def train_on_data(method: Method, module, script_args, model_args, args, reward_
     for split, dataset in (("train", train), ("eval", evaluation)):
         if dataset is not None:
             check_columns(method.data, dataset, args, split)
-    # 3. the run
-    if resume is None and script_args.overwrite_output_dir and args.process_index == 0:
-        clear_checkpoints(args.output_dir)
+    # 3. the run; --overwrite_output_dir deletes the earlier run's checkpoints only once the model and data loaded
     if args.model_init_kwargs is None:
         args.model_init_kwargs = model_init_kwargs_from(model_args)
     trainer = _load(method.trainer)(model=model_args.model_name_or_path, args=args, train_dataset=train,
                                     eval_dataset=evaluation, peft_config=peft_config_from(model_args), **extra)
+    if resume is None and script_args.overwrite_output_dir and trainer.is_world_process_zero():
+        clear_checkpoints(args.output_dir)
+    trainer.accelerator.wait_for_everyone()
     started = time.perf_counter()
-    result = trainer.train(resume_from_checkpoint=resume)
-    trainer.save_model(args.output_dir)
+    with no_room_as_usage_error():
+        result = trainer.train(resume_from_checkpoint=resume)
+    with no_room_as_usage_error(args.output_dir, trainer):
+        trainer.save_model(args.output_dir)
     if trainer.is_world_process_zero():
         if resume:
             print(f"resumed from {resume}")
+        if trainer.trained_nothing:
+            print(f"nothing to train: {resume} is at step {trainer.state.global_step} of max_steps "
+                  f"{trainer.state.max_steps} (raise --max_steps or --num_train_epochs to train further)")
         module.print_summary(trainer, result, time.perf_counter() - started)
     trainer.accelerator.end_training()  # processes leave the group together, not torn down one by one at exit
     return 0
+
+
+@contextlib.contextmanager
+def no_room_as_usage_error(folder: str | None = None, trainer=None):
+    """A write that fails for want of disk space ends the run in one line (where, how much, what to do), exit 2."""
+    from ..trainers.checkpoint_files import NoRoomError, is_no_room, no_room_error
+
+    try:
+        yield
+    except NoRoomError as error:
+        raise UsageError(str(error)) from error
+    except Exception as error:
+        if folder is None or not is_no_room(error, folder):
+            raise
+        needed = sum(p.numel() * p.element_size() for p in trainer.model.parameters()) if trainer else 0
+        raise UsageError(str(no_room_error(folder, needed, "the model"))) from error
 
 
 def print_run_summary(trainer, result, seconds: float, method: str, lines: list[str]) -> None:

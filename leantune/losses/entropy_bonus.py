@@ -70,8 +70,14 @@ class EntropyBonus:
             json.dump({"entropy_coef": self.coef, "last_world_entropy": self.last_step_entropy}, handle)
 
     def load(self, folder: str) -> None:
+        """The coefficient where the checkpoint's run left it; a checkpoint without it (written without
+        use_adaptive_entropy, or by an older leantune) is an error, not a silent restart from `entropy_coef`."""
         path = os.path.join(folder, STATE_FILE)
-        if os.path.exists(path):
-            with open(path) as handle:
-                state = json.load(handle)
-            self.coef, self.last_step_entropy = float(state["entropy_coef"]), float(state["last_world_entropy"])
+        if not os.path.exists(path):
+            raise ValueError(f"`use_adaptive_entropy`: the checkpoint {folder} holds no {STATE_FILE} (the adaptive "
+                             "entropy coefficient); it was written by a run without `use_adaptive_entropy`, so "
+                             "resuming would restart the coefficient. Resume with the run's own settings, or start "
+                             "a new run.")
+        with open(path) as handle:
+            state = json.load(handle)
+        self.coef, self.last_step_entropy = float(state["entropy_coef"]), float(state["last_world_entropy"])

@@ -15,10 +15,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import os
 from collections import defaultdict
 
 import torch
 from transformers import Trainer
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from ..data.streaming import is_stream, log_stream_report, require_max_steps, reset_counts, use_own_stream_reads
 from ..losses.causal_lm import count_targets
@@ -46,6 +48,7 @@ from ..metrics.memory_breakdown import MemoryBreakdown, MemoryBreakdownCallback
 from ..metrics.throughput import TokenThroughput
 from ..models import model_card
 from ..models.output_head import OutputHead, text_config_of, unwrap_model
+from . import checkpoint_files
 from .context_parallel import ContextParallelism
 from .distributed import check_world_size, leave_process_group_at_exit
 from .memory_options import validate_memory_options
@@ -519,6 +522,64 @@ class LeantuneTrainer(ContextParallelism, Trainer):
         elif self.args.should_save:
             logger.info("%s already has a README.md not written by leantune: left as it is.", output_dir)
 
+    def _save_checkpoint(self, model, trial) -> None:
+        """transformers' checkpoint, written into `tmp-checkpoint-N/checkpoint-N` with the trainer's own state
+        (`save_extra_state`), fsynced and renamed to `checkpoint-N` only when whole (checkpoint_files.py); then the
+        rotation of --save_total_limit. A write that fails for want of space removes the staging folder and raises
+        NoRoomError, the last complete checkpoint untouched."""
+        run_dir = self._get_output_dir(trial=trial)
+        step = self.state.global_step
+        name = f"{PREFIX_CHECKPOINT_DIR}-{step}"
+        staging_root = checkpoint_files.staging_folder(run_dir, step)
+        staged, final = os.path.join(staging_root, name), os.path.join(run_dir, name)
+        if self.args.should_save:
+            checkpoint_files.remove_tree(staging_root)  # a save of this step that a kill cut short
+            os.makedirs(staged)
+        self.accelerator.wait_for_everyone()
+        # rotation and a push to the Hub (an upload that runs on in the background) come after the rename
+        save_total_limit, self.args.save_total_limit = self.args.save_total_limit, None
+        push, self.args.push_to_hub = self.args.push_to_hub, False
+        self._get_output_dir = lambda trial=None: staging_root
+        try:
+            super()._save_checkpoint(model, trial)
+            self.accelerator.wait_for_everyone()  # every process's files (rng_state_<i>.pth) are in
+            if self.args.should_save:
+                self._point_best_checkpoint_at(run_dir, staged)
+                self.save_extra_state(staged)
+                checkpoint_files.publish(staged, final)
+                checkpoint_files.remove_tree(staging_root)
+        except Exception as error:
+            if not (self.args.should_save and checkpoint_files.is_no_room(error, run_dir)):
+                raise
+            written = checkpoint_files.folder_bytes(staging_root)
+            checkpoint_files.remove_tree(staging_root)
+            earlier = [checkpoint_files.folder_bytes(os.path.join(run_dir, entry)) for entry in os.listdir(run_dir)
+                       if entry.startswith(f"{PREFIX_CHECKPOINT_DIR}-")]
+            raise checkpoint_files.no_room_error(run_dir, max([written, *earlier]), f"checkpoint-{step}") from error
+        finally:
+            del self._get_output_dir
+            self.args.save_total_limit, self.args.push_to_hub = save_total_limit, push
+        self.accelerator.wait_for_everyone()
+        if push:
+            self._push_from_checkpoint(final)
+        if self.args.should_save:
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=save_total_limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+
+    def _point_best_checkpoint_at(self, run_dir: str, staged: str) -> None:
+        """transformers looked for the best checkpoint beside the staged one: the state names its final folder."""
+        best = self.state.best_global_step
+        if not best:
+            return
+        path = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best}")
+        if best == self.state.global_step or os.path.isdir(path):
+            self.state.best_model_checkpoint = path
+            self.state.save_to_json(os.path.join(staged, "trainer_state.json"))
+
+    def save_extra_state(self, folder: str) -> None:
+        """The trainer's own state beyond transformers' (GRPO's adaptive entropy coefficient, ...), written into the
+        staged checkpoint folder before it is renamed: a checkpoint holds it or does not exist."""
+
     def create_model_card(self, tags=None, **kwargs) -> None:
         """push_to_hub's card: leantune's (what the folder holds and how to load it), with the caller's tags and
         language / license / datasets metadata, in place of transformers' generic one."""
@@ -534,9 +595,23 @@ class LeantuneTrainer(ContextParallelism, Trainer):
             from ..planning.plan_check import check_before_training
 
             self.memory_plan = check_before_training(self)  # planning/plan_check.py: training itself is unchanged
+        if args and "resume_from_checkpoint" not in kwargs:
+            kwargs["resume_from_checkpoint"], args = args[0], args[1:]
+        if kwargs.get("resume_from_checkpoint") is True:  # the newest complete one, incomplete entries named
+            kwargs["resume_from_checkpoint"] = checkpoint_files.latest_complete_checkpoint(self.args.output_dir)
+            if kwargs["resume_from_checkpoint"] is None:
+                raise ValueError(f"`resume_from_checkpoint`=True: no complete checkpoint (checkpoint-N with a "
+                                 f"trainer_state.json) in {self.args.output_dir}.")
         reset_peak_memory(self.args.device)
         self.throughput.restart()
         output = super().train(*args, **kwargs)
+        resumed = bool(kwargs.get("resume_from_checkpoint"))
+        self._trained_nothing = (resumed and self.state.global_step == getattr(self, "_initial_global_step", -1)
+                                 and self.state.global_step >= self.state.max_steps)
+        if self._trained_nothing and self.is_world_process_zero():
+            logger.warning("Nothing to train: the checkpoint is at step %d of max_steps %d (the run is done); raise "
+                           "max_steps (or num_train_epochs) to train further.", self.state.global_step,
+                           self.state.max_steps)
         train_report = self.stream_reports.get(id(self.train_dataset))
         if train_report is not None and self.is_world_process_zero():
             log_stream_report(train_report)
@@ -546,6 +621,20 @@ class LeantuneTrainer(ContextParallelism, Trainer):
         if self.memory_breakdown is not None and self.is_world_process_zero():
             logger.info(self.memory_breakdown.line())
         return output
+
+    def _run_epoch(self, *args, **kwargs):
+        """An epoch of transformers' loop, none once `max_steps` optimizer steps are done: transformers checks the
+        limit only after a step, so a run resumed from its last checkpoint would train one step more."""
+        if self.state.global_step >= self.state.max_steps:
+            self.control.should_training_stop = True
+            return None
+        return super()._run_epoch(*args, **kwargs)
+
+    @property
+    def trained_nothing(self) -> bool:
+        """Whether the last train() resumed a checkpoint already at max_steps (or its epochs' end) and trained no
+        step."""
+        return getattr(self, "_trained_nothing", False)
 
     def frozen_models(self) -> list[torch.nn.Module]:
         """The models this trainer holds and runs without training (a reference copy, reward models, a teacher):

@@ -21,8 +21,6 @@ multi-turn tool-calling loop (tool-result tokens stay in the sequence as context
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ..losses.advantages import group_relative_advantages, normalize_then_sum_advantages
@@ -146,13 +144,9 @@ class GRPOTrainer(OnlineTrainer):
         """The entropy bonus's coefficient now (it moves with use_adaptive_entropy); TRL's attribute."""
         return None if self.entropy_bonus is None else self.entropy_bonus.coef
 
-    def _save_checkpoint(self, model, trial):
-        super()._save_checkpoint(model, trial)
-        if self.entropy_bonus is not None and self.entropy_bonus.adaptive and self.args.should_save:
-            from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-
-            folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-            self.entropy_bonus.save(os.path.join(self._get_output_dir(trial=trial), folder))
+    def save_extra_state(self, folder: str) -> None:
+        if self.entropy_bonus is not None and self.entropy_bonus.adaptive:
+            self.entropy_bonus.save(folder)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
