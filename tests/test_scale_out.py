@@ -240,7 +240,8 @@ def test_every_trainer_matches_one_process_under_each_engine(engine, assets, ini
 
         planned, deepspeed_file = out, None  # zero2: accelerate's config, DeepSpeed's defaults
         if engine == "zero3":  # the plan does not model prefetch or persistence (docs/plan.md): measured apart
-            planned, deepspeed_file = run_engine(assets, "zero3_measured", ZERO3_MEASURED), HELPERS / "deepspeed_zero3_cpu.json"
+            planned = run_engine(assets, "zero3_measured", ZERO3_MEASURED)
+            deepspeed_file = HELPERS / "deepspeed_zero3_cpu.json"
             for rank in ranks(planned, "sft"):
                 assert rank["engine"] == "DEEPSPEED" and rank["local_fraction"] == pytest.approx(held)
                 assert_same_losses(rank["losses"], ranks(one_process, "sft")[0]["losses"])
