@@ -234,3 +234,45 @@ def test_logits_memory_is_one_chunk_whatever_the_length(length):
     non_logit = 4 * length * hidden_size * 4  # hidden states, their gradient, selections
     assert full >= logits  # the plain path holds at least the full fp32 logits
     assert chunked <= 3 * chunk_logits + non_logit  # logits, softmax and gradient of one chunk
+
+
+def leaves_reached(tensor: torch.Tensor) -> set[int]:
+    """ids of the parameters the autograd graph of `tensor` reaches (what DDP's unused-parameter search walks)."""
+    seen, found, stack = set(), set(), [tensor.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if hasattr(node, "variable"):
+            found.add(id(node.variable))
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return found
+
+
+def test_trainers_forward_keeps_the_head_in_its_graph_exactly():
+    """`capture_hidden_states(head_follows=True)` (the trainers' forward): the empty logits reach the head's weight,
+    so DDP with find_unused_parameters=True (no gradient checkpointing) counts it used and waits for the chunked loss's
+    gradient instead of failing (the 2-process run: tests/test_launch.py). Values and gradients stay the full path's,
+    and a micro-batch without targets gives the head a zero gradient, not none, which DDP would wait for forever."""
+    model = small_config_model("llama")
+    input_ids, labels = batch()
+    full = full_path(model, input_ids, labels)
+    head = OutputHead.of(model)
+    with head.capture_hidden_states() as captured:  # a caller that never projects (a value model): left out
+        assert id(model.lm_head.weight) not in leaves_reached(model(input_ids=input_ids).logits)
+    model.zero_grad()
+    targets = select_targets(labels)
+    with head.capture_hidden_states(head_follows=True) as captured:
+        outputs = model(input_ids=input_ids)
+    assert outputs.logits.shape[-1] == 0 and id(model.lm_head.weight) in leaves_reached(outputs.logits)
+    logps = chunked_logprobs(captured["hidden"], head, targets, chunk_size=7)
+    (logps * torch.linspace(0.5, 1.5, len(targets))).sum().backward()
+    assert_same(full, (logps.detach(), grads(model)))
+
+    model.zero_grad()
+    with head.capture_hidden_states(head_follows=True) as captured:
+        model(input_ids=input_ids)
+    nothing = select_targets(torch.full_like(labels, -100))
+    chunked_logprobs(captured["hidden"], head, nothing, chunk_size=7).sum().backward()
+    assert model.lm_head.weight.grad is not None and not model.lm_head.weight.grad.any()

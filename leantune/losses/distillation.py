@@ -144,6 +144,7 @@ class _ChunkedJSDSum(torch.autograd.Function):
                     grads = grads[1:]
                 param_grads = [g if acc is None else acc.add_(g) for acc, g in zip(param_grads, grads)]
             del raw, grad
+        param_grads = [torch.zeros_like(p) if g is None else g for p, g in zip(wanted, param_grads)]  # no targets
         grads_in = iter(param_grads)
         ctx.grads = [grad_hidden] + [next(grads_in) if wants_grad and p.requires_grad else None for p in params]
         return total
@@ -205,6 +206,8 @@ class _ChunkedJSD(torch.autograd.Function):
                 grad_hidden[start:end] = grads[0]
                 grads = grads[1:]
             param_grads = [g if acc is None else acc.add_(g) for acc, g in zip(param_grads, grads)]
+        # No targets here: a zero gradient, not none, for DDP, which waits for the head (capture_hidden_states)
+        param_grads = [torch.zeros_like(p) if g is None else g for p, g in zip(wanted, param_grads)]
         grads_in = iter(param_grads)
         per_param = [next(grads_in) if need else None for need in ctx.needs_input_grad[6:]]
         return (grad_hidden, None, None, None, None, None, *per_param)

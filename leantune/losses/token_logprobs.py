@@ -234,6 +234,9 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
                 grad_hidden[start:end] = grads[0]
                 grads = grads[1:]
             param_grads = [g if acc is None else acc.add_(g) for acc, g in zip(param_grads, grads)]
+        # No targets here (no chunk ran): a zero gradient, not none, for an engine that waits for every parameter
+        # it saw in the forward (DDP, `capture_hidden_states(head_follows=True)`).
+        param_grads = [torch.zeros_like(p) if g is None else g for p, g in zip(wanted, param_grads)]
         grads_in = iter(param_grads)
         per_param = [next(grads_in) if need else None for need in ctx.needs_input_grad[7:]]
         return (grad_hidden, None, None, None, None, None, None, *per_param)

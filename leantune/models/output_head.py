@@ -123,20 +123,49 @@ class OutputHead:
         return self.transform(self.project(hidden))
 
     @contextlib.contextmanager
-    def capture_hidden_states(self):
-        """Within the block, calling the model stores the head's input in `self.hidden` and computes no logits."""
+    def capture_hidden_states(self, head_follows: bool = False):
+        """Within the block, calling the model stores the head's input in `self.hidden` and computes no logits.
+
+        `head_follows`: the caller projects the captured states through this head afterwards (the chunked loss), so
+        the head's trainable parameters get a gradient this step, from outside the model's forward. Two engines
+        need to know which call of the head that gradient belongs to:
+
+        - DDP with `find_unused_parameters=True` (transformers' choice without gradient checkpointing) marks every
+          parameter its forward's outputs do not reach as unused, reduces it at once, and then fails when the
+          chunked loss's gradient arrives ("Expected to mark a variable ready only once"). The empty logits
+          returned here therefore depend on those parameters through a zero-element sum: DDP sees them used and
+          waits for their one gradient (exact: nothing flows back through an empty tensor). Callers that never
+          project (a value model's body) leave it off, so DDP keeps treating their head as unused.
+        - ZeRO-3 wraps the head's input in a hook that releases the head's weight after its backward. The captured
+          states are taken before that hook (a hook put first), so the loss's backward runs only the hooks of the
+          head call the loss makes itself (`call_as_head`): one gather and one release per step, in the same order
+          every step. Through the hooked input, the model's own head call released the weight a second time with
+          nothing gathered for it, which DeepSpeed's prefetcher, replaying step 1's order from step 2, stops on
+          ("active_backward_submodules is empty during backward pass")."""
         module, captured = self.module, {}
+        engine_hooked = _is_zero3_partitioned(module)
+        tied = [] if (not head_follows or self.weights_sharded() or engine_hooked) else self.trainable_parameters
 
         def keep_hidden(hidden, *args, **kwargs):
-            captured["hidden"] = hidden
-            return hidden[..., :0]
+            captured.setdefault("hidden", hidden)
+            empty = hidden[..., :0]
+            for parameter in tied:  # in the forward's graph (see above); zero elements, no cost
+                empty = empty + parameter.view(-1)[:0].sum().to(empty.dtype)
+            return empty
+
+        def before_engine_hooks(_module, args):
+            if args:
+                captured["hidden"] = args[0]
 
         keep_hidden._leantune_capture = True
         previous = module.__dict__.get("forward")
         module.forward = keep_hidden
+        first = module.register_forward_pre_hook(before_engine_hooks, prepend=True) if engine_hooked else None
         try:
             yield captured
         finally:
+            if first is not None:
+                first.remove()
             if previous is None:
                 del module.forward
             else:
@@ -166,6 +195,11 @@ def _fp32_linear_forward(self: torch.nn.Linear, hidden: torch.Tensor) -> torch.T
     with torch.autocast(hidden.device.type, enabled=False):
         bias = None if self.bias is None else self.bias.float()
         return torch.nn.functional.linear(hidden.float(), self.weight.float(), bias)
+
+
+def _is_zero3_partitioned(module: torch.nn.Module) -> bool:
+    """Whether DeepSpeed ZeRO-3 manages the module's parameters (gathered and released by its hooks)."""
+    return any(hasattr(parameter, "ds_id") for parameter in module.parameters())
 
 
 def _is_dtensor(tensor) -> bool:

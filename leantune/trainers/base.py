@@ -411,7 +411,7 @@ class LeantuneTrainer(ContextParallelism, Trainer):
         return not model.training and evaluating_with_metrics
 
     def _forward_hidden(self, model, inputs: dict, head: OutputHead):
-        with self.offloading_scope(model), head.capture_hidden_states() as captured:
+        with self.offloading_scope(model), head.capture_hidden_states(head_follows=True) as captured:
             outputs = model(**inputs, use_cache=False)
         outputs.logits = None
         self.note_router_loss(model, outputs)
