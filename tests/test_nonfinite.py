@@ -123,8 +123,8 @@ def test_nonfinite_weights_are_never_saved(gsm8k_rows, tokenizer, tmp_path):
                            nonfinite_policy="skip")
     trainer.train_dataset = trainer.train_dataset.select([i for i in range(ROWS) if i not in POISONED])
     trainer.add_callback(BreakWeights(trainer.model))
-    with pytest.raises(NonFiniteStepError, match=rf"After optimizer step 2 the weights hold NaN or inf values; the "
-                       rf"checkpoint of this step was not saved .* the last good checkpoint is .*checkpoint-1 "):
+    with pytest.raises(NonFiniteStepError, match=r"After optimizer step 2 the weights hold NaN or inf values; the "
+                       r"checkpoint of this step was not saved .* the last good checkpoint is .*checkpoint-1 "):
         trainer.train()
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-1"]
 

@@ -196,11 +196,9 @@ class NonFiniteGuard:
 
     def _save_checkpoint(self, model, trial):
         """No checkpoint of non-finite weights: such weights stop the run (whatever the policy: nothing to skip)."""
-        bad = torch.zeros(1, device=self.args.device)
-        for name, parameter in self.accelerator.unwrap_model(model).named_parameters():
-            if not torch.isfinite(parameter.detach()).all():
-                bad += 1
-                break
+        parameters = self.accelerator.unwrap_model(model).parameters()
+        finite = all(bool(torch.isfinite(parameter.detach()).all()) for parameter in parameters)
+        bad = torch.tensor([0.0 if finite else 1.0], device=self.args.device)
         if self.args.world_size > 1:
             bad = self.accelerator.reduce(bad, reduction="sum")
         if float(bad.sum()):
