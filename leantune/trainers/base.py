@@ -47,7 +47,7 @@ from ..metrics.throughput import TokenThroughput
 from ..models import model_card
 from ..models.output_head import OutputHead, text_config_of, unwrap_model
 from .context_parallel import ContextParallelism
-from .distributed import check_world_size, leave_process_group_at_exit
+from .distributed import check_world_size, leave_process_group_at_exit, named_collective_timeouts
 from .memory_options import validate_memory_options
 from .nonfinite import ROW_INDEX, NonFiniteGuard, validate_nonfinite_policy
 
@@ -539,7 +539,8 @@ class LeantuneTrainer(NonFiniteGuard, ContextParallelism, Trainer):
             self.memory_plan = check_before_training(self)  # planning/plan_check.py: training itself is unchanged
         reset_peak_memory(self.args.device)
         self.throughput.restart()
-        output = super().train(*args, **kwargs)
+        with named_collective_timeouts(self.args):  # a stuck or dead process: one clear error (distributed.py)
+            output = super().train(*args, **kwargs)
         train_report = self.stream_reports.get(id(self.train_dataset))
         if train_report is not None and self.is_world_process_zero():
             log_stream_report(train_report)
