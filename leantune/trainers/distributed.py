@@ -114,7 +114,19 @@ def start_cpu_process_group(args) -> None:
             or "LOCAL_RANK" not in os.environ or "MASTER_ADDR" not in os.environ or getattr(args, "deepspeed", None)
             or not torch.distributed.is_available() or torch.distributed.is_initialized()):
         return
-    torch.distributed.init_process_group(backend="gloo", timeout=datetime.timedelta(seconds=args.ddp_timeout))
+    timeout = datetime.timedelta(seconds=args.ddp_timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        torch.distributed.init_process_group(backend="gloo", timeout=timeout)
+        return
+    # torchrun's static rendezvous (--master_port) keeps one store over its restarts (--max-restarts): the group of a
+    # restarted attempt would read the addresses its processes' predecessors wrote there and fail to connect
+    # ("Gloo connectFullMesh failed ... Connection refused"). Each attempt's group gets keys of its own.
+    store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                       launched_world_size(), is_master=False, timeout=timeout)
+    torch.distributed.init_process_group(backend="gloo", store=torch.distributed.PrefixStore(
+        f"leantune/attempt_{attempt}", store), rank=int(os.environ["RANK"]), world_size=launched_world_size(),
+        timeout=timeout)
 
 
 class ProcessGroupTimeout(TrainingFault):
@@ -124,8 +136,9 @@ class ProcessGroupTimeout(TrainingFault):
 def is_collective_timeout(error: BaseException) -> bool:
     """Whether `error` is gloo's (or NCCL's watchdog's) report of a collective that timed out."""
     text = str(error).lower()
-    return isinstance(error, RuntimeError) and ("timed out" in text or "timeout" in text) and (
-        "gloo" in text or "nccl" in text or "collective" in text or "wait" in text)
+    peer_gone = "connection reset by peer" in text or "connection closed by peer" in text
+    return isinstance(error, RuntimeError) and (peer_gone or ("timed out" in text or "timeout" in text) and (
+        "gloo" in text or "nccl" in text or "collective" in text or "wait" in text))
 
 
 @contextlib.contextmanager
@@ -140,8 +153,8 @@ def named_collective_timeouts(args):
         rank = torch.distributed.get_rank()
         raise ProcessGroupTimeout(
             f"Process {rank} of {torch.distributed.get_world_size()} waited more than ddp_timeout="
-            f"{args.ddp_timeout} s for the other processes in a collective operation: one of them is stuck or "
-            "died. Look at the other processes' logs; resume from the last checkpoint with "
+            f"{args.ddp_timeout} s for the other processes in a collective operation, or lost one: one of them "
+            "is stuck or died. Look at the other processes' logs; resume from the last checkpoint with "
             "resume_from_checkpoint (torchrun --max-restarts does it for you); raise ddp_timeout if a process "
             f"legitimately works alone that long (gloo said: {' '.join(str(error).split())[:300]})") from error
 
