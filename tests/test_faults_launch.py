@@ -101,6 +101,10 @@ def finish(process: subprocess.Popen, timeout: int = 300) -> subprocess.Complete
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        import psutil
+
+        for worker in psutil.Process(process.pid).children(recursive=True):  # torchrun's workers: sessions of their own
+            worker.kill()
         os.killpg(process.pid, signal.SIGKILL)
         process.communicate()
         raise
