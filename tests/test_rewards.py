@@ -152,6 +152,14 @@ def test_weights_must_match_and_be_finite():
         RewardFunctions([constant_one], reward_weights=[float("nan")])
 
 
+def test_weighted_sum_beyond_float32_is_an_error():
+    # Each reward and weight is finite in float32 (max ~3.4028e38), but 3e38 * 2 overflows to inf in the sum.
+    scores = RewardScores(torch.tensor([[3e38, 0.0], [1.0, 2.0]]), ["a", "b"], [0, 0], [0, 0])
+    with pytest.raises(ValueError, match=r"1 completion\(s\) is beyond float32's range"):
+        scores.combined(torch.tensor([2.0, 1.0]))
+    assert scores.combined(torch.tensor([1.0, 1.0])).tolist() == [pytest.approx(3e38, rel=1e-6), 3.0]
+
+
 # --- bad return values --------------------------------------------------------------------------------------------
 
 
@@ -175,6 +183,9 @@ def returning(value):
     ([[1.0], [2.0], [3.0]], TypeError, "'bad_reward' returned a list at index 0"),
     (torch.ones(3, 1), TypeError, r"'bad_reward' returned a 2-D Tensor of shape \(3, 1\)"),
     ([float("inf"), 0.0, float("-inf")], ValueError, "'bad_reward' returned 2 infinite"),
+    # finite as Python floats, infinite in the float32 column the trainer uses (float32's largest is ~3.4028e38)
+    ([1e39, 0.0, -1e39], ValueError, "'bad_reward' returned 2 infinite"),
+    (np.array([1e39, 0.0, 1.0]), ValueError, "'bad_reward' returned 1 infinite"),
 ])
 def test_bad_return_values_name_the_function(value, error, message):
     with pytest.raises(error, match=message) as raised:

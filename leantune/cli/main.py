@@ -10,7 +10,8 @@ import importlib
 import logging
 import sys
 
-from .errors import USER_MISTAKES, report, take_debug_flag
+from ..utils.faults import TrainingFault
+from .errors import USER_MISTAKES, one_line, report, take_debug_flag
 
 COMMANDS = {
     "sft": ("leantune.cli.sft", "Supervised fine-tuning (no arguments: a built-in demo run on bundled data)."),
@@ -63,6 +64,12 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             raise
         return report(command, error)
+    except TrainingFault as error:
+        # the run failed (NaN/inf, a process that stopped answering), not the command line: exit 1, one line
+        if debug:
+            raise
+        print(f"leantune {command}: training failed: {one_line(error)} (--debug shows the traceback)", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"leantune {command}: interrupted.", file=sys.stderr)
         return 130

@@ -52,6 +52,11 @@ def resolve_resume(value, output_dir: str, overwrite: bool) -> str | None:
             value = None
     if value is True:
         latest = latest_complete_checkpoint(output_dir)
+        if latest is None and os.environ.get("TORCHELASTIC_RESTART_COUNT") is not None:
+            # under torchrun (--max-restarts): the first attempt, or a restart of one that died before any checkpoint
+            logger.info("--resume_from_checkpoint true: no complete checkpoint in %s yet; a fresh run (attempt %s of "
+                        "this torchrun launch).", output_dir, int(os.environ["TORCHELASTIC_RESTART_COUNT"]) + 1)
+            return None
         if latest is None:
             raise UsageError(f"--resume_from_checkpoint true: no checkpoint (checkpoint-N with trainer_state.json) "
                              f"in --output_dir {output_dir}; give the checkpoint's path, or start without it.")

@@ -51,6 +51,11 @@ class RewardScores:
         scored = ~torch.isnan(self.per_function)
         weighted = torch.where(scored, self.per_function * weights, torch.zeros_like(self.per_function))
         total = weighted.sum(dim=1)
+        overflowed = scored.any(dim=1) & ~torch.isfinite(total)
+        if overflowed.any():
+            raise ValueError(f"the weighted sum of the rewards of {int(overflowed.sum())} completion(s) is beyond "
+                             f"float32's range (+-3.4e38) with reward_weights {weights.tolist()}; scale the rewards "
+                             "or the weights down.")
         return torch.where(scored.any(dim=1), total, torch.full_like(total, float("nan")))
 
     def unscored(self) -> torch.Tensor:
@@ -306,11 +311,14 @@ def _as_reward_column(result, name: str, n: int) -> tuple[torch.Tensor, int, int
                             "number or None.")
         nan_count += math.isnan(value)
         values.append(value)
-    infinite = sum(math.isinf(v) for v in values)
+    # checked on the float32 column the advantages are computed from: a finite Python float beyond float32's range
+    # (|x| > 3.4e38, e.g. 1e39) becomes inf there
+    column = torch.tensor(values, dtype=torch.float32)
+    infinite = int(torch.isinf(column).sum())
     if infinite:
-        raise ValueError(f"reward function {name!r} returned {infinite} infinite reward(s) out of {n}; return None "
-                         "for a completion that should get no reward.")
-    return torch.tensor(values, dtype=torch.float32), none_count, nan_count
+        raise ValueError(f"reward function {name!r} returned {infinite} infinite reward(s) out of {n} (inf, or beyond "
+                         "float32's range of +-3.4e38); return None for a completion that should get no reward.")
+    return column, none_count, nan_count
 
 
 def _as_number(item) -> float | None:

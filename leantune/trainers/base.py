@@ -50,15 +50,16 @@ from ..models import model_card
 from ..models.output_head import OutputHead, text_config_of, unwrap_model
 from . import checkpoint_files
 from .context_parallel import ContextParallelism
-from .distributed import check_world_size, leave_process_group_at_exit
+from .distributed import check_world_size, leave_process_group_at_exit, named_collective_timeouts
 from .memory_options import validate_memory_options
+from .nonfinite import ROW_INDEX, NonFiniteGuard, validate_nonfinite_policy
 
 logger = logging.getLogger("leantune.trainer")
 
 MIB = 1024 * 1024
 
 
-class LeantuneTrainer(ContextParallelism, Trainer):
+class LeantuneTrainer(NonFiniteGuard, ContextParallelism, Trainer):
     # compute_loss divides by the target count of the whole step, so the Trainer must not divide again.
     loss_is_scaled_for_ga = True
     # Dataset columns the collators read; everything else is removed by Trainer.
@@ -128,6 +129,7 @@ class LeantuneTrainer(ContextParallelism, Trainer):
         config = kwargs["args"]
         check_world_size(config)  # several launched processes never train as duplicates (trainers/distributed.py)
         validate_memory_options(config)
+        validate_nonfinite_policy(config)
         # TRL spells the request use_liger_kernel (SFT) or use_liger_loss (other trainers); either one asks for it.
         flags = [name for name in ("use_liger_kernel", "use_liger_loss") if getattr(config, name, False)]
         self.logprob_path = choose_logprob_path(bool(flags), config.device.type, " / ".join(flags) or "-",
@@ -340,7 +342,8 @@ class LeantuneTrainer(ContextParallelism, Trainer):
 
     def _set_signature_columns_if_needed(self):
         if self._signature_columns is None:
-            self._signature_columns = list(self.dataset_columns)
+            # and the row index that training's loader carries to the NaN/inf checks (trainers/nonfinite.py)
+            self._signature_columns = [*self.dataset_columns, ROW_INDEX]
 
     # --- loss normalisation over the whole optimizer step -------------------------------------------------------
 
@@ -604,7 +607,8 @@ class LeantuneTrainer(ContextParallelism, Trainer):
                                  f"trainer_state.json) in {self.args.output_dir}.")
         reset_peak_memory(self.args.device)
         self.throughput.restart()
-        output = super().train(*args, **kwargs)
+        with named_collective_timeouts(self.args):  # a stuck or dead process: one clear error (distributed.py)
+            output = super().train(*args, **kwargs)
         resumed = bool(kwargs.get("resume_from_checkpoint"))
         self._trained_nothing = (resumed and self.state.global_step == getattr(self, "_initial_global_step", -1)
                                  and self.state.global_step >= self.state.max_steps)
@@ -654,6 +658,7 @@ class LeantuneTrainer(ContextParallelism, Trainer):
         }
         if self.memory_breakdown is not None:
             summary.update(self.memory_breakdown.as_metrics())
+        summary.update(self.nonfinite_summary())
         return summary
 
     def record_metrics(self, model, **values: torch.Tensor) -> None:
@@ -682,6 +687,7 @@ class LeantuneTrainer(ContextParallelism, Trainer):
         if store:
             logs.update({f"{prefix}{name}": value for name, value in self.summarise_metrics(store).items()})
             store.clear()
+        self.mark_skipped_in_log(logs)  # trainers/nonfinite.py: a skipped step's window never logs a normal loss
         if self.model is not None and self.model.training and "loss" in logs:
             logs["real_tokens_per_second"] = round(self.throughput.window_rate(), 2)
             logs["padding_fraction"] = round(self.throughput.padding_fraction, 4)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .distributed import resolve_launch
+from .distributed import resolve_launch, start_cpu_process_group
 from .memory_options import validate_memory_options
 
 
@@ -14,6 +14,7 @@ def resolve_bf16(args) -> None:
     Every config calls this before TrainingArguments sets up its devices, so the launch is resolved here first: a
     multi-process launch without a GPU trains on CPU in all its processes, or stops (trainers/distributed.py)."""
     resolve_launch(args)
+    start_cpu_process_group(args)
     if args.bf16 is None:
         capable = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
         args.bf16 = not args.fp16 and not args.use_cpu and capable

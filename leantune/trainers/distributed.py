@@ -19,10 +19,14 @@ How each CPU launch goes without this module (accelerate 1.x, transformers 5.x),
 from __future__ import annotations
 
 import atexit
+import contextlib
+import datetime
 import logging
 import os
 
 import torch
+
+from ..utils.faults import TrainingFault
 
 logger = logging.getLogger("leantune.trainer")
 
@@ -98,6 +102,61 @@ def check_world_size(args) -> None:
             f"The launcher started {world} processes but the trainer's state has {args.world_size} (each would train "
             f"alone, a duplicate run); on a machine without a GPU {HOW_TO_LAUNCH}."
         )
+
+
+def start_cpu_process_group(args) -> None:
+    """Start a torchrun launch's gloo group with `ddp_timeout`, before accelerate starts it without one.
+
+    transformers passes `ddp_timeout` to accelerate for every backend but the CPU one (`use_cpu`), so a CPU run's
+    collectives waited for torch's default 30 minutes when a process stopped answering (stuck, or dead without its
+    launcher noticing). accelerate starts no group when one is started already, and then uses this one."""
+    if (has_accelerator() or not args.use_cpu or args.ddp_backend != "gloo" or launched_world_size() <= 1
+            or "LOCAL_RANK" not in os.environ or "MASTER_ADDR" not in os.environ or getattr(args, "deepspeed", None)
+            or not torch.distributed.is_available() or torch.distributed.is_initialized()):
+        return
+    timeout = datetime.timedelta(seconds=args.ddp_timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        torch.distributed.init_process_group(backend="gloo", timeout=timeout)
+        return
+    # torchrun's static rendezvous (--master_port) keeps one store over its restarts (--max-restarts): the group of a
+    # restarted attempt would read the addresses its processes' predecessors wrote there and fail to connect
+    # ("Gloo connectFullMesh failed ... Connection refused"). Each attempt's group gets keys of its own.
+    store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                       launched_world_size(), is_master=False, timeout=timeout)
+    torch.distributed.init_process_group(backend="gloo", store=torch.distributed.PrefixStore(
+        f"leantune/attempt_{attempt}", store), rank=int(os.environ["RANK"]), world_size=launched_world_size(),
+        timeout=timeout)
+
+
+class ProcessGroupTimeout(TrainingFault):
+    """A collective waited longer than `ddp_timeout` for the other processes: one is stuck or dead."""
+
+
+def is_collective_timeout(error: BaseException) -> bool:
+    """Whether `error` is gloo's (or NCCL's watchdog's) report of a collective that timed out."""
+    text = str(error).lower()
+    peer_gone = "connection reset by peer" in text or "connection closed by peer" in text
+    return isinstance(error, RuntimeError) and (peer_gone or ("timed out" in text or "timeout" in text) and (
+        "gloo" in text or "nccl" in text or "collective" in text or "wait" in text))
+
+
+@contextlib.contextmanager
+def named_collective_timeouts(args):
+    """A collective that timed out is re-raised as ProcessGroupTimeout saying what it means and what to do."""
+    try:
+        yield
+    except RuntimeError as error:
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()
+                and is_collective_timeout(error)):
+            raise
+        rank = torch.distributed.get_rank()
+        raise ProcessGroupTimeout(
+            f"Process {rank} of {torch.distributed.get_world_size()} waited more than ddp_timeout="
+            f"{args.ddp_timeout} s for the other processes in a collective operation, or lost one: one of them "
+            "is stuck or died. Look at the other processes' logs; resume from the last checkpoint with "
+            "resume_from_checkpoint (torchrun --max-restarts does it for you); raise ddp_timeout if a process "
+            f"legitimately works alone that long (gloo said: {' '.join(str(error).split())[:300]})") from error
 
 
 _leaves_at_exit = False

@@ -46,6 +46,12 @@ class MemoryOptions:
         default=True,
         metadata={"help": "Measure one training step's peak memory and its parts (parameters, gradients, ...) and log them."},
     )
+    nonfinite_policy: str = field(
+        default="stop",
+        metadata={"help": "A NaN or inf loss or gradient in an optimizer step: 'stop' (an error naming the step, its "
+                  "train rows and the last good checkpoint) or 'skip' (no optimizer update for that step; skipped "
+                  "steps are logged with their rows and counted)."},
+    )
     plan_check: bool = field(
         default=False,
         metadata={"help": "Before training, plan the run's step peak (leantune plan, fake weights) and warn when it "

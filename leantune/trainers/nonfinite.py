@@ -1,0 +1,236 @@
+"""NaN/inf in a training step: stop with where it happened, or skip the step and count it (`nonfinite_policy`).
+
+transformers trains on: a NaN loss is hidden from the logs by `logging_nan_inf_filter` (the window's average, 0.0 at
+its first step), the NaN gradient is applied, and the NaN weights are saved as checkpoints that a resume treats as
+complete. Here every optimizer step is checked before the optimizer runs:
+
+- the loss of each micro-batch (a flag kept on the device, no sync per micro-batch) and the gradient norm transformers
+  computes before the optimizer step anyway (for clipping, or with max_grad_norm=0 as the logged `grad_norm`; it is
+  the norm of the reduced gradients, the same on every process), one flag reduced over the processes so that a NaN on
+  one process stops or skips the step on all of them;
+- the weights before a checkpoint is written (a NaN can also come from a finite gradient, e.g. the optimizer's
+  update overflowing), so that no checkpoint after a non-finite step is ever saved.
+
+"stop" raises NonFiniteStepError naming the optimizer step, the rows of the (prepared) train dataset in the step
+(those whose micro-batch had the non-finite loss, else all of the step's rows) and the last checkpoint saved (the
+last good one). "skip" drops the step's gradients so the optimizer does not step (weights, moments and their step
+counts stay as they were); the learning-rate schedule still advances with the global step, so the schedule stays a
+function of the step and of the data read, as in an uninterrupted run, and a resume from any checkpoint (which holds
+the optimizer, the scheduler and the step) is exact. Skipped steps are logged with their rows, counted
+(`nonfinite_skipped_steps` in every later log and in the final metrics), and the logged `loss` of a logging window
+holding a skipped step is NaN (never a normal-looking value).
+
+Row ids: each row of a map-style train dataset carries its index to the collator (a column added when the train
+data loader is built, taken out again before the trainer's own collator sees the row). The online trainers' rounds of
+prompts do not carry it: their errors say the rows are not tracked.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from ..utils.faults import TrainingFault
+
+logger = logging.getLogger("leantune.trainer")
+
+NONFINITE_POLICIES = ("stop", "skip")
+ROW_INDEX = "leantune_row_index"
+"""The column (and batch key) that carries a train row's index in the prepared train dataset."""
+
+
+class NonFiniteStepError(TrainingFault):
+    """A training step had a NaN or infinite loss, gradient or weights (with nonfinite_policy="stop")."""
+
+
+def validate_nonfinite_policy(args) -> None:
+    policy = getattr(args, "nonfinite_policy", "stop")
+    if policy not in NONFINITE_POLICIES:
+        raise ValueError(f"`nonfinite_policy` must be one of {', '.join(map(repr, NONFINITE_POLICIES))}, got "
+                         f"{policy!r}.")
+    if policy == "skip" and getattr(args, "deepspeed", None):
+        raise ValueError("`nonfinite_policy='skip'` does not work with DeepSpeed (its engine steps the optimizer "
+                         "inside the backward pass, before the step can be checked); use `nonfinite_policy='stop'`.")
+
+
+class RowIndexCollator:
+    """Takes each row's index out of the rows, collates them with the trainer's collator, and puts the indices into
+    the batch (a dict) as a 1-D tensor under ROW_INDEX."""
+
+    def __init__(self, collator):
+        self.collator = collator
+
+    def __call__(self, features):
+        ids = []
+        for feature in features:
+            if isinstance(feature, dict) and ROW_INDEX in feature:
+                feature = dict(feature)
+                ids.append(int(feature.pop(ROW_INDEX)))
+        stripped = [{k: v for k, v in f.items() if k != ROW_INDEX} if isinstance(f, dict) else f for f in features]
+        batch = self.collator(stripped)
+        if ids and isinstance(batch, dict):
+            batch[ROW_INDEX] = torch.tensor(ids, dtype=torch.long)
+        return batch
+
+
+def _with_row_index(dataset):
+    """The dataset with a ROW_INDEX column (datasets.Dataset only), or None when it cannot carry one."""
+    import datasets
+
+    if not isinstance(dataset, datasets.Dataset) or ROW_INDEX in dataset.column_names:
+        return None
+    return dataset.add_column(ROW_INDEX, list(range(len(dataset))))
+
+
+class NonFiniteGuard:
+    """The checks of every leantune trainer (see the module's docstring); mixed in before transformers' Trainer."""
+
+    def _nonfinite_state(self) -> dict:
+        if "_nonfinite" not in self.__dict__:
+            self._nonfinite = {"loss_bad": None, "bad_rows": [], "step_rows": [], "tracked": False, "skipped": [],
+                               "skipped_since_log": 0}
+        return self._nonfinite
+
+    # --- rows: which rows of the train dataset a step read -------------------------------------------------------
+
+    def train(self, *args, **kwargs):
+        state = self._nonfinite_state()
+        state["training"] = True  # only training's own loader carries row indices (not a plan's, say)
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            state["training"] = False
+
+    def get_train_dataloader(self):
+        state = self._nonfinite_state()
+        indexed = _with_row_index(self.train_dataset) if state.get("training") else None
+        state["tracked"] = indexed is not None
+        if indexed is None:
+            return super().get_train_dataloader()
+        dataset, collator = self.train_dataset, self.data_collator
+        self.train_dataset, self.data_collator = indexed, RowIndexCollator(collator)
+        try:
+            return super().get_train_dataloader()
+        finally:
+            self.train_dataset, self.data_collator = dataset, collator
+
+    # --- the checks ----------------------------------------------------------------------------------------------
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        state = self._nonfinite_state()
+        rows = inputs.pop(ROW_INDEX, None) if isinstance(inputs, dict) else None
+        rows = [] if rows is None else rows.tolist()
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        bad = ~torch.isfinite(loss.detach()).all()
+        state["loss_bad"] = bad if state["loss_bad"] is None else state["loss_bad"] | bad
+        state["step_rows"].append((rows, bad))
+        return loss
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+        self._check_step(model, grad_norm)
+        return grad_norm
+
+    def _check_step(self, model, grad_norm) -> None:
+        """Before the optimizer step: [processes with a non-finite loss, with a non-finite gradient norm], reduced
+        over the processes so that all of them take the same decision."""
+        state = self._nonfinite_state()
+        device = self.args.device
+        loss_bad = state["loss_bad"] if state["loss_bad"] is not None else torch.tensor(False)
+        norm = torch.as_tensor(grad_norm if grad_norm is not None else 0.0, dtype=torch.float32, device=device)
+        flags = torch.stack([loss_bad.to(device).float(), (~torch.isfinite(norm)).float()])
+        if self.args.world_size > 1:
+            flags = self.accelerator.reduce(flags, reduction="sum")
+        step_rows = state["step_rows"]
+        state["loss_bad"], state["step_rows"] = None, []
+        losses_bad, gradient_bad = (float(v) for v in flags.cpu())
+        if losses_bad == 0 and gradient_bad == 0:
+            return
+        step = self.state.global_step + 1
+        what = "loss" if losses_bad else "gradient"
+        # a non-finite loss: the rows of the micro-batches that had it (on any process); else all the step's rows
+        parts = [rows for rows, bad in step_rows if bool(bad) or not losses_bad]
+        rows = self._gathered_rows(sorted({r for part in parts for r in part}))
+        where = self._rows_text(rows, what)
+        if self.args.nonfinite_policy == "skip":
+            model.zero_grad(set_to_none=True)  # a parameter without a gradient is not touched by the optimizer
+            state["skipped"].append((step, rows))
+            state["skipped_since_log"] += 1
+            if self.is_world_process_zero():
+                logger.warning("Optimizer step %d: non-finite %s (grad_norm %s); %s; step skipped (the optimizer did "
+                               "not step), %d skipped so far.", step, what, _number(grad_norm), where,
+                               len(state["skipped"]))
+            return
+        raise NonFiniteStepError(
+            f"Optimizer step {step}: non-finite {what} (NaN or inf; grad_norm {_number(grad_norm)}); {where}. "
+            f"Training stopped before the optimizer step; {self._last_checkpoint_text()}. Look at those rows, lower "
+            "the learning rate or turn on gradient clipping (max_grad_norm), or set nonfinite_policy='skip' to skip "
+            "and count such steps.")
+
+    def _gathered_rows(self, rows: list[int]) -> list[int]:
+        if self.args.world_size <= 1 or not torch.distributed.is_initialized():
+            return rows
+        everyone = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(everyone, rows)
+        return sorted({r for part in everyone for r in part})
+
+    def _rows_text(self, rows: list[int], what: str) -> str:
+        if not self._nonfinite_state()["tracked"]:
+            return "the rows of the step are not tracked for this trainer's data"
+        shown = ", ".join(map(str, rows[:32])) + (f", ... ({len(rows)} rows)" if len(rows) > 32 else "")
+        whose = "whose micro-batch had it" if what == "loss" else "of the step"
+        return f"train dataset rows {whose} (indices of trainer.train_dataset): [{shown}]"
+
+    def _last_checkpoint_text(self) -> str:
+        import os
+
+        from transformers.trainer_utils import get_last_checkpoint
+
+        folder = self.args.output_dir
+        last = get_last_checkpoint(folder) if folder and os.path.isdir(folder) else None
+        if last is None:
+            return "no checkpoint was saved before it"
+        return f"the last good checkpoint is {last} (resume with resume_from_checkpoint)"
+
+    def _save_checkpoint(self, model, trial):
+        """No checkpoint of non-finite weights: such weights stop the run (whatever the policy: nothing to skip)."""
+        parameters = self.accelerator.unwrap_model(model).parameters()
+        finite = all(bool(torch.isfinite(parameter.detach()).all()) for parameter in parameters)
+        bad = torch.tensor([0.0 if finite else 1.0], device=self.args.device)
+        if self.args.world_size > 1:
+            bad = self.accelerator.reduce(bad, reduction="sum")
+        if float(bad.sum()):
+            raise NonFiniteStepError(
+                f"After optimizer step {self.state.global_step} the weights hold NaN or inf values; the checkpoint of "
+                f"this step was not saved and training stopped; {self._last_checkpoint_text()}. Lower the learning "
+                "rate or turn on gradient clipping (max_grad_norm).")
+        super()._save_checkpoint(model, trial)
+
+    # --- reporting -----------------------------------------------------------------------------------------------
+
+    def mark_skipped_in_log(self, logs: dict) -> None:
+        """A training log of a window with a skipped step: its loss is NaN, and the count so far is given."""
+        state = self._nonfinite_state()
+        if "loss" in logs and state["skipped_since_log"]:
+            logs["loss"] = math.nan
+            state["skipped_since_log"] = 0
+        if state["skipped"] and ("loss" in logs or "train_loss" in logs):
+            logs["nonfinite_skipped_steps"] = len(state["skipped"])
+
+    def nonfinite_summary(self) -> dict:
+        if self.args.nonfinite_policy != "skip":
+            return {}
+        skipped = self._nonfinite_state()["skipped"]
+        if skipped and self.is_world_process_zero():
+            logger.warning("%d optimizer step(s) were skipped for a non-finite loss or gradient: steps %s.",
+                           len(skipped), [step for step, _ in skipped])
+        return {"nonfinite_skipped_steps": len(skipped)}
+
+
+def _number(value) -> str:
+    if value is None:
+        return "not computed"
+    value = float(value)
+    return str(value) if not math.isfinite(value) else f"{value:.4g}"
