@@ -199,3 +199,9 @@ def _check_config_files(argv: list[str], yaml_values: dict) -> None:
                 value = arg.split("=", 1)[1]
         if isinstance(value, str) and value.endswith(".json") and not os.path.isfile(value):
             raise UsageError(f"--{name} {value}: no such file (a JSON config the engine reads).")
+        if name == "deepspeed" and value:  # transformers imports it while parsing: check before, in one line
+            from ..utils.imports import is_available
+
+            if not is_available("deepspeed"):
+                raise UsageError("--deepspeed needs deepspeed, which is not installed: "
+                                 "pip install \"leantune[deepspeed]\".")

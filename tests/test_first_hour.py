@@ -1,0 +1,88 @@
+"""A new user's first hour (issue 27, section 3): each rough edge they meet, as they meet it."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+
+import pytest
+
+from .conftest import tiny_model
+from .test_cli import leantune
+
+
+@pytest.fixture
+def model_and_data(tmp_path, tokenizer, gsm8k_rows):
+    model_dir = tmp_path / "tiny-llama"
+    tiny_model().save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    data_file = tmp_path / "train.jsonl"
+    data_file.write_text("".join(json.dumps({"prompt": r["question"], "completion": " " + r["answer"]}) + "\n"
+                                 for r in gsm8k_rows[:16]))
+    return model_dir, data_file
+
+
+def _one_error_line(capsys, command: str) -> str:
+    captured = capsys.readouterr()
+    errors = [line for line in captured.err.splitlines() if line.startswith(f"leantune {command}: error:")]
+    assert len(errors) == 1 and "Traceback" not in captured.err + captured.out, captured.err[-3000:]
+    return errors[0]
+
+
+# --- a missing optional package: one line naming the flag and the pip install, before any model loads --------------
+
+
+def test_missing_tensorboard_is_one_line_and_exit_2_in_a_real_process(tmp_path):
+    assert importlib.util.find_spec("tensorboard") is None, "this test needs tensorboard not installed"
+    result = leantune("sft", "--report_to", "tensorboard", "--max_steps", "1", "--output_dir", str(tmp_path / "o"),
+                      cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("leantune sft: error: --report_to tensorboard") and "pip install tensorboard" in last
+    assert not (tmp_path / "o").exists()  # found before the demo's model was built or trained
+
+
+@pytest.mark.parametrize("tracker", ["wandb", "trackio"])
+def test_missing_tracker_is_named_before_the_model_loads(tracker, model_and_data, tmp_path, capsys):
+    from leantune.cli.main import main
+
+    assert importlib.util.find_spec(tracker) is None, f"this test needs {tracker} not installed"
+    model_dir, data_file = model_and_data
+    assert main(["sft", "--model_name_or_path", str(model_dir), "--dataset_name", str(data_file), "--output_dir",
+                 str(tmp_path / "o"), "--report_to", tracker, "--max_steps", "1"]) == 2
+    line = _one_error_line(capsys, "sft")
+    assert f"--report_to {tracker}" in line and f"pip install {tracker}" in line
+    assert not (tmp_path / "o").exists()
+
+
+# --- data files -------------------------------------------------------------------------------------------------------
+
+
+def test_blank_jsonl_lines_are_counted_and_logged(tmp_path, caplog):
+    from leantune.data.loading import load_dataset_source
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"text": "a"}\n\n{"text": "b"}\n   \n{"text": "c"}\n')
+    with caplog.at_level(logging.WARNING, logger="leantune.data"):
+        data = load_dataset_source(str(path))
+    assert data["train"]["text"] == ["a", "b", "c"]
+    assert f"{path}: skipped 2 blank line(s) (line 2, 4)" in caplog.text
+    caplog.clear()
+    array = tmp_path / "rows.json"  # a JSON array's blank lines are layout, not skipped rows
+    array.write_text('[\n{"text": "a"},\n\n{"text": "b"}\n]\n')
+    with caplog.at_level(logging.WARNING, logger="leantune.data"):
+        assert load_dataset_source(str(array))["train"]["text"] == ["a", "b"]
+    assert "blank line" not in caplog.text
+
+
+def test_a_missing_data_file_names_the_flag(model_and_data, tmp_path, capsys):
+    from leantune.cli.main import main
+
+    model_dir, _ = model_and_data
+    missing = tmp_path / "no-such.jsonl"
+    assert main(["sft", "--model_name_or_path", str(model_dir), "--dataset_name", str(missing), "--output_dir",
+                 str(tmp_path / "o"), "--report_to", "none"]) == 2
+    line = _one_error_line(capsys, "sft")
+    assert f"--dataset_name {missing}:" in line
