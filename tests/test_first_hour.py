@@ -86,3 +86,17 @@ def test_a_missing_data_file_names_the_flag(model_and_data, tmp_path, capsys):
                  str(tmp_path / "o"), "--report_to", "none"]) == 2
     line = _one_error_line(capsys, "sft")
     assert f"--dataset_name {missing}:" in line
+
+
+# --- --help says what leantune does with transformers' fields ---------------------------------------------------------
+
+
+def test_help_of_output_dir_and_resume_is_leantunes_own():
+    from leantune.cli.help_cache import render_help  # the live rendering (help_cache.json is regenerated from it)
+
+    text = " ".join(render_help("sft").split())
+    resume = text[text.index("--resume_from_checkpoint VALUE"):][:300]
+    assert "Not directly used by Trainer" not in resume
+    assert "true (or latest) resumes from the latest complete checkpoint-N in --output_dir" in resume
+    output = text[text.index("--output_dir VALUE"):][:400]
+    assert "trainer_output" in output and "leantune-output/<command>-demo" in output
