@@ -100,3 +100,48 @@ def test_help_of_output_dir_and_resume_is_leantunes_own():
     assert "true (or latest) resumes from the latest complete checkpoint-N in --output_dir" in resume
     output = text[text.index("--output_dir VALUE"):][:400]
     assert "trainer_output" in output and "leantune-output/<command>-demo" in output
+
+
+# --- a CPU training run's own output: step-numbered log lines, no pin_memory warnings ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def cpu_run_output(tmp_path_factory):
+    """Two logged steps of SFT on this machine (no accelerator), as a user runs it: stdout and the warnings."""
+    import contextlib
+    import io
+    import warnings
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from leantune import SFTConfig, SFTTrainer
+
+    from .conftest import GSM8K_TRAIN, TOKENIZER_DIR, gsm8k_prompt_completion
+
+    if torch.cuda.is_available():
+        pytest.skip("the run must be on a machine without an accelerator")
+    rows = [json.loads(line) for _, line in zip(range(8), open(GSM8K_TRAIN, encoding="utf-8"))]
+    args = SFTConfig(output_dir=str(tmp_path_factory.mktemp("cpu-run")), report_to=[], save_strategy="no",
+                     max_steps=2, logging_steps=1, per_device_train_batch_size=2, max_length=64, disable_tqdm=False)
+    trainer = SFTTrainer(model=tiny_model(), args=args, train_dataset=gsm8k_prompt_completion(rows, 8),
+                         processing_class=AutoTokenizer.from_pretrained(str(TOKENIZER_DIR)))
+    out = io.StringIO()
+    with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(out):
+        warnings.simplefilter("always")
+        trainer.train()
+    return trainer, out.getvalue(), [str(w.message) for w in caught]
+
+
+def test_a_cpu_run_does_not_warn_about_pin_memory(cpu_run_output):
+    trainer, _, caught = cpu_run_output
+    assert not [m for m in caught if "pin_memory" in m], caught
+    assert trainer.args.dataloader_pin_memory is False
+
+
+def test_training_log_lines_start_with_the_step(cpu_run_output):
+    _, printed, _ = cpu_run_output
+    lines = [line.strip() for line in printed.splitlines() if "loss" in line]
+    assert any(line.startswith("step 1/2 | loss ") for line in lines), printed
+    assert any(line.startswith("step 2/2 | loss ") for line in lines), printed
+    assert not any(line.startswith("{") for line in lines), printed
