@@ -145,3 +145,53 @@ def test_training_log_lines_start_with_the_step(cpu_run_output):
     assert any(line.startswith("step 1/2 | loss ") for line in lines), printed
     assert any(line.startswith("step 2/2 | loss ") for line in lines), printed
     assert not any(line.startswith("{") for line in lines), printed
+
+
+# --- data that leaves nothing to train on: one clear error, not a missing internal column ----------------------------
+
+
+@pytest.mark.parametrize("trainer_name", ["GRPOTrainer", "RLOOTrainer"])
+def test_an_empty_prompt_dataset_is_a_clear_error(trainer_name):
+    import leantune
+    from datasets import Dataset
+
+    from .test_grpo import build_default_tokenizer, char_model, config, count_a
+
+    tokenizer = build_default_tokenizer()
+    trainer_class = getattr(leantune, trainer_name)
+    config_class = getattr(leantune, trainer_name.replace("Trainer", "Config"))
+    with pytest.raises(ValueError, match=r"The train dataset is empty \(0 rows\)"):
+        trainer_class(char_model(tokenizer), count_a, args=config(config_class), processing_class=tokenizer,
+                      train_dataset=Dataset.from_dict({"prompt": []}))
+
+
+def test_kto_on_pairs_that_are_all_identical_is_one_line(model_and_data, tmp_path, capsys):
+    from leantune.cli.main import main
+
+    model_dir, _ = model_and_data
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": f"Q{i}?", "chosen": " Same.", "rejected": " Same."}) + "\n"
+                             for i in range(4)))
+    assert main(["kto", "--model_name_or_path", str(model_dir), "--dataset_name", str(pairs), "--output_dir",
+                 str(tmp_path / "o"), "--report_to", "none", "--max_steps", "1"]) == 2
+    line = _one_error_line(capsys, "kto")
+    assert "No train example is left" in line
+    assert "of 4 row(s), dropped 4 pair(s) whose chosen and rejected are identical" in line
+
+
+def test_dpo_counts_pairs_made_identical_by_truncation_apart(tokenizer):
+    from datasets import Dataset
+
+    from leantune import DPOConfig
+    from leantune.data.preference_preparation import prepare_preference_dataset
+
+    data = Dataset.from_list([
+        {"prompt": "Q:", "chosen": " the same long start then yes", "rejected": " the same long start then no"},
+        {"prompt": "Q:", "chosen": " Same.", "rejected": " Same."},  # identical in the data
+        {"prompt": "Q:", "chosen": " yes", "rejected": " no"},
+    ])
+    args = DPOConfig(output_dir="unused", use_cpu=True, report_to=[], max_length=6, truncation_mode="keep_start")
+    kept, report = prepare_preference_dataset(data, tokenizer, args)
+    assert (report.num_identical_dropped, report.num_identical_after_truncation_dropped, len(kept)) == (1, 1, 1)
+    with pytest.raises(ValueError, match="No train pair is left after preparation: of 1 pair"):
+        prepare_preference_dataset(data.select([1]), tokenizer, args)  # was: Column '__prompt_too_long__' ...
