@@ -195,3 +195,33 @@ def test_dpo_counts_pairs_made_identical_by_truncation_apart(tokenizer):
     assert (report.num_identical_dropped, report.num_identical_after_truncation_dropped, len(kept)) == (1, 1, 1)
     with pytest.raises(ValueError, match="No train pair is left after preparation: of 1 pair"):
         prepare_preference_dataset(data.select([1]), tokenizer, args)  # was: Column '__prompt_too_long__' ...
+
+
+# --- `leantune plan` on a machine without a GPU ------------------------------------------------------------------------
+
+
+def test_plan_without_a_gpu_plans_for_the_cpu_times_all_of_it_and_logs_the_data_once(model_and_data, capsys, caplog):
+    import re
+    import time
+
+    import torch
+
+    from leantune.cli.main import main
+
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without a GPU")
+    model_dir, data_file = model_and_data
+    started = time.perf_counter()
+    with caplog.at_level(logging.INFO, logger="leantune"):
+        assert main(["plan", "--model_name_or_path", str(model_dir), "--dataset_name", str(data_file),
+                     "--max_length", "64", "--per_device_train_batch_size", "4", "--memory_budget", "8GiB"]) == 0
+    wall = time.perf_counter() - started
+    out = capsys.readouterr().out
+    assert "this machine's CPU" in out and "beyond the traced tensors" not in out, out  # no CUDA context term
+    assert "none fits" not in out and "recommended" in out, out
+    timings = re.findall(r"^planned in ([0-9.]+) s$", out, re.M)
+    assert len(timings) == 1 and out.strip().splitlines()[-1].startswith("planned in"), out
+    # the whole command, not only the first plan: within the wall time measured here, and most of it
+    assert 0.8 * wall <= float(timings[0]) <= wall + 0.1, (timings, wall)
+    summaries = [r for r in caplog.records if r.name == "leantune.data" and r.getMessage().startswith("train data:")]
+    assert len(summaries) == 1, [r.getMessage() for r in summaries]  # the search prepared it again: shown once
