@@ -70,8 +70,8 @@ def device_planned_for(plan_args) -> tuple[str | None, str | None]:
 
 def run(argv: list[str]) -> int:
     started = time.perf_counter()  # "planned in" is the whole command's time: the data, every plan, the search
-    once = _EachLineOnce()
-    for handler in logging.getLogger().handlers:
+    filters = {handler: _EachLineOnce() for handler in logging.getLogger().handlers}  # each handler its own
+    for handler, once in filters.items():
         handler.addFilter(once)
     from datasets.utils.tqdm import are_progress_bars_disabled, enable_progress_bars
 
@@ -79,7 +79,7 @@ def run(argv: list[str]) -> int:
     try:
         return _run(argv, started)
     finally:
-        for handler in logging.getLogger().handlers:
+        for handler, once in filters.items():
             handler.removeFilter(once)
         if bars_were_on:
             enable_progress_bars()
