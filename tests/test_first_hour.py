@@ -152,8 +152,9 @@ def test_training_log_lines_start_with_the_step(cpu_run_output):
 
 @pytest.mark.parametrize("trainer_name", ["GRPOTrainer", "RLOOTrainer"])
 def test_an_empty_prompt_dataset_is_a_clear_error(trainer_name):
-    import leantune
     from datasets import Dataset
+
+    import leantune
 
     from .test_grpo import build_default_tokenizer, char_model, config, count_a
 

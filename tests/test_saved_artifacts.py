@@ -154,7 +154,6 @@ def test_every_artefact_loads_elsewhere_offline_with_its_readme_lines(runs, tmp_
 
 
 def test_readmes_say_what_they_hold(runs):
-    base = str(runs["workdir"] / BASE)
     full = readme(runs, "sft_full")
     assert "**full model**" in full and "`LlamaForCausalLM`" in full and "`SFTTrainer` (method: sft)" in full
     assert "tags:\n- leantune\n- sft" in full and "library_name: transformers" in full

@@ -47,8 +47,8 @@ from ..metrics.throughput import TokenThroughput
 from ..models import model_card
 from ..models.output_head import OutputHead, text_config_of, unwrap_model
 from .context_parallel import ContextParallelism
-from .distributed import check_world_size, leave_process_group_at_exit
 from .cpu_loader import no_pinning_without_accelerator
+from .distributed import check_world_size, leave_process_group_at_exit
 from .memory_options import validate_memory_options
 from .step_logging import use_step_log_lines
 
