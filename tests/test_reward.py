@@ -224,7 +224,8 @@ def test_pairs_identical_after_truncation_are_dropped_and_counted(tmp_path, toke
                  rejected=[" the same long start then no", " no"])
     args = config(tmp_path, max_length=6, truncation_mode="keep_start")  # 3 prompt tokens + 3 shared completion ones
     kept, report = prepare_reward_dataset(data, tokenizer, args, "train")
-    assert (report.num_identical_dropped, report.num_pairs_out, len(kept)) == (1, 1, 1)
+    assert (report.num_identical_after_truncation_dropped, report.num_identical_dropped, report.num_pairs_out,
+            len(kept)) == (1, 0, 1, 1)
     with pytest.raises(ValueError, match="No train pair is left"):
         prepare_reward_dataset(data.select([0]), tokenizer, args, "train")
 

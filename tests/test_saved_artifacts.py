@@ -138,6 +138,8 @@ def test_every_artefact_loads_elsewhere_offline_with_its_readme_lines(runs, tmp_
     script.write_text(LOAD_SCRIPT)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
+    for item in runs["trained"].values():  # the cards name each folder by its name: put each (only) there
+        (elsewhere / Path(item["folder"]).name).symlink_to(item["folder"])  # the base model is not: read from configs
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "2"}
     result = subprocess.run([sys.executable, str(script), str(spec)], cwd=elsewhere, env=env, capture_output=True,
                             text=True, timeout=300)
@@ -152,7 +154,6 @@ def test_every_artefact_loads_elsewhere_offline_with_its_readme_lines(runs, tmp_
 
 
 def test_readmes_say_what_they_hold(runs):
-    base = str(runs["workdir"] / BASE)
     full = readme(runs, "sft_full")
     assert "**full model**" in full and "`LlamaForCausalLM`" in full and "`SFTTrainer` (method: sft)" in full
     assert "tags:\n- leantune\n- sft" in full and "library_name: transformers" in full
@@ -160,7 +161,8 @@ def test_readmes_say_what_they_hold(runs):
 
     assert f"leantune {leantune.__version__}" in full
     adapter = readme(runs, "sft_lora")
-    assert "**LoRA adapter**" in adapter and f"`{base}` (a local folder)" in adapter
+    assert "**LoRA adapter**" in adapter and f"`{BASE}` (a local folder, its absolute path recorded in " \
+        "adapter_config.json)" in adapter
     assert "AutoPeftModelForCausalLM.from_pretrained" in adapter and "library_name: peft" in adapter
     assert "base_model:" not in adapter  # a local folder is no Hub id
     assert "[More Information Needed]" not in adapter  # PEFT's template card was replaced
@@ -169,9 +171,18 @@ def test_readmes_say_what_they_hold(runs):
     assert "AutoModelForSequenceClassification.from_pretrained" in reward
     reward_adapter = readme(runs, "reward_lora")
     assert "**LoRA adapter**" in reward_adapter and "**reward model**" in reward_adapter
-    assert f"from_pretrained({json.dumps(base)}, num_labels=1" in reward_adapter
+    assert "from_pretrained(base_path, num_labels=1" in reward_adapter
     checkpoint = Path(runs["trained"]["sft_full"]["folder"]) / "checkpoint-2" / "README.md"
     assert "optimizer step 2" in checkpoint.read_text() and "**full model**" in checkpoint.read_text()
+    assert '"sft-full/checkpoint-2"' in checkpoint.read_text()  # a checkpoint is named with its run folder
+
+
+def test_readmes_embed_no_absolute_local_path(runs):
+    """push_to_hub publishes README.md: the cards name folders by their names, not by this machine's paths."""
+    cards = [readme(runs, name) for name in runs["trained"]]
+    cards.append((Path(runs["trained"]["sft_full"]["folder"]) / "checkpoint-2" / "README.md").read_text())
+    for card in cards:
+        assert str(runs["workdir"]) not in card and os.path.realpath(runs["workdir"]) not in card, card
 
 
 def test_foreign_readme_is_kept_and_push_card_takes_tags(runs):

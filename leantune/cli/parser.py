@@ -24,6 +24,28 @@ GROUP_TITLES = {
     "CausalLMOptions": "model loading (every trainer)",
     "ReferenceSyncOptions": "reference model sync (TR-DPO)",
 }
+# transformers' help of some inherited fields describes its Trainer, not what these commands do with them.
+HELP_OVERRIDES = {
+    "output_dir": "Folder the model, its checkpoints and logs are written to, relative to the current folder. Unset "
+                  "(%(default)s): trainer_output (transformers' default) for a run on --dataset_name; leantune-output/<command>-demo "
+                  "for the built-in demo.",
+    "resume_from_checkpoint": "Continue a run: true (or latest) resumes from the latest complete checkpoint-N in "
+                              "--output_dir; a path resumes from that checkpoint folder. Unset (%(default)s): a fresh run.",
+}
+
+
+def _with_own_help(field: dataclasses.Field) -> dataclasses.Field:
+    """The field with leantune's help text where transformers' would mislead (a copy: the class keeps its own)."""
+    if field.name not in HELP_OVERRIDES:
+        return field
+    import copy
+    import types
+
+    field = copy.copy(field)
+    field.metadata = types.MappingProxyType({**field.metadata, "help": HELP_OVERRIDES[field.name]})
+    return field
+
+
 # Mixins of fields that TRL declares on each config itself (trainers/preference_options.py): listed with the method's
 # own fields.
 METHOD_FIELD_MIXINS = ("PreferenceOptions", "ReferenceOptions")
@@ -85,7 +107,7 @@ def make_parser(prog: str, dataclass_types: tuple):
                 for _, fields in self._inherited:
                     for field in fields:
                         if field.name not in seen:
-                            self._parse_dataclass_field(group, field)
+                            self._parse_dataclass_field(group, _with_own_help(field))
                             seen.add(field.name)
 
         def _add_dataclass_arguments(self, dtype):
@@ -104,7 +126,7 @@ def make_parser(prog: str, dataclass_types: tuple):
                     continue
                 if title not in groups:
                     groups[title] = self.add_argument_group(title)
-                self._parse_dataclass_field(groups[title], field)
+                self._parse_dataclass_field(groups[title], _with_own_help(field))
             if inherited:
                 self._inherited.append((dtype, inherited))
 
@@ -199,3 +221,9 @@ def _check_config_files(argv: list[str], yaml_values: dict) -> None:
                 value = arg.split("=", 1)[1]
         if isinstance(value, str) and value.endswith(".json") and not os.path.isfile(value):
             raise UsageError(f"--{name} {value}: no such file (a JSON config the engine reads).")
+        if name == "deepspeed" and value:  # transformers imports it while parsing: check before, in one line
+            from ..utils.imports import is_available
+
+            if not is_available("deepspeed"):
+                raise UsageError("--deepspeed needs deepspeed, which is not installed: "
+                                 "pip install \"leantune[deepspeed]\".")

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import sys
+import time
 from dataclasses import dataclass, field
 
 from .arguments import ModelConfig, ScriptArguments, model_init_kwargs_from, peft_config_from
@@ -35,7 +37,55 @@ class PlanArguments:
         default=None, metadata={"help": "leantune profile's JSON: plan rows of its lengths instead of --dataset_name."})
 
 
+class _EachLineOnce(logging.Filter):
+    """The planner prepares the data once per candidate it plans: each log line is shown the first time only."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: set = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = (record.name, record.levelno, record.getMessage())
+        if key in self.seen:
+            return False
+        self.seen.add(key)
+        return True
+
+
+def device_planned_for(plan_args) -> tuple[str | None, str | None]:
+    """(the device whose terms the plan adds, a note saying why when it was assumed). A budget given as a size on a
+    machine without a GPU is this machine's CPU memory: no CUDA context or allocator terms."""
+    from ..planning.devices import GPUS
+
+    named = plan_args.device or plan_args.memory_budget
+    if plan_args.device is not None or named is None or str(named).strip().lower() in GPUS:
+        return named, None
+    import torch
+
+    if torch.cuda.is_available():
+        return named, None
+    return "cpu", (f"device: this machine's CPU (no GPU is visible and --memory_budget {plan_args.memory_budget} "
+                   "names none), so no CUDA context is added; --device h100 (or any GPU name) plans for a GPU.")
+
+
 def run(argv: list[str]) -> int:
+    started = time.perf_counter()  # "planned in" is the whole command's time: the data, every plan, the search
+    filters = {handler: _EachLineOnce() for handler in logging.getLogger().handlers}  # each handler its own
+    for handler, once in filters.items():
+        handler.addFilter(once)
+    from datasets.utils.tqdm import are_progress_bars_disabled, enable_progress_bars
+
+    bars_were_on = not are_progress_bars_disabled()
+    try:
+        return _run(argv, started)
+    finally:
+        for handler, once in filters.items():
+            handler.removeFilter(once)
+        if bars_were_on:
+            enable_progress_bars()
+
+
+def _run(argv: list[str], started: float) -> int:
     from ..planning.planner import _init_parameters, method_classes
     from .online_runs import RewardArguments
 
@@ -67,6 +117,9 @@ def run(argv: list[str]) -> int:
     from .runner import load_splits
 
     budget = parse_budget(plan_args.memory_budget) if plan_args.memory_budget else None
+    device, assumed = device_planned_for(plan_args)
+    if assumed:
+        plan_args.device = device  # the budget search plans its candidates for the same device
     config_fields = {f.name for f in dataclasses.fields(config)} - {"output_dir", "use_cpu"}
     fields = {name: getattr(config, name) for name in explicit if name in config_fields}
     init = {k: v for k, v in model_init_kwargs_from(model_args).items() if k != "revision"}
@@ -104,10 +157,13 @@ def run(argv: list[str]) -> int:
         plan = plan_memory(model_args.model_name_or_path, train, trainer_class,
                            processing_class=tokenizer, peft_config=peft_config_from(model_args),
                            num_processes=plan_args.num_processes, engine=plan_args.engine, rank=plan_args.rank,
-                           device=plan_args.device or plan_args.memory_budget, **rewards, **fields)
+                           device=device, **rewards, **fields)
     except ValueError as error:
         raise UsageError(str(error)) from error
-    print("\n".join(plan.lines()))
+    print("\n".join(plan.lines(timing=False)))
+    if assumed:
+        print(f"note: {assumed}")
+    _quiet_progress_bars()  # the search prepares the same data again: its bars once are enough
     if budget is not None:
         from ..planning.recommend import recommend
 
@@ -126,7 +182,14 @@ def run(argv: list[str]) -> int:
         with open(plan_args.plan_json, "w", encoding="utf-8") as handle:
             json.dump(plan.to_dict(), handle, indent=2, default=str)
         print(f"written: {plan_args.plan_json}", file=sys.stderr)
+    print(f"planned in {time.perf_counter() - started:.1f} s")
     return 0
+
+
+def _quiet_progress_bars() -> None:
+    from datasets.utils.tqdm import disable_progress_bars
+
+    disable_progress_bars()
 
 
 def _max_length_suggestion(recommendation, plan, budget, model_args, plan_args, train, trainer_class, config_class,

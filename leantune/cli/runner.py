@@ -14,7 +14,8 @@ import time
 from dataclasses import dataclass
 
 from .arguments import ModelConfig, ScriptArguments, model_init_kwargs_from, peft_config_from
-from .errors import UsageError
+from .errors import UsageError, one_line
+from .optional_packages import check_optional_packages
 from .parser import parse_command_args
 from .preflight import check_model_source, check_output_dir, clear_checkpoints, resolve_resume
 
@@ -77,6 +78,7 @@ def run_method(name: str, argv: list[str]) -> int:
         missing = "--model_name_or_path" if model_args.model_name_or_path is None else "--dataset_name"
         raise UsageError(f"{missing} is required (give both --model_name_or_path and --dataset_name, or neither "
                          "for the built-in demo).")
+    check_optional_packages(args, model_args)  # a missing tracker or kernel package: one line, before any load
     if method.online:  # a generation backend that cannot run here fails now, not after a demo's warm-up
         from ..generation.backend import check_backend_requirements
 
@@ -172,7 +174,12 @@ def load_splits(script_args, args):
     if script_args.dataset_streaming and args.max_steps <= 0:
         raise UsageError("--dataset_streaming true reads the data as a stream, whose length is not known: set "
                          "--max_steps to the number of optimizer steps to train.")
-    data = load_dataset_source(script_args.dataset_name, script_args.dataset_config, script_args.dataset_streaming)
+    try:
+        data = load_dataset_source(script_args.dataset_name, script_args.dataset_config,
+                                   script_args.dataset_streaming)
+    except FileNotFoundError as error:  # the library's message names the path, not the flag that gave it
+        raise UsageError(f"--dataset_name {script_args.dataset_name}: {one_line(error)} Give an existing "
+                         "json/jsonl/parquet/csv file or folder (paths are relative to the current folder).") from error
     if script_args.dataset_train_split not in data:
         raise UsageError(f"--dataset_train_split {script_args.dataset_train_split}: no such split in "
                          f"{script_args.dataset_name}; it has {list(data)}.")

@@ -75,20 +75,26 @@ class KTOReport:
     num_examples_out: int = 0
     num_kl_partner_same_prompt: int = 0
 
+    REASONS = {
+        "num_identical_pairs_dropped": "pair(s) whose chosen and rejected are identical (contradictory labels)",
+        "num_empty_dropped": "example(s) with an empty completion",
+        "num_prompt_too_long_dropped": "example(s) whose prompt alone fills max_length (no completion token left)",
+    }
+
     def as_dict(self) -> dict:
         return asdict(self)
+
+    def dropped(self) -> str:
+        """What was dropped and why, in one line (for the error when nothing is left)."""
+        parts = [f"{getattr(self, name)} {reason}" for name, reason in self.REASONS.items() if getattr(self, name)]
+        return f"of {self.num_rows_in} row(s), dropped " + ("; ".join(parts) or "none")
 
     def log(self) -> None:
         if self.num_pairs_unpaired:
             logger.info("%s: unpaired %d preference pair(s) into %d desirable (chosen) and %d undesirable (rejected) "
                         "example(s).", self.split, self.num_pairs_unpaired, self.num_pairs_unpaired,
                         self.num_pairs_unpaired)
-        reasons = {
-            "num_identical_pairs_dropped": "pair(s) whose chosen and rejected are identical (contradictory labels)",
-            "num_empty_dropped": "example(s) with an empty completion",
-            "num_prompt_too_long_dropped": "example(s) whose prompt alone fills max_length (no completion token left)",
-        }
-        for name, reason in reasons.items():
+        for name, reason in self.REASONS.items():
             if getattr(self, name):
                 logger.warning("%s: dropped %d %s.", self.split, getattr(self, name), reason)
         if self.num_prompt_truncated or self.num_completion_truncated:
@@ -114,6 +120,9 @@ def prepare_kto_dataset(dataset, tokenizer, args, split: str = "train"):
     dataset = rename_legacy_token_columns(dataset)
     num_proc = args.dataset_num_proc
     dataset = _to_unpaired_ids(dataset, tokenizer, report, num_proc, split)
+    if len(dataset) == 0:  # before the length summary and truncation, which need rows
+        report.log()
+        raise NothingLeft(f"No {split} example is left after preparation: {report.dropped()}.", report)
 
     lengths = np.fromiter((len(p) + len(c) for p, c in zip(dataset["prompt_ids"],
                                                            dataset["completion_ids"])), np.int64, len(dataset))
@@ -127,7 +136,7 @@ def prepare_kto_dataset(dataset, tokenizer, args, split: str = "train"):
     report.num_examples_out = len(dataset)
     if len(dataset) == 0:
         report.log()
-        raise NothingLeft(f"No {split} example is left after preparation: {report.as_dict()}.", report)
+        raise NothingLeft(f"No {split} example is left after preparation: {report.dropped()}.", report)
     if args.uses_kl:
         dataset = add_kl_completions(dataset, args.max_length, args.seed, report, num_proc)
     report.log()

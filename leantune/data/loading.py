@@ -12,6 +12,8 @@ import json
 import logging
 import os
 
+from .report import report_blank_lines
+
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 STANDARD_COLUMNS = ("prompt", "completion", "messages", "chosen", "rejected")
 
@@ -40,6 +42,8 @@ def load_dataset_source(name: str, config: str | None = None, streaming: bool = 
             _check_not_empty(path)
             if builder in ("json", "csv"):
                 _check_utf8(path)  # the JSON reader lets some invalid bytes through into the strings
+            if builder == "json":
+                report_blank_lines(path, blank_json_lines(path))  # the reader skips them without a word
         try:
             with _quiet("datasets"):  # its reader logs the failure before raising; the line found below says it
                 data = datasets.load_dataset(builder, data_files={"train": files}, streaming=streaming)
@@ -140,6 +144,29 @@ def _check_utf8(path: str, chunk_size: int = 1 << 24) -> None:
         except UnicodeDecodeError as error:
             raise ValueError(f"{path} line {lines + 1}: the file ends inside a character that is not UTF-8; save "
                              "the file as UTF-8.") from error
+
+
+def blank_json_lines(path: str) -> list[int]:
+    """1-based numbers of the blank lines of a JSON-lines file, which the JSON reader skips (none for a JSON
+    array or a single object: their blank lines are layout, not rows)."""
+    blank, first = [], None
+    with _open_bytes(path) as handle:
+        for number, line in enumerate(handle, start=1):
+            stripped = line.strip()
+            if first is None and stripped:
+                first = stripped[:1]
+                if first == b"[":
+                    return []
+            if not stripped:
+                blank.append(number)
+    if first == b"{" and blank:
+        try:  # a single pretty-printed object spanning lines: its blank lines are layout
+            with _open_bytes(path) as handle:
+                json.loads(handle.read())
+            return []
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            pass
+    return blank
 
 
 def diagnose_file(path: str, builder: str) -> str | None:

@@ -37,6 +37,7 @@ class PreferenceReport:
     num_pairs_in: int = 0
     num_empty_dropped: int = 0
     num_identical_dropped: int = 0
+    num_identical_after_truncation_dropped: int = 0  # differed only in tokens that truncation cut
     num_prompt_truncated: int = 0
     num_completion_truncated: int = 0
     num_prompt_too_long_dropped: int = 0
@@ -46,13 +47,22 @@ class PreferenceReport:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    REASONS = {
+        "num_empty_dropped": "with an empty chosen or rejected completion",
+        "num_identical_dropped": "whose chosen and rejected are identical (no preference to learn)",
+        "num_identical_after_truncation_dropped": "whose chosen and rejected differ only past the truncation point "
+                                                  "(identical after truncation; raise max_length or "
+                                                  "max_completion_length to keep them)",
+        "num_prompt_too_long_dropped": "whose prompt alone fills max_length (no completion token left)",
+    }
+
+    def dropped(self) -> str:
+        """What was dropped and why, in one line (for the error when nothing is left)."""
+        parts = [f"{getattr(self, name)} {reason}" for name, reason in self.REASONS.items() if getattr(self, name)]
+        return f"of {self.num_pairs_in} pair(s), dropped " + ("; ".join(parts) or "none")
+
     def log(self) -> None:
-        reasons = {
-            "num_empty_dropped": "with an empty chosen or rejected completion",
-            "num_identical_dropped": "whose chosen and rejected are identical (no preference to learn)",
-            "num_prompt_too_long_dropped": "whose prompt alone fills max_length (no completion token left)",
-        }
-        for name, reason in reasons.items():
+        for name, reason in self.REASONS.items():
             if getattr(self, name):
                 logger.warning("%s: dropped %d pair(s) of %d %s.", self.split, getattr(self, name), self.num_pairs_in,
                                reason)
@@ -84,6 +94,8 @@ def prepare_preference_dataset(dataset, tokenizer, args, split: str = "train", k
         require_chat_template(tokenizer, "conversational preference data")
     if fmt is not PreferenceFormat.TOKENIZED:
         dataset = _drop_unusable_pairs(dataset, fmt, report, num_proc)
+        if len(dataset) == 0:  # a map of no rows adds no columns: say why before the next step looks for them
+            _nothing_left(report, split)
         eos_id = tokenizer.eos_token_id
         dataset = dataset.map(PreferenceTokenizer(tokenizer, fmt, eos_id), batched=True,
                               remove_columns=[c for c in dataset.column_names if c not in keep_columns],
@@ -92,6 +104,8 @@ def prepare_preference_dataset(dataset, tokenizer, args, split: str = "train", k
         dataset = dataset.select_columns([c for c in dataset.column_names
                                           if c in TOKEN_COLUMNS or c.startswith("ref_") or c in keep_columns])
     dataset = _drop_identical_token_pairs(dataset, report, num_proc)
+    if len(dataset) == 0:
+        _nothing_left(report, split)
 
     prompt = np.fromiter((len(x) for x in dataset["prompt_ids"]), np.int64, len(dataset))
     lengths = np.concatenate([prompt + np.fromiter((len(x) for x in dataset[f"{side}_ids"]), np.int64,
@@ -111,12 +125,19 @@ def prepare_preference_dataset(dataset, tokenizer, args, split: str = "train", k
         dataset = dataset.remove_columns(list(truncate.COUNT_COLUMNS))
         if not keep.all():
             dataset = dataset.select(np.flatnonzero(keep))
-        dataset = _drop_identical_token_pairs(dataset, report, num_proc)  # cutting may leave chosen == rejected
+        # cutting may leave chosen == rejected: counted apart from pairs identical in the data
+        dataset = _drop_identical_token_pairs(dataset, report, num_proc, "num_identical_after_truncation_dropped")
+    if len(dataset) == 0:
+        _nothing_left(report, split)
     report.num_pairs_out = len(dataset)
     report.log()
-    if len(dataset) == 0:
-        raise NothingLeft(f"No {split} pair is left after preparation: {report.as_dict()}.", report)
     return dataset, report
+
+
+def _nothing_left(report: PreferenceReport, split: str):
+    report.num_pairs_out = 0
+    report.log()
+    raise NothingLeft(f"No {split} pair is left after preparation: {report.dropped()}.", report)
 
 
 def _drop_unusable_pairs(dataset, fmt: PreferenceFormat, report: PreferenceReport, num_proc):
@@ -138,10 +159,10 @@ def _drop_unusable_pairs(dataset, fmt: PreferenceFormat, report: PreferenceRepor
     return dataset if keep.all() else dataset.select(np.flatnonzero(keep))
 
 
-def _drop_identical_token_pairs(dataset, report: PreferenceReport, num_proc):
+def _drop_identical_token_pairs(dataset, report: PreferenceReport, num_proc, counter: str = "num_identical_dropped"):
     same = np.fromiter((c == r for c, r in zip(dataset["chosen_ids"], dataset["rejected_ids"])), bool,
                        len(dataset))
-    report.num_identical_dropped += int(same.sum())
+    setattr(report, counter, getattr(report, counter) + int(same.sum()))
     return dataset if not same.any() else dataset.select(np.flatnonzero(~same))
 
 

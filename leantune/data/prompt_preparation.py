@@ -78,6 +78,9 @@ def prepare_prompt_dataset(dataset, tokenizer, args, split: str = "train", conte
     if is_stream(dataset):  # the same recipe, one buffer at a time (data/streaming.py)
         return prepare_stream(dataset, lambda buffer: prepare_prompt_dataset(
             buffer, tokenizer, args, split, context_limit, template_kwargs), split, log_args=(args, context_limit))
+    if len(dataset) == 0:  # before anything maps over it: a map of no rows adds no columns
+        raise NothingLeft(f"The {split} dataset is empty (0 rows): the online trainers need prompts in a 'prompt' "
+                          "column.", PromptReport(split=split))
     if "prompt" not in dataset.column_names:
         raise ValueError(f"The {split} dataset needs a 'prompt' column (text or a list of chat messages); "
                          f"it has {dataset.column_names}.")

@@ -26,6 +26,15 @@ class NothingLeft(ValueError):
         self.report = report
 
 
+def report_blank_lines(path: str, line_numbers: list[int]) -> int:
+    """Blank lines of a JSON-lines file hold no example and are skipped: counted and logged, never silently."""
+    if line_numbers:
+        shown = ", ".join(map(str, line_numbers[:10])) + (", ..." if len(line_numbers) > 10 else "")
+        logger.warning("%s: skipped %d blank line(s) (line %s); each other line is one example.", path,
+                       len(line_numbers), shown)
+    return len(line_numbers)
+
+
 @dataclass
 class PreparationReport:
     split: str = "train"

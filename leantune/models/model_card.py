@@ -75,6 +75,23 @@ def _is_hub_id(source: str | None) -> bool:
     return bool(source) and not os.path.isabs(source) and not os.path.exists(source)
 
 
+CHECKPOINT_FOLDER = re.compile(r"^checkpoint-\d+$")
+
+
+def shown_folder(folder: str) -> str:
+    """How the card names a saved folder: its name (a checkpoint's with its run folder's), never the absolute local
+    path, which means nothing on another machine and would be published by push_to_hub."""
+    parts = os.path.normpath(folder).split(os.sep)
+    if len(parts) > 1 and CHECKPOINT_FOLDER.match(parts[-1]) and parts[-2]:
+        return f"{parts[-2]}/{parts[-1]}"
+    return parts[-1] or folder
+
+
+def shown_source(source: str) -> str:
+    """A Hub id as it is; a local folder by its name (the absolute path stays in adapter_config.json, for loading)."""
+    return shown_folder(source) if os.path.isabs(source) else source
+
+
 def describe(trainer, model, output_dir: str) -> dict:
     """The facts the card states, as a dict (also handy for tests)."""
     import transformers
@@ -113,16 +130,22 @@ def describe(trainer, model, output_dir: str) -> dict:
 
 
 def _loading_lines(facts: dict) -> list[str]:
-    folder = json.dumps(facts["folder"])
+    folder = json.dumps(shown_folder(facts["folder"]))
+    here = [f"# {folder}: this folder (its path from where you run this, or its Hub id once pushed)"]
     if facts["kind"] == "adapter":
-        base = json.dumps(facts["base"])
+        base = json.dumps(shown_source(facts["base"]))
         if facts["task_type"] == "SEQ_CLS":
             # The adapter folder has no config.json: the base must be built as the reward model was trained.
             extra = f", num_labels={facts['num_labels']}"
             if facts.get("pad_token_id") is not None:
                 extra += f", pad_token_id={facts['pad_token_id']}"
-            lines = ["from peft import PeftModel", "from transformers import AutoModelForSequenceClassification", "",
-                     f"base = AutoModelForSequenceClassification.from_pretrained({base}{extra})",
+            source = base
+            lines = ["from peft import PeftModel", "from transformers import AutoModelForSequenceClassification", ""]
+            if os.path.isabs(facts["base"]):  # a local base: the path adapter_config.json records, not written here
+                lines = ["from peft import PeftConfig", *lines,
+                         f"base_path = PeftConfig.from_pretrained({folder}).base_model_name_or_path  # {base}"]
+                source = "base_path"
+            lines += [f"base = AutoModelForSequenceClassification.from_pretrained({source}{extra})",
                      f"model = PeftModel.from_pretrained(base, {folder})"]
         elif facts["task_type"] in PEFT_AUTO_CLASSES:
             auto = PEFT_AUTO_CLASSES[facts["task_type"]]
@@ -135,7 +158,7 @@ def _loading_lines(facts: dict) -> list[str]:
             lines = ["from peft import PeftModel", f"from {module} import {cls}", "",
                      f"model = PeftModel.from_pretrained({cls}.from_pretrained({base}), {folder})"]
     elif facts["kind"] == "state_dict":
-        path = json.dumps(os.path.join(facts["folder"], "model.safetensors"))
+        path = json.dumps(f"{shown_folder(facts['folder'])}/model.safetensors")
         lines = ["from safetensors.torch import load_file", "",
                  f"model.load_state_dict(load_file({path}))  # into a {facts['model_class']} you build yourself"]
     else:
@@ -144,7 +167,7 @@ def _loading_lines(facts: dict) -> list[str]:
     if facts["tokenizer"]:
         lines.insert(0, "from transformers import AutoTokenizer")
         lines.append(f"tokenizer = AutoTokenizer.from_pretrained({folder})")
-    return _sorted_imports(lines)
+    return _sorted_imports(here + lines)
 
 
 def _sorted_imports(lines: list[str]) -> list[str]:
@@ -175,8 +198,9 @@ def render(facts: dict, extra_tags=None, metadata: dict | None = None) -> str:
     front.append("tags:\n" + "\n".join(f"- {_yaml_value(tag)}" for tag in tags))
 
     base = facts.get("base")
-    base_text = (f"`{base}` (" + ("a local folder" if os.path.isabs(base) else "a Hub model id") + ")") if base else \
-        "(not recorded)"
+    base_text = ((f"`{shown_source(base)}` (a local folder" + (", its absolute path recorded in adapter_config.json"
+                                                               if facts["kind"] == "adapter" else "") + ")")
+                 if os.path.isabs(base) else f"`{base}` (a Hub model id)") if base else "(not recorded)"
     origin = f" Trained from {base_text}." if base else " Its starting weights came from no named checkpoint."
     peft_type = PEFT_NAMES.get(facts.get("peft_type"), facts.get("peft_type"))
     if facts["kind"] == "adapter":
@@ -197,7 +221,7 @@ def render(facts: dict, extra_tags=None, metadata: dict | None = None) -> str:
     versions = f"leantune {facts['leantune']}, transformers {facts['transformers']}"
     if facts["kind"] == "adapter":
         versions += f", PEFT {facts['peft']}"
-    name = os.path.basename(facts["folder"].rstrip(os.sep)) or facts["folder"]
+    name = shown_folder(facts["folder"])
     lines = ["---", *front, "---", MARKER, "", f"# {name}", "", what, "",
              f"Made by leantune's `{facts['trainer']}` (method: {facts['method']}){step}; {versions}.", "",
              "## Load it", "", "```python", *_loading_lines(facts), "```", ""]

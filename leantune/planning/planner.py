@@ -92,7 +92,8 @@ class MemoryPlan:
             "device_total_bytes": self.device_total_bytes, "config": self.config, "seconds": self.seconds,
         }
 
-    def lines(self) -> list[str]:
+    def lines(self, timing: bool = True) -> list[str]:
+        """The plan as printed; `timing=False` leaves out "planned in" (the command states its own whole time)."""
         per = "per process" if self.num_processes > 1 else "one process"
         out = [f"{self.method} on {self.model}: {self.num_parameters / 1e9:.3f}B parameters "
                f"({self.trainable_parameters / 1e9:.3f}B trained); {self.num_processes} process(es), {self.engine}, "
@@ -114,7 +115,8 @@ class MemoryPlan:
             out += [f"  {term.name:<30} {_mib(term.bytes)}  ({term.source})" for term in self.terms]
             out.append(f"  {'device total':<30} {_mib(self.device_total_bytes)}")
         out += [f"note: {note}" for note in self.notes]
-        out.append(f"planned in {self.seconds:.1f} s")
+        if timing:
+            out.append(f"planned in {self.seconds:.1f} s")
         return out
 
     def __str__(self) -> str:

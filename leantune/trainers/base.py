@@ -50,9 +50,11 @@ from ..models import model_card
 from ..models.output_head import OutputHead, text_config_of, unwrap_model
 from . import checkpoint_files
 from .context_parallel import ContextParallelism
+from .cpu_loader import no_pinning_without_accelerator
 from .distributed import check_world_size, leave_process_group_at_exit, named_collective_timeouts
 from .memory_options import validate_memory_options
 from .nonfinite import ROW_INDEX, NonFiniteGuard, validate_nonfinite_policy
+from .step_logging import use_step_log_lines
 
 logger = logging.getLogger("leantune.trainer")
 
@@ -142,12 +144,14 @@ class LeantuneTrainer(NonFiniteGuard, ContextParallelism, Trainer):
             if self.logprob_path is LogProbPath.LIGER:
                 logger.info("use_liger_kernel=True on %s: Liger's fused linear cross-entropy computes the loss; its "
                             "model patches (RMSNorm, RoPE, SwiGLU) are applied on CUDA only.", config.device.type)
+        no_pinning_without_accelerator(config)  # trainers/cpu_loader.py: pinning on CPU only warns
         self._offloader = None
         if config.activation_offloading:
             log_offloading_scope(logger)
         super().__init__(*args, **kwargs)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             leave_process_group_at_exit()  # no abort at interpreter exit (trainers/distributed.py)
+        use_step_log_lines(self.callback_handler)  # trainers/step_logging.py: `step N/M | loss ...`
         self.tag_model()
         if self.logprob_path is LogProbPath.LIGER:
             self._note_liger_head()
