@@ -268,13 +268,13 @@ def plan_trl(config, length: int, opts, tokenizer) -> int:
 
 
 def longest_fitting(predict, budget: int, start: int, step: int = 256, limit: int = 1 << 20,
-                    tolerance: float = 1 / 64) -> tuple[int, int]:
+                    tolerance: float = 1 / 64, known: dict[int, int] | None = None) -> tuple[int, int]:
     """(longest length, a multiple of `step`, whose predicted peak fits `budget`; its prediction). Each prediction is
     a traced step (seconds of CPU), and a peak is close to linear in the length, so the next length probed is where
     the line through the last two probes meets the budget (bisection where that is not strictly inside the bracket),
     until the bracket is `step` tokens or `tolerance` of the length wide. (0, 0) when not even `step` tokens fit;
-    at most `limit`."""
-    cache: dict[int, int] = {}
+    at most `limit`. `known`: predictions already made ({length: peak}), the first points of the line."""
+    cache: dict[int, int] = dict(known or {})
 
     def peak(length):
         if length not in cache:
@@ -286,7 +286,7 @@ def longest_fitting(predict, budget: int, start: int, step: int = 256, limit: in
 
     low, high = 0, None  # low fits (0: nothing probed fits yet), high does not
     sides = []  # which side each probe fell on: True fits
-    for length in (snap(start), snap(2 * start)):
+    for length in sorted({*cache, snap(start), snap(2 * start)} if len(cache) < 2 else cache):
         sides.append(peak(length) <= budget)
         low, high = (max(low, length), high) if sides[-1] else (low, length if high is None else min(high, length))
     while not (high is not None and high - low <= max(step, low * tolerance)) and not (high is None and low >= limit):
@@ -548,7 +548,8 @@ def main(argv=None) -> int:
                 print(f"  probe {lib} {n:,} tokens: {size(peak)}", flush=True)
                 return peak
 
-            length, peak = longest_fitting(probe, budget, measured)
+            known = {int(n): peak for n, peak in report["plans"][library].items()}
+            length, peak = longest_fitting(probe, budget, measured, known=known)
             report["longest"][library] = {"length": length, "peak_mib": peak / MIB, "predicted": True}
             print(f"longest in {opts.budget_gib:g} GiB, {library}: {length:,} tokens ({size(peak)}, "
                   "predicted)", flush=True)

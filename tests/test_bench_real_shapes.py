@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 
-from bench.real_shapes import longest_fitting, main, model_flops, model_config, parse_args
+from bench.real_shapes import longest_fitting, main, model_config, model_flops, parse_args
 
 TINY = ["--layers", "1", "--hidden", "64", "--intermediate", "128", "--heads", "4", "--kv-heads", "2",
         "--vocab", "1000"]
