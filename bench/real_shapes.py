@@ -26,6 +26,11 @@ against its measured peak where it ran. A run predicted above `--cap-gib` is not
 machine's memory is shared. The longest length each library fits in `--budget-gib` is found by bisection on its
 prediction (marked predicted).
 
+Time: the steps are the cost. With the checkpointing's recompute a step is 3.95 / 8.26 / 17.96 / 41.69 TFLOP at
+1k / 2k / 4k / 8k tokens; 2 steps x 2 libraries make ~49 TFLOP for `--quick` and ~287 for the full run, so at this
+2-core machine's ~40 GFLOP/s fp32 peak, `--quick` takes ~25-35 minutes and the full run ~2.5-3 hours when the
+machine is quiet (plus ~2-5 minutes of planning a length); `--lengths` runs a subset.
+
 Nothing is downloaded. The tokenizer (only its special ids are used) is the shared Mistral one
 (`$LEANTUNE_SHARED/tokenizers/mistral-7b-v0.1`, else `<repo>/../shared`), or `--tokenizer DIR`.
 """
