@@ -27,19 +27,18 @@ machine's memory is shared. The longest length each library fits in `--budget-gi
 prediction (marked predicted).
 
 Time: the steps are the cost. With the checkpointing's recompute a step is 3.95 / 8.26 / 17.96 / 41.69 TFLOP at
-1k / 2k / 4k / 8k tokens; 2 steps x 2 libraries make ~49 TFLOP for `--quick` and ~287 for the full run, so at this
-2-core machine's ~40 GFLOP/s fp32 peak, `--quick` takes ~25-35 minutes and the full run ~2.5-3 hours when the
+1k / 2k / 4k / 8k tokens; 2 steps x 2 libraries make ~16 TFLOP for `--quick` (1k only) and ~287 for the full run, so
+at this 2-core machine's ~40 GFLOP/s fp32 peak, `--quick` takes ~10 minutes and the full run ~2.5-3 hours when the
 machine is quiet (plus ~2-5 minutes of planning a length); `--lengths` runs a subset.
 
-Nothing is downloaded. The tokenizer (only its special ids are used) is the shared Mistral one
-(`$LEANTUNE_SHARED/tokenizers/mistral-7b-v0.1`, else `<repo>/../shared`), or `--tokenizer DIR`.
+Nothing is downloaded. The tokenizer (only its special ids are used) is the Mistral one (bench/common.py's
+TOKENIZER_DIR: the shared folder's, else the copy in tests/data/shared), or `--tokenizer DIR`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -51,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import (  # noqa: E402
     MIB,
+    TOKENIZER_DIR,
     library_versions,
     machine_description,
     markdown_table,
@@ -65,7 +65,7 @@ GIB = 1024 * MIB
 LIBRARIES = ("leantune", "trl")
 QWEN25_05B = dict(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=151_936)
 FULL_LENGTHS = (1024, 2048, 4096, 8192)
-QUICK_LENGTHS = (1024, 2048)
+QUICK_LENGTHS = (1024,)
 FIRST_ID = 3  # token ids 0-2 are the tokenizer's unk/pad, bos and eos: a row never holds them
 
 
@@ -108,10 +108,7 @@ def rows_dataset(length: int, vocab: int, seed: int, rows: int):
 
 
 def tokenizer_dir(opts) -> Path:
-    if opts.tokenizer:
-        return Path(opts.tokenizer)
-    shared = Path(os.environ.get("LEANTUNE_SHARED", Path(__file__).resolve().parents[2] / "shared"))
-    return shared / "tokenizers" / "mistral-7b-v0.1"
+    return Path(opts.tokenizer) if opts.tokenizer else TOKENIZER_DIR  # bench/common.py: shared, else tests' copy
 
 
 def load_tokenizer(opts):
@@ -465,7 +462,7 @@ def render(report: dict) -> str:
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="the full shape at 1k and 2k tokens only")
+    parser.add_argument("--quick", action="store_true", help="the full shape at 1k tokens only (~10 minutes)")
     parser.add_argument("--lengths", default=None, help="comma-separated tokens per step (default 1024,...,8192)")
     parser.add_argument("--libraries", default=",".join(LIBRARIES))
     parser.add_argument("--steps", type=int, default=2, help="optimizer steps per run: the first is the warm-up, "
