@@ -284,7 +284,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
-    rows, errors = [], []
+    errors = []
     if options.row is None:
         print("| configuration | method | arch | vocab | layers | predicted MiB | measured MiB | error | "
               "worst batch MiB | plan s |")
