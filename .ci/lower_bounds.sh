@@ -62,8 +62,13 @@ export PYTHONPATH=$REPO OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} LEANTUNE_SHARED=${
 STATUS=0
 for f in "${FILES[@]}"; do
     echo "== $f" >&2
-    # test_grpo.py's two-process runs are left out (the subset stays on one process).
-    K=(); [ "$(basename "$f")" = test_grpo.py ] && K=(-k "not two_processes")
+    # Left out: test_grpo.py's two-process runs (the subset stays on one process), and the two help tests that
+    # need help_cache.json, which is rendered under the newest transformers (another version renders --help live).
+    K=()
+    case $(basename "$f") in
+        test_grpo.py) K=(-k "not two_processes") ;;
+        test_cli.py) K=(-k "not test_cached_help_equals_the_live_rendering and not test_help_is_fast") ;;
+    esac
     "$VENV/bin/python" -m pytest -q -p no:cacheprovider -n 0 "${K[@]}" "$f" || STATUS=1
 done
 exit $STATUS
