@@ -22,6 +22,7 @@ from leantune.losses.causal_lm import count_targets
 from leantune.losses.dispatch import LogProbPath
 from leantune.losses.policy_gradient import clipped_surrogate, grpo_loss_items, grpo_loss_sum, k3_kl
 from leantune.rewards import RewardFunctionError
+from leantune.trainers.config_utils import checkpointing_setting, enable_model_checkpointing
 
 from .conftest import tiny_model
 
@@ -246,8 +247,9 @@ def test_activation_offloading_and_checkpointing_give_the_same_loss_and_gradient
     monkeypatch.setattr(offloading, "offloading_context", copying_context)
     default = GRPOTrainer(char_model(char_tokenizer), count_a, args=config(beta=0.1), train_dataset=prompts(),
                           processing_class=char_tokenizer)
-    assert default.args.activation_checkpointing  # on by default
-    default.model.activation_checkpointing_enable(default.args.activation_checkpointing_kwargs)
+    enabled, kwargs = checkpointing_setting(default.args)  # under the name this transformers reads
+    assert enabled  # on by default
+    enable_model_checkpointing(default.model, kwargs)
     batch = one_round(default)[0]
     expected_loss, expected_grads = loss_and_grads(default, batch)
     offloaded = GRPOTrainer(char_model(char_tokenizer), count_a,

@@ -21,6 +21,7 @@ from datasets import Dataset
 from leantune import KTOConfig, KTOTrainer
 from leantune.data.kto_preparation import KL_COLUMN, kl_partners
 from leantune.losses.kto import kl_estimate, kto_loss
+from leantune.trainers.config_utils import checkpointing_setting
 
 from .conftest import HH_PAIRS, tiny_model
 from .test_sft_exactness import GradientRecorder, rel_diff
@@ -353,7 +354,7 @@ def test_config_is_validated():
             KTOConfig(output_dir="x", use_cpu=True, **bad)
     config = KTOConfig(output_dir="x", use_cpu=True)
     assert (config.beta, config.learning_rate, config.max_length, config.loss_type) == (0.1, 1e-6, 1024, "kto")
-    assert config.activation_checkpointing is True  # gradient checkpointing on by default
+    assert checkpointing_setting(config)[0] is True  # gradient checkpointing on by default (either name)
 
 
 # --- training -------------------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import json
 import pytest
 
 import leantune
-from leantune.trainers.config_utils import UNSUPPORTED_TRL_FIELDS
+from leantune.trainers.config_utils import UNSUPPORTED_TRL_FIELDS, checkpointing_field
 
 from .conftest import REPO, tiny_model
 
@@ -81,12 +81,13 @@ def test_every_config_builds_with_trls_defaults(tmp_path):
     for config in CONFIGS:
         args = getattr(leantune, config)(output_dir=str(tmp_path), report_to=[])
         assert args.trust_remote_code is False
-        assert args.activation_checkpointing is True  # TRL's gradient_checkpointing=True, resolved to the new name
+        # TRL's gradient_checkpointing=True, resolved to the new name where transformers has it (5.19+)
+        assert getattr(args, checkpointing_field(args)) is True
 
 
 def test_gradient_checkpointing_false_still_turns_it_off(tmp_path):
     args = leantune.SFTConfig(output_dir=str(tmp_path), report_to=[], gradient_checkpointing=False)
-    assert args.activation_checkpointing is False
+    assert getattr(args, checkpointing_field(args)) is False
 
 
 # --- trust_remote_code: a model folder whose architecture is Python code shipped in the folder ------------------

@@ -32,11 +32,13 @@ def run(argv: list[str]) -> int:
 def run_demo(args, model_args, explicit: set[str]) -> int:
     """Held-out pairwise accuracy before (chance) and after training on bundled pairs (right vs wrong reversals)."""
     from ..defaults.preferences import build_default_preference_dataset
+    from ..trainers.config_utils import set_checkpointing
     from ..trainers.reward_trainer import RewardTrainer
 
     print("leantune reward: no model or dataset given, so running the built-in demo (bundled pairs, small model).")
     if not explicit & {"gradient_checkpointing", "activation_checkpointing"}:
-        args.activation_checkpointing = False  # a 1M-parameter model's activations are tiny: recomputing only costs time
+        # a 1M-parameter model's activations are tiny: recomputing only costs time (the name this transformers reads)
+        set_checkpointing(args, False)
     apply_demo_settings(args, explicit, DEMO_TRAINING, DEMO_OUTPUT_DIR)
     data = build_default_preference_dataset(DEMO_PAIRS["train"], DEMO_PAIRS["eval"], seed=args.seed)
     print(f"stage 1: a short SFT warm-up on the chosen completions ({DEMO_WARM_UP_STEPS} steps); stage 2: a reward "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .distributed import resolve_launch, start_cpu_process_group
@@ -72,13 +74,42 @@ def refuse_unsupported_trl_fields(args) -> None:
                          f"{UNSUPPORTED_TRL_FIELDS[name]}.")
 
 
+def checkpointing_field(args) -> str:
+    """The name this transformers reads: `activation_checkpointing` from 5.19 (the rename), else the old one.
+
+    A declared field, not `hasattr`: setting `args.activation_checkpointing` on an older transformers' config makes
+    the attribute exist without transformers ever reading it."""
+    declared = {field.name for field in dataclasses.fields(args)}
+    return "activation_checkpointing" if "activation_checkpointing" in declared else "gradient_checkpointing"
+
+
+def checkpointing_setting(args) -> tuple[bool, dict | None]:
+    """(on, kwargs) of activation checkpointing, after `resolve_checkpointing`, whichever name transformers reads."""
+    name = checkpointing_field(args)
+    return bool(getattr(args, name)), getattr(args, f"{name}_kwargs")
+
+
+def set_checkpointing(args, enabled: bool) -> None:
+    setattr(args, checkpointing_field(args), enabled)
+
+
+def enable_model_checkpointing(model, kwargs: dict | None) -> bool:
+    """Turn on a model's checkpointing under the method's new name or its old one; False when it has neither."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or getattr(model, "gradient_checkpointing_enable",
+                                                                                None)
+    if enable is None:
+        return False
+    enable(kwargs)
+    return True
+
+
 def resolve_checkpointing(args, default: bool = True) -> None:
     """Gradient checkpointing on by default, non-reentrant, under TRL's name or transformers' newer one.
 
     transformers 5 renamed `gradient_checkpointing*` to `activation_checkpointing*`; both are accepted here and the
     old name is cleared so that transformers does not warn about a name our users are told to use.
     """
-    renamed = hasattr(args, "activation_checkpointing")  # transformers before the rename (5.19): only the old name
+    renamed = checkpointing_field(args) == "activation_checkpointing"  # before 5.19: only the old name
     enabled = args.activation_checkpointing if renamed else None
     if enabled is None:
         enabled = args.gradient_checkpointing

@@ -35,6 +35,7 @@ from ..models.value_head import (
     load_value_function,
     save_value_function,
 )
+from .config_utils import checkpointing_setting, enable_model_checkpointing
 from .online_trainer import OnlineTrainer
 from .ppo_config import PPOConfig
 from .reference import MODEL_INPUTS
@@ -91,8 +92,9 @@ class PPOTrainer(OnlineTrainer):
         if value_model is not None:
             if args.padding_free:
                 use_segment_attention(value_model)
-            if args.gradient_checkpointing and hasattr(value_model, "gradient_checkpointing_enable"):
-                value_model.gradient_checkpointing_enable(args.gradient_checkpointing_kwargs)
+            enabled, kwargs = checkpointing_setting(args)  # transformers 5.19+ reads only the new name
+            if enabled:
+                enable_model_checkpointing(value_model, kwargs)
         value = ValueFunction(text_config_of(unwrap_model(loaded.model)).hidden_size, value_model)
         value.to(next(loaded.model.parameters()).device)
         attach_value_function(loaded.model, value)
