@@ -60,17 +60,15 @@ if [ ${#FILES[@]} -eq 0 ]; then
            tests/test_liger_cpu.py tests/test_offloading.py tests/test_cli.py tests/test_grpo.py)
 fi
 cd "$REPO"
-export PYTHONPATH=$REPO OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} LEANTUNE_SHARED=${LEANTUNE_SHARED:-$(dirname "$REPO")/shared}
+export PYTHONPATH=$REPO OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} 
 "$VENV/bin/python" -c "import torch, transformers, accelerate, peft, datasets; print('lower bounds:', 'torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'peft', peft.__version__, 'datasets', datasets.__version__)"
 STATUS=0
 for f in "${FILES[@]}"; do
     echo "== $f" >&2
-    # Left out: test_grpo.py's two-process runs (the subset stays on one process), and the two help tests that
-    # need help_cache.json, which is rendered under the newest transformers (another version renders --help live).
+    # Left out: test_grpo.py's two-process runs (the subset stays on one process).
     K=()
     case $(basename "$f") in
         test_grpo.py) K=(-k "not two_processes") ;;
-        test_cli.py) K=(-k "not test_cached_help_equals_the_live_rendering and not test_help_is_fast") ;;
     esac
     "$VENV/bin/python" -m pytest -q -p no:cacheprovider -n 0 "${K[@]}" "$f" || STATUS=1
 done
