@@ -18,7 +18,7 @@ import os
 from enum import Enum
 
 from .chat_template import row_template_kwargs
-from .formats import current_column_names, data_code_digest, is_message_list
+from .formats import current_column_names, data_code_digest, is_message_list, message_has_payload
 
 
 class PreferenceFormat(str, Enum):
@@ -149,12 +149,13 @@ def explicit_prompt_example(example: dict, fmt: PreferenceFormat) -> dict:
 
 
 def is_empty_completion(completion) -> bool:
-    """A completion with no text to learn from (None, blank, or messages without content)."""
+    """A completion with nothing to learn from (None, blank, or messages without content, reasoning or tool
+    calls)."""
     if completion is None:
         return True
     if isinstance(completion, str):
         return not completion.strip()
-    return not any(str(m.get("content") or "").strip() for m in completion)
+    return not any(message_has_payload(m) for m in completion)
 
 
 class PreferenceTokenizer:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .chat_template import has_generation_markers, row_template_kwargs
-from .formats import SFTFormat, data_code_digest
+from .formats import SFTFormat, data_code_digest, message_has_payload
 from .training_templates import MASK_TEMPLATES, mask_template_for
 
 
@@ -17,10 +17,10 @@ def is_empty_example(example: dict, fmt: SFTFormat, text_field: str) -> bool:
         return example.get("prompt") is None or completion is None or not completion.strip()
     if fmt is SFTFormat.CONVERSATIONAL:
         messages = example.get("messages") or []
-        return not any(str(m.get("content") or "").strip() for m in messages)
+        return not any(message_has_payload(m) for m in messages)
     if fmt is SFTFormat.CONVERSATIONAL_PROMPT_COMPLETION:
         completion = example.get("completion") or []
-        return not any(str(m.get("content") or "").strip() for m in completion)
+        return not any(message_has_payload(m) for m in completion)
     return not example.get("input_ids")
 
 
