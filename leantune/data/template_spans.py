@@ -60,29 +60,46 @@ def message_span(tokenizer, messages: list[dict], index: int, ids: list[int], la
         return None
     text_end = len(ids) - common_prefix_length(ids[::-1], other[::-1])
     text_end = max(text_end, text_start)
-    start = _after_generation_prompt(tokenizer, messages[:index], ids, text_start, template_kwargs)
+    start = _after_generation_prompt(tokenizer, messages, index, ids, text_start, template_kwargs)
     if start is None:
         return None
     if last == len(messages):
         return start, len(ids)
+    closing = _closing_tokens(tokenizer, messages[:last], template_kwargs)
+    if closing and ids[text_end:text_end + len(closing)] == closing:  # the turn closes as it does when it is last
+        return start, text_end + len(closing)
     special = set(tokenizer.all_special_ids)
     end = next((i + 1 for i in range(text_end, len(ids)) if ids[i] in special), text_end)
     return start, end
 
 
-def _after_generation_prompt(tokenizer, before: list[dict], ids: list[int], text_start: int,
+def _closing_tokens(tokenizer, messages: list[dict], template_kwargs: dict) -> list[int]:
+    """What the template writes after the last message's text when it ends the conversation (e.g. `<|im_end|>\n`)."""
+    whole = render_ids(tokenizer, messages, **template_kwargs)
+    probed = render_ids(tokenizer, messages[:-1] + [_probe(messages[-1])], **template_kwargs)
+    same = common_prefix_length(whole[::-1], probed[::-1])
+    return whole[len(whole) - same:] if same < len(whole) else []
+
+
+def _after_generation_prompt(tokenizer, messages: list[dict], index: int, ids: list[int], text_start: int,
                              template_kwargs: dict) -> int | None:
     """Where the model's own tokens start: just after the last occurrence, before `text_start`, of the generation
     prompt the template writes after `before` (or of its longest leading part that occurs: DeepSeek-R1's opens a
     <think> its rendered turns never show)."""
+    before = messages[:index]
     if not before:
         return 0
     plain = render_ids(tokenizer, before, **template_kwargs)
     cued = render_ids(tokenizer, before, add_generation_prompt=True, **template_kwargs)
     cue = cued[common_prefix_length(plain, cued):]
+    # only between the previous message's text and this one's: an earlier turn's header is not this turn's
+    previous = before[:-1] + [_probe(before[-1])] + messages[len(before):]
+    after_previous = len(ids) - common_prefix_length(ids[::-1], render_ids(tokenizer, previous,
+                                                                           **template_kwargs)[::-1])
+    floor = after_previous if after_previous <= text_start else 0
     for size in range(len(cue), 0, -1):
         part = cue[:size]
-        for at in range(text_start - size, -1, -1):
+        for at in range(text_start - size, floor - 1, -1):
             if ids[at:at + size] == part:
                 return at + size
     return None
