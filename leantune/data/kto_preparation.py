@@ -32,7 +32,6 @@ import torch
 from .chat_template import require_chat_template, row_template_kwargs
 from .collators import CausalLMCollator, layout_like, prompt_completion_row
 from .formats import current_column_names, is_message_list, rename_legacy_token_columns
-from .template_spans import split_after_prompt
 from .lengths import length_summary_line
 from .preference_formats import (
     PreferenceFormat,
@@ -44,6 +43,7 @@ from .preference_formats import (
 from .preference_preparation import PairTruncation
 from .report import NothingLeft
 from .streaming import is_stream, prepare_stream
+from .template_spans import split_after_prompt
 
 logger = logging.getLogger("leantune.data")
 
