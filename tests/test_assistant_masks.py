@@ -115,15 +115,40 @@ GENERATION_PROMPT_DIFFERS = (
 )
 
 
-@pytest.mark.parametrize("template, where", [(DROPS_EARLIER_REASONING, "the first 2 message"),
-                                             (GENERATION_PROMPT_DIFFERS, "add_generation_prompt=True")])
-def test_inconsistent_prefixes_are_a_clear_error(template, where, tokenizer, tmp_path):
+# A template that shows an earlier assistant turn's text nowhere: no rendering locates that turn.
+HIDES_EARLIER_TURNS = (
+    "{% for message in messages %}{{ '<|' + message['role'] + '|>' }}"
+    "{% if message['role'] != 'assistant' or loop.last %}{{ message['content'] }}{% endif %}{{ '<|end|>' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+REASONING_TURNS = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>add</think>4"},
+                   {"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "<think>add</think>6"}]
+
+
+@pytest.mark.parametrize("template, trained", [
+    (DROPS_EARLIER_REASONING, ["4<|end|>", "<think>add</think>6<|end|>"]),
+    (GENERATION_PROMPT_DIFFERS, ["<think>add</think>4<|end|>", "<think>add</think>6<|end|>"])])
+def test_inconsistent_prefixes_are_located_in_the_whole_rendering(template, trained, tokenizer, tmp_path):
+    """The prefix method cannot locate these turns; the whole conversation's own rendering does
+    (data/template_spans.py): each turn's tokens as that rendering shows them, from after the generation prompt
+    (or its longest leading part present) through the turn's end-of-turn token."""
+    import itertools
+
     tokenizer.chat_template = template
-    messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>add</think>4"},
-                {"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "<think>add</think>6"}]
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|user|>", "<|assistant|>", "<|end|>"]})
+    args = SFTConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, assistant_only_loss=True)
+    prepared, _ = prepare_sft_dataset(Dataset.from_list([{"messages": REASONING_TURNS}]), tokenizer, args)
+    row = prepared[0]
+    runs = itertools.groupby(zip(row["input_ids"], row["labels"]), key=lambda pair: pair[1] != -100)
+    assert [tokenizer.decode([token for token, _ in run]) for kept, run in runs if kept] == trained
+
+
+def test_a_turn_no_rendering_locates_is_a_clear_error(tokenizer, tmp_path):
+    tokenizer.chat_template = HIDES_EARLIER_TURNS
     args = SFTConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, assistant_only_loss=True)
     with pytest.raises(ValueError) as error:
-        prepare_sft_dataset(Dataset.from_list([{"messages": messages}]), tokenizer, args)
+        prepare_sft_dataset(Dataset.from_list([{"messages": REASONING_TURNS}]), tokenizer, args)
     message = str(error.value)
-    assert "not a prefix of the whole conversation" in message and where in message
+    assert "not a prefix of the whole conversation" in message and "assistant message 1" in message
+    assert "nor does the whole conversation's rendering show where the turn is" in message
     assert "{% generation %}" in message and "chat_template_path" in message

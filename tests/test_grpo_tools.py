@@ -414,3 +414,40 @@ def test_unknown_environment_name_is_an_error_naming_the_choices(tool_tokenizer)
     trainer.model.generate = Script(tool_tokenizer, ["a", "b", "c"])
     with pytest.raises(ValueError, match=r"environment='typo'.*Expected one of: \['counter'\]"):
         trainer.train()
+
+
+def test_template_that_rerenders_the_calling_turn_once_results_follow(tool_tokenizer):
+    """Qwen3's own template (tests/data/chat_templates/qwen3.jinja) writes an empty <think> block into an assistant
+    turn only while no tool result follows it, so the conversation up to a tool call is not a prefix of the
+    conversation with the results. TRL trains it (with a template of its own); leantune reads the results' tokens from
+    Qwen3's rendering itself: everything after the <|im_end|> that closes the calling turn. The policy's turns stay
+    exactly as generated (targets, per token) and nothing of the tool's turn is a target."""
+    import copy
+    from pathlib import Path
+
+    tokenizer = copy.deepcopy(tool_tokenizer)
+    tokenizer.add_tokens(["<tool_response>", "</tool_response>", "<think>", "</think>"])
+    tokenizer.chat_template = (Path(__file__).parent / "data" / "chat_templates" / "qwen3.jinja").read_text()
+    trainer = GRPOTrainer(tiny_policy(tokenizer), message_count, args=config(), train_dataset=questions(1),
+                          processing_class=tokenizer, tools=[multiply])
+    script = Script(tokenizer, [call("multiply", a=3, b=4)] * 3, ["The answer is 12."] * 3)
+    trainer.model.generate = script
+    (batch,) = one_round(trainer)
+
+    def turn(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+
+    first, second = turn(call("multiply", a=3, b=4)), turn("The answer is 12.")
+    for row in range(3):
+        ids, labels = batch["input_ids"][row], batch["labels"][row]
+        assert labels[labels != IGNORE].tolist() == first + second
+        targets = (labels != IGNORE).nonzero().flatten()
+        gap = ids[targets[len(first) - 1] + 1: targets[len(first)]]
+        assert tokenizer.decode(gap) == ("\n<|im_start|>user\n<tool_response>\n12\n</tool_response><|im_end|>\n"
+                                         "<|im_start|>assistant\n")
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    # rewards that differ (a rollout without a tool call has fewer messages), so the step has an advantage to follow
+    trainer.model.generate = Script(tokenizer, [call("multiply", a=3, b=4), call("multiply", a=3, b=4), "No."],
+                                    ["12.", "Twelve."])
+    trainer.train()
+    assert any(not torch.equal(before[name], p) for name, p in trainer.model.named_parameters())

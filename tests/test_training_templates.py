@@ -144,15 +144,22 @@ def test_recognition_is_exact(tokenizer_dir):
     assert mask_template_for(text.replace("call one or more", "call one or two")) is None  # any other change
     assert mask_template_for(qwen3.text) is None  # a template with markers is used as it is
     assert mask_template_for(None) is None
-    # An unknown template keeps the prefix method, and its clear error.
-    tokenizer = family_tokenizer(tokenizer_dir, "Qwen3")
-    tokenizer.chat_template = text.replace("'<|im_start|>' + message.role + '\\n' + content }}",
-                                           "'<|im_start|>' + message.role + '\\n' + content + '' }}")
-    messages = [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": "A."},
-                {"role": "user", "content": "Q?"}, {"role": "assistant", "content": "A."}]
+    # An unknown template (here Qwen3's, changed without changing what it renders) is not recognised; its turns are
+    # located in the whole conversation's rendering (data/template_spans.py), and the targets are those leantune's
+    # marked Qwen3 template gives, per token.
+    variant = text.replace("'<|im_start|>' + message.role + '\\n' + content }}",
+                           "'<|im_start|>' + message.role + '\\n' + content + '' }}")
+    assert variant != text and mask_template_for(variant) is None
+    messages = [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": "<think>\nR.\n</think>\n\nA."},
+                {"role": "user", "content": "Q?"}, {"role": "assistant", "content": "<think>\nS.\n</think>\n\nB."}]
     args = SFTConfig(output_dir="unused", report_to=[], use_cpu=True, assistant_only_loss=True)
-    with pytest.raises(ValueError, match="not a prefix of the whole conversation"):
-        prepare_sft_dataset(Dataset.from_list([{"messages": messages}]), tokenizer, args)
+    labels = {}
+    for name, template in (("known", text), ("unknown", variant)):
+        tokenizer = family_tokenizer(tokenizer_dir, "Qwen3")
+        tokenizer.chat_template = template
+        prepared, _ = prepare_sft_dataset(Dataset.from_list([{"messages": messages}]), tokenizer, args)
+        labels[name] = prepared[0]["labels"]
+    assert labels["unknown"] == labels["known"] and any(label != -100 for label in labels["known"])
 
 
 def trl_scenario(rows, n: int) -> Dataset:

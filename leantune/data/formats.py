@@ -36,13 +36,26 @@ def data_code_digest() -> str:
     return digest.hexdigest()[:16]
 
 
+# What a chat message may carry besides its role: an assistant turn that only calls tools has `tool_calls` and no
+# `content`; a reasoning model's turn may carry its reasoning apart (harmony's `thinking`, Qwen3's
+# `reasoning_content`).
+MESSAGE_PAYLOADS = ("content", "tool_calls", "thinking", "reasoning_content")
+
+
 def is_message_list(value) -> bool:
-    return isinstance(value, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
+    return isinstance(value, list) and all(
+        isinstance(m, dict) and "role" in m and any(key in m for key in MESSAGE_PAYLOADS) for m in value)
+
+
+def message_has_payload(message: dict) -> bool:
+    """Whether a message gives the model something to read or learn: text, reasoning, or a tool call."""
+    return any(str(message.get(key) or "").strip() for key in ("content", "thinking", "reasoning_content")) or bool(
+        message.get("tool_calls"))
 
 
 def completion_text(completion) -> str:
     """A completion's text: the string itself, or the content of the last message of a conversational one."""
-    return completion if isinstance(completion, str) else completion[-1]["content"]
+    return completion if isinstance(completion, str) else completion[-1].get("content") or ""
 
 
 def _first_non_null(dataset, column: str):

@@ -43,6 +43,7 @@ from .preference_formats import (
 from .preference_preparation import PairTruncation
 from .report import NothingLeft
 from .streaming import is_stream, prepare_stream
+from .template_spans import split_after_prompt
 
 logger = logging.getLogger("leantune.data")
 
@@ -261,10 +262,21 @@ class UnpairedTokenizer(PreferenceTokenizer):
         for i, prompt in enumerate(prompts):
             kwargs = template_kwargs[i] if template_kwargs else {}
             ids = self._prompt_ids(prompt, **kwargs)
-            prompt_ids.append(ids)
+            rendered = set()  # the prompt as rendered before each side's completion
             for side, column in zip(sides, out):
-                column.append([] if is_empty_completion(side[i]) else self._after_prompt(prompt, ids, side[i],
-                                                                                          **kwargs))
+                if is_empty_completion(side[i]):
+                    column.append([])
+                    continue
+                side_prompt, completion = split_after_prompt(self.tokenizer, prompt, side[i], ids, **kwargs)
+                rendered.add(tuple(side_prompt))
+                column.append(completion)
+            if len(rendered) > 1:
+                raise ValueError(
+                    "The chat template renders the prompt differently before the chosen completion than before the "
+                    "rejected one (it re-renders earlier turns depending on what follows), so the pair has no one "
+                    "prompt to share. Give both completions the same shape, or use a template that renders earlier "
+                    "turns the same whatever follows.")
+            prompt_ids.append(list(rendered.pop()) if rendered else ids)
         return prompt_ids, out
 
     def _prompt_ids(self, prompt: list, **template_kwargs) -> list[int]:
@@ -273,17 +285,6 @@ class UnpairedTokenizer(PreferenceTokenizer):
         rendered = self.tokenizer.apply_chat_template(prompt, tokenize=True, return_dict=True,
                                                       add_generation_prompt=True, **template_kwargs)
         return list(rendered["input_ids"])
-
-    def _after_prompt(self, prompt: list, prompt_ids: list[int], completion: list, **template_kwargs) -> list[int]:
-        full = list(self.tokenizer.apply_chat_template(list(prompt) + list(completion), tokenize=True,
-                                                       return_dict=True, **template_kwargs)["input_ids"])
-        if full[: len(prompt_ids)] != prompt_ids:
-            raise ValueError(
-                "The chat template renders the prompt differently alone (with add_generation_prompt=True) than as "
-                "the start of the whole conversation, so the completion cannot be located. Use a template whose "
-                "generation prompt is a prefix of the rendered assistant turn."
-            )
-        return full[len(prompt_ids):]
 
 
 class PairUnpairer(UnpairedTokenizer):

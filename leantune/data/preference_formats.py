@@ -18,7 +18,8 @@ import os
 from enum import Enum
 
 from .chat_template import row_template_kwargs
-from .formats import current_column_names, data_code_digest, is_message_list
+from .formats import current_column_names, data_code_digest, is_message_list, message_has_payload
+from .template_spans import split_after_prompt
 
 
 class PreferenceFormat(str, Enum):
@@ -149,12 +150,13 @@ def explicit_prompt_example(example: dict, fmt: PreferenceFormat) -> dict:
 
 
 def is_empty_completion(completion) -> bool:
-    """A completion with no text to learn from (None, blank, or messages without content)."""
+    """A completion with nothing to learn from (None, blank, or messages without content, reasoning or tool
+    calls)."""
     if completion is None:
         return True
     if isinstance(completion, str):
         return not completion.strip()
-    return not any(str(m.get("content") or "").strip() for m in completion)
+    return not any(message_has_payload(m) for m in completion)
 
 
 class PreferenceTokenizer:
@@ -207,14 +209,15 @@ class PreferenceTokenizer:
             return self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **options, **kwargs)
 
         prompt_ids = list(template(row["prompt"], add_generation_prompt=True)["input_ids"]) if row["prompt"] else []
-        completions = []
+        prompts, completions = [], []
         for completion in (row["chosen"], row["rejected"]):
-            full_ids = list(template(row["prompt"] + completion)["input_ids"])
-            if full_ids[: len(prompt_ids)] != prompt_ids:
-                raise ValueError(
-                    "The chat template renders the prompt differently alone (with add_generation_prompt=True) "
-                    "than as the start of the whole conversation, so the completion cannot be located. Use a "
-                    "template whose generation prompt is a prefix of the rendered assistant turn."
-                )
-            completions.append(full_ids[len(prompt_ids):])
-        return prompt_ids, completions[0], completions[1]
+            prompt, ids = split_after_prompt(self.tokenizer, row["prompt"], completion, prompt_ids, **kwargs)
+            prompts.append(prompt)
+            completions.append(ids)
+        if prompts[0] != prompts[1]:
+            raise ValueError(
+                "The chat template renders the prompt differently before the chosen completion than before the "
+                "rejected one (it re-renders earlier turns depending on what follows), so the pair has no one prompt "
+                "to share. Give both completions the same shape (e.g. both with or both without a final answer), or "
+                "use a template that renders earlier turns the same whatever follows.")
+        return prompts[0], completions[0], completions[1]

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from .chat_template import has_generation_markers, row_template_kwargs
-from .formats import SFTFormat, data_code_digest
+from .formats import SFTFormat, data_code_digest, message_has_payload
+from .template_spans import announce_located, message_span
 from .training_templates import MASK_TEMPLATES, mask_template_for
 
 
@@ -17,10 +18,10 @@ def is_empty_example(example: dict, fmt: SFTFormat, text_field: str) -> bool:
         return example.get("prompt") is None or completion is None or not completion.strip()
     if fmt is SFTFormat.CONVERSATIONAL:
         messages = example.get("messages") or []
-        return not any(str(m.get("content") or "").strip() for m in messages)
+        return not any(message_has_payload(m) for m in messages)
     if fmt is SFTFormat.CONVERSATIONAL_PROMPT_COMPLETION:
         completion = example.get("completion") or []
-        return not any(str(m.get("content") or "").strip() for m in completion)
+        return not any(message_has_payload(m) for m in completion)
     return not example.get("input_ids")
 
 
@@ -50,21 +51,31 @@ def assistant_masks_from_prefixes(tokenizer, messages: list[dict], ids: list[int
     Any template that renders a conversation's first k messages as a token prefix of the whole conversation shows
     where each assistant turn lies: its tokens are those between the conversation rendered up to the turn (with the
     generation prompt, which is the model's cue, not its output) and rendered through the end of the turn. The prefix
-    property is checked for every turn; a template that breaks it is an error, never a guessed mask."""
+    property is checked for every turn; where a template breaks it (it re-renders earlier turns once later ones
+    follow, as harmony and Qwen3 do), the turn is located in the whole conversation's own rendering instead
+    (template_spans.message_span); a turn neither way finds is an error, never a guessed mask."""
     mask = [0] * len(ids)
     for i, message in enumerate(messages):
         if message.get("role") != "assistant":
             continue
         start = _render_ids(tokenizer, messages[:i], add_generation_prompt=True, **template_kwargs)
         end = _render_ids(tokenizer, messages[: i + 1], add_generation_prompt=False, **template_kwargs)
-        for prefix, what in ((start, f"the first {i} message(s) with add_generation_prompt=True"),
-                             (end, f"the first {i + 1} message(s)")):
-            if ids[: len(prefix)] != prefix:
-                raise _inconsistent_template(tokenizer, what, i, prefix, ids)
-        if len(end) < len(start):
-            raise _inconsistent_template(tokenizer, f"the first {i} message(s) with add_generation_prompt=True", i,
-                                         start, end)
-        mask[len(start):len(end)] = [1] * (len(end) - len(start))
+        broken = next(((prefix, what) for prefix, what in (
+            (start, f"the first {i} message(s) with add_generation_prompt=True"), (end, f"the first {i + 1} message(s)"))
+            if ids[: len(prefix)] != prefix), None)
+        if broken is None and len(end) < len(start):
+            broken = (start, f"the first {i} message(s) with add_generation_prompt=True")
+            ids_compared = end
+        else:
+            ids_compared = ids
+        if broken is None:
+            mask[len(start):len(end)] = [1] * (len(end) - len(start))
+            continue
+        span = message_span(tokenizer, messages, i, ids, last=i + 1, **template_kwargs)
+        if span is None:
+            raise _inconsistent_template(tokenizer, broken[1], i, broken[0], ids_compared)
+        announce_located("assistant turns")
+        mask[span[0]:span[1]] = [1] * (span[1] - span[0])
     return mask
 
 
@@ -74,7 +85,9 @@ def _inconsistent_template(tokenizer, what: str, turn: int, prefix: list[int], w
         f"assistant_only_loss: the chat template has no {{% generation %}} markers, so leantune locates assistant "
         f"message {turn} by rendering the conversation up to it and through it; but {what} render(s) to tokens that "
         f"are not a prefix of the whole conversation (they differ at token {at}: "
-        f"{tokenizer.decode(prefix[at:at + 8])!r} vs {tokenizer.decode(whole[at:at + 8])!r}). The template renders "
+        f"{tokenizer.decode(prefix[at:at + 8])!r} vs {tokenizer.decode(whole[at:at + 8])!r}); nor does the whole "
+        "conversation's rendering show where the turn is (its text changes no token, or no generation prompt precedes "
+        "it). The template renders "
         "earlier turns differently depending on what follows (e.g. it drops reasoning from earlier turns, or its "
         "generation prompt is not how it starts an assistant turn), and leantune has no marked equivalent of it (it "
         f"knows these templates exactly as shipped: {', '.join(known.family for known in MASK_TEMPLATES)}). Use a "
@@ -146,16 +159,18 @@ class SFTTokenizer:
         if self.fmt is SFTFormat.CONVERSATIONAL_PROMPT_COMPLETION:
             prompt_ids = list(template(list(row["prompt"]), tokenize=True, return_dict=True, add_generation_prompt=True,
                                        **kwargs)["input_ids"])
-
-            def apart():
-                raise ValueError(
-                    "The chat template renders the prompt differently alone (with add_generation_prompt=True) than "
-                    "as the start of the whole conversation, so the completion cannot be located. Use a template "
-                    "whose generation prompt is a prefix of the rendered assistant turn."
-                )
-
-            ids, mask = _split_at_prompt(prompt_ids, ids, apart)
-            out["completion_mask"].append(mask)
+            n = len(prompt_ids)
+            if ids[:n] != prompt_ids:  # the template re-renders the prompt once the completion follows
+                span = message_span(self.tokenizer, messages, len(row["prompt"]), ids, **kwargs)
+                if span is None:
+                    raise ValueError(
+                        "The chat template renders the prompt differently alone (with add_generation_prompt=True) "
+                        "than as the start of the whole conversation, and the whole conversation's rendering does "
+                        "not show where the completion starts, so the completion cannot be located. Use a template "
+                        "whose generation prompt is a prefix of the rendered assistant turn.")
+                announce_located("where the completion starts")
+                n = span[0]
+            out["completion_mask"].append([0] * n + [1] * (len(ids) - n))
         out["input_ids"].append(ids)
         if marked:
             out["assistant_masks"].append(list(encoded["assistant_masks"]))

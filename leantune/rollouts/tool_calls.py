@@ -204,7 +204,14 @@ def _render(tokenizer, messages: list[dict], generation_prompt: bool, template_k
 def tool_suffix_ids(tokenizer, tool_messages: list[dict], end_ids: tuple[int, ...], template_kwargs: dict,
                     keyword: str = "tools") -> list[int]:
     """The tokens that follow a policy turn ending in a tool call (at its end-of-turn token): the tool results, then
-    the generation prompt of the policy's next turn."""
+    the generation prompt of the policy's next turn.
+
+    They are read from the template's own rendering of a conversation that goes on with the results: everything
+    after the end-of-turn token that closes the tool-calling turn. That turn's end is the last end-of-turn token
+    before the first result's text, found by rendering the conversation a second time with that text changed (the
+    first token that differs is where the results' text starts). So a template that renders the calling turn
+    differently once results follow (Qwen3 drops its empty <think> block) still gives the results' tokens, and the
+    policy's own tokens, which it generated, stay as it generated them."""
     call = {"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}
     conversation = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
     before = _render(tokenizer, conversation, False, template_kwargs)
@@ -212,17 +219,38 @@ def tool_suffix_ids(tokenizer, tool_messages: list[dict], end_ids: tuple[int, ..
     ends = [i for i, token in enumerate(before) if token in end_ids]
     if ends:  # the policy's turn stops at its end-of-turn token; what the template writes after it belongs to the suffix
         before = before[: ends[-1] + 1]
-    if after[: len(before)] != before:
+    if after[: len(before)] == before:
+        return after[len(before):]
+    turn_end = _calling_turn_end(tokenizer, conversation, tool_messages, after, end_ids, template_kwargs)
+    if turn_end is None:
         raise ValueError(f"`{keyword}`: the chat template renders the beginning of a conversation differently once tool "
-                         "results follow it, so tool results cannot be appended to generated tokens. Use a chat "
-                         "template that renders earlier messages the same whatever comes after (set "
-                         "`tokenizer.chat_template`).")
-    return after[len(before):]
+                         "results follow it, and leantune cannot find where the tool-calling turn ends in that "
+                         "rendering (no end-of-turn token of the policy's before the results' text), so tool results "
+                         "cannot be appended to generated tokens. Use a chat template that ends each assistant turn "
+                         "with an end-of-turn token (set `tokenizer.chat_template`).")
+    return after[turn_end + 1:]
+
+
+def _calling_turn_end(tokenizer, conversation: list[dict], tool_messages: list[dict], after: list[int],
+                      end_ids: tuple[int, ...], template_kwargs: dict) -> int | None:
+    """The index in `after` of the end-of-turn token that closes the tool-calling turn, or None."""
+    content = tool_messages[0].get("content")
+    probe_text = "leantune probe 7" if content != "leantune probe 7" else "leantune probe 8"
+    probe = [dict(tool_messages[0], content=probe_text), *tool_messages[1:]]
+    other = _render(tokenizer, conversation + probe, True, template_kwargs)
+    results_start = next((i for i, (a, b) in enumerate(zip(after, other)) if a != b), None)
+    if results_start is None:
+        return None
+    user_end = _render(tokenizer, conversation[:1], True, template_kwargs)
+    ends = [i for i in range(results_start) if after[i] in end_ids]
+    # the end must lie after the generation prompt of the calling turn, not close the user's turn before it
+    common = next((i for i, (a, b) in enumerate(zip(user_end, after)) if a != b), min(len(user_end), len(after)))
+    return ends[-1] if ends and ends[-1] >= common else None
 
 
 def check_tool_template(tokenizer, end_ids: tuple[int, ...], template_kwargs: dict, keyword: str) -> None:
-    """The chat template must show the policy its tool calls and the tools' results, and append them to a
-    conversation without re-rendering its beginning; checked once, when the trainer is built."""
+    """The chat template must show the policy its tool calls and the tools' results, and leantune must find the
+    results' tokens in its rendering (tool_suffix_ids); checked once, when the trainer is built."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"`{keyword}` needs a chat template that renders tool calls; the tokenizer has none (set "
                          "`tokenizer.chat_template` or `chat_template_path=`).")
