@@ -50,19 +50,19 @@ def missing_packages(args, model_args=None) -> list[str]:
                                 f"{install} (or choose another --report_to, e.g. none).")
     for flag in ("use_liger_kernel", "use_liger_loss"):
         if getattr(args, flag, False) and not is_available("liger_kernel"):
-            problems.append(f"--{flag} needs liger-kernel, which is not installed: pip install \"leantune[liger]\".")
+            problems.append(f"--{flag} needs liger-kernel, which is not installed: pip install 'leantune[liger]'.")
             break
     quantized = [f for f in ("load_in_4bit", "load_in_8bit") if getattr(model_args, f, False)]
     if quantized and not is_available("bitsandbytes"):
         problems.append(f"--{quantized[0]} needs bitsandbytes, which is not installed: "
-                        "pip install \"leantune[bitsandbytes]\".")
+                        "pip install 'leantune[bitsandbytes]'.")
     deepspeed = _deepspeed_requested(args)
     if deepspeed and not is_available("deepspeed"):
-        problems.append(f"{deepspeed} needs deepspeed, which is not installed: pip install \"leantune[deepspeed]\".")
+        problems.append(f"{deepspeed} needs deepspeed, which is not installed: pip install 'leantune[deepspeed]'.")
     if getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", "colocate") == "colocate" and \
             not is_available("vllm"):
         problems.append("--use_vllm with --vllm_mode colocate needs vllm, which is not installed: "
-                        "pip install \"leantune[vllm]\" (or serve it elsewhere: --vllm_mode server).")
+                        "pip install 'leantune[vllm]' (or serve it elsewhere: --vllm_mode server).")
     return problems
 
 

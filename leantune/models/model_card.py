@@ -76,12 +76,15 @@ def _is_hub_id(source: str | None) -> bool:
 
 
 CHECKPOINT_FOLDER = re.compile(r"^checkpoint-\d+$")
+STAGING_FOLDER = re.compile(r"^tmp-checkpoint-\d+$")
 
 
 def shown_folder(folder: str) -> str:
     """How the card names a saved folder: its name (a checkpoint's with its run folder's), never the absolute local
     path, which means nothing on another machine and would be published by push_to_hub."""
     parts = os.path.normpath(folder).split(os.sep)
+    if len(parts) > 2 and CHECKPOINT_FOLDER.match(parts[-1]) and STAGING_FOLDER.match(parts[-2]):
+        parts = parts[:-2] + parts[-1:]  # written while staged (trainers/checkpoint_files.py): named as renamed
     if len(parts) > 1 and CHECKPOINT_FOLDER.match(parts[-1]) and parts[-2]:
         return f"{parts[-2]}/{parts[-1]}"
     return parts[-1] or folder

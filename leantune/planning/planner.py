@@ -192,7 +192,8 @@ def _dtype_of(fields: dict):
 # --- the traced run ----------------------------------------------------------------------------------------------------
 
 PLANNING_FIELDS = dict(max_steps=2, save_strategy="no", report_to=[], disable_tqdm=True, memory_breakdown=True,
-                       logging_steps=1, eval_strategy="no", push_to_hub=False, plan_check=False)
+                       logging_steps=1, eval_strategy="no", push_to_hub=False, plan_check=False,
+                       nonfinite_policy="stop")
 
 
 def _planning_trainer_class(trainer_class, mode: WeightlessMode):
@@ -215,6 +216,11 @@ def _planning_trainer_class(trainer_class, mode: WeightlessMode):
 
         def _save(self, *args, **kwargs):
             pass
+
+        def _check_step(self, model, grad_norm):
+            # fake values decide nothing, and a collective of them under the fake process group has no meaning (the
+            # check's two-element flag is freed before the optimizer step: no moment of the plan holds it)
+            self._nonfinite_state().update(loss_bad=None, step_rows=[])
 
     Planned.__name__ = Planned.__qualname__ = trainer_class.__name__
     return Planned

@@ -557,6 +557,8 @@ class LeantuneTrainer(NonFiniteGuard, ContextParallelism, Trainer):
                 checkpoint_files.remove_tree(staging_root)
         except Exception as error:
             if not (self.args.should_save and checkpoint_files.is_no_room(error, run_dir)):
+                if self.args.should_save:  # a save that failed leaves nothing behind (non-finite weights, ...)
+                    checkpoint_files.remove_tree(staging_root)
                 raise
             written = checkpoint_files.folder_bytes(staging_root)
             checkpoint_files.remove_tree(staging_root)

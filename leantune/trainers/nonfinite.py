@@ -123,7 +123,7 @@ class NonFiniteGuard:
         rows = inputs.pop(ROW_INDEX, None) if isinstance(inputs, dict) else None
         rows = [] if rows is None else rows.tolist()
         loss = super().training_step(model, inputs, num_items_in_batch)
-        bad = ~torch.isfinite(loss.detach()).all()
+        bad = ~torch.isfinite(_plain(loss.detach())).all()
         state["loss_bad"] = bad if state["loss_bad"] is None else state["loss_bad"] | bad
         state["step_rows"].append((rows, bad))
         return loss
@@ -139,7 +139,7 @@ class NonFiniteGuard:
         state = self._nonfinite_state()
         device = self.args.device
         loss_bad = state["loss_bad"] if state["loss_bad"] is not None else torch.tensor(False)
-        norm = torch.as_tensor(grad_norm if grad_norm is not None else 0.0, dtype=torch.float32, device=device)
+        norm = torch.as_tensor(_plain(grad_norm) if grad_norm is not None else 0.0, dtype=torch.float32, device=device)
         flags = torch.stack([loss_bad.to(device).float(), (~torch.isfinite(norm)).float()])
         if self.args.world_size > 1:
             flags = self.accelerator.reduce(flags, reduction="sum")
@@ -197,7 +197,8 @@ class NonFiniteGuard:
     def _save_checkpoint(self, model, trial):
         """No checkpoint of non-finite weights: such weights stop the run (whatever the policy: nothing to skip)."""
         parameters = self.accelerator.unwrap_model(model).parameters()
-        finite = all(bool(torch.isfinite(parameter.detach()).all()) for parameter in parameters)
+        # each process checks what it holds (an FSDP2 DTensor's local shard); the flag is reduced below
+        finite = all(bool(torch.isfinite(_local(p).detach()).all()) for p in parameters)
         bad = torch.tensor([0.0 if finite else 1.0], device=self.args.device)
         if self.args.world_size > 1:
             bad = self.accelerator.reduce(bad, reduction="sum")
@@ -227,6 +228,18 @@ class NonFiniteGuard:
             logger.warning("%d optimizer step(s) were skipped for a non-finite loss or gradient: steps %s.",
                            len(skipped), [step for step, _ in skipped])
         return {"nonfinite_skipped_steps": len(skipped)}
+
+
+def _plain(value):
+    """A DTensor (FSDP2's gradient norm, a loss under context parallelism) as the plain tensor it stands for: the
+    flags built from it are reduced with a plain collective, which a DTensor has no sharding rule for."""
+    full_tensor = getattr(value, "full_tensor", None)
+    return full_tensor() if callable(full_tensor) else value
+
+
+def _local(value):
+    """What this process holds of a tensor (a DTensor's local shard)."""
+    return value.to_local() if hasattr(value, "to_local") else value
 
 
 def _number(value) -> str:
