@@ -83,3 +83,14 @@ def tiny_model(arch: str = "llama", vocab_size: int = 32000, attn_implementation
     else:
         raise ValueError(arch)
     return model.float()
+
+
+def saved_model_and_data(folder: Path, tokenizer, rows: list[dict]) -> tuple[Path, Path]:
+    """A saved tiny model (with the real tokenizer) and a GSM8K prompt/completion JSONL file, as the CLI reads them."""
+    model_dir = folder / "tiny-llama"
+    tiny_model().save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    data_file = folder / "train.jsonl"
+    data_file.write_text("".join(json.dumps({"prompt": r["question"], "completion": " " + r["answer"]}) + "\n"
+                                 for r in rows))
+    return model_dir, data_file

@@ -17,30 +17,23 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
-from .conftest import tiny_model
-from .test_launch import LAUNCH_VARIABLES, LEANTUNE, cpu_only, free_port, launch
+from . import test_launch
+from .test_launch import (
+    LAUNCH_VARIABLES,
+    LEANTUNE,
+    cpu_only,
+    free_port,
+    launch,
+)
 
 SCRIPTS = Path(__file__).parent / "scripts"
+assets = test_launch.assets  # the same saved model and data (a module fixture: built once per module)
 REL = 1e-6
 
 pytestmark = [cpu_only, pytest.mark.slow]
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory, tokenizer_dir, gsm8k_rows):
-    from transformers import AutoTokenizer
-
-    root = tmp_path_factory.mktemp("faults")
-    tiny_model().save_pretrained(root / "model")
-    AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(root / "model")
-    with open(root / "data.jsonl", "w", encoding="utf-8") as handle:
-        for row in gsm8k_rows[:64]:
-            handle.write(json.dumps({"prompt": row["question"], "completion": " " + row["answer"]}) + "\n")
-    return SimpleNamespace(root=root, model=str(root / "model"), data=str(root / "data.jsonl"))
 
 
 def test_a_stuck_process_fails_the_others_after_ddp_timeout(assets):

@@ -8,19 +8,13 @@ import logging
 
 import pytest
 
-from .conftest import tiny_model
+from .conftest import saved_model_and_data, tiny_model
 from .test_cli import leantune
 
 
 @pytest.fixture
 def model_and_data(tmp_path, tokenizer, gsm8k_rows):
-    model_dir = tmp_path / "tiny-llama"
-    tiny_model().save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    data_file = tmp_path / "train.jsonl"
-    data_file.write_text("".join(json.dumps({"prompt": r["question"], "completion": " " + r["answer"]}) + "\n"
-                                 for r in gsm8k_rows[:16]))
-    return model_dir, data_file
+    return saved_model_and_data(tmp_path, tokenizer, gsm8k_rows[:16])
 
 
 def _one_error_line(capsys, command: str) -> str:

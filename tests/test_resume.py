@@ -21,7 +21,7 @@ from transformers import TrainerCallback
 
 from leantune import SFTConfig, SFTTrainer
 
-from .conftest import gsm8k_prompt_completion, tiny_model
+from .conftest import gsm8k_prompt_completion, saved_model_and_data, tiny_model
 from .test_launch import cpu_only, launch, torchrun
 
 SCRIPT = Path(__file__).parent / "scripts" / "sft_resume_launch.py"
@@ -196,14 +196,7 @@ def test_adaptive_entropy_state_missing_from_a_checkpoint_is_an_error(tmp_path):
 
 @pytest.fixture
 def model_and_data(tmp_path, tokenizer, gsm8k_rows):
-    """A saved tiny model (with the real tokenizer) and a GSM8K prompt/completion JSONL file, as the CLI reads them."""
-    model_dir = tmp_path / "tiny-llama"
-    tiny_model().save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    data_file = tmp_path / "train.jsonl"
-    data_file.write_text("".join(json.dumps({"prompt": r["question"], "completion": " " + r["answer"]}) + "\n"
-                                 for r in gsm8k_rows[:8]))
-    return model_dir, data_file
+    return saved_model_and_data(tmp_path, tokenizer, gsm8k_rows[:8])
 
 
 @pytest.fixture
