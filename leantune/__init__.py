@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 import logging
 
+from .methods import METHODS
+
 
 def _drop_bitsandbytes_kernel_notice(record: logging.LogRecord) -> bool:
     """bitsandbytes warns at import, on CPUs with AVX512-BF16, that an optional inference kernel (`kernels` package)
@@ -18,32 +20,16 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_drop_bitsandbytes_
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "SFTConfig": "leantune.trainers.sft_config",
-    "SFTTrainer": "leantune.trainers.sft_trainer",
-    "DPOConfig": "leantune.trainers.dpo_config",
-    "DPOTrainer": "leantune.trainers.dpo_trainer",
     "pack_dataset": "leantune.data.packing",
     "CausalLMCollator": "leantune.data.collators",
     "ScriptArguments": "leantune.cli.arguments",
     "ModelConfig": "leantune.cli.arguments",
     "profile_dataset": "leantune.profiling",
     "LengthProfile": "leantune.profiling",
-    "KTOConfig": "leantune.trainers.kto_config",
-    "KTOTrainer": "leantune.trainers.kto_trainer",
-    "RewardConfig": "leantune.trainers.reward_config",
-    "RewardTrainer": "leantune.trainers.reward_trainer",
-    "GRPOConfig": "leantune.trainers.grpo_config",
-    "GRPOTrainer": "leantune.trainers.grpo_trainer",
-    "RLOOConfig": "leantune.trainers.rloo_config",
-    "RLOOTrainer": "leantune.trainers.rloo_trainer",
-    "GKDConfig": "leantune.trainers.gkd_config",
-    "GKDTrainer": "leantune.trainers.gkd_trainer",
-    "PPOConfig": "leantune.trainers.ppo_config",
-    "PPOTrainer": "leantune.trainers.ppo_trainer",
-    "OnlineDPOConfig": "leantune.trainers.online_dpo_config",
-    "OnlineDPOTrainer": "leantune.trainers.online_dpo_trainer",
     "plan_memory": "leantune.planning",
     "MemoryPlan": "leantune.planning",
+    # each method's config and trainer, as its entry in methods.py names them
+    **{path.split(":")[1]: path.split(":")[0] for method in METHODS.values() for path in (method.config, method.trainer)},
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .demos import apply_demo_settings, demo_model, sft_warm_up, train_and_save
-from .runner import print_run_summary, run_method
+from .runner import print_run_summary
 
 DEMO_OUTPUT_DIR = "leantune-output/dpo-demo"
 # The demo: 1,600 bundled pairs, 100 optimizer steps of 16 pairs from a random-init 0.54M-parameter Llama.
@@ -20,10 +20,6 @@ DEMO_TRAINING = {
     "logging_steps": 10,
 }
 DEMO_PAIRS = {"train": 4800, "eval": 200}
-
-
-def run(argv: list[str]) -> int:
-    return run_method("dpo", argv)
 
 
 def run_demo(args, model_args, explicit: set[str]) -> int:
@@ -64,4 +60,4 @@ def print_summary(trainer, result, seconds: float) -> None:
                          f"margin {history[-1]['rewards/margins']:.3f}")
     lines.append(f"real tokens/s: {metrics['real_tokens_per_second']:.1f}, padding fraction "
                  f"{metrics['padding_fraction']:.1%}")
-    print_run_summary(trainer, result, seconds, trainer.__class__.__name__.removesuffix("Trainer").lower(), lines)
+    print_run_summary(trainer, result, seconds, lines)

@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from .demos import apply_demo_settings, demo_model, supervised_warm_up, train_and_save
-from .runner import print_run_summary, run_method
+from .runner import print_run_summary
 
 DEMO_OUTPUT_DIR = "leantune-output/gkd-demo"
 # The demo: a teacher SFT-trained on the bundled reversals, distilled into a fresh student of the same size, 400 steps
@@ -28,10 +28,6 @@ DEMO_TRAINING = {
 }
 DEMO_EXAMPLES = {"train": 12_800, "eval": 200}
 TEACHER_STEPS, TEACHER_TARGET = 300, 0.9
-
-
-def run(argv: list[str]) -> int:
-    return run_method("gkd", argv)
 
 
 def run_demo(args, model_args, explicit: set[str]) -> int:
@@ -71,7 +67,7 @@ def run_demo(args, model_args, explicit: set[str]) -> int:
 def print_summary(trainer, result, seconds: float) -> None:
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     metrics = result.metrics
-    print_run_summary(trainer, result, seconds, "gkd", [
+    print_run_summary(trainer, result, seconds, [
         f"loss (generalised JSD per completion token): {losses[0]:.4f} -> {losses[-1]:.4f}" if losses
         else "loss: (not logged)",
         f"on-policy steps (the student's own samples): {trainer.on_policy_steps} of {trainer.state.global_step}",

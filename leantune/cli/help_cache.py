@@ -99,31 +99,19 @@ def help_entry(command: str, argv: list[str]) -> str:
 
 
 def argument_types(command: str) -> tuple:
-    from .runner import METHODS, _load
+    from ..methods import BY_COMMAND
     from .runner import argument_types as method_types
 
-    if command in METHODS:
-        return method_types(METHODS[command])
-    if command.startswith("plan --method "):
-        from .arguments import ModelConfig, ScriptArguments
-        from .plan import PlanArguments
+    if command in BY_COMMAND:
+        return method_types(BY_COMMAND[command])
+    if command == "plan" or command.startswith("plan --method "):
+        from .plan import plan_argument_types
 
-        method = METHODS[command.split()[-1]]
-        if method.online:
-            from .online_runs import RewardArguments
-
-            return (PlanArguments, ScriptArguments, RewardArguments, ModelConfig, _load(method.config))
-        return (PlanArguments, ScriptArguments, ModelConfig, _load(method.config))
+        return plan_argument_types(BY_COMMAND[command.split()[-1]] if " " in command else BY_COMMAND["sft"])
     if command == "profile":
         from .profile import ProfileArguments
 
         return (ProfileArguments,)
-    if command == "plan":
-        from ..trainers.sft_config import SFTConfig
-        from .arguments import ModelConfig, ScriptArguments
-        from .plan import PlanArguments
-
-        return (PlanArguments, ScriptArguments, ModelConfig, SFTConfig)
     if command == "vllm-serve":
         from .vllm_serve import VLLMServeArguments
 

@@ -10,17 +10,12 @@ import torch
 from .demos import apply_demo_settings, demo_model, sft_warm_up, train_and_save
 from .dpo import DEMO_TRAINING as DPO_DEMO_TRAINING
 from .dpo import print_summary as print_preference_summary
-from .runner import run_method
 
 DEMO_OUTPUT_DIR = "leantune-output/kto-demo"
 # The demo: 2,400 bundled pairs unpaired into 4,800 examples, 300 optimizer steps of 16 from the SFT warm-up of a
 # random-init 0.54M-parameter Llama: DPO's demo settings, logged every 25 steps.
 DEMO_TRAINING = {**DPO_DEMO_TRAINING, "logging_steps": 25}
 DEMO_PAIRS = {"train": 2400, "eval": 200}
-
-
-def run(argv: list[str]) -> int:
-    return run_method("kto", argv)
 
 
 def run_demo(args, model_args, explicit: set[str]) -> int:

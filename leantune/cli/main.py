@@ -10,24 +10,19 @@ import importlib
 import logging
 import sys
 
+from ..methods import METHODS
 from ..utils.faults import TrainingFault
 from .errors import USER_MISTAKES, one_line, report, take_debug_flag
 
-COMMANDS = {
-    "sft": ("leantune.cli.sft", "Supervised fine-tuning (no arguments: a built-in demo run on bundled data)."),
-    "dpo": ("leantune.cli.dpo", "Direct Preference Optimization (no arguments: a built-in demo run on bundled pairs)."),
+# The commands that train nothing: (module with run(argv), help). Every method's command is its entry in
+# leantune/methods.py, run by runner.py.
+TOOLS = {
     "profile": ("leantune.cli.profile", "Token lengths of a dataset: which max_length, padding and packing to use."),
-    "kto": ("leantune.cli.kto", "Kahneman-Tversky Optimization (no arguments: a built-in demo run on bundled data)."),
-    "reward": ("leantune.cli.reward", "Reward modelling (no arguments: a built-in demo run on bundled pairs)."),
-    "grpo": ("leantune.cli.grpo", "GRPO, online RL from rewards (no arguments: a built-in demo with a checked answer)."),
-    "rloo": ("leantune.cli.rloo", "RLOO, online RL from rewards (no arguments: a built-in demo with a checked answer)."),
-    "gkd": ("leantune.cli.gkd", "Knowledge distillation from a teacher, GKD (no arguments: a built-in demo run)."),
-    "ppo": ("leantune.cli.ppo", "PPO with a value function, online RL from rewards (no arguments: a built-in demo)."),
-    "online-dpo": ("leantune.cli.online_dpo", "Online DPO, pairs of sampled completions judged by rewards (no arguments: a "
-                   "built-in demo with a checked answer)."),
     "plan": ("leantune.cli.plan", "Peak memory of a training step before it runs; --memory_budget: the fastest fit."),
     "vllm-serve": ("leantune.cli.vllm_serve", "A vLLM generation server for GRPO/RLOO with vllm_mode=server."),
 }
+COMMANDS = {**{method.command: method.help for method in METHODS.values()},
+            **{name: help_line for name, (_, help_line) in TOOLS.items()}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,8 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     rest, debug = take_debug_flag(rest)
     try:
-        module = importlib.import_module(COMMANDS[command][0])
-        return int(module.run(rest) or 0)
+        if command in TOOLS:
+            return int(importlib.import_module(TOOLS[command][0]).run(rest) or 0)
+        from .runner import run_method
+
+        return int(run_method(command, rest) or 0)
     except USER_MISTAKES as error:
         if debug:
             raise
@@ -77,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _print_usage(stream=sys.stdout) -> None:
     lines = ["usage: leantune <command> [--config FILE.yaml] [--<field> VALUE ...] [--debug]", "", "commands:"]
-    lines += [f"  {name:<10} {help_text}" for name, (_, help_text) in COMMANDS.items()]
+    lines += [f"  {name:<10} {help_line}" for name, help_line in COMMANDS.items()]
     lines += ["", "`leantune <command> --help` lists every flag (they are the config fields).",
               "--debug (or LEANTUNE_DEBUG=1) shows the Python traceback of an error."]
     print("\n".join(lines), file=stream)

@@ -1,5 +1,6 @@
-"""What `leantune grpo`, `leantune rloo` and `leantune online-dpo` share: the --reward_funcs flag, the built-in demo
-(an SFT warm-up, then online RL with a checked answer as the reward) and the summary."""
+"""What the online commands (`leantune grpo`, `rloo`, `online-dpo`, `ppo`) share: the --reward_funcs flag (reward
+functions or reward models; PPO's stands for TRL's `reward_model`), the built-in demo (an SFT warm-up, then online RL
+with a checked answer as the reward) and the summary."""
 
 from __future__ import annotations
 
@@ -54,10 +55,12 @@ class RewardArguments:
     )
 
 
-def run_demo(command, trainer_class, args, model_args, reward_args, explicit) -> int:
+def run_demo(method, args, model_args, reward_args, explicit) -> int:
     """Held-out exact match (greedy) and sampled reward before and after online RL on a bundled task."""
     from ..defaults import as_prompts_with_answers, build_default_dataset, evaluate_exact_match
     from ..rewards import resolve_reward_funcs
+
+    command = method.command
 
     print(f"leantune {command}: no model or dataset given, so running the built-in demo (bundled task with a checked "
           "answer, small model).")
@@ -76,7 +79,7 @@ def run_demo(command, trainer_class, args, model_args, reward_args, explicit) ->
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; prompts: "
           f"{len(data['train'])} train / {len(data['test'])} held-out, e.g. {example['prompt']!r} -> answer "
           f"{example['completion'].strip()!r}; rewards: {', '.join(getattr(f, '__name__', str(f)) for f in reward_funcs)}")
-    trainer = trainer_class(model=model, reward_funcs=reward_funcs, args=args,
+    trainer = method.trainer_class(model=model, reward_funcs=reward_funcs, args=args,
                             train_dataset=as_prompts_with_answers(data["train"]),
                             eval_dataset=as_prompts_with_answers(data["test"]), processing_class=tokenizer,
                             peft_config=peft_config)
@@ -117,4 +120,4 @@ def print_summary(trainer, result, seconds: float) -> None:
     counts = {k: v for k, v in result.metrics.items() if k.startswith("count/")}
     if counts:
         lines.append(f"counted decisions: {counts}")
-    print_run_summary(trainer, result, seconds, trainer.method.replace("_", "-"), lines)
+    print_run_summary(trainer, result, seconds, lines)

@@ -10,7 +10,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from .arguments import ModelConfig, ScriptArguments, model_init_kwargs_from, peft_config_from
+from ..methods import BY_COMMAND, Method, find
+from .arguments import model_init_kwargs_from, peft_config_from
 from .errors import UsageError
 from .help_cache import method_flag as _method_of
 from .parser import parse_command_args
@@ -18,8 +19,8 @@ from .parser import parse_command_args
 
 @dataclass
 class PlanArguments:
-    method: str = field(default="sft", metadata={"help": "sft, dpo, kto, reward, grpo, rloo, online-dpo, ppo, gkd (any "
-                                                         "leantune trainer); --help then lists its fields."})
+    method: str = field(default="sft", metadata={"help": f"{', '.join(BY_COMMAND)} (any leantune trainer); --help "
+                                                         "then lists its fields."})
     num_processes: int = field(default=1, metadata={"help": "Processes of the launch (per-process plan)."})
     engine: str = field(default="ddp", metadata={"help": "ddp, fsdp2, zero2, zero3 (with --deepspeed: the run's "
                                                           "DeepSpeed config file); cp: not planned yet."})
@@ -85,22 +86,26 @@ def run(argv: list[str]) -> int:
             enable_progress_bars()
 
 
-def _run(argv: list[str], started: float) -> int:
-    from ..planning.planner import _init_parameters, method_classes
-    from .online_runs import RewardArguments
+def plan_argument_types(method: Method) -> tuple:
+    """The flags of `leantune plan --method <method>`: the plan's own, then the method's command's (online methods'
+    --reward_funcs too)."""
+    from .runner import argument_types
 
+    return (PlanArguments, *argument_types(method))
+
+
+def _run(argv: list[str], started: float) -> int:
     try:
-        trainer_class, config_class = method_classes(_method_of(argv))
+        method = find(_method_of(argv))
     except ValueError as error:
         raise UsageError(str(error)) from error
+    trainer_class, config_class = method.trainer_class, method.config_class
     if not any(arg.split("=")[0] == "--use_cpu" for arg in argv):
         argv = [*argv, "--use_cpu", "true"]  # the plan runs here, on CPU, for any device (bf16 included)
-    online = "reward_funcs" in _init_parameters(trainer_class)  # as `leantune <method>`: --reward_funcs
-    types = (PlanArguments, ScriptArguments, *([RewardArguments] if online else []), ModelConfig, config_class)
-    parsed = parse_command_args("leantune plan", types, argv)
+    parsed = parse_command_args("leantune plan", plan_argument_types(method), argv)
     plan_args, script_args, model_args, config, explicit = *parsed[:2], *parsed[-3:]
     rewards = {}
-    if online and parsed[2].reward_funcs:  # reward models among them are planned from their config.json
+    if method.online and parsed[2].reward_funcs:  # reward models among them are planned from their config.json
         from .runner import online_reward_funcs
 
         rewards["reward_funcs"] = online_reward_funcs(parsed[2])
@@ -129,7 +134,7 @@ def _run(argv: list[str], started: float) -> int:
     config.eval_strategy = "no"
     if plan_args.lengths:
         from ..planning.length_profile import dataset_from_lengths
-        from ..planning.planner import _filler_token, method_name, model_config_of
+        from ..planning.planner import _filler_token, model_config_of
 
         try:
             filler = _filler_token(model_config_of(model_args.model_name_or_path))
@@ -137,7 +142,7 @@ def _run(argv: list[str], started: float) -> int:
             raise UsageError(f"--model_name_or_path {model_args.model_name_or_path}: {str(error).split(': ', 1)[-1]}") \
                 from error
         try:
-            train = dataset_from_lengths(plan_args.lengths, method_name(trainer_class), filler)
+            train = dataset_from_lengths(plan_args.lengths, method, filler)
         except ValueError as error:
             raise UsageError(f"--lengths {plan_args.lengths}: {str(error).split(': ', 1)[-1]}") from error
     else:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from .arguments import peft_config_from
 from .demos import apply_demo_settings, sft_warm_up, train_and_save
 from .dpo import print_summary as print_preference_summary
-from .runner import run_method
 
 DEMO_OUTPUT_DIR = "leantune-output/reward-demo"
 # The demo: 2 epochs of 32-pair steps (300 optimizer steps) over 4,800 bundled pairs.
@@ -23,10 +22,6 @@ DEMO_TRAINING = {
 DEMO_PAIRS = {"train": 4800, "eval": 400}
 DEMO_WARM_UP_STEPS = 300
 DEMO_NEW_LAYERS = 2
-
-
-def run(argv: list[str]) -> int:
-    return run_method("reward", argv)
 
 
 def run_demo(args, model_args, explicit: set[str]) -> int:

@@ -1,7 +1,8 @@
-"""One run of every training command (`leantune sft | dpo | kto | reward | grpo | rloo`): parse, check the cheap
-things, load the data and check its columns, then load the model, train (or resume), save, summarise.
+"""One run of every training command (`leantune sft | dpo | kto | reward | grpo | ...`, one per entry of
+leantune/methods.py): parse, check the cheap things, load the data and check its columns, then load the model, train
+(or resume), save, summarise.
 
-The command modules hold only what differs: the built-in demo and the summary lines of their method (the demos'
+A method's `cli` module holds only what differs: the built-in demo and the summary lines of its method (the demos'
 shared pieces are in demos.py, the summary's frame is print_run_summary here).
 """
 
@@ -11,8 +12,8 @@ import contextlib
 import importlib
 import logging
 import time
-from dataclasses import dataclass
 
+from ..methods import BY_COMMAND, KTO_DATA, PREFERENCE_DATA, PROMPT_DATA, SFT_DATA, Method
 from .arguments import ModelConfig, ScriptArguments, model_init_kwargs_from, peft_config_from
 from .errors import UsageError, one_line
 from .optional_packages import check_optional_packages
@@ -22,58 +23,21 @@ from .preflight import check_model_source, check_output_dir, clear_checkpoints, 
 logger = logging.getLogger("leantune.cli")
 
 
-@dataclass(frozen=True)
-class Method:
-    name: str
-    config: str  # "module:Class"
-    trainer: str
-    data: str  # which columns it reads: sft | preference | kto | prompt
-    command_module: str  # holds run_demo(...) and print_summary(trainer, result, seconds)
-    online: bool = False
-
-
-METHODS = {
-    "sft": Method("sft", "leantune.trainers.sft_config:SFTConfig", "leantune.trainers.sft_trainer:SFTTrainer",
-                  "sft", "leantune.cli.sft"),
-    "dpo": Method("dpo", "leantune.trainers.dpo_config:DPOConfig", "leantune.trainers.dpo_trainer:DPOTrainer",
-                  "preference", "leantune.cli.dpo"),
-    "kto": Method("kto", "leantune.trainers.kto_config:KTOConfig", "leantune.trainers.kto_trainer:KTOTrainer",
-                  "kto", "leantune.cli.kto"),
-    "reward": Method("reward", "leantune.trainers.reward_config:RewardConfig",
-                     "leantune.trainers.reward_trainer:RewardTrainer", "preference", "leantune.cli.reward"),
-    "grpo": Method("grpo", "leantune.trainers.grpo_config:GRPOConfig", "leantune.trainers.grpo_trainer:GRPOTrainer",
-                   "prompt", "leantune.cli.online_runs", online=True),
-    "rloo": Method("rloo", "leantune.trainers.rloo_config:RLOOConfig", "leantune.trainers.rloo_trainer:RLOOTrainer",
-                   "prompt", "leantune.cli.online_runs", online=True),
-    "gkd": Method("gkd", "leantune.trainers.gkd_config:GKDConfig", "leantune.trainers.gkd_trainer:GKDTrainer",
-                  "sft", "leantune.cli.gkd"),
-    "ppo": Method("ppo", "leantune.trainers.ppo_config:PPOConfig", "leantune.trainers.ppo_trainer:PPOTrainer",
-                  "prompt", "leantune.cli.online_runs", online=True),
-    "online-dpo": Method("online_dpo", "leantune.trainers.online_dpo_config:OnlineDPOConfig",
-                         "leantune.trainers.online_dpo_trainer:OnlineDPOTrainer", "prompt", "leantune.cli.online_runs",
-                         online=True),
-}
-
-
-def _load(spec: str):
-    module, name = spec.split(":")
-    return getattr(importlib.import_module(module), name)
-
-
 def argument_types(method: Method) -> tuple:
     if method.online:
         from .online_runs import RewardArguments
 
-        return (ScriptArguments, RewardArguments, ModelConfig, _load(method.config))
-    return (ScriptArguments, ModelConfig, _load(method.config))
+        return (ScriptArguments, RewardArguments, ModelConfig, method.config_class)
+    return (ScriptArguments, ModelConfig, method.config_class)
 
 
-def run_method(name: str, argv: list[str]) -> int:
-    method = METHODS[name]
-    parsed = parse_command_args(f"leantune {name}", argument_types(method), argv)
+def run_method(command: str, argv: list[str]) -> int:
+    """`leantune <command> ...` for the method whose command it is."""
+    method = BY_COMMAND[command]
+    parsed = parse_command_args(f"leantune {command}", argument_types(method), argv)
     script_args, model_args, args, explicit = parsed[0], parsed[-3], parsed[-2], parsed[-1]
     reward_args = parsed[1] if method.online else None
-    module = importlib.import_module(method.command_module)
+    module = importlib.import_module(method.cli)
     if (model_args.model_name_or_path is None) != (script_args.dataset_name is None):
         missing = "--model_name_or_path" if model_args.model_name_or_path is None else "--dataset_name"
         raise UsageError(f"{missing} is required (give both --model_name_or_path and --dataset_name, or neither "
@@ -88,7 +52,7 @@ def run_method(name: str, argv: list[str]) -> int:
             raise UsageError("--resume_from_checkpoint: the built-in demo saves no checkpoints to resume from; "
                              "give --model_name_or_path and --dataset_name.")
         if method.online:
-            return module.run_demo(name, _load(method.trainer), args, model_args, reward_args, explicit)
+            return module.run_demo(method, args, model_args, reward_args, explicit)
         return module.run_demo(args, model_args, explicit)
     return train_on_data(method, module, script_args, model_args, args, reward_args)
 
@@ -109,7 +73,7 @@ def train_on_data(method: Method, module, script_args, model_args, args, reward_
     # 3. the run; --overwrite_output_dir deletes the earlier run's checkpoints only once the model and data loaded
     if args.model_init_kwargs is None:
         args.model_init_kwargs = model_init_kwargs_from(model_args)
-    trainer = _load(method.trainer)(model=model_args.model_name_or_path, args=args, train_dataset=train,
+    trainer = method.trainer_class(model=model_args.model_name_or_path, args=args, train_dataset=train,
                                     eval_dataset=evaluation, peft_config=peft_config_from(model_args), **extra)
     if resume is None and script_args.overwrite_output_dir and trainer.is_world_process_zero():
         clear_checkpoints(args.output_dir)
@@ -146,11 +110,13 @@ def no_room_as_usage_error(folder: str | None = None, trainer=None):
         raise UsageError(str(no_room_error(folder, needed, "the model"))) from error
 
 
-def print_run_summary(trainer, result, seconds: float, method: str, lines: list[str]) -> None:
+def print_run_summary(trainer, result, seconds: float, lines: list[str]) -> None:
     """The summary every training command ends with: its steps and time, the method's own `lines`, peak memory and
     where the model went."""
+    from .. import methods
+
     metrics = result.metrics
-    print("\n".join(["", f"=== leantune {method} summary ===", f"steps: {trainer.state.global_step} in {seconds:.1f} s",
+    print("\n".join(["", f"=== leantune {methods.of(trainer).command} summary ===", f"steps: {trainer.state.global_step} in {seconds:.1f} s",
                      *lines, f"peak memory: {metrics['peak_memory_mb']:.0f} MiB ({metrics['peak_memory_kind']})",
                      f"model saved to: {trainer.args.output_dir}"]))
 
@@ -204,19 +170,19 @@ def check_columns(kind: str, dataset, args, split: str) -> None:
     if isinstance(dataset, IterableDataset):
         dataset = Dataset.from_list(list(dataset.take(64)))
     try:
-        if kind == "sft":
+        if kind == SFT_DATA:
             from ..data.formats import detect_sft_format
 
             detect_sft_format(dataset, args.dataset_text_field)
-        elif kind == "preference":
+        elif kind == PREFERENCE_DATA:
             from ..data.preference_formats import detect_preference_format
 
             detect_preference_format(dataset)
-        elif kind == "kto":
+        elif kind == KTO_DATA:
             from ..data.kto_preparation import detect_kto_format
 
             detect_kto_format(dataset)
-        elif kind == "prompt" and "prompt" not in dataset.column_names:
+        elif kind == PROMPT_DATA and "prompt" not in dataset.column_names:
             raise ValueError(f"no 'prompt' column (text or a list of chat messages); columns found: "
                              f"{sorted(dataset.column_names)}.")
     except ValueError as error:

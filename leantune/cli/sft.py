@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 from .demos import apply_demo_settings, demo_model, train_and_save
-from .runner import print_run_summary, run_method
+from .runner import print_run_summary
 
 DEMO_OUTPUT_DIR = "leantune-output/sft-demo"
-
-
-def run(argv: list[str]) -> int:
-    return run_method("sft", argv)
 
 
 def run_demo(sft_args, model_args, explicit: set[str]) -> int:
@@ -41,7 +37,7 @@ def run_demo(sft_args, model_args, explicit: set[str]) -> int:
 def print_summary(trainer, result, seconds: float) -> None:
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     metrics = result.metrics
-    print_run_summary(trainer, result, seconds, "sft", [
+    print_run_summary(trainer, result, seconds, [
         f"loss: {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "loss: (not logged)",
         f"real tokens/s: {metrics['real_tokens_per_second']:.1f} ({metrics['real_tokens']} real tokens)",
         f"padding fraction: {metrics['padding_fraction']:.1%}",

@@ -45,13 +45,15 @@ def may_write(output_dir: str) -> bool:
 
 
 def method_of(trainer) -> tuple[str, str]:
-    """(trainer class name, method tag) of the leantune trainer `trainer` is, or derives from: SFTTrainer -> sft."""
-    for cls in type(trainer).__mro__:
-        name = cls.__name__
-        if cls.__module__.startswith("leantune.trainers.") and name.endswith("Trainer") and \
-                name not in ("LeantuneTrainer", "OnlineTrainer"):
-            return name, name.removesuffix("Trainer").lower()
-    return type(trainer).__name__, "custom"
+    """(trainer class name, method name) the card states, from the method's entry in leantune/methods.py (a subclass
+    of a leantune trainer is its parent's method): SFTTrainer -> sft."""
+    from .. import methods
+
+    try:
+        method = methods.of(trainer)
+    except ValueError:
+        return type(trainer).__name__, "custom"
+    return method.trainer_name, method.card_name
 
 
 def _peft_model(model):

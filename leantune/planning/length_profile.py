@@ -14,9 +14,8 @@ import os
 
 import numpy as np
 
-SFT_METHODS = ("sft",)
-PAIR_METHODS = ("dpo",)  # prompt_ids / chosen_ids / rejected_ids
-WHOLE_PAIR_METHODS = ("reward",)  # chosen_ids / rejected_ids are whole sequences (prompt + completion)
+# The rows a method's entry in leantune/methods.py says it is planned from (`profile_rows`), by the profile's kind.
+ROWS_OF_KIND = {"sft": ("sequences",), "preference": ("pairs", "whole_pairs")}
 
 
 def read_length_profile(source) -> dict:
@@ -36,31 +35,34 @@ def read_length_profile(source) -> dict:
     return profile
 
 
-def dataset_from_lengths(source, method: str, filler_token: int = 100):
+def dataset_from_lengths(source, method, filler_token: int = 100):
     """A `datasets.Dataset` of pre-tokenised rows with the profile's lengths, in the profile's row order, for `method`
-    (a name such as "sft" or "dpo")."""
+    (its entry in leantune/methods.py, or a name such as "sft" or "dpo")."""
     import datasets
 
+    from ..methods import METHODS, Method, find
+
+    method = method if isinstance(method, Method) else find(method)
     profile = read_length_profile(source)
     rows, kind = profile["row_lengths"], profile.get("kind", "sft")
-    method = str(method).lower().replace("-", "_")
-    if kind == "sft" and method in SFT_METHODS:
+    if kind == "sft" and method.profile_rows == "sequences":
         sequences = rows["sequences"]
         prompts = rows.get("prompts") or [0] * len(sequences)
         data = {"input_ids": [[filler_token] * n for n in sequences]}
         if "prompts" in rows:
             data["completion_mask"] = [[0] * p + [1] * (n - p) for n, p in zip(sequences, prompts)]
         return datasets.Dataset.from_dict(data)
-    if kind == "preference" and method in PAIR_METHODS + WHOLE_PAIR_METHODS:
+    if kind == "preference" and method.profile_rows in ("pairs", "whole_pairs"):
         prompt, chosen, rejected = (rows[name] for name in ("prompt", "chosen", "rejected"))
-        whole = method in WHOLE_PAIR_METHODS
+        whole = method.profile_rows == "whole_pairs"  # chosen_ids / rejected_ids with their prompt, as the reward's
         data = {"chosen_ids": [[filler_token] * ((p if whole else 0) + c) for p, c in zip(prompt, chosen)],
                 "rejected_ids": [[filler_token] * ((p if whole else 0) + r) for p, r in zip(prompt, rejected)]}
         if not whole:
             data = {"prompt_ids": [[filler_token] * p for p in prompt], **data}
         return datasets.Dataset.from_dict(data)
-    known = SFT_METHODS if kind == "sft" else PAIR_METHODS + WHOLE_PAIR_METHODS
-    raise ValueError(f"`lengths`: a profile of {kind} data plans methods {', '.join(known)}, not {method!r}.")
+    known = [m.card_name for m in METHODS.values() if m.profile_rows in ROWS_OF_KIND.get(kind, ROWS_OF_KIND["preference"])]
+    raise ValueError(f"`lengths`: a profile of {kind} data plans methods {', '.join(known)}, not "
+                     f"{method.card_name!r}.")
 
 
 def sequence_lengths_of(source) -> np.ndarray:

@@ -20,7 +20,6 @@ import contextlib
 import copy
 import dataclasses
 import logging
-import re
 import time
 from dataclasses import dataclass, field
 
@@ -127,37 +126,22 @@ def _mib(size: int) -> str:
     return f"{size / MIB:,.1f} MiB" if size < 10 * GIB else f"{size / GIB:,.2f} GiB"
 
 
-# --- methods: a trainer class and its config, found by name -----------------------------------------------------------
+# --- methods: a trainer class and its config, from the method's entry in leantune/methods.py --------------------------
+
+def method_of(method):
+    """The entry of leantune/methods.py a plan is for: given as itself, a name ("sft", "online-dpo", ...) or a trainer
+    class (a subclass of a leantune trainer plans as its parent's method)."""
+    from .. import methods
+
+    if isinstance(method, methods.Method):
+        return method
+    return methods.of(method) if isinstance(method, type) else methods.find(method)
+
 
 def method_classes(method):
-    """(trainer class, config class) of a method name ("sft", "online_dpo", ...) or a trainer class: any leantune
-    trainer exported as `<NAME>Trainer` with a `config_class` plugs in without a change here."""
-    if isinstance(method, type):
-        trainer = method
-    else:
-        import leantune
-
-        wanted = str(method).replace("_", "").replace("-", "").lower() + "trainer"
-        names = [name for name in getattr(leantune, "_EXPORTS", {}) if name.lower() == wanted]
-        if not names:
-            known = sorted(command_name(name[:-len("Trainer")]) for name in getattr(leantune, "_EXPORTS", {})
-                           if name.endswith("Trainer"))
-            raise ValueError(f"`method`: unknown method {method!r}; known: {', '.join(known)}.")
-        trainer = getattr(leantune, names[0])
-    config = getattr(trainer, "config_class", None)
-    if config is None:
-        raise ValueError(f"`method`: {trainer.__name__} names no config_class.")
-    return trainer, config
-
-
-def command_name(trainer_stem: str) -> str:
-    """The name a user types, as the CLI command: "OnlineDPO" -> "online-dpo"."""
-    return re.sub(r"(?<=[a-z])(?=[A-Z])", "-", trainer_stem).lower()
-
-
-def method_name(trainer_class) -> str:
-    return trainer_class.__name__[:-len("Trainer")].lower() if trainer_class.__name__.endswith("Trainer") \
-        else trainer_class.__name__
+    """(trainer class, config class) of a method (as `method_of` takes it); a trainer class is kept as given."""
+    spec = method_of(method)
+    return (method if isinstance(method, type) else spec.trainer_class), spec.config_class
 
 
 # --- the model, from its configuration only ----------------------------------------------------------------------------
@@ -347,15 +331,15 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
     from .sharded import traced_launch
 
     started = time.perf_counter()
+    spec = method_of(method)
     trainer_class, config_class = method_classes(method)
-    name = method_name(trainer_class)
     check_engine(engine, num_processes)
     if not 0 <= rank < num_processes:
         raise ValueError(f"`rank`: {rank} is not a process of {num_processes} (0 to {num_processes - 1}).")
     if train_dataset is None and lengths is not None:
         from .length_profile import dataset_from_lengths
 
-        train_dataset = dataset_from_lengths(lengths, name, _filler_token(model_config_of(model)))
+        train_dataset = dataset_from_lengths(lengths, spec, _filler_token(model_config_of(model)))
     if train_dataset is None:
         raise ValueError("`train_dataset` is required (the data as the trainer reads it, or a length profile).")
     fields = dict(config_fields)
@@ -378,7 +362,7 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
     trainer_kwargs = {"processing_class": processing_class, "peft_config": peft_config}
     if reward_funcs is not None:
         trainer_kwargs["reward_funcs"] = reward_funcs
-    elif getattr(trainer_class, "needs_reward_funcs", None) or "reward_funcs" in _init_parameters(trainer_class):
+    elif spec.online:
         trainer_kwargs["reward_funcs"] = _no_reward
     logging_level = logging.getLogger("leantune").level
     notes = []
@@ -418,7 +402,7 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
     bound = sorted((step for step in traced if step.any_order), key=lambda step: -step.peak_bytes)
     traced = [step for step in traced if not step.any_order]
     worst = max([*traced, *([second] if second is not None else [])], key=lambda step: step.peak_bytes)
-    plan = MemoryPlan(name, str(model_label), num_parameters, trainable, num_processes, engine, worst, second,
+    plan = MemoryPlan(spec.card_name, str(model_label), num_parameters, trainable, num_processes, engine, worst, second,
                       bound[0] if bound else None, device_terms(device, fields, num_processes, engine),
                       per_rank_notes(engine, num_processes) + notes,
                       {k: v for k, v in fields.items()}, 0.0)
@@ -528,20 +512,14 @@ def _explicit_fields(args) -> set[str]:
         defaults, f.name, None)} - {"output_dir"}
 
 
-def _init_parameters(cls) -> set[str]:
-    import inspect
-
-    return set(inspect.signature(cls.__init__).parameters)
-
-
 def _no_reward(completions, **kwargs):
     """The plan's reward: rewards cost no memory on the device (a reward model is a separate term)."""
     return [float(i % 2) for i in range(len(completions))]
 
 
 def _model_class(trainer_class):
-    return getattr(trainer_class, "planned_model_class", None) or (
-        _sequence_classifier() if trainer_class.__name__ == "RewardTrainer" else None)
+    """The Auto class the fake model is built with (None: a causal LM)."""
+    return _sequence_classifier() if method_of(trainer_class).sequence_classifier else None
 
 
 def _sequence_classifier():

@@ -69,11 +69,13 @@ def candidates(method: str, fields: dict, vocab_size: int | None = None) -> list
     loss's temporary memory)."""
     batch = int(fields.get("per_device_train_batch_size", 8))
     accumulation = int(fields.get("gradient_accumulation_steps", 1))
+    from ..methods import find
+
     layouts = [{}]
-    if method == "sft":
+    if find(method).layouts == "packing":
         layouts = [{"packing": True, "padding_free": False}, {"packing": False, "padding_free": True},
                    {"packing": False, "padding_free": False}]
-    elif "padding_free" in fields or method in ("dpo", "kto", "reward", "grpo", "rloo", "onlinedpo", "ppo", "gkd"):
+    elif "padding_free" in fields or find(method).layouts == "padding_free":
         layouts = [{"padding_free": True}, {"padding_free": False}]
     found = []
     for layout in layouts:

@@ -22,6 +22,7 @@ import torch
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
+from .. import methods
 from ..data.streaming import is_stream, log_stream_report, require_max_steps, reset_counts, use_own_stream_reads
 from ..losses.causal_lm import count_targets
 from ..losses.dispatch import LogProbPath, choose_logprob_path
@@ -70,16 +71,13 @@ class LeantuneTrainer(NonFiniteGuard, ContextParallelism, Trainer):
     prepared_columns: tuple[str, ...] = ()
     # The key prefix of the evaluation running now ("eval", or "eval_<name>" for one of several eval datasets).
     _metric_prefix = "eval"
-    # The Hub tag TRL's trainer of the same method puts on the model, where it is not the method's name.
-    trl_tag: str | None = None
+    # The trainer's entry in leantune/methods.py (config, TRL's names and defaults, the command line, the planner).
+    method: str = ""
     # Whether `trainer.eval_dataset` stays the object the user passed (TRL's online trainers), its prepared form
     # kept aside for evaluate(), rather than being replaced by the prepared dataset.
     keeps_eval_dataset_as_given = False
     # Whether the trainer's log-probs are of logits divided by `args.temperature` (the online trainers').
     scores_at_temperature = False
-    # The method's config class, and the suffix of TRL's default output_dir ("<model>-<suffix>").
-    config_class: type | None = None
-    output_suffix: str = ""
 
     # --- construction: one sequence for every trainer, the method's steps as hooks --------------------------------
 
@@ -108,8 +106,8 @@ class LeantuneTrainer(NonFiniteGuard, ContextParallelism, Trainer):
         """TRL's default config: the method's config class with output_dir "<model name>-<method>"."""
         if args is not None:
             return args
-        name = model if isinstance(model, str) else type(model).__name__
-        return self.config_class(output_dir=f"{str(name).split('/')[-1]}-{self.output_suffix}")
+        name, method = model if isinstance(model, str) else type(model).__name__, methods.of(self)
+        return method.config_class(output_dir=f"{str(name).split('/')[-1]}-{method.output_suffix}")
 
     def load_models(self, model, ref_model, processing_class, peft_config, args, quantization_config):
         """The trained model (PEFT applied), its tokenizer and, for methods with one, the reference: a
@@ -186,12 +184,10 @@ class LeantuneTrainer(NonFiniteGuard, ContextParallelism, Trainer):
     def tag_model(self) -> None:
         """The Hub tags TRL's trainers put on the model (`trl`, the method) and leantune's own, so a pushed model is
         found by the same filters as one trained with TRL."""
-        from ..models.model_card import method_of
-
         model = self.accelerator.unwrap_model(self.model) if hasattr(self, "accelerator") else self.model
         if hasattr(model, "add_model_tags"):
-            method = method_of(self)[1]
-            model.add_model_tags(list(dict.fromkeys(["leantune", "trl", method, self.trl_tag or method])))
+            method = methods.of(self)
+            model.add_model_tags(list(dict.fromkeys(["leantune", "trl", method.card_name, method.trl_tag])))
 
     # --- data: the train split and each eval split, prepared once by the trainer's own recipe --------------------
 

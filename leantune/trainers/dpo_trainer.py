@@ -23,8 +23,7 @@ class DPOTrainer(ReferenceModelMixin, LeantuneTrainer):
 
     dataset_columns = ("prompt_ids", "chosen_ids", "rejected_ids", *REFERENCE_COLUMNS)
     prepared_columns = ("prompt_ids", "chosen_ids", "rejected_ids")
-    config_class = DPOConfig
-    output_suffix = "DPO"
+    method = "dpo"  # its entry in leantune/methods.py
 
     def __init__(
         self,

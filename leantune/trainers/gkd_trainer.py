@@ -38,8 +38,7 @@ logger = logging.getLogger("leantune.gkd")
 class GKDTrainer(SFTTrainer):
     """Distil a teacher into the trained model on prompt-completion or conversational data."""
 
-    config_class = GKDConfig
-    output_suffix = "GKD"
+    method = "gkd"  # its entry in leantune/methods.py
     supports_context_parallelism = False
 
     def __init__(self, model=None, teacher_model=None, args: GKDConfig | None = None, data_collator=None,

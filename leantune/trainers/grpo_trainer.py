@@ -37,13 +37,11 @@ from ..losses.policy_gradient import (
 )
 from ..models.output_head import compute_head_in_fp32
 from ..rollouts import AgentRollouts
-from .grpo_config import GRPOConfig
 from .online_trainer import OnlineTrainer
 
 
 class GRPOTrainer(OnlineTrainer):
-    method = "grpo"
-    config_class = GRPOConfig
+    method = "grpo"  # its entry in leantune/methods.py
 
     def __init__(self, model, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),

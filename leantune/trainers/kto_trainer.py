@@ -26,8 +26,7 @@ class KTOTrainer(ReferenceModelMixin, LeantuneTrainer):
     """Train a causal LM towards desirable and away from undesirable completions, relative to a frozen reference."""
 
     dataset_columns = ("prompt_ids", "completion_ids", "label", KL_COLUMN, *REFERENCE_COLUMNS)
-    config_class = KTOConfig
-    output_suffix = "KTO"
+    method = "kto"  # its entry in leantune/methods.py
 
     def __init__(
         self,

@@ -14,14 +14,11 @@ import torch
 from ..data.prompt_preparation import PROMPT_IDS
 from ..losses.preference import chosen_and_rejected, dpo_loss, preferred_in_pairs
 from ..losses.token_logprobs import per_sequence_sum
-from .online_dpo_config import OnlineDPOConfig
 from .online_trainer import OnlineTrainer
 
 
 class OnlineDPOTrainer(OnlineTrainer):
-    method = "online_dpo"
-    config_class = OnlineDPOConfig
-    output_suffix = "OnlineDPO"  # TRL's default output_dir "<model>-OnlineDPO"
+    method = "online_dpo"  # its entry in leantune/methods.py
     scores_at_temperature = False  # the DPO loss reads the model's own probabilities, not the sampling ones
 
     def __init__(self, model, ref_model=None, reward_funcs=None, args=None, data_collator=None, train_dataset=None,

@@ -138,12 +138,6 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
     entropy_bonus: EntropyBonus | None = None  # GRPO's entropy_coef (losses/entropy_bonus.py)
     reads_hidden_states = False  # the loss reads the policy's last hidden states at the targets (PPO's value head)
 
-    method = "online"
-    config_class: type = None
-
-    @property
-    def output_suffix(self) -> str:  # TRL's default output_dir and the reference note: "<model>-GRPO", "GRPO ..."
-        return self.method.upper()
     prepared_columns = (PROMPT_IDS,)
 
     def __init__(

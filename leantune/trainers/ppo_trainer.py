@@ -37,15 +37,13 @@ from ..models.value_head import (
 )
 from .config_utils import checkpointing_setting, enable_model_checkpointing
 from .online_trainer import OnlineTrainer
-from .ppo_config import PPOConfig
 from .reference import MODEL_INPUTS
 
 logger = logging.getLogger("leantune.online")
 
 
 class PPOTrainer(OnlineTrainer):
-    method = "ppo"
-    config_class = PPOConfig
+    method = "ppo"  # its entry in leantune/methods.py
 
     def __init__(self, args=None, processing_class=None, model=None, ref_model=None, reward_model=None,
                  train_dataset=None, value_model=None, data_collator=None, eval_dataset=None,

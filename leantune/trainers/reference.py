@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from transformers import TrainerCallback
 
+from .. import methods
 from ..models.loading import apply_peft, ensure_pad_token, load_causal_lm, load_tokenizer, with_quantization_config
 from ..models.output_head import unwrap_model
 from ..models.segment_attention import SEGMENT_SDPA, use_segment_attention
@@ -132,7 +133,7 @@ class ReferenceModelMixin:
         return loaded
 
     def reference_note(self, loaded, args) -> str:
-        return f"{self.output_suffix} reference: {loaded.description(args)}."
+        return f"{methods.of(self).output_suffix} reference: {loaded.description(args)}."
 
     def attach_reference(self, loaded, args) -> None:
         """The reference placed for the engine (trainers/frozen_models.py); precomputed log-probs wait for train()."""

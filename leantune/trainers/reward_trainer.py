@@ -46,10 +46,8 @@ SCORE_HEAD = "score"  # the per-token reward head of decoder *ForSequenceClassif
 class RewardTrainer(LeantuneTrainer):
     """Train a reward model (num_labels=1) on chosen / rejected pairs with the pairwise Bradley-Terry loss."""
 
-    trl_tag = "reward-trainer"
+    method = "reward"  # its entry in leantune/methods.py
     dataset_columns = ("chosen_ids", "rejected_ids", "margin")
-    config_class = RewardConfig
-    output_suffix = "Reward"
     # No prepared_columns: TRL's tokenised input has the prepared columns' names, so only a dataset this trainer
     # prepared (its fingerprint) skips preparation; preparing prepared data again changes nothing.
 

@@ -15,12 +15,10 @@ from ..losses.advantages import leave_one_out_advantages
 from ..losses.policy_gradient import clipped_surrogate
 from ..losses.token_logprobs import per_sequence_sum, select_targets, target_sequences
 from .online_trainer import OnlineTrainer
-from .rloo_config import RLOOConfig
 
 
 class RLOOTrainer(OnlineTrainer):
-    method = "rloo"
-    config_class = RLOOConfig
+    method = "rloo"  # its entry in leantune/methods.py
 
     @property
     def kl_in_reward(self) -> bool:

@@ -32,8 +32,7 @@ class SFTTrainer(LeantuneTrainer):
     """Train a causal LM on text, prompt-completion or conversational data."""
 
     dataset_columns = ("input_ids", "labels", "completion_mask", "assistant_masks", "seq_lengths")
-    config_class = SFTConfig
-    output_suffix = "SFT"
+    method = "sft"  # its entry in leantune/methods.py
     supports_context_parallelism = True  # packed and padding-free rows included (trainers/context_parallel.py)
 
     def __init__(

@@ -1,0 +1,123 @@
+"""The nine methods, each described once: everything else (the exports, the command line, the planner, the model
+card, TRL's defaults) reads this table, so a new method is its trainer file(s) and one entry here.
+
+Classes are named by module path and imported on first use: `import leantune` and `leantune --help` stay fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+# What a method's data is: its columns are checked (cli/runner.py) and its rows profiled and planned by this kind.
+SFT_DATA = "sft"  # text, prompt-completion or messages (SFT, GKD)
+PREFERENCE_DATA = "preference"  # pairs: prompt, chosen, rejected (DPO, reward)
+KTO_DATA = "kto"  # unpaired examples with a desirable/undesirable label, or pairs unpaired automatically
+PROMPT_DATA = "prompt"  # prompts only: completions are generated during training (the online methods)
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str  # the key of METHODS, and the `method` attribute of the method's trainer
+    command: str  # `leantune <command>`
+    config: str  # "module:Class" of the config
+    trainer: str  # "module:Class" of the trainer
+    data: str  # one of the *_DATA kinds above
+    help: str  # the command's line in `leantune --help`
+    cli: str  # the module with the method's own command-line code: run_demo(...) and print_summary(...)
+    card_name: str  # the method as the model card, the Hub tags and a plan name it
+    trl_tag: str  # the Hub tag TRL's trainer of the method puts on the model
+    output_suffix: str  # TRL's default output_dir, "<model>-<suffix>"; also names the method in log lines
+    # Online: rounds of completions generated and scored by reward functions (`--reward_funcs`, a generation backend).
+    online: bool = False
+    sequence_classifier: bool = False  # the trained model is a sequence classifier with one output (reward models)
+    # The layouts the planner's budget search varies: "packing" (packed, padding-free, padded) or "padding_free".
+    layouts: str = "padding_free"
+    # The rows of `leantune profile`'s JSON the planner can build this method's data from: "sequences" (SFT data),
+    # "pairs" (prompt, chosen, rejected) or "whole_pairs" (chosen and rejected with their prompt); None: not planned so.
+    profile_rows: str | None = None
+
+    @property
+    def config_class(self) -> type:
+        return _load(self.config)
+
+    @property
+    def trainer_class(self) -> type:
+        return _load(self.trainer)
+
+    @property
+    def config_name(self) -> str:
+        return self.config.split(":")[1]
+
+    @property
+    def trainer_name(self) -> str:
+        return self.trainer.split(":")[1]
+
+
+def _load(path: str):
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _classes(stem: str) -> tuple[str, str]:
+    """("leantune.trainers.<stem>_config:<Name>Config", "...<stem>_trainer:<Name>Trainer") by the house's file names."""
+    return f"leantune.trainers.{stem}_config", f"leantune.trainers.{stem}_trainer"
+
+
+def _method(name: str, class_stem: str, data: str, help: str, cli: str, trl_tag: str | None = None, **more) -> Method:
+    config_module, trainer_module = _classes(name)
+    return Method(name=name, command=name.replace("_", "-"), config=f"{config_module}:{class_stem}Config",
+                  trainer=f"{trainer_module}:{class_stem}Trainer", data=data, help=help, cli=cli,
+                  card_name=class_stem.lower(), trl_tag=trl_tag or class_stem.lower(), output_suffix=class_stem,
+                  **more)
+
+
+ONLINE_CLI = "leantune.cli.online_runs"
+
+METHODS: dict[str, Method] = {method.name: method for method in (
+    _method("sft", "SFT", SFT_DATA, "Supervised fine-tuning (no arguments: a built-in demo run on bundled data).",
+            "leantune.cli.sft", layouts="packing", profile_rows="sequences"),
+    _method("dpo", "DPO", PREFERENCE_DATA,
+            "Direct Preference Optimization (no arguments: a built-in demo run on bundled pairs).", "leantune.cli.dpo",
+            profile_rows="pairs"),
+    _method("kto", "KTO", KTO_DATA, "Kahneman-Tversky Optimization (no arguments: a built-in demo run on bundled data).",
+            "leantune.cli.kto"),
+    _method("reward", "Reward", PREFERENCE_DATA, "Reward modelling (no arguments: a built-in demo run on bundled pairs).",
+            "leantune.cli.reward", trl_tag="reward-trainer", sequence_classifier=True, profile_rows="whole_pairs"),
+    _method("grpo", "GRPO", PROMPT_DATA,
+            "GRPO, online RL from rewards (no arguments: a built-in demo with a checked answer).", ONLINE_CLI,
+            online=True),
+    _method("rloo", "RLOO", PROMPT_DATA,
+            "RLOO, online RL from rewards (no arguments: a built-in demo with a checked answer).", ONLINE_CLI,
+            online=True),
+    _method("online_dpo", "OnlineDPO", PROMPT_DATA,
+            "Online DPO, pairs of sampled completions judged by rewards (no arguments: a built-in demo with a checked "
+            "answer).", ONLINE_CLI, online=True),
+    _method("ppo", "PPO", PROMPT_DATA,
+            "PPO with a value function, online RL from rewards (no arguments: a built-in demo).", ONLINE_CLI,
+            online=True),
+    _method("gkd", "GKD", SFT_DATA, "Knowledge distillation from a teacher, GKD (no arguments: a built-in demo run).",
+            "leantune.cli.gkd"),
+)}
+
+BY_COMMAND: dict[str, Method] = {method.command: method for method in METHODS.values()}
+
+
+def find(name: str) -> Method:
+    """The method a user names: its command ("online-dpo"), key ("online_dpo") or card name ("onlinedpo"), in any
+    case."""
+    wanted = str(name).strip().lower().replace("_", "-")
+    for method in METHODS.values():
+        if wanted in (method.command, method.card_name):
+            return method
+    raise ValueError(f"`method`: unknown method {name!r}; known: {', '.join(sorted(BY_COMMAND))}.")
+
+
+def of(trainer) -> Method:
+    """The method of a trainer or trainer class (its `method` attribute; a subclass inherits its parent's)."""
+    name = getattr(trainer, "method", None)
+    if name not in METHODS:
+        shown = trainer.__name__ if isinstance(trainer, type) else type(trainer).__name__
+        raise ValueError(f"`method`: {shown} is no leantune method's trainer (its `method` names none of "
+                         f"{', '.join(METHODS)}).")
+    return METHODS[name]
