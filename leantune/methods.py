@@ -15,6 +15,11 @@ PREFERENCE_DATA = "preference"  # pairs: prompt, chosen, rejected (DPO, reward)
 KTO_DATA = "kto"  # unpaired examples with a desirable/undesirable label, or pairs unpaired automatically
 PROMPT_DATA = "prompt"  # prompts only: completions are generated during training (the online methods)
 
+# Frozen models a method takes by name or config, which the planner builds fake (planning/frozen.py); a reference
+# copy is the trainer's own deep copy of the policy and needs no entry.
+TEACHER = "teacher"  # GKD's teacher_model / teacher_model_name_or_path
+REWARD_MODELS = "reward_models"  # reward models among the online methods' reward_funcs
+
 
 @dataclass(frozen=True)
 class Method:
@@ -31,6 +36,7 @@ class Method:
     # Online: rounds of completions generated and scored by reward functions (`--reward_funcs`, a generation backend).
     online: bool = False
     sequence_classifier: bool = False  # the trained model is a sequence classifier with one output (reward models)
+    frozen_models: tuple[str, ...] = ()  # TEACHER, REWARD_MODELS: what the planner builds fake from a name or config
     # The layouts the planner's budget search varies: "packing" (packed, padding-free, padded) or "padding_free".
     layouts: str = "padding_free"
     # The rows of `leantune profile`'s JSON the planner can build this method's data from: "sequences" (SFT data),
@@ -46,10 +52,6 @@ class Method:
         return _load(self.trainer)
 
     @property
-    def config_name(self) -> str:
-        return self.config.split(":")[1]
-
-    @property
     def trainer_name(self) -> str:
         return self.trainer.split(":")[1]
 
@@ -59,45 +61,40 @@ def _load(path: str):
     return getattr(importlib.import_module(module), name)
 
 
-def _classes(stem: str) -> tuple[str, str]:
-    """("leantune.trainers.<stem>_config:<Name>Config", "...<stem>_trainer:<Name>Trainer") by the house's file names."""
-    return f"leantune.trainers.{stem}_config", f"leantune.trainers.{stem}_trainer"
+def _entry(name: str, class_stem: str, **fields) -> Method:
+    """An entry by the house's names: trainers/<name>_config.py's <stem>Config and trainers/<name>_trainer.py's
+    <stem>Trainer, the command <name> with dashes, TRL's "<model>-<stem>" output_dir, the card name <stem> in lower
+    case (also TRL's Hub tag unless `trl_tag` says otherwise)."""
+    fields.setdefault("trl_tag", class_stem.lower())
+    return Method(name=name, command=name.replace("_", "-"), config=f"leantune.trainers.{name}_config:{class_stem}Config",
+                  trainer=f"leantune.trainers.{name}_trainer:{class_stem}Trainer", card_name=class_stem.lower(),
+                  output_suffix=class_stem, **fields)
 
 
-def _method(name: str, class_stem: str, data: str, help: str, cli: str, trl_tag: str | None = None, **more) -> Method:
-    config_module, trainer_module = _classes(name)
-    return Method(name=name, command=name.replace("_", "-"), config=f"{config_module}:{class_stem}Config",
-                  trainer=f"{trainer_module}:{class_stem}Trainer", data=data, help=help, cli=cli,
-                  card_name=class_stem.lower(), trl_tag=trl_tag or class_stem.lower(), output_suffix=class_stem,
-                  **more)
-
-
-ONLINE_CLI = "leantune.cli.online_runs"
+ONLINE_CLI = "leantune.cli.online_runs"  # the online methods share their demo and summary
+ONLINE = {"data": PROMPT_DATA, "cli": ONLINE_CLI, "online": True, "frozen_models": (REWARD_MODELS,)}
 
 METHODS: dict[str, Method] = {method.name: method for method in (
-    _method("sft", "SFT", SFT_DATA, "Supervised fine-tuning (no arguments: a built-in demo run on bundled data).",
-            "leantune.cli.sft", layouts="packing", profile_rows="sequences"),
-    _method("dpo", "DPO", PREFERENCE_DATA,
-            "Direct Preference Optimization (no arguments: a built-in demo run on bundled pairs).", "leantune.cli.dpo",
-            profile_rows="pairs"),
-    _method("kto", "KTO", KTO_DATA, "Kahneman-Tversky Optimization (no arguments: a built-in demo run on bundled data).",
-            "leantune.cli.kto"),
-    _method("reward", "Reward", PREFERENCE_DATA, "Reward modelling (no arguments: a built-in demo run on bundled pairs).",
-            "leantune.cli.reward", trl_tag="reward-trainer", sequence_classifier=True, profile_rows="whole_pairs"),
-    _method("grpo", "GRPO", PROMPT_DATA,
-            "GRPO, online RL from rewards (no arguments: a built-in demo with a checked answer).", ONLINE_CLI,
-            online=True),
-    _method("rloo", "RLOO", PROMPT_DATA,
-            "RLOO, online RL from rewards (no arguments: a built-in demo with a checked answer).", ONLINE_CLI,
-            online=True),
-    _method("online_dpo", "OnlineDPO", PROMPT_DATA,
-            "Online DPO, pairs of sampled completions judged by rewards (no arguments: a built-in demo with a checked "
-            "answer).", ONLINE_CLI, online=True),
-    _method("ppo", "PPO", PROMPT_DATA,
-            "PPO with a value function, online RL from rewards (no arguments: a built-in demo).", ONLINE_CLI,
-            online=True),
-    _method("gkd", "GKD", SFT_DATA, "Knowledge distillation from a teacher, GKD (no arguments: a built-in demo run).",
-            "leantune.cli.gkd"),
+    _entry("sft", "SFT", data=SFT_DATA, cli="leantune.cli.sft", layouts="packing", profile_rows="sequences",
+           help="Supervised fine-tuning (no arguments: a built-in demo run on bundled data)."),
+    _entry("dpo", "DPO", data=PREFERENCE_DATA, cli="leantune.cli.dpo", profile_rows="pairs",
+           help="Direct Preference Optimization (no arguments: a built-in demo run on bundled pairs)."),
+    _entry("kto", "KTO", data=KTO_DATA, cli="leantune.cli.kto",
+           help="Kahneman-Tversky Optimization (no arguments: a built-in demo run on bundled data)."),
+    _entry("reward", "Reward", data=PREFERENCE_DATA, cli="leantune.cli.reward", trl_tag="reward-trainer",
+           sequence_classifier=True, profile_rows="whole_pairs",
+           help="Reward modelling (no arguments: a built-in demo run on bundled pairs)."),
+    _entry("grpo", "GRPO", **ONLINE,
+           help="GRPO, online RL from rewards (no arguments: a built-in demo with a checked answer)."),
+    _entry("rloo", "RLOO", **ONLINE,
+           help="RLOO, online RL from rewards (no arguments: a built-in demo with a checked answer)."),
+    _entry("online_dpo", "OnlineDPO", **ONLINE,
+           help="Online DPO, pairs of sampled completions judged by rewards (no arguments: a built-in demo with a "
+                "checked answer)."),
+    _entry("ppo", "PPO", **ONLINE,
+           help="PPO with a value function, online RL from rewards (no arguments: a built-in demo)."),
+    _entry("gkd", "GKD", data=SFT_DATA, cli="leantune.cli.gkd", frozen_models=(TEACHER,),
+           help="Knowledge distillation from a teacher, GKD (no arguments: a built-in demo run)."),
 )}
 
 BY_COMMAND: dict[str, Method] = {method.command: method for method in METHODS.values()}

@@ -390,7 +390,10 @@ def test_apo_zero_unpaired_needs_no_kl_completions(tokenizer, hh_pairs, tmp_path
 
 
 def test_cli_trains_on_paired_hh_data(tokenizer, hh_pairs, tmp_path, capsys):
-    from leantune.cli.kto import run
+    from leantune.cli.runner import run_method
+
+    def run(argv):
+        return run_method("kto", argv)
 
     model_dir, data_file = tmp_path / "tiny-llama", tmp_path / "pairs.jsonl"
     tiny_model().save_pretrained(model_dir)

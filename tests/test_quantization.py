@@ -283,7 +283,10 @@ def test_every_trainer_trains_4bit_lora_with_gradient_checkpointing(kind, model_
 @needs_bnb
 @pytest.mark.parametrize("flag", ["--load_in_4bit", "--load_in_8bit"])
 def test_cli_load_in_4_or_8bit_trains_a_lora_adapter(flag, model_dir, gsm8k_rows, tmp_path, capsys):
-    from leantune.cli.sft import run
+    from leantune.cli.runner import run_method
+
+    def run(argv):
+        return run_method("sft", argv)
 
     data_file = tmp_path / "train.jsonl"
     gsm8k_prompt_completion(gsm8k_rows, 8).to_json(str(data_file))

@@ -19,14 +19,20 @@ from .fake_step import WeightlessMode, fake_model_from_config
 def fake_frozen_sources(trainer_class, fields: dict, trainer_kwargs: dict, mode: WeightlessMode, tokenizer,
                         default_dtype) -> tuple[dict, dict]:
     """(config fields, trainer keyword arguments) with every frozen model given by name or config replaced by a fake
-    model object; the fields that named them are consumed (the trainer gets the object instead)."""
+    model object; the fields that named them are consumed (the trainer gets the object instead). Which frozen models
+    a method takes is its entry's `frozen_models` (leantune/methods.py)."""
+    from ..methods import REWARD_MODELS, TEACHER, of
+
+    takes = of(trainer_class).frozen_models
     fields, kwargs = dict(fields), dict(trainer_kwargs)
-    teacher = kwargs.pop("teacher_model", None) or fields.pop("teacher_model", None) or fields.pop(
-        "teacher_model_name_or_path", None)
+    teacher = None
+    if TEACHER in takes:
+        teacher = kwargs.pop("teacher_model", None) or fields.pop("teacher_model", None) or fields.pop(
+            "teacher_model_name_or_path", None)
     if teacher is not None:
         init_kwargs = fields.pop("teacher_model_init_kwargs", None)  # applied here: the trainer gets an object
         kwargs["teacher_model"] = _fake(teacher, mode, None, _dtype_in(init_kwargs, torch.float32))
-    funcs = kwargs.get("reward_funcs")
+    funcs = kwargs.get("reward_funcs") if REWARD_MODELS in takes else None
     if isinstance(funcs, (list, tuple)) or _is_model_source(funcs):
         funcs = list(funcs) if isinstance(funcs, (list, tuple)) else [funcs]
         if any(_is_model_source(func) for func in funcs):
