@@ -13,6 +13,9 @@ import numpy as np
 import torch
 
 IGNORE_INDEX = -100
+# The collated entries a causal LM's forward takes (padded or segmented layouts).
+MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
+                "max_length_k")
 
 
 def round_up(n: int, multiple: int | None) -> int:

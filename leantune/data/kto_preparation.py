@@ -24,7 +24,7 @@ sequences can be precomputed exactly like those of the matched ones.
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -41,7 +41,7 @@ from .preference_formats import (
     is_preference_dataset,
 )
 from .preference_preparation import PairTruncation
-from .report import NothingLeft
+from .report import NothingLeft, PreparationReport
 from .streaming import is_stream, prepare_stream
 from .template_spans import split_after_prompt
 
@@ -61,34 +61,23 @@ FLAGS = ("__empty__", "__identical__")
 
 
 @dataclass
-class KTOReport:
-    split: str = "train"
-    num_rows_in: int = 0
+class KTOReport(PreparationReport):
     num_pairs_unpaired: int = 0  # paired input: pairs turned into two examples each
     num_identical_pairs_dropped: int = 0
-    num_empty_dropped: int = 0
     num_prompt_truncated: int = 0
     num_completion_truncated: int = 0
     num_prompt_too_long_dropped: int = 0
-    tokens_dropped: int = 0
     num_desirable: int = 0
     num_undesirable: int = 0
-    num_examples_out: int = 0
     num_kl_partner_same_prompt: int = 0
 
+    UNIT = "row"  # a row read is an example or a pair
+    OWN_NAMES = {"num_examples_in": "num_rows_in"}
     REASONS = {
         "num_identical_pairs_dropped": "pair(s) whose chosen and rejected are identical (contradictory labels)",
         "num_empty_dropped": "example(s) with an empty completion",
         "num_prompt_too_long_dropped": "example(s) whose prompt alone fills max_length (no completion token left)",
     }
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-    def dropped(self) -> str:
-        """What was dropped and why, in one line (for the error when nothing is left)."""
-        parts = [f"{getattr(self, name)} {reason}" for name, reason in self.REASONS.items() if getattr(self, name)]
-        return f"of {self.num_rows_in} row(s), dropped " + ("; ".join(parts) or "none")
 
     def log(self) -> None:
         if self.num_pairs_unpaired:
@@ -104,7 +93,7 @@ class KTOReport:
         if self.num_kl_partner_same_prompt:
             logger.warning("%s: %d example(s) have a KL completion written for the same prompt (too few distinct "
                            "prompts to mismatch them all).", self.split, self.num_kl_partner_same_prompt)
-        logger.info("%s data: %s", self.split, self.as_dict())
+        self.log_summary()
 
 
 def prepare_kto_dataset(dataset, tokenizer, args, split: str = "train"):
@@ -115,8 +104,8 @@ def prepare_kto_dataset(dataset, tokenizer, args, split: str = "train"):
         raise ValueError(f"Pass one split as the {split} dataset, not a DatasetDict with {list(dataset)}.")
     if is_stream(dataset):  # the same recipe, one buffer at a time (KL partners drawn inside it): data/streaming.py
         return prepare_stream(dataset, lambda buffer: prepare_kto_dataset(buffer, tokenizer, args, split), split)
-    report = KTOReport(split=split, num_rows_in=len(dataset))
-    if report.num_rows_in == 0:
+    report = KTOReport(split=split, num_examples_in=len(dataset))
+    if report.num_examples_in == 0:
         raise ValueError(f"The {split} dataset is empty.")
     dataset = rename_legacy_token_columns(dataset)
     num_proc = args.dataset_num_proc

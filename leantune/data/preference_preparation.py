@@ -10,7 +10,7 @@ amount for chosen and rejected so both keep one prompt, and a completion still t
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -24,7 +24,7 @@ from .preference_formats import (
     explicit_prompt_example,
     is_empty_completion,
 )
-from .report import NothingLeft
+from .report import NothingLeft, PreparationReport
 from .streaming import is_stream, prepare_stream
 
 logger = logging.getLogger("leantune.data")
@@ -32,21 +32,15 @@ TOKEN_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 
 
 @dataclass
-class PreferenceReport:
-    split: str = "train"
-    num_pairs_in: int = 0
-    num_empty_dropped: int = 0
+class PreferenceReport(PreparationReport):
     num_identical_dropped: int = 0
     num_identical_after_truncation_dropped: int = 0  # differed only in tokens that truncation cut
     num_prompt_truncated: int = 0
     num_completion_truncated: int = 0
     num_prompt_too_long_dropped: int = 0
-    tokens_dropped: int = 0
-    num_pairs_out: int = 0
 
-    def as_dict(self) -> dict:
-        return asdict(self)
-
+    UNIT = "pair"
+    OWN_NAMES = {"num_examples_in": "num_pairs_in", "num_examples_out": "num_pairs_out"}
     REASONS = {
         "num_empty_dropped": "with an empty chosen or rejected completion",
         "num_identical_dropped": "whose chosen and rejected are identical (no preference to learn)",
@@ -56,20 +50,15 @@ class PreferenceReport:
         "num_prompt_too_long_dropped": "whose prompt alone fills max_length (no completion token left)",
     }
 
-    def dropped(self) -> str:
-        """What was dropped and why, in one line (for the error when nothing is left)."""
-        parts = [f"{getattr(self, name)} {reason}" for name, reason in self.REASONS.items() if getattr(self, name)]
-        return f"of {self.num_pairs_in} pair(s), dropped " + ("; ".join(parts) or "none")
-
     def log(self) -> None:
         for name, reason in self.REASONS.items():
             if getattr(self, name):
-                logger.warning("%s: dropped %d pair(s) of %d %s.", self.split, getattr(self, name), self.num_pairs_in,
-                               reason)
+                logger.warning("%s: dropped %d pair(s) of %d %s.", self.split, getattr(self, name),
+                               self.num_examples_in, reason)
         if self.num_prompt_truncated or self.num_completion_truncated:
             logger.warning("%s: truncated %d prompt(s) and %d completion(s), dropping %d token(s).", self.split,
                            self.num_prompt_truncated, self.num_completion_truncated, self.tokens_dropped)
-        logger.info("%s data: %s", self.split, self.as_dict())
+        self.log_summary()
 
 
 def prepare_preference_dataset(dataset, tokenizer, args, split: str = "train", keep_columns: tuple[str, ...] = ()):
@@ -84,8 +73,8 @@ def prepare_preference_dataset(dataset, tokenizer, args, split: str = "train", k
     if is_stream(dataset):  # the same recipe, one buffer at a time (data/streaming.py)
         return prepare_stream(dataset, lambda buffer: prepare_preference_dataset(
             buffer, tokenizer, args, split, keep_columns), split)
-    report = PreferenceReport(split=split, num_pairs_in=len(dataset))
-    if report.num_pairs_in == 0:
+    report = PreferenceReport(split=split, num_examples_in=len(dataset))
+    if report.num_examples_in == 0:
         raise ValueError(f"The {split} dataset is empty.")
     dataset = rename_legacy_token_columns(dataset)
     fmt = detect_preference_format(dataset)
@@ -129,13 +118,13 @@ def prepare_preference_dataset(dataset, tokenizer, args, split: str = "train", k
         dataset = _drop_identical_token_pairs(dataset, report, num_proc, "num_identical_after_truncation_dropped")
     if len(dataset) == 0:
         _nothing_left(report, split)
-    report.num_pairs_out = len(dataset)
+    report.num_examples_out = len(dataset)
     report.log()
     return dataset, report
 
 
 def _nothing_left(report: PreferenceReport, split: str):
-    report.num_pairs_out = 0
+    report.num_examples_out = 0
     report.log()
     raise NothingLeft(f"No {split} pair is left after preparation: {report.dropped()}.", report)
 

@@ -9,11 +9,11 @@ the end of a longer prompt (the question is usually last); a prompt that leaves 
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from .chat_template import require_chat_template, row_template_kwargs
 from .formats import is_message_list
-from .report import NothingLeft
+from .report import NothingLeft, PreparationReport
 from .streaming import is_stream, prepare_stream
 
 logger = logging.getLogger("leantune.data")
@@ -22,32 +22,29 @@ PROMPT_IDS = "prompt_ids"
 
 
 @dataclass
-class PromptReport:
-    split: str = "train"
-    num_prompts_in: int = 0
-    num_empty_dropped: int = 0
+class PromptReport(PreparationReport):
     num_truncated: int = 0
-    tokens_cut: int = 0
     num_too_long_dropped: int = 0
-    num_prompts_out: int = 0
     conversational: bool = False
 
-    def as_dict(self) -> dict:
-        return asdict(self)
+    UNIT = "prompt"
+    HEADING = "prompts"
+    OWN_NAMES = {"num_examples_in": "num_prompts_in", "num_examples_out": "num_prompts_out",
+                 "tokens_dropped": "tokens_cut"}  # a prompt keeps its end: its first tokens are cut
 
     def log(self, args, context_limit: int | None) -> None:
         if self.num_empty_dropped:
             logger.warning("%s: dropped %d empty prompt(s) of %d.", self.split, self.num_empty_dropped,
-                           self.num_prompts_in)
+                           self.num_examples_in)
         if self.num_truncated:
             logger.warning("%s: cut %d prompt(s) to max_prompt_length=%d (kept their ends), %d token(s) cut.",
-                           self.split, self.num_truncated, args.max_prompt_length, self.tokens_cut)
+                           self.split, self.num_truncated, args.max_prompt_length, self.tokens_dropped)
         if self.num_too_long_dropped:
             logger.warning(
                 "%s: dropped %d prompt(s) too long to leave max_completion_length=%d tokens in the model's context "
                 "of %s; set max_prompt_length to cut them instead.", self.split, self.num_too_long_dropped,
                 args.max_completion_length, context_limit)
-        logger.info("%s prompts: %s", self.split, self.as_dict())
+        self.log_summary()
 
 
 def context_limit_of(model) -> int | None:
@@ -84,7 +81,7 @@ def prepare_prompt_dataset(dataset, tokenizer, args, split: str = "train", conte
     if "prompt" not in dataset.column_names:
         raise ValueError(f"The {split} dataset needs a 'prompt' column (text or a list of chat messages); "
                          f"it has {dataset.column_names}.")
-    report = PromptReport(split=split, num_prompts_in=len(dataset))
+    report = PromptReport(split=split, num_examples_in=len(dataset))
     report.conversational = is_conversational(dataset)
     if report.conversational:
         require_chat_template(tokenizer, "Conversational prompts")
@@ -114,12 +111,12 @@ def prepare_prompt_dataset(dataset, tokenizer, args, split: str = "train", conte
     report.num_empty_dropped = status.count("empty")
     report.num_too_long_dropped = status.count("too_long")
     report.num_truncated = sum(1 for s, c in zip(status, cuts) if c)
-    report.tokens_cut = int(sum(cuts))
+    report.tokens_dropped = int(sum(cuts))
     kept = [i for i, s in enumerate(status) if s in ("ok", "cut")]
     tokenized = tokenized.remove_columns(["_status", "_cut"])
     if len(kept) < len(tokenized):
         tokenized = tokenized.select(kept)
-    report.num_prompts_out = len(tokenized)
+    report.num_examples_out = len(tokenized)
     report.log(args, context_limit)
     if not len(tokenized):
         raise NothingLeft(f"No {split} prompt is left after dropping empty and too-long prompts: {report.as_dict()}.",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextvars
 import logging
 from dataclasses import asdict, dataclass
+from typing import ClassVar
 
 logger = logging.getLogger("leantune.data")
 
@@ -37,17 +38,44 @@ def report_blank_lines(path: str, line_numbers: list[int]) -> int:
 
 @dataclass
 class PreparationReport:
+    """The counts every recipe keeps (SFT, preference, KTO, prompt preparation), under one set of names; a recipe's
+    report adds its own. Streams sum any report's counts field by field (data/streaming.py)."""
+
     split: str = "train"
-    num_examples_in: int = 0
+    num_examples_in: int = 0  # rows read: examples, pairs or prompts
     num_empty_dropped: int = 0
-    num_truncated: int = 0
-    tokens_dropped: int = 0
-    num_without_targets_dropped: int = 0
-    num_examples_out: int = 0
-    num_rows_out: int = 0
+    tokens_dropped: int = 0  # tokens truncation removed
+    num_examples_out: int = 0  # examples (pairs, prompts) left for training
+
+    UNIT: ClassVar[str] = "example"  # what one row read is, in messages: "of 12 pair(s), dropped ..."
+    HEADING: ClassVar[str] = "data"  # the summary line: "train data: {...}"
+    # Where a recipe's logged dict names a shared count in its own words ({"num_examples_in": "num_pairs_in"}): those
+    # words stay in its log lines and dicts, and read the shared count as read-only attributes.
+    OWN_NAMES: ClassVar[dict[str, str]] = {}
+    REASONS: ClassVar[dict[str, str]] = {}  # drop counts -> why, for `dropped`
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for shared, own in cls.OWN_NAMES.items():
+            setattr(cls, own, property(lambda self, shared=shared: getattr(self, shared)))
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        return {self.OWN_NAMES.get(name, name): value for name, value in asdict(self).items()}
+
+    def dropped(self) -> str:
+        """What was dropped and why, in one line (for the error when nothing is left)."""
+        parts = [f"{getattr(self, name)} {reason}" for name, reason in self.REASONS.items() if getattr(self, name)]
+        return f"of {self.num_examples_in} {self.UNIT}(s), dropped " + ("; ".join(parts) or "none")
+
+    def log_summary(self) -> None:
+        logger.info("%s %s: %s", self.split, self.HEADING, self.as_dict())
+
+
+@dataclass
+class SFTReport(PreparationReport):
+    num_truncated: int = 0
+    num_without_targets_dropped: int = 0
+    num_rows_out: int = 0  # rows after packing
 
     def log(self) -> None:
         if self.num_empty_dropped:
@@ -62,4 +90,4 @@ class PreparationReport:
                 "%s: dropped %d example(s) left with no loss tokens (e.g. the prompt fills max_length).",
                 self.split, self.num_without_targets_dropped,
             )
-        logger.info("%s data: %s", self.split, self.as_dict())
+        self.log_summary()

@@ -10,7 +10,7 @@ from .chat_template import require_chat_template
 from .collators import IGNORE_INDEX
 from .formats import SFTFormat, detect_sft_format, from_sharegpt
 from .lengths import length_summary_line
-from .report import NothingLeft, PreparationReport
+from .report import NothingLeft, SFTReport
 from .sft_tokenization import SFTTokenizer, is_empty_example
 from .streaming import STREAM_BUFFER_ROWS, is_stream, prepare_stream, without_shuffle
 from .truncation import sequence_lengths, truncate_dataset
@@ -20,7 +20,7 @@ LOSS_MASK_COLUMNS = ("completion_mask", "assistant_masks")
 
 
 def prepare_sft_dataset(dataset, tokenizer, args, split: str = "train", formatting_func=None, packing: bool = False):
-    """Return (tokenised dataset, PreparationReport) ready for the SFT collator."""
+    """Return (tokenised dataset, SFTReport) ready for the SFT collator."""
     if dataset is None:
         return None, None
     if type(dataset).__name__ in ("DatasetDict", "IterableDatasetDict"):
@@ -31,7 +31,7 @@ def prepare_sft_dataset(dataset, tokenizer, args, split: str = "train", formatti
         buffer_args = without_shuffle(args)
         return prepare_stream(dataset, lambda buffer: prepare_sft_dataset(
             buffer, tokenizer, buffer_args, split, formatting_func, packing), split)
-    report = PreparationReport(split=split, num_examples_in=len(dataset))
+    report = SFTReport(split=split, num_examples_in=len(dataset))
     if report.num_examples_in == 0:
         raise ValueError(f"The {split} dataset is empty.")
     num_proc = args.dataset_num_proc

@@ -6,14 +6,14 @@ import logging
 
 import torch
 
-from ..data.collators import sequence_starts
+from ..data.collators import MODEL_INPUTS, sequence_starts
 from ..data.preference_collator import REFERENCE_COLUMNS, PreferenceCollator
 from ..data.preference_preparation import prepare_preference_dataset
 from ..losses.dispatch import LogProbPath
 from ..losses.preference import PairSequenceLogps, dpo_loss, pair_sequence_logps, wpo_weights
 from .base import LeantuneTrainer
 from .dpo_config import DPOConfig, dpo_loss_types, dpo_loss_weights
-from .reference import MODEL_INPUTS, ReferenceModelMixin
+from .reference import ReferenceModelMixin
 
 logger = logging.getLogger("leantune.dpo")
 

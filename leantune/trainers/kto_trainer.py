@@ -11,13 +11,13 @@ import logging
 
 import torch
 
-from ..data.collators import sequence_starts
+from ..data.collators import MODEL_INPUTS, sequence_starts
 from ..data.kto_preparation import KL_COLUMN, REFERENCE_COLUMNS, KTOCollator, kl_view, prepare_kto_dataset
 from ..losses.kto import kl_estimate, kto_loss
 from ..losses.token_logprobs import per_sequence_sum, target_sequences
 from .base import LeantuneTrainer
 from .kto_config import KTOConfig
-from .reference import MODEL_INPUTS, ReferenceModelMixin
+from .reference import ReferenceModelMixin
 
 logger = logging.getLogger("leantune.kto")
 

@@ -25,7 +25,7 @@ from collections import defaultdict, deque
 import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
-from ..data.collators import CausalLMCollator, prompt_completion_row, sequence_starts
+from ..data.collators import MODEL_INPUTS, CausalLMCollator, prompt_completion_row, sequence_starts
 from ..data.prompt_preparation import PROMPT_IDS, context_limit_of, prepare_prompt_dataset
 from ..data.streaming import STREAM_BUFFER_ROWS, is_stream
 from ..generation import Completions, SamplingSettings, make_backend
@@ -38,7 +38,7 @@ from ..rewards import RewardFunctions, RewardScores
 from ..rollouts import AgentRollouts, Rollout
 from .base import LeantuneTrainer
 from .frozen_models import prepare_frozen_model
-from .reference import MODEL_INPUTS, ReferenceModelMixin
+from .reference import ReferenceModelMixin
 
 logger = logging.getLogger("leantune.online")
 

@@ -19,7 +19,7 @@ import logging
 
 import torch
 
-from ..data.collators import sequence_starts
+from ..data.collators import MODEL_INPUTS, sequence_starts
 from ..losses.causal_lm import count_targets
 from ..losses.policy_gradient import clipped_surrogate
 from ..losses.ppo import clipped_value_loss, gae_advantages, kl_penalised_rewards, moments, token_kl, whiten
@@ -37,7 +37,6 @@ from ..models.value_head import (
 )
 from .config_utils import checkpointing_setting, enable_model_checkpointing
 from .online_trainer import OnlineTrainer
-from .reference import MODEL_INPUTS
 
 logger = logging.getLogger("leantune.online")
 

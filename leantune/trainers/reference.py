@@ -24,10 +24,6 @@ from .frozen_models import prepare_frozen_model, zero3_enabled
 
 logger = logging.getLogger("leantune.trainer")
 
-# The collated entries a causal LM's forward takes (padded or segmented layouts).
-MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
-                "max_length_k")
-
 
 @dataclass
 class PolicyAndReference:

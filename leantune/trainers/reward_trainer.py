@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ..data.chat_template import load_chat_template
+from ..data.collators import MODEL_INPUTS
 from ..data.formats import rename_legacy_token_columns
 from ..data.preference_collator import PreferenceCollator
 from ..data.preference_preparation import prepare_preference_dataset
@@ -38,8 +39,6 @@ from .reference import PolicyAndReference, disable_dropout
 from .reward_config import RewardConfig
 
 logger = logging.getLogger("leantune.reward")
-MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
-                "max_length_k")
 SCORE_HEAD = "score"  # the per-token reward head of decoder *ForSequenceClassification models (Llama, Qwen2, GPT-2...)
 
 
@@ -279,7 +278,7 @@ def prepare_reward_dataset(dataset, tokenizer, args, split: str):
         logger.warning("%s: dropped %d pair(s) whose chosen and rejected are identical after truncation.", split,
                        int(same.sum()))
         report.num_identical_dropped += int(same.sum())
-        report.num_pairs_out -= int(same.sum())
+        report.num_examples_out -= int(same.sum())
         if same.all():
             raise NothingLeft(f"No {split} pair is left after preparation: {report.as_dict()}.", report)
         dataset = dataset.select(np.flatnonzero(~same))
