@@ -55,6 +55,11 @@ class Method:
     def trainer_name(self) -> str:
         return self.trainer.split(":")[1]
 
+    @property
+    def demo_output_dir(self) -> str:
+        """Where the built-in demo (the command with no model and no data) writes, unless --output_dir says."""
+        return f"leantune-output/{self.command}-demo"
+
 
 def _load(path: str):
     module, name = path.split(":")

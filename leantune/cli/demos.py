@@ -10,13 +10,13 @@ import time
 from .arguments import peft_config_from
 
 
-def apply_demo_settings(args, explicit: set[str], defaults: dict, output_dir: str) -> None:
+def apply_demo_settings(args, explicit: set[str], defaults: dict) -> None:
     """Demo defaults for every field not set by a flag or the YAML file; single-threaded torch on a small CPU run."""
     import torch
 
     if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)  # spin-waiting OpenMP threads on shared cores slow a tiny model down
-    settings = {"output_dir": output_dir, "save_strategy": "no", "logging_first_step": True, **defaults}
+    settings = {"save_strategy": "no", "logging_first_step": True, **defaults}
     for name, value in settings.items():
         if name not in explicit:
             setattr(args, name, value)

@@ -5,7 +5,6 @@ from __future__ import annotations
 from .demos import apply_demo_settings, demo_model, sft_warm_up, train_and_save
 from .runner import print_run_summary
 
-DEMO_OUTPUT_DIR = "leantune-output/dpo-demo"
 # The demo: 1,600 bundled pairs, 100 optimizer steps of 16 pairs from a random-init 0.54M-parameter Llama.
 DEMO_TRAINING = {
     "learning_rate": 5e-4,
@@ -28,7 +27,7 @@ def run_demo(args, model_args, explicit: set[str]) -> int:
     from ..trainers.dpo_trainer import DPOTrainer
 
     print("leantune dpo: no model or dataset given, so running the built-in demo (bundled pairs, small model).")
-    apply_demo_settings(args, explicit, DEMO_TRAINING, DEMO_OUTPUT_DIR)
+    apply_demo_settings(args, explicit, DEMO_TRAINING)
     data = build_default_preference_dataset(DEMO_PAIRS["train"], DEMO_PAIRS["eval"], seed=args.seed)
     tokenizer, model, peft_config = demo_model(model_args)
     print("stage 1: a short SFT warm-up on the chosen completions (150 steps); stage 2: DPO against it.")

@@ -8,7 +8,6 @@ from __future__ import annotations
 from .demos import apply_demo_settings, demo_model, supervised_warm_up, train_and_save
 from .runner import print_run_summary
 
-DEMO_OUTPUT_DIR = "leantune-output/gkd-demo"
 # The demo: a teacher SFT-trained on the bundled reversals, distilled into a fresh student of the same size, 400 steps
 # of 32 examples. Forward KL (beta=0) with a quarter of the steps on the student's own samples (lmbda=0.25): the
 # student learns the reversal from the teacher's distributions (measured: held-out exact match 0% -> 74%, teacher 71%).
@@ -36,7 +35,7 @@ def run_demo(args, model_args, explicit: set[str]) -> int:
     from ..trainers.gkd_trainer import GKDTrainer
 
     print("leantune gkd: no model or dataset given, so running the built-in demo (bundled task, small models).")
-    apply_demo_settings(args, explicit, DEMO_TRAINING, DEMO_OUTPUT_DIR)
+    apply_demo_settings(args, explicit, DEMO_TRAINING)
     data = build_default_dataset(DEMO_EXAMPLES["train"], DEMO_EXAMPLES["eval"], seed=args.seed)
     tokenizer, teacher, _ = demo_model(model_args)
     print(f"stage 1: the teacher, SFT on the task until held-out exact match reaches {TEACHER_TARGET:.0%} (at most "

@@ -11,7 +11,6 @@ from .demos import apply_demo_settings, demo_model, sft_warm_up, train_and_save
 from .dpo import DEMO_TRAINING as DPO_DEMO_TRAINING
 from .dpo import print_summary as print_preference_summary
 
-DEMO_OUTPUT_DIR = "leantune-output/kto-demo"
 # The demo: 2,400 bundled pairs unpaired into 4,800 examples, 300 optimizer steps of 16 from the SFT warm-up of a
 # random-init 0.54M-parameter Llama: DPO's demo settings, logged every 25 steps.
 DEMO_TRAINING = {**DPO_DEMO_TRAINING, "logging_steps": 25}
@@ -25,7 +24,7 @@ def run_demo(args, model_args, explicit: set[str]) -> int:
     from ..trainers.kto_trainer import KTOTrainer
 
     print("leantune kto: no model or dataset given, so running the built-in demo (bundled examples, small model).")
-    apply_demo_settings(args, explicit, DEMO_TRAINING, DEMO_OUTPUT_DIR)
+    apply_demo_settings(args, explicit, DEMO_TRAINING)
     data = build_default_preference_dataset(DEMO_PAIRS["train"], DEMO_PAIRS["eval"], seed=args.seed)
     train = unpaired(data["train"], seed=args.seed)
     tokenizer, model, peft_config = demo_model(model_args)

@@ -64,8 +64,7 @@ def run_demo(method, args, model_args, reward_args, explicit) -> int:
 
     print(f"leantune {command}: no model or dataset given, so running the built-in demo (bundled task with a checked "
           "answer, small model).")
-    apply_demo_settings(args, explicit, demo_training(command),
-                        f"leantune-output/{command}-demo")
+    apply_demo_settings(args, explicit, demo_training(command))
     reward_funcs = resolve_reward_funcs(reward_args.reward_funcs or list(DEMO_REWARDS))
     data = build_default_dataset(DEMO_EXAMPLES["train"], DEMO_EXAMPLES["eval"], seed=args.seed, task=DEMO_TASK)
     tokenizer, model, peft_config = demo_model(model_args)

@@ -6,7 +6,6 @@ from .arguments import peft_config_from
 from .demos import apply_demo_settings, sft_warm_up, train_and_save
 from .dpo import print_summary as print_preference_summary
 
-DEMO_OUTPUT_DIR = "leantune-output/reward-demo"
 # The demo: 2 epochs of 32-pair steps (300 optimizer steps) over 4,800 bundled pairs.
 DEMO_TRAINING = {
     "learning_rate": 1e-3,
@@ -34,7 +33,7 @@ def run_demo(args, model_args, explicit: set[str]) -> int:
     if not explicit & {"gradient_checkpointing", "activation_checkpointing"}:
         # a 1M-parameter model's activations are tiny: recomputing only costs time (the name this transformers reads)
         set_checkpointing(args, False)
-    apply_demo_settings(args, explicit, DEMO_TRAINING, DEMO_OUTPUT_DIR)
+    apply_demo_settings(args, explicit, DEMO_TRAINING)
     data = build_default_preference_dataset(DEMO_PAIRS["train"], DEMO_PAIRS["eval"], seed=args.seed)
     print(f"stage 1: a short SFT warm-up on the chosen completions ({DEMO_WARM_UP_STEPS} steps); stage 2: a reward "
           f"model on its frozen backbone, with {DEMO_NEW_LAYERS} new layers and a reward head trained on the pairs.")

@@ -51,6 +51,8 @@ def run_method(command: str, argv: list[str]) -> int:
         if args.resume_from_checkpoint:
             raise UsageError("--resume_from_checkpoint: the built-in demo saves no checkpoints to resume from; "
                              "give --model_name_or_path and --dataset_name.")
+        if "output_dir" not in explicit:
+            args.output_dir = method.demo_output_dir
         if method.online:
             return module.run_demo(method, args, model_args, reward_args, explicit)
         return module.run_demo(args, model_args, explicit)

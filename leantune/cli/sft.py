@@ -5,8 +5,6 @@ from __future__ import annotations
 from .demos import apply_demo_settings, demo_model, train_and_save
 from .runner import print_run_summary
 
-DEMO_OUTPUT_DIR = "leantune-output/sft-demo"
-
 
 def run_demo(sft_args, model_args, explicit: set[str]) -> int:
     """Train a small model from scratch on bundled data, and show it learned: exact match before vs after."""
@@ -15,7 +13,7 @@ def run_demo(sft_args, model_args, explicit: set[str]) -> int:
 
     print("leantune sft: no model or dataset given, so running the built-in demo (bundled data, small model).")
     training = {name: value for name, value in DEFAULT_TRAINING.items() if name not in RUN_ONLY_KEYS}
-    apply_demo_settings(sft_args, explicit, training, DEMO_OUTPUT_DIR)
+    apply_demo_settings(sft_args, explicit, training)
     data = build_default_dataset(DEFAULT_TRAINING["num_train"], DEFAULT_TRAINING["num_eval"], seed=sft_args.seed)
     tokenizer, model, peft_config = demo_model(model_args)
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; "
