@@ -107,7 +107,7 @@ def argument_types(command: str) -> tuple:
     if command == "plan" or command.startswith("plan --method "):
         from .plan import plan_argument_types
 
-        return plan_argument_types(BY_COMMAND[command.split()[-1]] if " " in command else BY_COMMAND["sft"])
+        return plan_argument_types(BY_COMMAND[command.removeprefix("plan").removeprefix(" --method ") or "sft"])
     if command == "profile":
         from .profile import ProfileArguments
 
