@@ -55,12 +55,18 @@ def require_max_steps(args) -> None:
 
 def use_own_stream_reads(args) -> None:
     """Each process reads the stream and keeps its own batches (accelerate's `dispatch_batches=False`, as TRL sets
-    for streams): dispatching would concatenate batches of different widths and the per-batch counts, which fails."""
-    config = args.accelerator_config
-    if getattr(config, "dispatch_batches", None):
+    for streams): dispatching would concatenate batches of different widths and the per-batch counts, which fails.
+    Called on the trainer's resolved copy of the config (its accelerator config is a copy too)."""
+    check_own_stream_reads(args)
+    args.accelerator_config = copy.copy(args.accelerator_config)
+    args.accelerator_config.dispatch_batches = False
+
+
+def check_own_stream_reads(args) -> None:
+    """Refuse a config that dispatches batches; say that worker processes keep a stream's counts to themselves."""
+    if getattr(args.accelerator_config, "dispatch_batches", None):
         raise ValueError("Iterable datasets require `dispatch_batches=False`: a stream (datasets.IterableDataset) is "
                          "read by each process on its own; set accelerator_config={'dispatch_batches': False}.")
-    config.dispatch_batches = False
     if args.dataloader_num_workers:
         logger.warning("Streamed data with dataloader_num_workers=%d: its buffers are prepared in the loader's worker "
                        "processes, so their drop and truncation counts stay there and are not reported; set "
