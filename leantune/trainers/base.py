@@ -18,14 +18,13 @@ from ..data.streaming import is_stream, log_stream_report, reset_counts
 from ..losses.causal_lm import count_targets
 from ..metrics.memory import reset_peak_memory
 from ..metrics.memory_breakdown import MemoryBreakdownCallback
-from . import checkpoint_files
 from .context_parallel import ContextParallelism
 from .distributed import leave_process_group_at_exit, named_collective_timeouts
 from .nonfinite import ROW_INDEX, NonFiniteGuard
 from .parts.logprob_engine import LogProbEngine
 from .parts.resolved_config import resolve_config
 from .parts.run_metrics import RunMetrics, mean_of_values
-from .parts.saving import StagedCheckpoint, save_with_card, write_hub_card
+from .parts.saving import StagedCheckpoint, resume_checkpoint, save_with_card, tag_model, write_hub_card
 from .parts.split_preparer import SplitPreparer
 from .parts.step_loss import StepLoss
 from .step_logging import use_step_log_lines
@@ -33,7 +32,34 @@ from .step_logging import use_step_log_lines
 logger = logging.getLogger("leantune.trainer")
 
 
-class LeantuneTrainer(NonFiniteGuard, Trainer):
+class OnlineTrainerNames:
+    """TEMP(online): the base trainer's former method names that the online trainers still call; each is one call
+    on a part (the renames are mechanical). Removed once the online trainers call the parts themselves."""
+
+    def target_logprobs(self, *args, **kwargs):
+        return self.logprobs.target_logprobs(*args, **kwargs)
+
+    def liger_head_runs(self, model, temperature: float = 1.0) -> bool:
+        return self.logprobs.liger_head_runs(model, temperature)
+
+    def count_tokens(self, model, inputs: dict) -> None:
+        self.run_metrics.count_tokens(model, inputs)
+
+    def record_metrics(self, model, **values: torch.Tensor) -> None:
+        self.run_metrics.record(model, **values)
+
+    @property
+    def metric_values(self) -> dict:
+        return self.run_metrics.values
+
+    def prepare_datasets(self, train_dataset, eval_dataset, tokenizer, args):
+        """TEMP(online): the online trainers extend this step; (train, eval, reports) by the split preparer."""
+        train_dataset, eval_dataset = self.splits.prepare(train_dataset, eval_dataset, tokenizer, args,
+                                                          keep_eval_as_given=self.keeps_eval_dataset_as_given)
+        return train_dataset, eval_dataset, self.splits.reports
+
+
+class LeantuneTrainer(OnlineTrainerNames, NonFiniteGuard, Trainer):
     # compute_loss divides by the target count of the whole step, so the Trainer must not divide again.
     loss_is_scaled_for_ga = True
     # Dataset columns the collators read; everything else is removed by Trainer.
@@ -65,8 +91,8 @@ class LeantuneTrainer(NonFiniteGuard, Trainer):
         method's recipe (`prepare_split`) -> the collator -> Trainer's set-up -> the parts -> the frozen models placed
         (`attach_reference`). Returns what `load_models` loaded."""
         args = self.default_args(model, args)
-        self.require_train_dataset(train_dataset)
-        args, logprob_path = resolve_config(args, train_dataset, eval_dataset, self.scores_vocabulary)
+        args, logprob_path = resolve_config(type(self).__name__, args, train_dataset, eval_dataset,
+                                            self.scores_vocabulary)
         loaded = self.load_models(model, ref_model, processing_class, peft_config, args, quantization_config)
         self.splits = SplitPreparer(self.prepare_split, self.prepared_columns, self.stream_order,
                                     self.skips_preparation(args), recipe_reads_streams=self.keeps_eval_dataset_as_given)
@@ -79,7 +105,8 @@ class LeantuneTrainer(NonFiniteGuard, Trainer):
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             leave_process_group_at_exit()  # no abort at interpreter exit (trainers/distributed.py)
         use_step_log_lines(self.callback_handler)  # trainers/step_logging.py: `step N/M | loss ...`
-        self.tag_model()
+        self.trained_nothing = False
+        tag_model(self)  # the Hub tags of TRL's trainer of the method (parts/saving.py)
         self.run_metrics = RunMetrics(self.accelerator, args.device, lambda store: self.summarise_metrics(store))
         self.context_parallel = ContextParallelism(self.accelerator)
         self.context_parallel.check(type(self).__name__, self.supports_context_parallelism, self.model,
@@ -103,12 +130,6 @@ class LeantuneTrainer(NonFiniteGuard, Trainer):
         name = model if isinstance(model, str) else type(model).__name__
         return self.config_class(output_dir=f"{str(name).split('/')[-1]}-{self.output_suffix}")
 
-    def require_train_dataset(self, train_dataset) -> None:
-        """TRL's trainers refuse to be built without a train dataset (no eval-only use); so do leantune's."""
-        if train_dataset is None:
-            raise ValueError(f"`train_dataset` is required by {type(self).__name__} (as by TRL's): pass the dataset "
-                             "to train on, and `eval_dataset` for evaluation.")
-
     def load_models(self, model, ref_model, processing_class, peft_config, args, quantization_config):
         """The trained model (PEFT applied), its tokenizer and the frozen models: a PolicyAndReference."""
         raise NotImplementedError
@@ -128,16 +149,6 @@ class LeantuneTrainer(NonFiniteGuard, Trainer):
         their weights are resident through every step, a part of the memory breakdown of their own."""
         return []
 
-    def tag_model(self) -> None:
-        """The Hub tags TRL's trainers put on the model (`trl`, the method) and leantune's own, so a pushed model is
-        found by the same filters as one trained with TRL."""
-        from ..models.model_card import method_of
-
-        model = self.accelerator.unwrap_model(self.model)
-        if hasattr(model, "add_model_tags"):
-            method = method_of(self)[1]
-            model.add_model_tags(list(dict.fromkeys(["leantune", "trl", method, self.trl_tag or method])))
-
     # --- data: the method's recipe, run by the split preparer ----------------------------------------------------
 
     def prepare_split(self, dataset, split: str, tokenizer, args):
@@ -150,12 +161,6 @@ class LeantuneTrainer(NonFiniteGuard, Trainer):
     def skips_preparation(self, args) -> bool:
         """Whether the data is given trainer-ready (SFT's `dataset_kwargs={"skip_prepare_dataset": True}`)."""
         return False
-
-    def prepare_datasets(self, train_dataset, eval_dataset, tokenizer, args):
-        """TEMP(online): the online trainers extend this step; (train, eval, reports) by the split preparer."""
-        train_dataset, eval_dataset = self.splits.prepare(train_dataset, eval_dataset, tokenizer, args,
-                                                          keep_eval_as_given=self.keeps_eval_dataset_as_given)
-        return train_dataset, eval_dataset, self.splits.reports
 
     def is_prepared(self, dataset) -> bool:
         return self.splits.is_prepared(dataset)
@@ -194,13 +199,7 @@ class LeantuneTrainer(NonFiniteGuard, Trainer):
             if not isinstance(self.eval_dataset, dict) or eval_dataset not in self.eval_dataset:
                 raise ValueError(f"evaluate({eval_dataset!r}): no eval dataset of that name was given to the trainer.")
             eval_dataset = self.eval_dataset[eval_dataset]
-        prepared = self.splits.prepared_form_of(eval_dataset)
-        if prepared is not None:
-            eval_dataset = prepared
-        elif not self.is_prepared(eval_dataset):
-            eval_dataset = self.splits.prepare_late_eval_split(eval_dataset, metric_key_prefix, self.processing_class,
-                                                               self.args, self.accelerator)
-            eval_dataset = self.finish_eval_split(eval_dataset, metric_key_prefix)
+        eval_dataset = self.splits.for_evaluation(eval_dataset, metric_key_prefix, self)
         stream_report = self.splits.stream_report_of(eval_dataset)
         if stream_report is not None:
             reset_counts(stream_report)  # an evaluation reads the stream from its start: count that pass
@@ -225,7 +224,7 @@ class LeantuneTrainer(NonFiniteGuard, Trainer):
         if not is_stream(dataset) or not self.args.dataloader_num_workers:
             return super().get_eval_dataloader(eval_dataset)
         collator = self._get_collator_with_removed_columns(self.data_collator, description="Evaluation")
-        return self.accelerator.prepare(DataLoader(dataset, batch_size=self.args.eval_batch_size, collate_fn=collator,
+        return self.accelerator.prepare(DataLoader(dataset, self.args.eval_batch_size, collate_fn=collator,
                                                    pin_memory=self.args.dataloader_pin_memory))
 
     def _set_signature_columns_if_needed(self):
@@ -250,7 +249,7 @@ class LeantuneTrainer(NonFiniteGuard, Trainer):
     def _prepare_context_parallel_inputs(self, model, inputs):
         return self.context_parallel.lay_out(inputs, getattr(self.data_collator, "pad_token_id", None))
 
-    # --- TEMP(online): names the online trainers still call; they move to the parts' own names ----------------------
+    # --- attributes read from outside: the chosen log-prob path, TRL's router-loss settings ----------------------
 
     @property
     def logprob_path(self):
@@ -259,24 +258,6 @@ class LeantuneTrainer(NonFiniteGuard, Trainer):
     @logprob_path.setter
     def logprob_path(self, path) -> None:  # tests compare the paths on one trainer
         self.logprobs.path = path
-
-    def target_logprobs(self, *args, **kwargs):  # TEMP(online)
-        return self.logprobs.target_logprobs(*args, **kwargs)
-
-    def liger_head_runs(self, model, temperature: float = 1.0) -> bool:  # TEMP(online)
-        return self.logprobs.liger_head_runs(model, temperature)
-
-    def count_tokens(self, model, inputs: dict) -> None:  # TEMP(online)
-        self.run_metrics.count_tokens(model, inputs)
-
-    def record_metrics(self, model, **values: torch.Tensor) -> None:  # TEMP(online)
-        self.run_metrics.record(model, **values)
-
-    @property
-    def metric_values(self) -> dict:  # TEMP(online)
-        return self.run_metrics.values
-
-    # --- TRL's attributes ----------------------------------------------------------------------------------------
 
     @property
     def aux_loss_enabled(self) -> bool:
@@ -320,19 +301,16 @@ class LeantuneTrainer(NonFiniteGuard, Trainer):
             self.memory_plan = check_before_training(self)  # planning/plan_check.py: training itself is unchanged
         if args and "resume_from_checkpoint" not in kwargs:
             kwargs["resume_from_checkpoint"], args = args[0], args[1:]
-        if kwargs.get("resume_from_checkpoint") is True:  # the newest complete one, incomplete entries named
-            kwargs["resume_from_checkpoint"] = checkpoint_files.latest_complete_checkpoint(self.args.output_dir)
-            if kwargs["resume_from_checkpoint"] is None:
-                raise ValueError(f"`resume_from_checkpoint`=True: no complete checkpoint (checkpoint-N with a "
-                                 f"trainer_state.json) in {self.args.output_dir}.")
+        kwargs["resume_from_checkpoint"] = resume_checkpoint(kwargs.get("resume_from_checkpoint"), self.args.output_dir)
         reset_peak_memory(self.args.device)
         self.run_metrics.throughput.restart()
         with named_collective_timeouts(self.args):  # a stuck or dead process: one clear error (distributed.py)
             output = super().train(*args, **kwargs)
         resumed = bool(kwargs.get("resume_from_checkpoint"))
-        self._trained_nothing = (resumed and self.state.global_step == getattr(self, "_initial_global_step", -1)
-                                 and self.state.global_step >= self.state.max_steps)
-        if self._trained_nothing and self.is_world_process_zero():
+        # whether this train() resumed a checkpoint already at max_steps (or its epochs' end) and trained no step
+        self.trained_nothing = (resumed and self.state.global_step == getattr(self, "_initial_global_step", -1)
+                                and self.state.global_step >= self.state.max_steps)
+        if self.trained_nothing and self.is_world_process_zero():
             logger.warning("Nothing to train: the checkpoint is at step %d of max_steps %d (the run is done); raise "
                            "max_steps (or num_train_epochs) to train further.", self.state.global_step,
                            self.state.max_steps)
@@ -353,12 +331,6 @@ class LeantuneTrainer(NonFiniteGuard, Trainer):
             self.control.should_training_stop = True
             return None
         return super()._run_epoch(*args, **kwargs)
-
-    @property
-    def trained_nothing(self) -> bool:
-        """Whether the last train() resumed a checkpoint already at max_steps (or its epochs' end) and trained no
-        step."""
-        return getattr(self, "_trained_nothing", False)
 
     @property
     def memory_breakdown(self):

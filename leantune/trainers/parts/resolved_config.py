@@ -21,9 +21,12 @@ from .logprob_engine import LogProbPath, path_of_config
 logger = logging.getLogger("leantune.trainer")
 
 
-def resolve_config(args, train_dataset, eval_dataset, vocabulary_head: bool = True):
+def resolve_config(trainer_name: str, args, train_dataset, eval_dataset, vocabulary_head: bool = True):
     """(the trainer's resolved copy of `args`, its log-prob path). `vocabulary_head`: whether the trained model
     scores a vocabulary (a reward model does not: its Liger flag chooses nothing)."""
+    if train_dataset is None:  # TRL's trainers refuse to be built without one (no eval-only use); so do leantune's
+        raise ValueError(f"`train_dataset` is required by {trainer_name} (as by TRL's): pass the dataset to train on, "
+                         "and `eval_dataset` for evaluation.")
     args = copy.copy(args)
     check_world_size(args)  # several launched processes never train as duplicates (trainers/distributed.py)
     validate_nonfinite_policy(args)

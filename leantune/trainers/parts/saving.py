@@ -107,6 +107,26 @@ class StagedCheckpoint:
             state.save_to_json(os.path.join(self.staged, "trainer_state.json"))
 
 
+def resume_checkpoint(given, output_dir: str):
+    """train()'s `resume_from_checkpoint`: True means the newest complete checkpoint (incomplete entries named)."""
+    if given is not True:
+        return given
+    found = checkpoint_files.latest_complete_checkpoint(output_dir)
+    if found is None:
+        raise ValueError(f"`resume_from_checkpoint`=True: no complete checkpoint (checkpoint-N with a "
+                         f"trainer_state.json) in {output_dir}.")
+    return found
+
+
+def tag_model(trainer) -> None:
+    """The Hub tags TRL's trainers put on the model (`trl`, the method) and leantune's own, so a pushed model is
+    found by the same filters as one trained with TRL."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    if hasattr(model, "add_model_tags"):
+        method = model_card.method_of(trainer)[1]
+        model.add_model_tags(list(dict.fromkeys(["leantune", "trl", method, trainer.trl_tag or method])))
+
+
 def write_hub_card(trainer, tags=None, **kwargs) -> None:
     """push_to_hub's card: leantune's (what the folder holds and how to load it), with the caller's tags and
     language / license / datasets metadata, in place of transformers' generic one."""

@@ -67,13 +67,19 @@ class SplitPreparer:
         self.remember(dataset, report)
         return dataset
 
-    def prepare_late_eval_split(self, dataset, split: str, tokenizer, args, accelerator):
-        """An eval split first seen by evaluate(): a stream is read by each process on its own, as at construction
-        (the accelerator exists already, so it is told directly; the config stays as it is)."""
+    def for_evaluation(self, dataset, split: str, trainer):
+        """The prepared form of one dataset handed to evaluate(): kept aside at construction, already prepared, or
+        prepared now by the same recipe (then `trainer.finish_eval_split`). A stream first seen here is read by each
+        process on its own, as at construction (the accelerator exists already, so it is told directly; the config
+        stays as it is)."""
+        prepared = self.prepared_form_of(dataset)
+        if prepared is not None or trainer.is_prepared(dataset):
+            return prepared if prepared is not None else dataset
         if is_stream(dataset):
-            check_own_stream_reads(args)
-            accelerator.dataloader_config.dispatch_batches = False
-        return self.prepare_split(dataset, split, tokenizer, args)
+            check_own_stream_reads(trainer.args)
+            trainer.accelerator.dataloader_config.dispatch_batches = False
+        dataset = self.prepare_split(dataset, split, trainer.processing_class, trainer.args)
+        return trainer.finish_eval_split(dataset, split)
 
     def remember(self, dataset, report=None) -> None:
         if is_stream(dataset):  # no fingerprint: known by identity; its live report is logged as it is read
