@@ -3,8 +3,9 @@
 A stream has no length and cannot be indexed, so nothing can look at the whole dataset. Each recipe (SFT,
 preference, KTO, prompts) is instead applied to consecutive buffers of `STREAM_BUFFER_ROWS` rows: a buffer becomes a
 small in-memory `datasets.Dataset` and goes through exactly the map-style code (format detection, tokenisation,
-truncation, drops, packing), inside `IterableDataset.map(batched=True)`. There is one implementation of each rule;
-a stream only decides what it sees at once.
+truncation, drops, packing), inside `IterableDataset.map(batched=True)`; the trainer's split preparer
+(trainers/parts/split_preparer.py) wraps the stream, once, so a recipe never sees one. There is one implementation of
+each rule; a stream only decides what it sees at once.
 
 Why bounded: memory and start-up time stay those of one buffer whatever the size of the stream, and rows leave as
 soon as their buffer is prepared. What depends on more than one row sees one buffer: packing (BFD or `bfd_split`
