@@ -1,6 +1,7 @@
 """What every leantune trainer shares on top of transformers' Trainer: one construction sequence, and the parts it
 holds (trainers/parts/): the resolved config, the split preparer, the log-prob engine, the step's loss normaliser,
-the run metrics and the staged checkpoints, plus context parallelism and the non-finite guard.
+the run metrics and the staged checkpoints, plus context parallelism. The non-finite guard (trainers/nonfinite.py)
+stays a mixin: it is five wrappers of Trainer's own step hooks.
 
 A method's trainer says what is its own (its models, its recipe for a split, its collator, its loss) and reads as
 config -> parts -> loss.
