@@ -75,8 +75,8 @@ def first_step_gradients(trainer):
 @pytest.mark.skipif(not is_available("liger_kernel"), reason="needs leantune[liger]")
 def test_liger_loss_matches_the_chunked_path_in_bf16(tokenizer, gsm8k_rows, tmp_path, monkeypatch):
     """use_liger_kernel=True on CUDA runs Liger's fused kernel; the built-in chunked path is the reference."""
-    from leantune.losses import dispatch
-    from leantune.losses.dispatch import LogProbPath
+    from leantune.trainers.parts import logprob_engine as dispatch
+    from leantune.trainers.parts.logprob_engine import LogProbPath
 
     dataset = gsm8k_prompt_completion(gsm8k_rows, 16)
     results = {}

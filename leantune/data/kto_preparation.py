@@ -42,7 +42,6 @@ from .preference_formats import (
 )
 from .preference_preparation import PairTruncation
 from .report import NothingLeft, PreparationReport
-from .streaming import is_stream, prepare_stream
 from .template_spans import split_after_prompt
 
 logger = logging.getLogger("leantune.data")
@@ -102,8 +101,6 @@ def prepare_kto_dataset(dataset, tokenizer, args, split: str = "train"):
         return None, None
     if type(dataset).__name__ in ("DatasetDict", "IterableDatasetDict"):
         raise ValueError(f"Pass one split as the {split} dataset, not a DatasetDict with {list(dataset)}.")
-    if is_stream(dataset):  # the same recipe, one buffer at a time (KL partners drawn inside it): data/streaming.py
-        return prepare_stream(dataset, lambda buffer: prepare_kto_dataset(buffer, tokenizer, args, split), split)
     report = KTOReport(split=split, num_examples_in=len(dataset))
     if report.num_examples_in == 0:
         raise ValueError(f"The {split} dataset is empty.")

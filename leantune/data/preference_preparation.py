@@ -25,7 +25,6 @@ from .preference_formats import (
     is_empty_completion,
 )
 from .report import NothingLeft, PreparationReport
-from .streaming import is_stream, prepare_stream
 
 logger = logging.getLogger("leantune.data")
 TOKEN_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
@@ -70,9 +69,6 @@ def prepare_preference_dataset(dataset, tokenizer, args, split: str = "train", k
         return None, None
     if type(dataset).__name__ in ("DatasetDict", "IterableDatasetDict"):
         raise ValueError(f"Pass one split as the {split} dataset, not a DatasetDict with {list(dataset)}.")
-    if is_stream(dataset):  # the same recipe, one buffer at a time (data/streaming.py)
-        return prepare_stream(dataset, lambda buffer: prepare_preference_dataset(
-            buffer, tokenizer, args, split, keep_columns), split)
     report = PreferenceReport(split=split, num_examples_in=len(dataset))
     if report.num_examples_in == 0:
         raise ValueError(f"The {split} dataset is empty.")

@@ -12,11 +12,19 @@ from .formats import SFTFormat, detect_sft_format, from_sharegpt
 from .lengths import length_summary_line
 from .report import NothingLeft, SFTReport
 from .sft_tokenization import SFTTokenizer, is_empty_example
-from .streaming import STREAM_BUFFER_ROWS, is_stream, prepare_stream, without_shuffle
+from .streaming import STREAM_BUFFER_ROWS, without_shuffle
 from .truncation import sequence_lengths, truncate_dataset
 
 logger = logging.getLogger("leantune.data")
 LOSS_MASK_COLUMNS = ("completion_mask", "assistant_masks")
+
+
+def sft_stream_order(stream, split: str, args):
+    """(stream, config of its buffers): a train stream with `shuffle_dataset` goes through datasets' buffered shuffle
+    (seeded), and its buffers are then prepared without shuffling again."""
+    if args.shuffle_dataset and split == "train":
+        stream = stream.shuffle(seed=args.seed, buffer_size=STREAM_BUFFER_ROWS)
+    return stream, without_shuffle(args)
 
 
 def prepare_sft_dataset(dataset, tokenizer, args, split: str = "train", formatting_func=None, packing: bool = False):
@@ -25,12 +33,6 @@ def prepare_sft_dataset(dataset, tokenizer, args, split: str = "train", formatti
         return None, None
     if type(dataset).__name__ in ("DatasetDict", "IterableDatasetDict"):
         raise ValueError(f"Pass one split as the {split} dataset, not a DatasetDict with {list(dataset)}.")
-    if is_stream(dataset):  # the same recipe, one buffer at a time (data/streaming.py)
-        if args.shuffle_dataset and split == "train":
-            dataset = dataset.shuffle(seed=args.seed, buffer_size=STREAM_BUFFER_ROWS)
-        buffer_args = without_shuffle(args)
-        return prepare_stream(dataset, lambda buffer: prepare_sft_dataset(
-            buffer, tokenizer, buffer_args, split, formatting_func, packing), split)
     report = SFTReport(split=split, num_examples_in=len(dataset))
     if report.num_examples_in == 0:
         raise ValueError(f"The {split} dataset is empty.")

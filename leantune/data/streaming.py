@@ -3,8 +3,9 @@
 A stream has no length and cannot be indexed, so nothing can look at the whole dataset. Each recipe (SFT,
 preference, KTO, prompts) is instead applied to consecutive buffers of `STREAM_BUFFER_ROWS` rows: a buffer becomes a
 small in-memory `datasets.Dataset` and goes through exactly the map-style code (format detection, tokenisation,
-truncation, drops, packing), inside `IterableDataset.map(batched=True)`. There is one implementation of each rule;
-a stream only decides what it sees at once.
+truncation, drops, packing), inside `IterableDataset.map(batched=True)`; the trainer's split preparer
+(trainers/parts/split_preparer.py) wraps the stream, once, so a recipe never sees one. There is one implementation of
+each rule; a stream only decides what it sees at once.
 
 Why bounded: memory and start-up time stay those of one buffer whatever the size of the stream, and rows leave as
 soon as their buffer is prepared. What depends on more than one row sees one buffer: packing (BFD or `bfd_split`
@@ -55,12 +56,18 @@ def require_max_steps(args) -> None:
 
 def use_own_stream_reads(args) -> None:
     """Each process reads the stream and keeps its own batches (accelerate's `dispatch_batches=False`, as TRL sets
-    for streams): dispatching would concatenate batches of different widths and the per-batch counts, which fails."""
-    config = args.accelerator_config
-    if getattr(config, "dispatch_batches", None):
+    for streams): dispatching would concatenate batches of different widths and the per-batch counts, which fails.
+    Called on the trainer's resolved copy of the config (its accelerator config is a copy too)."""
+    check_own_stream_reads(args)
+    args.accelerator_config = copy.copy(args.accelerator_config)
+    args.accelerator_config.dispatch_batches = False
+
+
+def check_own_stream_reads(args) -> None:
+    """Refuse a config that dispatches batches; say that worker processes keep a stream's counts to themselves."""
+    if getattr(args.accelerator_config, "dispatch_batches", None):
         raise ValueError("Iterable datasets require `dispatch_batches=False`: a stream (datasets.IterableDataset) is "
                          "read by each process on its own; set accelerator_config={'dispatch_batches': False}.")
-    config.dispatch_batches = False
     if args.dataloader_num_workers:
         logger.warning("Streamed data with dataloader_num_workers=%d: its buffers are prepared in the loader's worker "
                        "processes, so their drop and truncation counts stay there and are not reported; set "

@@ -9,7 +9,7 @@ pass. Liger's `chunked_loss` classes are not used: they are plain torch, like le
 of the loss options and only the padded layout (docs/liger.md has the measurements).
 
 The kernels run on CUDA, or on CPU tensors when Triton's interpreter is on (TRITON_INTERPRET=1 before liger-kernel is
-imported); losses/dispatch.py decides.
+imported); the log-prob engine (trainers/parts/logprob_engine.py) decides.
 """
 
 from __future__ import annotations

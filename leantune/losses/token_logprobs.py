@@ -40,7 +40,7 @@ class Targets:
 
 @dataclass
 class TargetScores:
-    """What the log-prob engine gives a loss for one forward pass (LeantuneTrainer.target_logprobs): fp32 log-probs
+    """What the log-prob engine (trainers/parts/logprob_engine.py) gives a loss for one forward pass: fp32 log-probs
     of the targets, their entropies when asked for, the named TOKEN_STATS, the targets themselves, the model's
     outputs (without logits on the chunked and Liger paths) and, when asked for, the last hidden states at the target
     positions ([num_targets, hidden], with their gradient: a value head reads them)."""

@@ -178,50 +178,46 @@ def check_padded_rows(attention_mask: torch.Tensor) -> None:
 
 
 class ContextParallelism:
-    """What a trainer does under context parallelism: refuse at construction what the ring cannot run exactly, and
-    lay each batch out before accelerate splits it (`_prepare_context_parallel_inputs`, transformers' Trainer hook)."""
+    """What a trainer holds for context parallelism: it refuses at construction what the ring cannot run exactly, and
+    lays each batch out before accelerate splits it (the trainer's `_prepare_context_parallel_inputs` hands the batch
+    here). `batch_targets`: the target count of the whole batch being split (the loss normaliser divides by it)."""
 
-    # Whether the trainer runs under context parallelism (SFT only: the others shift targets per sequence part).
-    supports_context_parallelism = False
+    def __init__(self, accelerator):
+        self.accelerator = accelerator
+        config = getattr(accelerator, "parallelism_config", None)
+        self.size = int(config.cp_size) if config is not None and config.cp_enabled else 1
+        self.batch_targets = None
+        self._local_positions = None
 
-    @property
-    def cp_size(self) -> int:
-        config = getattr(self.accelerator, "parallelism_config", None)
-        return int(config.cp_size) if config is not None and config.cp_enabled else 1
-
-    def _check_context_parallelism(self) -> None:
+    def check(self, trainer_name: str, supported: bool, model, compute_loss_func, args) -> None:
         """Refuse, when the trainer is built, what context parallelism cannot run exactly."""
-        self._cp_batch_targets = None
-        self._cp_local_positions = None
-        cp = self.cp_size
+        cp = self.size
         if cp <= 1:
             return
-        name = type(self).__name__
-        if not self.supports_context_parallelism:
-            raise ValueError(f"Context parallelism (`cp_size={cp}`) is supported by SFTTrainer only; {name} would "
-                             f"shift its targets inside each process's part of the sequence. Set `cp_size` to 1.")
-        problem = attention_problem(self.accelerator.unwrap_model(self.model))
+        if not supported:
+            raise ValueError(f"Context parallelism (`cp_size={cp}`) is supported by SFTTrainer only; {trainer_name} "
+                             f"would shift its targets inside each process's part of the sequence. Set `cp_size` to 1.")
+        problem = attention_problem(self.accelerator.unwrap_model(model))
         if problem is not None:
             raise ValueError(f"Context parallelism (`cp_size={cp}`) cannot run this model exactly: {problem}.")
-        if self.compute_loss_func is not None:
+        if compute_loss_func is not None:
             raise ValueError(f"A `compute_loss_func` would get one process's part of each sequence under context "
                              f"parallelism (`cp_size={cp}`); leave it out or set `cp_size` to 1.")
-        multiple = getattr(self.args, "pad_to_multiple_of", None)
+        multiple = getattr(args, "pad_to_multiple_of", None)
         if not multiple or multiple % (2 * cp):
             raise ValueError(f"`pad_to_multiple_of` must be a multiple of 2 x cp_size = {2 * cp} under context "
                              f"parallelism, got {multiple!r}; leave it unset for {2 * cp}.")
 
-    def _prepare_context_parallel_inputs(self, model, inputs):
+    def lay_out(self, inputs, pad_token_id):
         """Lay the batch out for context parallelism (targets shifted before the split; packed and padding-free
         rows so that each document attends only to itself across the ring) and hand it to accelerate's
         `maybe_context_parallel`, which splits input_ids, shift_labels and position_ids along time."""
-        cp = self.cp_size
+        cp = self.size
         if cp <= 1:
             return contextlib.nullcontext, inputs
         inputs = dict(inputs)
         labels = inputs.pop("labels")
-        pad = getattr(self.data_collator, "pad_token_id", None)
-        pad = 0 if pad is None else pad
+        pad = 0 if pad_token_id is None else pad_token_id
         rank = self.accelerator.torch_device_mesh["cp"].get_local_rank()
         if "cu_seq_lens_q" in inputs:  # packed or padding-free rows: per-document layout
             laid = lay_out_documents(inputs, labels, cp, pad)
@@ -229,7 +225,7 @@ class ContextParallelism:
             inputs.update(input_ids=laid["input_ids"], shift_labels=laid["shift_labels"],
                           position_ids=laid["position_ids"], cu_seq_lens_q=offsets, cu_seq_lens_k=offsets,
                           max_length_q=longest, max_length_k=longest)
-            self._cp_local_positions = laid["local_positions"][rank]
+            self._local_positions = laid["local_positions"][rank]
         else:
             mask = inputs.pop("attention_mask", None)
             if mask is not None:
@@ -247,17 +243,17 @@ class ContextParallelism:
             if positions is None:
                 positions = torch.arange(width, device=labels.device).expand(labels.shape[0], -1)
             inputs["position_ids"] = positions.clone()
-            self._cp_local_positions = None
+            self._local_positions = None
         inputs["input_ids"] = inputs["input_ids"].clone()
-        self._cp_batch_targets = (inputs["shift_labels"] != IGNORE_INDEX).sum()
+        self.batch_targets = (inputs["shift_labels"] != IGNORE_INDEX).sum()
         buffers = [inputs["input_ids"], inputs["shift_labels"], inputs["position_ids"]]
         return functools.partial(self.accelerator.maybe_context_parallel, buffers=buffers, buffer_seq_dims=[1, 1, 1],
                                  no_restore_buffers=set(buffers)), inputs
 
-    def check_context_parallel_layout(self, inputs: dict) -> None:
+    def check_layout(self, inputs: dict) -> None:
         """Inside the split: this process holds the positions leantune's layout put there (a safety net should
         torch's split ever change)."""
-        expected = self._cp_local_positions
+        expected = self._local_positions
         if expected is not None and not torch.equal(inputs["position_ids"].cpu(), expected):
             raise RuntimeError("torch's context-parallel split did not give this process the tokens leantune laid out "
                                "for it (its head-tail load balancing changed?); packed documents would mix.")

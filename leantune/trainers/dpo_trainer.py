@@ -9,7 +9,6 @@ import torch
 from ..data.collators import MODEL_INPUTS, sequence_starts
 from ..data.preference_collator import REFERENCE_COLUMNS, PreferenceCollator
 from ..data.preference_preparation import prepare_preference_dataset
-from ..losses.dispatch import LogProbPath
 from ..losses.preference import PairSequenceLogps, dpo_loss, pair_sequence_logps, wpo_weights
 from .base import LeantuneTrainer
 from .dpo_config import DPOConfig, dpo_loss_types, dpo_loss_weights
@@ -49,10 +48,13 @@ class DPOTrainer(ReferenceModelMixin, LeantuneTrainer):
                        compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers,
                        optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
                        preprocess_logits_for_metrics=preprocess_logits_for_metrics)
-        if self.logprob_path is LogProbPath.LIGER and self.args.use_weighting:
-            logger.info("use_liger_loss=True with use_weighting: WPO's weights need sum_v p_v^2 of every target, which "
-                        "Liger's fused kernel does not compute, so the policy is scored through leantune's chunked "
-                        "head (exact); the reference goes through Liger.")
+
+    def liger_notes(self, args) -> list[tuple[int, str]]:
+        if not args.use_weighting:
+            return []
+        return [(logging.INFO, "use_liger_loss=True with use_weighting: WPO's weights need sum_v p_v^2 of every "
+                               "target, which Liger's fused kernel does not compute, so the policy is scored through "
+                               "leantune's chunked head (exact); the reference goes through Liger.")]
 
     def prepare_split(self, dataset, split, tokenizer, args):
         return prepare_preference_dataset(dataset, tokenizer, args, split)
@@ -75,7 +77,8 @@ class DPOTrainer(ReferenceModelMixin, LeantuneTrainer):
         for `wpo`, each sequence's WPO weight from the same forward pass)."""
         inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
         starts = sequence_starts(batch)
-        scores = self.target_logprobs(model, inputs, batch["labels"], stats=("log_sum_sq_probs",) if wpo else ())
+        scores = self.logprobs.target_logprobs(model, inputs, batch["labels"],
+                                               stats=("log_sum_sq_probs",) if wpo else ())
         logps, targets = scores.logps, scores.targets
         sequences = pair_sequence_logps(logps, targets, starts, int(batch["num_pairs"]), self.args.ld_alpha)
         if wpo:
@@ -103,7 +106,7 @@ class DPOTrainer(ReferenceModelMixin, LeantuneTrainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         batch = dict(inputs)
-        self.count_tokens(model, batch)
+        self.run_metrics.count_tokens(model, batch)
         pairs = int(batch["num_pairs"])
         ref_chosen, ref_rejected = self.reference_logps(batch)
         sequences = self.pair_logps(model, batch, wpo=self.args.use_weighting)
@@ -119,7 +122,7 @@ class DPOTrainer(ReferenceModelMixin, LeantuneTrainer):
         if args.use_weighting:  # WPO: each pair's loss times its chosen and rejected weights
             losses = losses * (sequences.weights[:pairs] * sequences.weights[pairs:]).to(losses.dtype)
         loss = self.normalise(losses.sum(), pairs, num_items_in_batch)
-        self.record_metrics(model, **{
+        self.run_metrics.record(model, **{
             "rewards/chosen": chosen_rewards, "rewards/rejected": rejected_rewards,
             "rewards/accuracies": (chosen_rewards > rejected_rewards).float(),
             "rewards/margins": chosen_rewards - rejected_rewards,

@@ -20,16 +20,13 @@ from ..data.formats import last_message_as_completion
 from ..generation.sampling import SamplingSettings, eos_token_ids
 from ..generation.transformers_backend import TransformersBackend
 from ..losses.causal_lm import count_targets
-from ..losses.dispatch import LogProbPath
 from ..losses.distillation import chunked_jsd_sum, jsd_from_logits
 from ..losses.liger import liger_jsd_problem, liger_jsd_sum
-from ..losses.token_logprobs import select_targets, vocab_size_of
-from ..models.loading import load_causal_lm, parse_kwargs
-from ..models.output_head import OutputHead, text_config_of
-from ..models.segment_attention import use_segment_attention
-from .frozen_models import prepare_frozen_model
+from ..losses.token_logprobs import select_targets
+from ..models.output_head import OutputHead
 from .gkd_config import GKDConfig
-from .reference import PolicyAndReference, disable_dropout
+from .parts.teacher import Teacher
+from .reference import disable_dropout
 from .sft_trainer import SFTTrainer
 
 logger = logging.getLogger("leantune.gkd")
@@ -62,16 +59,11 @@ class GKDTrainer(SFTTrainer):
                          callbacks=callbacks, optimizers=optimizers,
                          preprocess_logits_for_metrics=preprocess_logits_for_metrics, peft_config=peft_config,
                          formatting_func=formatting_func)
+        self.teacher.place(self.accelerator, self.args)
         self.generation_collator = CausalLMCollator(
             pad_token_id=self.processing_class.pad_token_id, loss_mask_columns=("completion_mask",),
             padding_free=self.args.padding_free or self.args.packing, pad_to_multiple_of=self.args.pad_to_multiple_of)
         self.on_policy_steps = 0
-        if self.logprob_path is LogProbPath.LIGER:
-            problem = liger_jsd_problem(OutputHead.of(self.model), OutputHead.of(self.teacher_model),
-                                        self.args.device.type)
-            if problem is not None:
-                logger.warning("Liger was asked for, but %s; using leantune's chunked JSD instead (same memory "
-                               "saving, exact).", problem)
 
     def default_args(self, model, args):
         if args is not None and not isinstance(args, GKDConfig):
@@ -82,21 +74,25 @@ class GKDTrainer(SFTTrainer):
 
     def load_models(self, model, ref_model, processing_class, peft_config, args, quantization_config):
         loaded = super().load_models(model, ref_model, processing_class, peft_config, args, quantization_config)
-        teacher = load_causal_lm(self._teacher_source, parse_kwargs(args.teacher_model_init_kwargs),
-                                 trust_remote_code=args.trust_remote_code)
-        teacher.requires_grad_(False).eval()
-        check_same_vocabulary(loaded.model, teacher)
-        if args.packing or args.padding_free:
-            use_segment_attention(teacher)
+        self.teacher = Teacher(self._teacher_source, loaded.model, args)
         if args.disable_dropout:
             disable_dropout(loaded.model)
-        return PolicyAndReference(loaded.model, teacher, loaded.tokenizer, False)
+        return loaded
 
-    def attach_reference(self, loaded, args) -> None:
-        self.teacher_model = prepare_frozen_model(self.accelerator, loaded.ref_model, args)
+    @property
+    def teacher_model(self) -> torch.nn.Module:
+        """TRL's attribute: the teacher as placed for the engine."""
+        return self.teacher.model
 
     def frozen_models(self) -> list[torch.nn.Module]:
-        return [*super().frozen_models(), self.teacher_model]
+        return [*super().frozen_models(), self.teacher.model]
+
+    def liger_notes(self, args) -> list[tuple[int, str]]:
+        problem = liger_jsd_problem(OutputHead.of(self.model), self.teacher.head, args.device.type)
+        if problem is None:
+            return super().liger_notes(args)
+        return [*super().liger_notes(args), (logging.WARNING, f"Liger was asked for, but {problem}; using leantune's "
+                                                              "chunked JSD instead (same memory saving, exact).")]
 
     def prepare_split(self, dataset, split, tokenizer, args):
         """SFT's preparation; a `messages` dataset trains on its last message, as in TRL's GKD."""
@@ -132,7 +128,7 @@ class GKDTrainer(SFTTrainer):
         """The batch's prompts with completions sampled from the student or the teacher (`max_new_tokens`,
         `temperature`, no top-k/top-p, as TRL), in the trainer's layout; completion tokens (to the first EOS,
         kept) are the targets."""
-        generator = self.model if source == "student" else self.teacher_model
+        generator = self.model if source == "student" else self.teacher.model
         prompts = sequence_prompts(batch)
         seed = self.args.seed + 1_000_003 * self.state.global_step + 7919 * self.args.process_index + micro_batch
         sampling = SamplingSettings(max_new_tokens=self.args.max_new_tokens, temperature=self.args.temperature,
@@ -148,36 +144,20 @@ class GKDTrainer(SFTTrainer):
         """Generalised JSD(student, teacher) summed over the completion tokens, over the step's target count."""
         inputs = dict(inputs)
         labels = inputs.pop("labels")
-        self.count_tokens(model, inputs)
+        self.run_metrics.count_tokens(model, inputs)
         targets = select_targets(labels)
-        beta, teacher = self.args.beta, self.teacher_model
-        if self._needs_full_logits(model):
-            with self.offloading_scope(model):
-                outputs = model(**inputs, use_cache=False)
-            self.note_router_loss(model, outputs)
-            with torch.no_grad():
-                teacher_logits = teacher(**inputs, use_cache=False).logits
-            loss_sum = jsd_from_logits(outputs.logits, teacher_logits, targets, beta).sum()
+        beta = self.args.beta
+        if self.logprobs.needs_full_logits(model):
+            outputs, _ = self.logprobs.forward(model, inputs)
+            loss_sum = jsd_from_logits(outputs.logits, self.teacher.logits(inputs), targets, beta).sum()
         else:
-            head, teacher_head = OutputHead.of(model), OutputHead.of(teacher)
-            hidden, outputs = self._forward_hidden(model, inputs, head)
-            with torch.no_grad(), teacher_head.capture_hidden_states() as captured:
-                teacher(**inputs, use_cache=False)
-            fused = (self.logprob_path is LogProbPath.LIGER and len(targets)
-                     and liger_jsd_problem(head, teacher_head, self.args.device.type) is None)
-            if fused:
-                loss_sum = liger_jsd_sum(hidden, head, captured["hidden"], teacher_head, targets, beta)
+            head, teacher_head = OutputHead.of(model), self.teacher.head
+            hidden, outputs = self.logprobs.forward_hidden(model, inputs, head)
+            teacher_hidden = self.teacher.hidden_states(inputs, teacher_head)
+            if len(targets) and self.logprobs.liger_jsd_runs(head, teacher_head):
+                loss_sum = liger_jsd_sum(hidden, head, teacher_hidden, teacher_head, targets, beta)
             else:
-                loss_sum = chunked_jsd_sum(hidden, head, captured["hidden"], teacher_head, targets, beta,
+                loss_sum = chunked_jsd_sum(hidden, head, teacher_hidden, teacher_head, targets, beta,
                                            self.args.loss_chunk_size)
         loss = self.normalise(loss_sum, count_targets(labels), num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
-
-
-def check_same_vocabulary(student, teacher) -> None:
-    """GKD compares whole next-token distributions: the two output heads must score the same vocabulary."""
-    sizes = [(getattr(text_config_of(m), "vocab_size", None), vocab_size_of(OutputHead.of(m))) for m in (student, teacher)]
-    if sizes[0][1] != sizes[1][1]:
-        raise ValueError(f"The student's output head scores {sizes[0][1]} tokens (vocab_size {sizes[0][0]}) but the "
-                         f"teacher's scores {sizes[1][1]} (vocab_size {sizes[1][0]}): GKD compares the two models' "
-                         "whole next-token distributions, so they need the same vocabulary (tokenizer).")

@@ -77,7 +77,7 @@ class KTOTrainer(ReferenceModelMixin, LeantuneTrainer):
         """Summed completion log-probs of every sequence of the batch (kl=True: of its mismatched sequences)."""
         view = kl_view(batch) if kl else batch
         inputs = {k: view[k] for k in MODEL_INPUTS if k in view}
-        scores = self.target_logprobs(model, inputs, view["labels"])
+        scores = self.logprobs.target_logprobs(model, inputs, view["labels"])
         sequence = target_sequences(scores.targets, sequence_starts(view))
         return per_sequence_sum(scores.logps, sequence, int(batch["num_examples"]))
 
@@ -106,10 +106,10 @@ class KTOTrainer(ReferenceModelMixin, LeantuneTrainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         batch = dict(inputs)
-        self.count_tokens(model, batch)
+        self.run_metrics.count_tokens(model, batch)
         kl_real = batch.pop("kl_num_real_tokens", None)
         if model.training and kl_real is not None:
-            self.throughput.add(int(kl_real), int(batch["kl_input_ids"].numel()))
+            self.run_metrics.throughput.add(int(kl_real), int(batch["kl_input_ids"].numel()))
         count = int(batch["num_examples"])
         ref_logps, ref_kl_logps = self.reference_logps(batch)
         kl = self.kl_reference_point(model, batch, ref_kl_logps)
@@ -123,7 +123,7 @@ class KTOTrainer(ReferenceModelMixin, LeantuneTrainer):
         return (loss, {"logps": policy.detach()}) if return_outputs else loss
 
     def _record(self, model, logps, rewards, desirable, kl) -> None:
-        self.record_metrics(model, reward=rewards, logp=logps, desirable=desirable.float(),
+        self.run_metrics.record(model, reward=rewards, logp=logps, desirable=desirable.float(),
                             kl=torch.full_like(rewards, float(kl)))
 
     def summarise_metrics(self, store: dict[str, list[float]]) -> dict[str, float]:

@@ -106,13 +106,49 @@ def disable_dropout(model: torch.nn.Module) -> None:
             module.p = 0.0
 
 
-class ReferenceModelMixin:
-    """What a trainer with a reference (DPO, KTO) does with it: run it without gradient, or precompute its
-    log-probs once (then drop a separate reference). The trainer names its reference columns and fills them."""
+class Reference:
+    """The reference a loss compares the policy against, as one part: a frozen model (placed for the engine once the
+    accelerator exists), the policy with its adapter disabled, or nothing held once its log-probs are precomputed.
+    `ready`: the reference values are computable now (False until precomputed log-probs are in)."""
 
-    ref_model: torch.nn.Module | None
-    uses_adapter_as_reference: bool
-    _reference_ready: bool
+    def __init__(self, loaded: PolicyAndReference, args):
+        self.model = loaded.ref_model
+        self.uses_adapter = loaded.uses_adapter_as_reference
+        self.ready = not getattr(args, "precompute_ref_log_probs", False)
+        self.dropped = False  # a separate reference let go once its log-probs were computed
+        self.sync = None  # TR-DPO's ReferenceSync, once installed
+
+    def place(self, accelerator, args) -> None:
+        self.model = prepare_frozen_model(accelerator, self.model, args)
+
+    def drop(self) -> None:
+        """No reference is held during training once its log-probs are computed."""
+        if self.model is not None:
+            self.model = None
+            self.dropped = True
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+    @contextlib.contextmanager
+    def scope(self, policy, policy_if_none: bool = False):
+        """The frozen reference, or the policy with its adapter off; the initial policy itself when precomputing."""
+        if self.model is not None:
+            yield self.model
+        elif self.uses_adapter:
+            with unwrap_adapter_owner(policy).disable_adapter():
+                yield policy
+        elif policy_if_none:
+            yield policy
+        else:
+            raise RuntimeError("Reference log-probs were neither precomputed nor computable (no reference model).")
+
+
+class ReferenceModelMixin:
+    """What a trainer with a reference (DPO, KTO; the online trainers) does with its `reference` part: run it without
+    gradient, or precompute its log-probs once (then drop a separate reference). The trainer names its reference
+    columns and fills them."""
+
+    reference: Reference
     needs_reference = True  # False: no reference at all (e.g. GRPO with beta = 0), see `reference_wanted`
 
     def reference_wanted(self, args) -> bool:
@@ -124,7 +160,7 @@ class ReferenceModelMixin:
         loaded = load_policy_and_reference(model, ref_model, processing_class, peft_config, args,
                                            needs_reference=self.reference_wanted(args),
                                            quantization_config=quantization_config)
-        self.uses_adapter_as_reference = loaded.uses_adapter_as_reference
+        self.reference = Reference(loaded, args)
         logger.info("%s", self.reference_note(loaded, args))
         return loaded
 
@@ -133,25 +169,27 @@ class ReferenceModelMixin:
 
     def attach_reference(self, loaded, args) -> None:
         """The reference placed for the engine (trainers/frozen_models.py); precomputed log-probs wait for train()."""
-        self.ref_model = prepare_frozen_model(self.accelerator, loaded.ref_model, args)
-        self._reference_ready = not getattr(args, "precompute_ref_log_probs", False)
+        self.reference.place(self.accelerator, args)
+
+    # TRL's attribute, and the reference's state under the names the online trainers still use (TEMP(online))
+    ref_model = property(lambda self: self.reference.model)
+    uses_adapter_as_reference = property(lambda self: self.reference.uses_adapter)
+
+    @property
+    def _reference_ready(self) -> bool:  # TEMP(online)
+        return self.reference.ready
+
+    @_reference_ready.setter
+    def _reference_ready(self, ready: bool) -> None:  # TEMP(online): online methods score the reference as they go
+        self.reference.ready = ready
 
     def frozen_models(self) -> list[torch.nn.Module]:
         """A separate reference is held frozen (a disabled adapter or precomputed log-probs hold none)."""
-        return [*super().frozen_models(), *([self.ref_model] if getattr(self, "ref_model", None) is not None else [])]
+        held = getattr(self, "reference", None)
+        return [*super().frozen_models(), *([held.model] if held is not None and held.model is not None else [])]
 
-    @contextlib.contextmanager
     def reference_model(self, policy_if_none: bool = False):
-        """The frozen reference, or the policy with its adapter off; the initial policy itself when precomputing."""
-        if self.ref_model is not None:
-            yield self.ref_model
-        elif self.uses_adapter_as_reference:
-            with unwrap_adapter_owner(self.model).disable_adapter():
-                yield self.model
-        elif policy_if_none:
-            yield self.model
-        else:
-            raise RuntimeError("Reference log-probs were neither precomputed nor computable (no reference model).")
+        return self.reference.scope(self.model, policy_if_none)
 
     def reference_columns(self, dataset) -> tuple[str, ...]:
         raise NotImplementedError
@@ -161,9 +199,9 @@ class ReferenceModelMixin:
         raise NotImplementedError
 
     def prepare_reference(self) -> None:
-        if self._reference_ready:
+        if self.reference.ready:
             return
-        if self.ref_model is None and zero3_enabled():
+        if self.reference.model is None and zero3_enabled():
             raise ValueError("`precompute_ref_log_probs=True` under DeepSpeed ZeRO-3 needs a separate `ref_model`: the "
                              "policy's weights stay partitioned until training starts, so it cannot score the data "
                              "before; pass `ref_model` (it gets an inference engine of its own), or use ZeRO-2 or FSDP.")
@@ -173,12 +211,8 @@ class ReferenceModelMixin:
                                  for name, data in self.eval_dataset.items()}
         elif self.eval_dataset is not None:
             self.eval_dataset = self.precompute_reference_logps(self.eval_dataset, "eval")
-        self._reference_ready = True
-        if self.ref_model is not None:
-            self.ref_model = None  # no reference is held during training
-            self._reference_dropped = True
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+        self.reference.ready = True
+        self.reference.drop()
 
     def train(self, *args, **kwargs):
         self.prepare_reference()
@@ -186,17 +220,17 @@ class ReferenceModelMixin:
         return super().train(*args, **kwargs)
 
     def _install_reference_sync(self) -> None:
-        if not getattr(self.args, "sync_ref_model", False) or getattr(self, "_reference_sync", None) is not None:
+        if not getattr(self.args, "sync_ref_model", False) or self.reference.sync is not None:
             return
-        if self.ref_model is None:
+        if self.reference.model is None:
             raise ValueError("`sync_ref_model=True` needs a separate reference model to move; with a PEFT adapter the "
                              "reference is the base model with the adapter off, which has nothing to sync. Train "
                              "without PEFT, or set `sync_ref_model=False`.")
         if self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
             raise ValueError("`sync_ref_model=True` under DeepSpeed ZeRO-3 is not supported yet (the sharded weights "
                              "would have to be gathered to mix them); use ZeRO-2, FSDP or DDP.")
-        self._reference_sync = ReferenceSync(self)
-        self.add_callback(self._reference_sync)
+        self.reference.sync = ReferenceSync(self)
+        self.add_callback(self.reference.sync)
 
     def evaluate(self, *args, **kwargs):
         self.prepare_reference()  # evaluating before training must find the reference log-probs too
@@ -215,8 +249,8 @@ class ReferenceModelMixin:
                              "datasets.Dataset, or turn `precompute_ref_log_probs` off.")
         if all(name in dataset.column_names for name in self.reference_columns(dataset)):
             return dataset
-        if self.ref_model is None and not self.uses_adapter_as_reference and (
-                getattr(self, "_reference_dropped", False) or self.state.global_step > 0):
+        if self.reference.model is None and not self.reference.uses_adapter and (
+                self.reference.dropped or self.state.global_step > 0):
             raise ValueError("Cannot compute reference log-probs for a dataset passed to evaluate() after training "
                              "started with `precompute_ref_log_probs` and no reference kept in memory: pass it as "
                              "eval_dataset to the trainer instead.")

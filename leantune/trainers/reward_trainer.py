@@ -22,7 +22,6 @@ from ..data.formats import rename_legacy_token_columns
 from ..data.preference_collator import PreferenceCollator
 from ..data.preference_preparation import prepare_preference_dataset
 from ..data.report import NothingLeft
-from ..data.streaming import is_stream, prepare_stream
 from ..losses.reward import bradley_terry_loss
 from ..models.loading import (
     apply_peft,
@@ -35,7 +34,7 @@ from ..models.loading import (
 from ..models.output_head import unwrap_model
 from ..models.segment_attention import SEGMENT_SDPA, use_segment_attention
 from .base import LeantuneTrainer
-from .reference import PolicyAndReference, disable_dropout
+from .reference import MODEL_INPUTS, PolicyAndReference, disable_dropout
 from .reward_config import RewardConfig
 
 logger = logging.getLogger("leantune.reward")
@@ -46,6 +45,7 @@ class RewardTrainer(LeantuneTrainer):
     """Train a reward model (num_labels=1) on chosen / rejected pairs with the pairwise Bradley-Terry loss."""
 
     method = "reward"  # its entry in leantune/methods.py
+    scores_vocabulary = False  # one score per sequence: no logits to chunk or fuse (a Liger flag chooses nothing)
     dataset_columns = ("chosen_ids", "rejected_ids", "margin")
     # No prepared_columns: TRL's tokenised input has the prepared columns' names, so only a dataset this trainer
     # prepared (its fingerprint) skips preparation; preparing prepared data again changes nothing.
@@ -106,10 +106,6 @@ class RewardTrainer(LeantuneTrainer):
         model = apply_peft(model, reward_peft_config(peft_config, model), args)
         if args.disable_dropout:
             disable_dropout(model)
-        if args.use_liger_loss:
-            logger.info("use_liger_loss: a reward model has no vocabulary-sized logits, so there is nothing to chunk "
-                        "or fuse; the flag changes nothing here.")
-            args.use_liger_loss = False  # so the shared set-up does not announce a chunked loss either
         return PolicyAndReference(model, None, tokenizer, False)
 
     def make_collator(self, tokenizer, args, train_dataset):
@@ -127,7 +123,7 @@ class RewardTrainer(LeantuneTrainer):
         """One fp32 reward per sequence of the batch: [chosen..., rejected...]."""
         inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
         head = getattr(unwrap_model(model), SCORE_HEAD, None)
-        with self.offloading_scope(model), capture_output(head) as captured:
+        with self.logprobs.offloading_scope(model), capture_output(head) as captured:
             outputs = model(**inputs, use_cache=False)
         if head is None:
             return outputs.logits.reshape(-1).float()
@@ -141,13 +137,13 @@ class RewardTrainer(LeantuneTrainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         batch = dict(inputs)
-        self.count_tokens(model, batch)
+        self.run_metrics.count_tokens(model, batch)
         pairs = int(batch["num_pairs"])
         rewards = self.sequence_rewards(model, batch)
         chosen, rejected = rewards[:pairs], rewards[pairs:]
         losses = bradley_terry_loss(chosen, rejected, batch.get("margin"), self.args.center_rewards_coefficient)
         loss = self.normalise(losses.sum(), pairs, num_items_in_batch)
-        self.record_metrics(model, **{"accuracy": (chosen > rejected).float(), "margin": chosen - rejected,
+        self.run_metrics.record(model, **{"accuracy": (chosen > rejected).float(), "margin": chosen - rejected,
                                       "rewards/chosen": chosen, "rewards/rejected": rejected})
         if return_outputs:
             return loss, {"rewards_chosen": chosen.detach(), "rewards_rejected": rejected.detach()}
@@ -267,8 +263,6 @@ def prepare_reward_dataset(dataset, tokenizer, args, split: str):
     """Preference preparation shared with DPO (keeping a `margin` column), dropping (and counting) the pairs that
     truncation left identical (no preference left to learn); the pairs come out as TRL's whole sequences,
     `chosen_ids` / `rejected_ids` (prompt included)."""
-    if is_stream(dataset):
-        return prepare_stream(dataset, lambda buffer: prepare_reward_dataset(buffer, tokenizer, args, split), split)
     if dataset is not None and type(dataset).__name__ == "Dataset":
         dataset = split_whole_sequences(rename_legacy_token_columns(dataset))
     dataset, report = prepare_preference_dataset(dataset, tokenizer, args, split, keep_columns=("margin",))

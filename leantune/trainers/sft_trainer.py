@@ -8,10 +8,9 @@ from transformers import TrainingArguments
 
 from ..data.chat_template import load_chat_template
 from ..data.collators import CausalLMCollator
-from ..data.sft_preparation import loss_mask_columns, prepare_sft_dataset
+from ..data.sft_preparation import loss_mask_columns, prepare_sft_dataset, sft_stream_order
 from ..data.training_templates import announce_mask_template
 from ..losses.causal_lm import IGNORE_INDEX, count_targets
-from ..losses.dispatch import LogProbPath
 from ..models.loading import (
     apply_peft,
     ensure_pad_token,
@@ -65,9 +64,10 @@ class SFTTrainer(LeantuneTrainer):
                        compute_loss_func=compute_loss_func, compute_metrics=compute_metrics, callbacks=callbacks,
                        optimizers=optimizers, optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
                        preprocess_logits_for_metrics=preprocess_logits_for_metrics)
-        if self.logprob_path is LogProbPath.LIGER:
-            logger.info("use_liger_kernel=True: Liger's fused linear cross-entropy gives the loss and "
-                        "mean_token_accuracy; it computes no entropies, so the `entropy` metric is not logged.")
+
+    def liger_notes(self, args) -> list[tuple[int, str]]:
+        return [(logging.INFO, "use_liger_kernel=True: Liger's fused linear cross-entropy gives the loss and "
+                               "mean_token_accuracy; it computes no entropies, so the `entropy` metric is not logged.")]
 
     def default_args(self, model, args):
         if isinstance(args, TrainingArguments) and not isinstance(args, SFTConfig):
@@ -97,6 +97,8 @@ class SFTTrainer(LeantuneTrainer):
                                 loss_mask_columns=tuple(loss_mask_columns(train_dataset, args)),
                                 padding_free=args.padding_free, pad_to_multiple_of=args.pad_to_multiple_of)
 
+    stream_order = staticmethod(sft_stream_order)  # a train stream with shuffle_dataset: shuffled by buffer
+
     def skips_preparation(self, args) -> bool:
         return bool(parse_kwargs(args.dataset_kwargs).get("skip_prepare_dataset", False))
 
@@ -120,23 +122,24 @@ class SFTTrainer(LeantuneTrainer):
         shifted = inputs.pop("shift_labels", None)
         labels = inputs.pop("labels") if shifted is None else shifted
         if shifted is not None:
-            self.check_context_parallel_layout(inputs)
-        self.count_tokens(model, inputs)
+            self.context_parallel.check_layout(inputs)
+        self.run_metrics.count_tokens(model, inputs)
         if self.compute_loss_func is not None:
-            with self.offloading_scope(model):
+            with self.logprobs.offloading_scope(model):
                 outputs = model(**inputs, use_cache=False)
             loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
             return (loss, outputs) if return_outputs else loss
         # Liger's kernel gives no entropies: on its path the entropy metric is not logged (noted in __init__)
-        liger = self.liger_head_runs(model)
-        if self.args.loss_type == "nll" and self.fused_nll_runs(model):  # Liger's summed NLL (CUDA)
-            loss_sum, accuracy, _, outputs = self.target_nll_sum(model, inputs, labels, shifted=shifted is not None)
+        liger = self.logprobs.liger_head_runs(model)
+        if self.args.loss_type == "nll" and self.logprobs.fused_nll_runs(model):  # Liger's summed NLL (CUDA)
+            loss_sum, accuracy, _, outputs = self.logprobs.target_nll_sum(model, inputs, labels,
+                                                                          shifted=shifted is not None)
             if accuracy is not None:
-                self.record_metrics(model, mean_token_accuracy=accuracy.reshape(1))
+                self.run_metrics.record(model, mean_token_accuracy=accuracy.reshape(1))
         else:
             metrics = {}
-            scores = self.target_logprobs(model, inputs, labels, with_entropy=not liger, stats=("top1",),
-                                          shifted=shifted is not None)
+            scores = self.logprobs.target_logprobs(model, inputs, labels, with_entropy=not liger, stats=("top1",),
+                                                   shifted=shifted is not None)
             logps, top1, outputs = scores.logps, scores.stats["top1"], scores.outputs
             if scores.entropy is not None:
                 metrics["entropy"] = scores.entropy.mean().reshape(1)
@@ -144,7 +147,7 @@ class SFTTrainer(LeantuneTrainer):
             if self.args.loss_type == "dft":  # DFT (arXiv 2508.05629): the NLL times the token's own probability
                 token_loss = token_loss * logps.detach().exp()
             loss_sum = token_loss.sum()
-            self.record_metrics(model, **metrics, mean_token_accuracy=top1.float().mean().reshape(1))
+            self.run_metrics.record(model, **metrics, mean_token_accuracy=top1.float().mean().reshape(1))
         local_count = (labels != IGNORE_INDEX).sum() if shifted is not None else count_targets(labels)
         loss = self.normalise(loss_sum, local_count, num_items_in_batch)
         return (loss, outputs) if return_outputs else loss

@@ -1,0 +1,88 @@
+"""Run metrics: what a trainer logs besides its loss, and what it reports at the end of training.
+
+Real tokens/s, the padding fraction and peak memory go with every training log and into the closing summary; a
+method's per-example values (rewards, accuracies, ...) are gathered across processes and averaged at each log; one
+step's memory breakdown (parameters, gradients, optimizer states, activations, ...) is reported when asked for.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+
+from ...metrics.memory import memory_kind, peak_memory_bytes
+from ...metrics.memory_breakdown import MemoryBreakdown
+from ...metrics.throughput import TokenThroughput
+
+MIB = 1024 * 1024
+
+
+class RunMetrics:
+    """`summarise(store) -> dict`: the method's logged form of its stored values (means, by default)."""
+
+    def __init__(self, accelerator, device, summarise: Callable[[dict], dict]):
+        self.accelerator = accelerator
+        self.device = device
+        self.summarise = summarise
+        self.throughput = TokenThroughput()
+        self.memory_breakdown: MemoryBreakdown | None = None
+        # Per-example values of the method's own metrics, gathered across processes, averaged at each log.
+        self.values: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
+
+    def count_tokens(self, model, inputs: dict) -> None:
+        """Real and padded tokens of a training batch (its collator's `num_real_tokens`, taken out of the inputs)."""
+        real = inputs.pop("num_real_tokens", None)
+        if model.training and real is not None:
+            self.throughput.add(int(real), int(inputs["input_ids"].numel()))
+
+    def record(self, model, **values: torch.Tensor) -> None:
+        """Keep per-example values (1-D tensors of equal length) of this step, gathered across processes."""
+        names = list(values)
+        stacked = torch.stack([values[name].detach().float() for name in names]).T.contiguous()
+        gathered = self.accelerator.gather_for_metrics(stacked)
+        store = self.values["train" if model.training else "eval"]
+        for name, column in zip(names, gathered.T):
+            store[name].extend(column.tolist())
+
+    def add_method_values(self, logs: dict, prefix: str) -> None:
+        """A log's method metrics: the values since the last log (then emptied), `<prefix>_` before eval names."""
+        mode = "train" if "loss" in logs or "train_loss" in logs else "eval"
+        prefix = f"{prefix}_" if mode == "eval" else ""
+        store = self.values[mode]
+        if store:
+            logs.update({f"{prefix}{name}": value for name, value in self.summarise(store).items()})
+            store.clear()
+
+    def add_step_values(self, logs: dict) -> None:
+        """A training step's log: tokens/s over the logging window, the padding fraction and peak memory."""
+        logs["real_tokens_per_second"] = round(self.throughput.window_rate(), 2)
+        logs["padding_fraction"] = round(self.throughput.padding_fraction, 4)
+        logs["peak_memory_mb"] = round(peak_memory_bytes(self.device) / MIB, 1)
+
+    def summary(self) -> dict:
+        """The run's closing numbers (the trainer adds its own)."""
+        summary = {
+            "real_tokens": self.throughput.real_tokens,
+            "real_tokens_per_second": round(self.throughput.overall_rate(), 2),
+            "padding_fraction": round(self.throughput.padding_fraction, 4),
+            "peak_memory_mb": round(peak_memory_bytes(self.device) / MIB, 1),
+            "peak_memory_kind": memory_kind(self.device),
+        }
+        if self.memory_breakdown is not None:
+            summary.update(self.memory_breakdown.as_metrics())
+        return summary
+
+    def keep_memory_breakdown(self, breakdown: MemoryBreakdown) -> None:
+        self.memory_breakdown = breakdown
+
+
+def mean_of_values(store: dict[str, list[float]]) -> dict[str, float]:
+    """The default logged form of stored values: their means, NaN (nothing measured) left out."""
+    summary = {}
+    for name, values in store.items():
+        values = [v for v in values if v == v]
+        if values:
+            summary[name] = round(sum(values) / len(values), 6)
+    return summary

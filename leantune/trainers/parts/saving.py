@@ -1,0 +1,155 @@
+"""Saving: a checkpoint exists whole or not at all, and every saved folder says what it holds (its model card).
+
+transformers' checkpoint is written into `tmp-checkpoint-N/checkpoint-N` with the trainer's own state, fsynced and
+renamed to `checkpoint-N` only when whole (checkpoint_files.py); the rotation of --save_total_limit and a push to the
+Hub come after the rename. A write that fails for want of space removes the staging folder and raises NoRoomError,
+the last complete checkpoint untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+from ... import methods
+from ...models import model_card
+from ...models.output_head import text_config_of, unwrap_model
+from .. import checkpoint_files
+
+logger = logging.getLogger("leantune.trainer")
+
+
+def save_with_card(trainer, output_dir: str | None, state_dict, save) -> None:
+    """`save(output_dir, state_dict=...)` (Trainer's own save), then the model card on the writing process. A
+    README.md that is not leantune's (checked before PEFT writes its own template) is left as it is."""
+    output_dir = output_dir if output_dir is not None else trainer.args.output_dir
+    card = trainer.args.should_save and model_card.may_write(output_dir)
+    if state_dict is not None:
+        state_dict = without_tied_copies(trainer.accelerator.unwrap_model(trainer.model), state_dict)
+    save(output_dir, state_dict=state_dict)
+    if card:
+        try:
+            model_card.write_model_card(trainer, output_dir)
+        except Exception as error:  # the weights are saved; a card that cannot be written must not end the run
+            logger.warning("Could not write the model card README.md in %s: %s", output_dir, error)
+    elif trainer.args.should_save:
+        logger.info("%s already has a README.md not written by leantune: left as it is.", output_dir)
+
+
+class StagedCheckpoint:
+    """One checkpoint save: transformers writes into the staging folder (`trainer._get_output_dir` names it while
+    `active`: the one write to the trainer, undone at the end); rotation there finds one checkpoint and removes
+    nothing, and the push waits (`active`) for the renamed folder."""
+
+    def __init__(self, trainer, trial):
+        self.trainer = trainer
+        self.run_dir = trainer._get_output_dir(trial=trial)
+        self.step = trainer.state.global_step
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.step}"
+        self.staging_root = checkpoint_files.staging_folder(self.run_dir, self.step)
+        self.staged, self.final = os.path.join(self.staging_root, name), os.path.join(self.run_dir, name)
+        self.active = False
+
+    def save(self, model, trial, save_checkpoint) -> None:
+        trainer, args = self.trainer, self.trainer.args
+        if args.should_save:
+            checkpoint_files.remove_tree(self.staging_root)  # a save of this step that a kill cut short
+            os.makedirs(self.staged)
+        trainer.accelerator.wait_for_everyone()
+        trainer._get_output_dir = lambda trial=None: self.staging_root
+        self.active = True
+        try:
+            save_checkpoint(model, trial)
+            trainer.accelerator.wait_for_everyone()  # every process's files (rng_state_<i>.pth) are in
+            if args.should_save:
+                self._point_best_checkpoint_at()
+                trainer.save_extra_state(self.staged)
+                checkpoint_files.publish(self.staged, self.final)
+                checkpoint_files.remove_tree(self.staging_root)
+        except Exception as error:
+            self._clean_up(error)
+        finally:
+            del trainer._get_output_dir
+            self.active = False
+        trainer.accelerator.wait_for_everyone()
+        if args.push_to_hub:
+            trainer._push_from_checkpoint(self.final)
+        if args.should_save:
+            rotate_checkpoints(output_dir=self.run_dir, save_total_limit=args.save_total_limit,
+                               best_model_checkpoint=trainer.state.best_model_checkpoint, use_mtime=True)
+
+    def _clean_up(self, error: Exception) -> None:
+        """A save that failed leaves nothing behind (non-finite weights, ...); one that ran out of space says how
+        much room a checkpoint needs."""
+        should_save = self.trainer.args.should_save
+        if not (should_save and checkpoint_files.is_no_room(error, self.run_dir)):
+            if should_save:
+                checkpoint_files.remove_tree(self.staging_root)
+            raise error
+        written = checkpoint_files.folder_bytes(self.staging_root)
+        checkpoint_files.remove_tree(self.staging_root)
+        earlier = [checkpoint_files.folder_bytes(os.path.join(self.run_dir, entry))
+                   for entry in os.listdir(self.run_dir) if entry.startswith(f"{PREFIX_CHECKPOINT_DIR}-")]
+        raise checkpoint_files.no_room_error(self.run_dir, max([written, *earlier]),
+                                             f"checkpoint-{self.step}") from error
+
+    def _point_best_checkpoint_at(self) -> None:
+        """transformers looked for the best checkpoint beside the staged one: the state names its final folder."""
+        state = self.trainer.state
+        best = state.best_global_step
+        if not best:
+            return
+        path = os.path.join(self.run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best}")
+        if best == state.global_step or os.path.isdir(path):
+            state.best_model_checkpoint = path
+            state.save_to_json(os.path.join(self.staged, "trainer_state.json"))
+
+
+def resume_checkpoint(given, output_dir: str):
+    """train()'s `resume_from_checkpoint`: True means the newest complete checkpoint (incomplete entries named)."""
+    if given is not True:
+        return given
+    found = checkpoint_files.latest_complete_checkpoint(output_dir)
+    if found is None:
+        raise ValueError(f"`resume_from_checkpoint`=True: no complete checkpoint (checkpoint-N with a "
+                         f"trainer_state.json) in {output_dir}.")
+    return found
+
+
+def tag_model(trainer) -> None:
+    """The Hub tags TRL's trainers put on the model (`trl`, the method) and leantune's own, so a pushed model is
+    found by the same filters as one trained with TRL."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    if hasattr(model, "add_model_tags"):
+        method = methods.of(trainer)
+        model.add_model_tags(list(dict.fromkeys(["leantune", "trl", method.card_name, method.trl_tag])))
+
+
+def write_hub_card(trainer, tags=None, **kwargs) -> None:
+    """push_to_hub's card: leantune's (what the folder holds and how to load it), with the caller's tags and
+    language / license / datasets metadata, in place of transformers' generic one."""
+    if trainer.is_world_process_zero():
+        dataset = kwargs.get("dataset_tags") or kwargs.get("dataset")
+        metadata = {"language": kwargs.get("language"), "license": kwargs.get("license"), "datasets": dataset}
+        model_card.write_model_card(trainer, trainer.args.output_dir, extra_tags=tags, metadata=metadata)
+
+
+def without_tied_copies(model, state_dict: dict) -> dict:
+    """A gathered full state dict (FSDP2, ZeRO-3) holds a tied output head as its own tensor, which transformers
+    would write as a second vocabulary-sized matrix: the tied key is dropped when it equals the input embedding."""
+    base = unwrap_model(model)
+    config = text_config_of(base)
+    if not getattr(config, "tie_word_embeddings", False):
+        return state_dict
+    embeddings, head = base.get_input_embeddings(), base.get_output_embeddings()
+    if embeddings is None or head is None:
+        return state_dict
+    names = {id(module): name for name, module in model.named_modules()}
+    embedding_key, head_key = f"{names.get(id(embeddings))}.weight", f"{names.get(id(head))}.weight"
+    if (embedding_key in state_dict and head_key in state_dict and head_key != embedding_key
+            and torch.equal(state_dict[embedding_key], state_dict[head_key])):
+        state_dict = {k: v for k, v in state_dict.items() if k != head_key}
+    return state_dict
