@@ -398,7 +398,7 @@ def test_masked_truncated_completions_have_no_targets(char_tokenizer):
                           processing_class=char_tokenizer)
     rows = [trainer.train_dataset[0]] * 3
     eos = char_tokenizer.eos_token_id
-    examples = trainer._scoring_examples(rows, [[5, eos], [5, 6], [eos]], [True, False, True])
+    examples = trainer.rounds.scoring_examples(rows, [[5, eos], [5, 6], [eos]], [True, False, True])
     prompt = len(rows[0]["prompt_ids"])
     assert [e["completion_mask"][prompt:] for e in examples] == [[1, 1], [0, 0], [1]]
     assert trainer.round_counts["truncated_completions_masked"] == 1

@@ -244,7 +244,7 @@ def off_policy_batch(trainer, batch: dict) -> dict:
     from leantune.losses.token_logprobs import select_targets, target_sequences
 
     batch = dict(batch)
-    trainer._attach_logps([batch], policy_too=True)
+    trainer.rounds.attach_logps([batch], policy_too=True)
     sequence = target_sequences(select_targets(batch["labels"]), sequence_starts(batch))
     n = len(sequence)
     offsets = torch.where(sequence % 2 == 0, 0.3, -0.35) + torch.linspace(-0.05, 0.05, n)
