@@ -128,7 +128,7 @@ class PPOTrainer(OnlineTrainer):
 
     def attach_policy_scores(self, batch: dict, model, on_device: dict) -> None:
         scores = self.target_logprobs(model, {k: on_device[k] for k in MODEL_INPUTS if k in on_device},
-                                      on_device["labels"], self.args.temperature,
+                                      on_device["labels"], self.scoring_temperature,
                                       with_hidden=self.reads_hidden_states)
         batch["old_logps"] = scores.logps.detach()
         batch["old_values"] = self._values(scores.hidden, on_device, on_device["labels"]).detach()
