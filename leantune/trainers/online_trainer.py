@@ -20,6 +20,7 @@ import torch
 
 from ..data.collators import sequence_starts
 from ..data.prompt_preparation import PROMPT_IDS, context_limit_of, prepare_prompt_dataset
+from ..generation.backend import check_backend_requirements
 from ..losses.dispatch import LogProbPath
 from ..losses.token_logprobs import target_sequences
 from ..rewards import RewardFunctions
@@ -61,6 +62,7 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         self.agent = agent  # GRPO's tools / environments / rollout function (rollouts/): None for single turns
         if train_dataset is None and agent is not None:
             train_dataset = agent.placeholder_dataset(args)  # environments that own the data (or TRL's errors)
+        check_backend_requirements(args)  # before any model loads: a backend that cannot run here fails first
         self._reward_sources = (reward_funcs, reward_processing_classes)
         # policy, tokenizer, reference (none when the method needs none; the adapter disabled with PEFT) and the
         # rewards; prompts tokenised once (the rest of each row goes to the reward functions); batches are rows

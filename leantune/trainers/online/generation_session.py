@@ -10,7 +10,7 @@ import logging
 import torch
 
 from ...generation import Completions, SamplingSettings, make_backend
-from ...generation.backend import TRANSFORMERS, check_backend_requirements, generation_engine
+from ...generation.backend import TRANSFORMERS, generation_engine
 
 logger = logging.getLogger("leantune.online")
 
@@ -20,7 +20,6 @@ class GenerationSession:
 
     def __init__(self, args, accelerator, tokenizer, model, policy, step, method: str):
         self.engine = generation_engine(args)
-        check_backend_requirements(args)
         self.args, self.accelerator, self.tokenizer = args, accelerator, tokenizer
         self.policy, self.step, self.method = policy, step, method
         self.sampling = SamplingSettings.from_config(args, tokenizer, model)
