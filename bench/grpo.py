@@ -11,7 +11,7 @@ both. Reward: characters of the decoded completion / 100 (cheap, deterministic).
 `generate` as is), so both libraries generate and score the same number of tokens at every step.
 
 Measured per step (wall and process CPU time): generation (the call that samples: leantune's
-`generate_completions`, TRL's `_generate_single_turn`, both wrapped on the trainer instance) and training = the
+`generation.generate`, TRL's `_generate_single_turn`, both wrapped on the trainer instance) and training = the
 rest of the optimizer step (decode, reward, reference log-probs, loss forward + backward, optimizer), from the
 time between the ends of consecutive steps. Step 1 is a warm-up; step 2 is watched by leantune's memory meter
 (`leantune.metrics.memory_breakdown.StepMemoryMeter`, the meter of `MemoryBreakdownCallback`: PyTorch's
@@ -190,8 +190,9 @@ class PhaseRecorder:
 
         setattr(self.trainer, name, timed_round)
 
-    def wrap_generation(self, name: str, prompt_ids_arg: int = 0) -> None:
-        original = getattr(self.trainer, name)
+    def wrap_generation(self, name: str, prompt_ids_arg: int = 0, owner=None) -> None:
+        owner = self.trainer if owner is None else owner  # leantune generates through its GenerationSession
+        original = getattr(owner, name)
 
         @functools.wraps(original)
         def timed_generation(*args, **kwargs):
@@ -207,7 +208,7 @@ class PhaseRecorder:
                 self.score_meter.start(self.trainer.model, self.trainer.optimizer)
             return result
 
-        setattr(self.trainer, name, timed_generation)
+        setattr(owner, name, timed_generation)
 
 
 def run_one(library: str, name: str, opts, dataset, tokenizer) -> dict:
@@ -241,7 +242,7 @@ def run_one(library: str, name: str, opts, dataset, tokenizer) -> dict:
             trainer.add_callback(recorder.callback)
             if library == "leantune":
                 recorder.wrap_round("generation_round")
-                recorder.wrap_generation("generate_completions")
+                recorder.wrap_generation("generate", owner=trainer.generation)
             else:
                 recorder.wrap_round("_generate_and_score_completions")
                 recorder.wrap_generation("_generate_single_turn")

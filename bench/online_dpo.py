@@ -12,7 +12,7 @@ by both), so both generate and score the same number of completion tokens. TRL t
 without special tokens, leantune with them (the BOS): leantune's prompts are one token longer.
 
 Measured per step: wall time of the optimizer step (between the ends of consecutive steps) and of generation (the
-call that samples: leantune's `generate_completions`, TRL's `_generate`, wrapped on the trainer instance);
+call that samples: leantune's `generation.generate`, TRL's `_generate`, wrapped on the trainer instance);
 "train" = step - generation (decode, reward, reference and policy log-probs, loss, backward, optimizer). Step 1 is a
 warm-up; step 2 is watched whole by leantune's memory meter (`StepMemoryMeter`: PyTorch's MemTracker), generation
 included: TRL generates inside `training_step`, leantune in its generation round before it, so the meter starts
@@ -138,8 +138,9 @@ class StepRecorder:
 
         setattr(self.trainer, name, watched)
 
-    def time_generation(self, name: str, completions_of) -> None:
-        original = getattr(self.trainer, name)
+    def time_generation(self, name: str, completions_of, owner=None) -> None:
+        owner = self.trainer if owner is None else owner  # leantune generates through its GenerationSession
+        original = getattr(owner, name)
 
         @functools.wraps(original)
         def timed(*args, **kwargs):
@@ -150,7 +151,7 @@ class StepRecorder:
             self.completion_tokens[step] = completions_of(result)
             return result
 
-        setattr(self.trainer, name, timed)
+        setattr(owner, name, timed)
 
 
 def run_one(library: str, name: str, opts, dataset, tokenizer) -> dict:
@@ -182,7 +183,7 @@ def run_one(library: str, name: str, opts, dataset, tokenizer) -> dict:
             trainer.add_callback(recorder.callback)
             if library == "leantune":
                 recorder.start_at_round("generation_round")
-                recorder.time_generation("generate_completions", lambda out: sum(len(ids) for ids in out))
+                recorder.time_generation("generate", lambda out: sum(len(ids) for ids in out), owner=trainer.generation)
             else:
                 recorder.time_generation("_generate", lambda out: int(out[3].sum()))  # completion_mask
             release_memory()

@@ -93,10 +93,10 @@ def run_layout(name: str, spec: dict, policy_dir: str, reward_dir: str, prompts,
                          train_dataset=prompts, value_model=spec.get("value_model"),
                          peft_config=spec.get("peft_config"))
     meter, rollout = StepMemoryMeter("cpu"), {}
-    original = trainer.scored_batches
+    original = trainer.rounds.scored_batches
 
     def measured(*args, **kwargs):
-        watch = trainer._rounds_generated == 2
+        watch = trainer.generation.rounds_generated == 2
         if watch:
             meter.start(trainer.model, trainer.optimizer)
         try:
@@ -105,7 +105,7 @@ def run_layout(name: str, spec: dict, policy_dir: str, reward_dir: str, prompts,
             if watch:
                 rollout["breakdown"] = meter.stop(trainer.state.global_step)
 
-    trainer.scored_batches = measured
+    trainer.rounds.scored_batches = measured
     release_memory()
     reset_peak_rss()
     started = time.perf_counter()

@@ -22,8 +22,8 @@ from leantune import GKDConfig, GKDTrainer
 from leantune.data.collators import CausalLMCollator, sequence_prompts
 from leantune.defaults import build_default_model_config, build_default_tokenizer
 from leantune.losses.causal_lm import count_targets
-from leantune.losses.dispatch import LogProbPath
 from leantune.losses.distillation import generalized_jsd
+from leantune.trainers.parts.logprob_engine import LogProbPath
 from leantune.utils.imports import is_available
 
 RTOL = 1e-5

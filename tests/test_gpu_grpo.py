@@ -16,7 +16,7 @@ import torch
 from datasets import Dataset
 
 from leantune import GRPOConfig, GRPOTrainer
-from leantune.losses.dispatch import LogProbPath
+from leantune.trainers.parts.logprob_engine import LogProbPath
 from leantune.utils.imports import is_available
 
 from .conftest import tiny_model
@@ -81,12 +81,12 @@ def test_vllm_colocate_with_sleep_mode_trains_and_never_generates_from_stale_wei
                           processing_class=tokenizer)
     syncs = []
     trainer.train()
-    backend = trainer.backend
+    backend = trainer.generation.backend
     original = backend.sync_weights
     backend.sync_weights = lambda model: (syncs.append(1), original(model))
     # after training the engine sleeps; with no optimizer step since the last sync, the trainer would not sync by
     # itself: waking must still force a sync before generating
-    ids = trainer.generate_completions([trainer.train_dataset[0]["prompt_ids"]] * 2, trainer.sampling)
+    ids = trainer.generation.generate([trainer.train_dataset[0]["prompt_ids"]] * 2, trainer.generation.sampling)
     assert syncs and all(len(c) <= 16 for c in ids)
 
 

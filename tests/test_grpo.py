@@ -19,10 +19,10 @@ from leantune.losses.advantages import (
     normalize_then_sum_advantages,
 )
 from leantune.losses.causal_lm import count_targets
-from leantune.losses.dispatch import LogProbPath
 from leantune.losses.policy_gradient import clipped_surrogate, grpo_loss_items, grpo_loss_sum, k3_kl
 from leantune.rewards import RewardFunctionError
 from leantune.trainers.config_utils import checkpointing_setting, enable_model_checkpointing
+from leantune.trainers.parts.logprob_engine import LogProbPath
 
 from .conftest import tiny_model
 
@@ -206,8 +206,8 @@ def test_chunked_loss_equals_plain_loss_and_gradients(char_tokenizer, padding_fr
     batch = one_round(trainer)[0]
     assert trainer.logprob_path is LogProbPath.CHUNKED
     chunked_loss, chunked_grads = loss_and_grads(trainer, batch)
-    chunked_metrics = {k: list(v) for k, v in trainer.metric_values["train"].items()}
-    trainer.metric_values["train"].clear()
+    chunked_metrics = {k: list(v) for k, v in trainer.run_metrics.values["train"].items()}
+    trainer.run_metrics.values["train"].clear()
     trainer.logprob_path = LogProbPath.FULL
     plain_loss, plain_grads = loss_and_grads(trainer, batch)
     # on-policy: the ratio exp(logp - logp.detach()) is exactly 1 and the k3 KL of the policy against its own copy
@@ -215,7 +215,7 @@ def test_chunked_loss_equals_plain_loss_and_gradients(char_tokenizer, padding_fr
     torch.testing.assert_close(chunked_loss, plain_loss, rtol=1e-5, atol=1e-7)
     assert_grads_close(chunked_grads, plain_grads)
     for name in ("entropy", "kl"):
-        assert chunked_metrics[name] == pytest.approx(trainer.metric_values["train"][name], rel=1e-5)
+        assert chunked_metrics[name] == pytest.approx(trainer.run_metrics.values["train"][name], rel=1e-5)
 
 
 def test_padding_free_scoring_equals_padded(char_tokenizer):
@@ -271,7 +271,7 @@ def test_on_policy_first_iteration_matches_and_later_iterations_use_generation_t
     loss, _ = loss_and_grads(trainer, batches[0])
     # advantages ~1: fp32 means of 8-16 such terms round at ~1e-7 (measured 1.5e-8)
     assert loss.item() == pytest.approx(-batches[0]["advantages"].mean().item(), abs=1e-5)
-    assert trainer.metric_values["train"]["clip_ratio/region_mean"] == [0.0]
+    assert trainer.run_metrics.values["train"]["clip_ratio/region_mean"] == [0.0]
 
 
 def test_generation_batch_size_sets_micro_batches_per_round_and_they_train_off_policy(char_tokenizer):
@@ -398,7 +398,7 @@ def test_masked_truncated_completions_have_no_targets(char_tokenizer):
                           processing_class=char_tokenizer)
     rows = [trainer.train_dataset[0]] * 3
     eos = char_tokenizer.eos_token_id
-    examples = trainer._scoring_examples(rows, [[5, eos], [5, 6], [eos]], [True, False, True])
+    examples = trainer.rounds.scoring_examples(rows, [[5, eos], [5, 6], [eos]], [True, False, True])
     prompt = len(rows[0]["prompt_ids"])
     assert [e["completion_mask"][prompt:] for e in examples] == [[1, 1], [0, 0], [1]]
     assert trainer.round_counts["truncated_completions_masked"] == 1

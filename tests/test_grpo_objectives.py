@@ -19,7 +19,6 @@ from leantune.generation.transformers_backend import TransformersBackend
 from leantune.generation.vllm_client import VLLMServerClient
 from leantune.generation.vllm_colocate import completions_of
 from leantune.generation.vllm_server import TransformersEngine, logprobs_from_json, logprobs_to_json, make_server, serve
-from leantune.losses.dispatch import LogProbPath
 from leantune.losses.policy_gradient import (
     GRPOObjective,
     grpo_loss_items,
@@ -30,6 +29,7 @@ from leantune.losses.policy_gradient import (
     sampling_correction_weights,
 )
 from leantune.models.output_head import OutputHead, compute_head_in_fp32
+from leantune.trainers.parts.logprob_engine import LogProbPath
 
 from .test_grpo import (
     assert_grads_close,
@@ -244,7 +244,7 @@ def off_policy_batch(trainer, batch: dict) -> dict:
     from leantune.losses.token_logprobs import select_targets, target_sequences
 
     batch = dict(batch)
-    trainer._attach_logps([batch], policy_too=True)
+    trainer.rounds.attach_logps([batch], policy_too=True)
     sequence = target_sequences(select_targets(batch["labels"]), sequence_starts(batch))
     n = len(sequence)
     offsets = torch.where(sequence % 2 == 0, 0.3, -0.35) + torch.linspace(-0.05, 0.05, n)
@@ -265,7 +265,7 @@ def test_new_options_give_the_same_loss_and_gradients_on_every_path(char_tokeniz
         batch = off_policy_batch(trainer, one_round(trainer)[0])
         for path in (LogProbPath.CHUNKED, LogProbPath.FULL):
             trainer.logprob_path = path
-            trainer.metric_values["train"].clear()
+            trainer.run_metrics.values["train"].clear()
             loss, grads = loss_and_grads(trainer, batch)
             results[padding_free, path] = (loss, grads, batch["input_ids"][batch["input_ids"] != 0].tolist())
     expected_loss, expected_grads, expected_ids = results[False, LogProbPath.FULL]
@@ -470,7 +470,7 @@ def test_grpo_with_the_server_corrects_by_the_engines_logprobs(char_tokenizer, i
     # engine (unpadded rows) vs trainer (padded scoring batch): fp32 rounding, as in the backend tests
     torch.testing.assert_close(batch["sampling_logps"], batch["old_logps"], rtol=0, atol=1e-4)
     _, grads = loss_and_grads(trainer, batch)
-    logged = trainer.metric_values["train"]
+    logged = trainer.run_metrics.values["train"]
     assert logged["sampling/sampling_logp_difference/max"][0] < 1e-4
     assert logged["sampling/importance_sampling_ratio/mean"][0] == pytest.approx(1.0, abs=1e-4)
     shifted = dict(batch, sampling_logps=batch["sampling_logps"] + math.log(2.0))
@@ -480,7 +480,7 @@ def test_grpo_with_the_server_corrects_by_the_engines_logprobs(char_tokenizer, i
     for name, grad in grads.items():
         assert grad.abs().max() > 0
         torch.testing.assert_close(halved[name], grad / 2, rtol=0, atol=2e-4 * float(grad.abs().max()))
-    assert trainer.metric_values["train"]["sampling/importance_sampling_ratio/mean"][1] == pytest.approx(0.5, abs=1e-4)
+    assert trainer.run_metrics.values["train"]["sampling/importance_sampling_ratio/mean"][1] == pytest.approx(0.5, abs=1e-4)
 
 
 # --- the entropy bonus ------------------------------------------------------------------------------------------
@@ -502,12 +502,12 @@ def test_entropy_bonus_is_coef_times_mean_entropy_on_every_path(char_tokenizer):
                 torch.manual_seed(5)
                 batch = off_policy_batch(trainer, one_round(trainer)[0])
                 trainer.logprob_path = path
-                trainer.metric_values["train"].clear()
+                trainer.run_metrics.values["train"].clear()
                 losses[coef] = loss_and_grads(trainer, batch)
-                entropy = trainer.metric_values["train"]["entropy"][-1]
+                entropy = trainer.run_metrics.values["train"]["entropy"][-1]
             (plain, _), (with_bonus, grads) = losses[0.0], losses[0.5]
             assert with_bonus.item() == pytest.approx(plain.item() - 0.5 * entropy, rel=1e-5)
-            assert trainer.metric_values["train"]["policy_loss"][-1] == pytest.approx(plain.item(), rel=1e-5)
+            assert trainer.run_metrics.values["train"]["policy_loss"][-1] == pytest.approx(plain.item(), rel=1e-5)
             results[loss_type, padding_free] = grads
         assert_grads_close(results[loss_type, True], results[loss_type, False])
 

@@ -14,7 +14,7 @@ import torch
 from datasets import Dataset
 
 from leantune import GRPOConfig, GRPOTrainer
-from leantune.losses.dispatch import LogProbPath
+from leantune.trainers.parts.logprob_engine import LogProbPath
 
 from .conftest import TOKENIZER_DIR
 
@@ -182,7 +182,7 @@ def test_async_tool_budget_and_iteration_limit(tool_tokenizer):
     assert len(script.calls) == 2 and "<|im_start|>tool\n3<|im_end|>" in script.calls[1][0]
     assert len(script.calls[1]) == 1  # the over-budget rollout ended at its call
     assert trainer.round_counts["tool_results_over_budget"] == 1
-    store = trainer.metric_values["train"]
+    store = trainer.run_metrics.values["train"]
     assert store["tools/call_frequency"] == [pytest.approx(2 / 3)]  # the second turn's call is not run (limit 1)
 
 
@@ -204,8 +204,8 @@ def test_malformed_tool_calls_are_counted_and_read_as_text(tool_tokenizer, caplo
         one_round(trainer)
     assert len(script.calls) == 1  # no tool ran, so no second turn
     assert trainer.round_counts["malformed_tool_calls"] == 3
-    assert trainer.metric_values["train"]["tools/malformed_frequency"] == [1.0]
-    assert trainer.metric_values["train"]["tools/call_frequency"] == [0.0]
+    assert trainer.run_metrics.values["train"]["tools/malformed_frequency"] == [1.0]
+    assert trainer.run_metrics.values["train"]["tools/call_frequency"] == [0.0]
     assert any("could not be parsed" in record.message for record in caplog.records)
     assert [c[-1]["content"].startswith("<tool_call>") for c in seen["completions"]] == [True] * 3
     assert all("tool_calls" not in c[-1] for c in seen["completions"])
@@ -247,7 +247,7 @@ def test_environment_rewards_reach_advantages(tool_tokenizer):
     rewards = torch.tensor([2.0, 5.0, 0.0])
     expected = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
     torch.testing.assert_close(batch["advantages"].float(), expected, atol=1e-4, rtol=1e-4)
-    assert trainer.metric_values["train"]["rewards/Counter/mean"] == [pytest.approx(7 / 3)]
+    assert trainer.run_metrics.values["train"]["rewards/Counter/mean"] == [pytest.approx(7 / 3)]
 
 
 def test_environment_column_routes_each_example(tool_tokenizer):

@@ -35,7 +35,7 @@ from leantune import (
     SFTConfig,
     SFTTrainer,
 )
-from leantune.losses.dispatch import LogProbPath, choose_logprob_path
+from leantune.trainers.parts.logprob_engine import LogProbPath, choose_logprob_path
 
 from .conftest import HH_PAIRS, gsm8k_prompt_completion, tiny_model
 from .liger_cpu import (
@@ -317,8 +317,8 @@ def test_online_liger_loss_equals_chunked_and_full(method, layout, tokenizer, tm
     batch = one_round(trainer)[0]
     assert kernel_calls.take() >= 1  # the reference's log-probs (beta > 0) through Liger
     assert_paths_agree(trainer, batch, kernel_calls)
-    assert "entropy" not in trainer.metric_values["train"] or all(
-        value != value for value in trainer.metric_values["train"]["entropy"][:1])  # Liger computes no entropies
+    assert "entropy" not in trainer.run_metrics.values["train"] or all(
+        value != value for value in trainer.run_metrics.values["train"]["entropy"][:1])  # Liger computes no entropies
 
     liger = online_trainer(cls, config_cls, tokenizer, tmp_path / "l2", use_liger_loss=True, **LAYOUTS[layout])
     got = train_steps(liger)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from leantune import SFTConfig
-from leantune.losses.dispatch import LogProbPath
+from leantune.trainers.parts.logprob_engine import LogProbPath
 
 from .conftest import gsm8k_prompt_completion, tiny_model
 from .test_sft_exactness import GradientRecorder, rel_diff

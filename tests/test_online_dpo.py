@@ -16,8 +16,8 @@ from leantune import OnlineDPOConfig, OnlineDPOTrainer
 from leantune.cli.main import main
 from leantune.data.prompt_preparation import PROMPT_IDS
 from leantune.defaults import build_default_model_config, build_default_tokenizer
-from leantune.losses.dispatch import LogProbPath
 from leantune.losses.preference import chosen_and_rejected, preferred_in_pairs
+from leantune.trainers.parts.logprob_engine import LogProbPath
 
 from .conftest import tiny_model
 
@@ -113,7 +113,7 @@ def test_pair_choice_and_the_loss_on_summed_log_probs_by_hand(char_tokenizer):
     logps = torch.tensor([-1.0, -2.0, -0.5, -3.0, -1.0, -1.0, -0.25, -2.0])
     ref = torch.tensor([-1.5, -1.0, -1.0, -2.0, -1.0, -2.0, -0.5, -1.0])
     sequence = torch.tensor([0, 0, 1, 1, 1, 2, 3, 3])  # lengths 2, 3, 1, 2
-    batch = {"ref_logps": ref, "num_sequences": torch.tensor(4), "advantages": torch.tensor([-1.0, 1.0, 1.0, -1.0])}
+    batch = {"ref_logps": ref, "num_sequences": torch.tensor(4), "chosen": torch.tensor([False, True, True, False])}
     # sums: policy [-3, -4.5, -1, -2.25], reference [-2.5, -4, -2, -1.5]; pair 1 chooses its second completion
     # log-ratios: [-0.5, -0.5, 1, -0.75] -> chosen - rejected: pair 1: -0.5 - -0.5 = 0; pair 2: 1 - -0.75 = 1.75
     for loss_type, epoch, beta, expected in (
@@ -189,7 +189,7 @@ def test_loss_and_gradients_equal_plain_torch_in_every_layout_and_path(char_toke
         pairs = torch.tensor(rewards).view(-1, 2)
         assert (pairs[:, 0] == pairs[:, 1]).any()
         hand = torch.where(pairs[:, 0] >= pairs[:, 1], 1.0, -1.0)
-        assert batch["advantages"].view(-1, 2)[:, 0].tolist() == hand.tolist()
+        assert batch["chosen"].view(-1, 2)[:, 0].tolist() == (hand > 0).tolist()
         assert trainer.logprob_path is LogProbPath.CHUNKED
         for path in (LogProbPath.CHUNKED, LogProbPath.FULL):
             trainer.logprob_path = path
@@ -223,7 +223,7 @@ def test_peft_reference_is_the_adapter_disabled(char_tokenizer):
     # per-token log-probs ~ -4, one log_softmax each on either side: ulps (measured ~1e-7)
     torch.testing.assert_close(batch["ref_logps"], plain[mask], rtol=1e-5, atol=1e-5)
     with torch.no_grad():
-        policy = trainer._scored_logps(trainer.model, trainer._prepare_inputs(dict(batch)))
+        policy = trainer.rounds.scored_logps(trainer.model, trainer._prepare_inputs(dict(batch)))
     assert (policy - batch["ref_logps"]).abs().max() > 1e-2  # the adapter moved the policy away from it
 
 

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from leantune import PPOConfig, PPOTrainer
-from leantune.losses.dispatch import LogProbPath
 from leantune.losses.ppo import (
     clipped_value_loss,
     gae_advantages,
@@ -21,6 +20,7 @@ from leantune.losses.ppo import (
     whiten,
 )
 from leantune.models.value_head import VALUE_WEIGHTS_NAME
+from leantune.trainers.parts.logprob_engine import LogProbPath
 
 from .test_grpo import assert_grads_close, char_model, count_a, prompts
 
@@ -134,7 +134,7 @@ def test_round_and_loss_match_plain_torch(char_tokenizer):
     trainer = ppo_trainer(char_tokenizer, kl_coef=0.2, kl_estimator="k3", whiten_rewards=True, gamma=0.95, lam=0.9,
                           missing_eos_penalty=0.5, gradient_accumulation_steps=2, num_ppo_epochs=2)
     assert trainer.round_size == 16 and trainer.steps_per_generation == 2  # 2 micro-batches, trained twice
-    assert not trainer.sampling.logprobs  # generate keeps no per-step scores: no [batch x length x vocabulary]
+    assert not trainer.generation.sampling.logprobs  # generate keeps no per-step scores: no [batch x length x vocabulary]
     batches = one_round(trainer)
     assert len(batches) == 4 and batches[2]["old_logps"] is batches[0]["old_logps"]
     args = trainer.args
@@ -194,7 +194,7 @@ def test_round_and_loss_match_plain_torch(char_tokenizer):
     expected = (pg.sum() + args.vf_coef * vf.sum()) / mask.sum()
     expected.backward()
     plain = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    metrics = trainer.metric_values["train"]
+    metrics = trainer.run_metrics.values["train"]
     assert 0 < metrics["policy/clipfrac"][-1] < 1 and 0 < metrics["val/clipfrac"][-1] < 1  # both clips act
     # a sum of ~60 fp32 terms of magnitude ~1, against the same terms from full logits: rel 1e-5 is tens of ulps
     torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
@@ -337,7 +337,7 @@ def test_reward_model_path_is_trl_s_ppo_reward_model(char_tokenizer, tmp_path):
         type(reward_config)])]
     assert len(held) == 1 and not any(p.requires_grad for p in held[0].parameters())
     batch = one_round(trainer)[0]
-    assert torch.isfinite(batch["advantages"]).all()  # the round was scored by the reward model
+    assert torch.isfinite(batch["scores"]).all()  # the round was scored by the reward model
 
 
 # --- the command line ----------------------------------------------------------------------------------------------

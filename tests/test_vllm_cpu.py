@@ -176,7 +176,7 @@ def _train_against_server(trainer_cls, config_cls, model_dir, url, tmp_path, **c
                       use_vllm=True, vllm_mode="server", vllm_server_base_url=url, vllm_server_timeout=30, **config)
     trainer = trainer_cls(str(model_dir), reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
                           args=args, train_dataset=data, processing_class=tokenizer)
-    backend = trainer._backend()
+    backend = trainer.generation.open_backend()
     assert backend.name == "vllm-server"
     checks = []
     original = backend.sync_weights

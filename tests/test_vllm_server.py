@@ -235,7 +235,7 @@ def test_grpo_trains_against_the_server_and_syncs_each_optimizer_step(server, mo
                       vllm_server_base_url=server, vllm_server_timeout=30)
     trainer = GRPOTrainer(str(model_dir), lambda completions, **kw: [float(len(c)) for c in completions], args=args,
                           train_dataset=data, processing_class=tokenizer)
-    backend = trainer._backend()
+    backend = trainer.generation.open_backend()
     assert backend.name != "transformers"
     synced_at = []
     original = backend.sync_weights
@@ -243,7 +243,7 @@ def test_grpo_trains_against_the_server_and_syncs_each_optimizer_step(server, mo
     trainer.train()
     assert synced_at == [0, 1, 2]  # one round per optimizer step, each after the policy moved
     trainer.state.global_step += 1  # as after another optimizer step
-    trainer.generate_completions([[1, 415, 2936]], trainer.sampling)
+    trainer.generation.generate([[1, 415, 2936]], trainer.generation.sampling)
     assert synced_at[-1] == trainer.state.global_step
     # the server now holds the trained weights: its greedy completions are the local model's
     sampling = greedy()
@@ -266,7 +266,7 @@ def test_online_dpo_trains_against_the_server_and_syncs_each_optimizer_step(serv
     trainer = OnlineDPOTrainer(str(model_dir), args=args,
                                reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
                                train_dataset=data, processing_class=tokenizer)
-    backend = trainer._backend()
+    backend = trainer.generation.open_backend()
     assert backend.name != "transformers"
     synced_at = []
     original = backend.sync_weights
@@ -277,5 +277,5 @@ def test_online_dpo_trains_against_the_server_and_syncs_each_optimizer_step(serv
     assert len(losses) == 2 and losses[0] == pytest.approx(0.6931472, abs=1e-6)  # step 1: policy = reference, log 2
     sampling = greedy()
     trainer.state.global_step += 1
-    trainer.generate_completions([[1, 415, 2936]], trainer.sampling)  # syncs the trained weights
+    trainer.generation.generate([[1, 415, 2936]], trainer.generation.sampling)  # syncs the trained weights
     assert backend.generate(PROMPTS, sampling) == local_greedy(trainer.model.eval(), PROMPTS, sampling)

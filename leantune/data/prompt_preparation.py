@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from .chat_template import require_chat_template, row_template_kwargs
 from .formats import is_message_list
 from .report import NothingLeft, PreparationReport
-from .streaming import is_stream, prepare_stream
 
 logger = logging.getLogger("leantune.data")
 
@@ -72,9 +71,6 @@ def prepare_prompt_dataset(dataset, tokenizer, args, split: str = "train", conte
     chat-template call (GRPO's `tools`), before each row's own."""
     if dataset is None:
         return None, None
-    if is_stream(dataset):  # the same recipe, one buffer at a time (data/streaming.py)
-        return prepare_stream(dataset, lambda buffer: prepare_prompt_dataset(
-            buffer, tokenizer, args, split, context_limit, template_kwargs), split, log_args=(args, context_limit))
     if len(dataset) == 0:  # before anything maps over it: a map of no rows adds no columns
         raise NothingLeft(f"The {split} dataset is empty (0 rows): the online trainers need prompts in a 'prompt' "
                           "column.", PromptReport(split=split))
@@ -82,6 +78,7 @@ def prepare_prompt_dataset(dataset, tokenizer, args, split: str = "train", conte
         raise ValueError(f"The {split} dataset needs a 'prompt' column (text or a list of chat messages); "
                          f"it has {dataset.column_names}.")
     report = PromptReport(split=split, num_examples_in=len(dataset))
+    report.log_args = (args, context_limit)  # a stream's live report logs as its buffers' do (data/streaming.py)
     report.conversational = is_conversational(dataset)
     if report.conversational:
         require_chat_template(tokenizer, "Conversational prompts")

@@ -62,6 +62,10 @@ class PreparationReport:
     def as_dict(self) -> dict:
         return {self.OWN_NAMES.get(name, name): value for name, value in asdict(self).items()}
 
+    def __getitem__(self, name: str):
+        """A count by its logged name (`report["num_prompts_out"]`), as the online trainers' reports are read."""
+        return self.as_dict()[name]
+
     def dropped(self) -> str:
         """What was dropped and why, in one line (for the error when nothing is left)."""
         parts = [f"{getattr(self, name)} {reason}" for name, reason in self.REASONS.items() if getattr(self, name)]

@@ -123,7 +123,7 @@ def _buffer_dataset(rows_or_batch, features):
     return datasets.Dataset.from_dict(rows_or_batch, features=features)
 
 
-def prepare_stream(stream, prepare, split: str, buffer_rows: int | None = None, log_args: tuple = ()):
+def prepare_stream(stream, prepare, split: str, buffer_rows: int | None = None):
     """(lazily prepared stream, live report): `prepare(buffer: Dataset) -> (Dataset, report)` is the map-style
     recipe, applied to each buffer of `buffer_rows` rows (default `STREAM_BUFFER_ROWS`); its counts are summed into
     the live report. The first buffer is prepared once now so that format errors stop the trainer's construction."""
@@ -139,7 +139,7 @@ def prepare_stream(stream, prepare, split: str, buffer_rows: int | None = None, 
             raise ValueError(f"The first {len(first)} rows of the {split} stream leave no example after "
                              f"preparation: {nothing.report.as_dict()}.") from nothing
     report = type(sample_report)(split=split)
-    report.log_args = log_args
+    report.log_args = getattr(sample_report, "log_args", ())  # what the recipe's report logs with
 
     def prepare_buffer(batch: dict) -> dict:
         with quiet_buffer():

@@ -34,9 +34,23 @@ class GenerationBackend(Protocol):
     def close(self) -> None: ...
 
 
+TRANSFORMERS, VLLM_COLOCATE, VLLM_SERVER = "transformers", "vllm_colocate", "vllm_server"
+
+
+def generation_engine(args) -> str:
+    """Which backend generates: the one place `use_vllm` and `vllm_mode` are read at run time."""
+    if not args.use_vllm:
+        return TRANSFORMERS
+    if args.vllm_mode == "colocate":
+        return VLLM_COLOCATE
+    if args.vllm_mode == "server":
+        return VLLM_SERVER
+    raise ValueError(f"`vllm_mode` must be 'colocate' or 'server', got {args.vllm_mode!r}.")
+
+
 def check_backend_requirements(args) -> None:
     """Fail when the trainer is built, not at the first generation round, if the chosen backend cannot run here."""
-    if args.use_vllm and args.vllm_mode == "colocate":
+    if generation_engine(args) == VLLM_COLOCATE:
         from .vllm_colocate import require_colocated_vllm
 
         require_colocated_vllm(sleep_mode=bool(args.vllm_enable_sleep_mode))
@@ -45,16 +59,15 @@ def check_backend_requirements(args) -> None:
 def make_backend(args, model, tokenizer, accelerator) -> GenerationBackend:
     """transformers `generate` by default; vLLM in this process (`vllm_mode="colocate"`) or a `leantune vllm-serve`
     server (`vllm_mode="server"`) with `use_vllm=True`."""
-    if not args.use_vllm:
+    engine = generation_engine(args)
+    if engine == TRANSFORMERS:
         from .transformers_backend import TransformersBackend
 
         return TransformersBackend(model, accelerator, gather_for_generation=args.ds3_gather_for_generation)
-    if args.vllm_mode == "colocate":
+    if engine == VLLM_COLOCATE:
         from .vllm_colocate import VLLMColocateBackend
 
         return VLLMColocateBackend(args, model, tokenizer, accelerator)
-    if args.vllm_mode == "server":
-        from .vllm_client import VLLMServerBackend
+    from .vllm_client import VLLMServerBackend
 
-        return VLLMServerBackend(args, model, tokenizer, accelerator)
-    raise ValueError(f"`vllm_mode` must be 'colocate' or 'server', got {args.vllm_mode!r}.")
+    return VLLMServerBackend(args, model, tokenizer, accelerator)

@@ -103,9 +103,8 @@ class AgentRollouts:
         return {"tools": self.standalone_schemas} if self.standalone_schemas and not self.environments else {}
 
     def bind(self, tokenizer, args, end_ids: tuple[int, ...], context_limit: int | None) -> None:
-        """Checks the chat template against tool calling once the tokenizer is known."""
-        if args.use_vllm and getattr(args, "vllm_max_model_length", None):  # the engine's own context
-            context_limit = min(context_limit or args.vllm_max_model_length, args.vllm_max_model_length)
+        """Checks the chat template against tool calling once the tokenizer is known; `context_limit` is the
+        generation engine's (GenerationSession.context_limit)."""
         self.tokenizer, self.args, self.end_ids, self.context_limit = tokenizer, args, end_ids, context_limit
         self.template_kwargs = dict(args.chat_template_kwargs or {})
         if self.tools:

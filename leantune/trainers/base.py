@@ -34,34 +34,7 @@ from .step_logging import use_step_log_lines
 logger = logging.getLogger("leantune.trainer")
 
 
-class OnlineTrainerNames:
-    """TEMP(online): the base trainer's former method names that the online trainers still call; each is one call
-    on a part (the renames are mechanical). Removed once the online trainers call the parts themselves."""
-
-    def target_logprobs(self, *args, **kwargs):
-        return self.logprobs.target_logprobs(*args, **kwargs)
-
-    def liger_head_runs(self, model, temperature: float = 1.0) -> bool:
-        return self.logprobs.liger_head_runs(model, temperature)
-
-    def count_tokens(self, model, inputs: dict) -> None:
-        self.run_metrics.count_tokens(model, inputs)
-
-    def record_metrics(self, model, **values: torch.Tensor) -> None:
-        self.run_metrics.record(model, **values)
-
-    @property
-    def metric_values(self) -> dict:
-        return self.run_metrics.values
-
-    def prepare_datasets(self, train_dataset, eval_dataset, tokenizer, args):
-        """TEMP(online): the online trainers extend this step; (train, eval, reports) by the split preparer."""
-        train_dataset, eval_dataset = self.splits.prepare(train_dataset, eval_dataset, tokenizer, args,
-                                                          keep_eval_as_given=self.keeps_eval_dataset_as_given)
-        return train_dataset, eval_dataset, self.splits.reports
-
-
-class LeantuneTrainer(OnlineTrainerNames, NonFiniteGuard, Trainer):
+class LeantuneTrainer(NonFiniteGuard, Trainer):
     # compute_loss divides by the target count of the whole step, so the Trainer must not divide again.
     loss_is_scaled_for_ga = True
     # Dataset columns the collators read; everything else is removed by Trainer.
@@ -94,8 +67,9 @@ class LeantuneTrainer(OnlineTrainerNames, NonFiniteGuard, Trainer):
                                             self.scores_vocabulary)
         loaded = self.load_models(model, ref_model, processing_class, peft_config, args, quantization_config)
         self.splits = SplitPreparer(self.prepare_split, self.prepared_columns, self.stream_order,
-                                    self.skips_preparation(args), recipe_reads_streams=self.keeps_eval_dataset_as_given)
-        train_dataset, eval_dataset, _ = self.prepare_datasets(train_dataset, eval_dataset, loaded.tokenizer, args)
+                                    self.skips_preparation(args))
+        train_dataset, eval_dataset = self.splits.prepare(train_dataset, eval_dataset, loaded.tokenizer, args,
+                                                          keep_eval_as_given=self.keeps_eval_dataset_as_given)
         if data_collator is None:
             data_collator = self.make_collator(loaded.tokenizer, args, train_dataset)
         Trainer.__init__(self, model=loaded.model, args=args, data_collator=data_collator,
@@ -168,10 +142,6 @@ class LeantuneTrainer(OnlineTrainerNames, NonFiniteGuard, Trainer):
     def data_reports(self) -> dict:
         """The preparation report of each split (drops, truncation, packing), by split name."""
         return self.splits.reports
-
-    @data_reports.setter
-    def data_reports(self, reports: dict) -> None:  # TEMP(online): the online trainers keep the reports as dicts
-        self.splits.reports = reports
 
     @property
     def stream_reports(self) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from ..generation.backend import TRANSFORMERS, generation_engine
 from ..losses.advantages import normalise_scale_rewards
 from ..losses.policy_gradient import GRPO_LOSS_TYPES, IMPORTANCE_SAMPLING_LEVELS, VLLM_IMPORTANCE_SAMPLING_MODES
 from .online_config import OnlineConfig
@@ -134,7 +135,8 @@ class GRPOConfig(OnlineConfig):
     def needs_sampling_logprobs(self) -> bool:
         """Whether the backend must return the sampled tokens' log-probs: vLLM's are read by the importance-sampling
         correction and the off-policy mask (transformers' generate samples from the trainer's own model)."""
-        return self.use_vllm and (self.vllm_importance_sampling_correction or self.off_policy_mask_threshold is not None)
+        corrected = self.vllm_importance_sampling_correction or self.off_policy_mask_threshold is not None
+        return corrected and generation_engine(self) != TRANSFORMERS
 
 
 def validate_grpo_objective(args: GRPOConfig) -> None:
@@ -147,8 +149,8 @@ def validate_grpo_objective(args: GRPOConfig) -> None:
     if args.loss_type == "vespo" and args.importance_sampling_level != "token":
         logger.warning("loss_type='vespo' forms its own sequence-level weights from the token ratios; "
                        "importance_sampling_level does not change it (leave it 'token').")
-    if args.loss_type == "vespo" and args.use_vllm and args.vllm_importance_sampling_correction and \
-            not args.vllm_importance_sampling_mode.startswith("token"):
+    if args.loss_type == "vespo" and args.vllm_importance_sampling_correction and \
+            not args.vllm_importance_sampling_mode.startswith("token") and generation_engine(args) != TRANSFORMERS:
         raise ValueError("loss_type='vespo' folds vLLM's per-token importance weights into its sequence weight: set "
                          "vllm_importance_sampling_mode to 'token_truncate' or 'token_mask'.")
     if args.importance_sampling_level == "sequence" and args.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):

@@ -80,18 +80,23 @@ class GRPOTrainer(OnlineTrainer):
     @property
     def corrects_sampling(self) -> bool:
         """vLLM's importance-sampling correction applies (TRL: only when generating with vLLM)."""
-        return self.args.use_vllm and self.args.vllm_importance_sampling_correction
+        return self.generation.samples_with_vllm and self.args.vllm_importance_sampling_correction
 
-    @property
-    def needs_old_logps(self) -> bool:
-        return self.corrects_sampling
+    def needs_policy_pass(self, off_policy: bool) -> bool:
+        return off_policy or self.corrects_sampling  # the correction's pi_old, even on-policy
 
-    def round_advantages(self, rewards: torch.Tensor, batches: list[dict], group: int,
-                         per_function: torch.Tensor | None = None) -> torch.Tensor:
+    def entropies_in_loss(self, args=None) -> bool:
+        """The entropy bonus and the high-entropy token mask read per-token entropies."""
+        args = args or self.args
+        return args.entropy_coef != 0.0 or args.use_adaptive_entropy or args.top_entropy_quantile < 1.0
+
+    def attach_loss_inputs(self, batches: list[dict], scored: dict, group: int) -> None:
+        """Each completion's advantage: its reward against its group's (losses/advantages.py)."""
         if self.args.multi_objective_aggregation == "normalize_then_sum":
-            return normalize_then_sum_advantages(per_function, self.rewards.weights, group)
-        advantages, _ = group_relative_advantages(rewards, group, self.args.scale_rewards)
-        return advantages
+            advantages = normalize_then_sum_advantages(scored["per_function"], self.rewards.weights, group)
+        else:
+            advantages, _ = group_relative_advantages(scored["rewards"], group, self.args.scale_rewards)
+        self.rounds.spread(batches, "advantages", advantages)
 
     @staticmethod
     def get_off_policy_mask(advantages: torch.Tensor, per_token_logps: torch.Tensor,
@@ -136,6 +141,27 @@ class GRPOTrainer(OnlineTrainer):
         metrics.update(loss_metrics)
         loss_sum = grpo_loss_sum(token_loss, sequence, count, args.loss_type, args.max_completion_length)
         return loss_sum, metrics
+
+    def with_entropy_bonus(self, model, loss, entropy, batch: dict, metrics: dict) -> torch.Tensor:
+        """loss - coef x H (losses/entropy_bonus.py), over the tokens the policy term acts on (top_entropy_quantile's
+        mask), divided by the accumulation steps only; the adaptive coefficient moves at each step's end."""
+        bonus = self.entropy_bonus
+        if bonus is None:
+            return loss
+        steps = getattr(self, "current_gradient_accumulation_steps", 1) if model.training else 1
+        mask = batch.get("entropy_token_mask")
+        acted = entropy if mask is None else entropy[mask]
+        metrics["policy_loss"] = loss.detach() * steps  # the policy term alone, at the scale of the logged loss
+        loss = loss + bonus.term(acted, steps)
+        if model.training:
+            if bonus.adaptive:
+                bonus.observe(acted)
+            if self.accelerator.sync_gradients:
+                if bonus.adaptive:
+                    device = self.accelerator.device
+                    bonus.end_step(lambda totals: self.accelerator.reduce(totals.to(device), reduction="sum").cpu())
+                metrics["entropy_coef"] = torch.tensor(bonus.coef, device=loss.device)
+        return loss
 
     @property
     def entropy_coef(self) -> float | None:

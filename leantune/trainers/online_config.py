@@ -11,6 +11,7 @@ from typing import Any
 
 from transformers import TrainingArguments
 
+from ..generation.backend import TRANSFORMERS, generation_engine
 from .config_utils import non_default, positive_or_none, resolve_shared_settings, validate_shared_options
 from .memory_options import MemoryOptions
 from .trl_options import CausalLMOptions, ReferenceSyncOptions
@@ -222,7 +223,7 @@ def validate_online_config(args: OnlineConfig) -> None:
 
 def validate_vllm_options(args: OnlineConfig) -> None:
     """vLLM options set where nothing reads them: without `use_vllm`, or for the other `vllm_mode`."""
-    if not args.use_vllm:
+    if generation_engine(args) == TRANSFORMERS:
         for name in non_default(args, "vllm_mode", *VLLM_COLOCATE_OPTIONS, *VLLM_SERVER_OPTIONS):
             raise ValueError(f"`{name}` has no effect without `use_vllm=True` (completions come from transformers' "
                              f"generate); set `use_vllm=True` or leave `{name}` at its default.")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from ..data.prompt_preparation import PROMPT_IDS
 from ..losses.preference import chosen_and_rejected, dpo_loss, preferred_in_pairs
 from ..losses.token_logprobs import per_sequence_sum
 from .online_trainer import OnlineTrainer
@@ -52,36 +51,29 @@ class OnlineDPOTrainer(OnlineTrainer):
 
     # --- the round: rewards (with the missing-EOS penalty) -> which completion of each pair is chosen ----------------
 
-    def score_completions(self, rows, completion_ids, training, rollout=None) -> dict:
-        scored = super().score_completions(rows, completion_ids, training, rollout)
-        device = self.accelerator.device
-        ended = self.accelerator.gather(torch.tensor(scored["terminated"], device=device)).cpu()
-        rewards = scored["rewards"]
+    def round_rewards(self, scored: dict, store: dict) -> torch.Tensor:
+        """The rewards, minus `missing_eos_penalty` for a completion that did not end in EOS."""
+        ended, rewards = scored["ended"], scored["rewards"]
         if self.args.missing_eos_penalty is not None:
             rewards = rewards - self.args.missing_eos_penalty * (~ended).float()
-        scored["rewards"] = rewards
-        chosen = preferred_in_pairs(rewards)
-        best, worst = chosen_and_rejected(torch.nan_to_num(rewards, nan=0.0), chosen)
-        store = self.metric_values["train" if training else "eval"]
+        best, worst = chosen_and_rejected(torch.nan_to_num(rewards, nan=0.0), preferred_in_pairs(rewards))
         store["objective/scores"].append(torch.nan_to_num(rewards, nan=0.0).mean().item())
         store["objective/scores_margin"].append((best - worst).mean().item())
         store["val/contain_eos_token"].append(ended.float().mean().item())
-        return scored
+        return rewards
 
-    def round_advantages(self, rewards: torch.Tensor, batches: list[dict], group: int,
-                         per_function: torch.Tensor | None = None) -> torch.Tensor:
-        """+1 for each pair's chosen completion, -1 for its rejected one (pairs stay whole in every micro-batch)."""
-        return preferred_in_pairs(rewards).float() * 2 - 1
+    def attach_loss_inputs(self, batches: list[dict], scored: dict, group: int) -> None:
+        """Which completion of each pair is chosen (`chosen`, per completion; pairs stay whole in every
+        micro-batch)."""
+        self.rounds.spread(batches, "chosen", preferred_in_pairs(scored["rewards"]))
 
-    def _scoring_examples(self, rows, completion_ids, terminated, prompt_ids=None, policy_mask=None) -> list[dict]:
+    def scoring_prompts(self, prompts: list, completion_ids: list) -> list:
         """Prompt + completion within `max_length`: the start of a long prompt is cut (TRL's left truncation)."""
-        prompts = [row[PROMPT_IDS] for row in rows] if prompt_ids is None else prompt_ids
         room = [self.args.max_length - len(completion) for completion in completion_ids]
         cut = sum(len(prompt) > keep for prompt, keep in zip(prompts, room))
         if cut:
             self.round_counts["prompts_cut_to_max_length"] += cut
-        kept = [list(prompt)[-keep:] if len(prompt) > keep else prompt for prompt, keep in zip(prompts, room)]
-        return super()._scoring_examples(rows, completion_ids, terminated, kept, policy_mask)
+        return [list(prompt)[-keep:] if len(prompt) > keep else prompt for prompt, keep in zip(prompts, room)]
 
     # --- the loss ----------------------------------------------------------------------------------------------------
 
@@ -92,7 +84,7 @@ class OnlineDPOTrainer(OnlineTrainer):
         count = int(batch["num_sequences"])
         policy = per_sequence_sum(logps, sequence, count)
         reference = per_sequence_sum(batch["ref_logps"].to(logps.dtype), sequence, count)
-        chosen = batch["advantages"].to(logps.device) > 0
+        chosen = batch["chosen"].to(logps.device)
         policy_chosen, policy_rejected = chosen_and_rejected(policy, chosen)
         ref_chosen, ref_rejected = chosen_and_rejected(reference, chosen)
         # TRL's Online DPO applies ipo to whole-completion sums (its offline DPO to per-token means): lengths of 1

@@ -67,11 +67,15 @@ class PPOTrainer(OnlineTrainer):
     # --- models: policy (+ value function), reference, rewards ------------------------------------------------------
 
     def reference_wanted(self, args) -> bool:
-        return args.kl_coef != 0.0
+        return args.kl_coef != 0.0  # the KL in the reward (kl_in_reward) is measured against it
 
     @property
     def kl_in_reward(self) -> bool:
-        return True  # generation-time log-probs and values are always scored: they make the rewards and returns
+        """Each token's reward carries -kl_coef x its KL to the reference (kl_coef = 0: no reference, no KL)."""
+        return self.args.kl_coef != 0.0
+
+    def needs_policy_pass(self, off_policy: bool) -> bool:
+        return True  # the generation-time values (and log-probs) make the returns and advantages, on-policy too
 
     def load_models(self, model, ref_model, processing_class, peft_config, args, quantization_config):
         if self._reward_sources[0] is None:
@@ -114,37 +118,32 @@ class PPOTrainer(OnlineTrainer):
 
     # --- a round: scores, rollout values, per-token rewards, advantages and returns --------------------------------
 
-    def score_completions(self, rows, completion_ids, training: bool, rollout=None) -> dict:
-        scored = super().score_completions(rows, completion_ids, training, rollout)
+    def round_rewards(self, scored: dict, store: dict) -> torch.Tensor:
+        """The completions' scores, minus `missing_eos_penalty` for a completion that did not end in EOS."""
         penalty = self.args.missing_eos_penalty
-        if penalty:
-            device = self.accelerator.device
-            ended = self.accelerator.gather(torch.tensor(scored["terminated"], device=device)).cpu()
-            scored["rewards"] = scored["rewards"] - penalty * (~ended).float()
-        return scored
+        return scored["rewards"] - penalty * (~scored["ended"]).float() if penalty else scored["rewards"]
 
     def attach_policy_scores(self, batch: dict, model, on_device: dict) -> None:
-        scores = self.target_logprobs(model, {k: on_device[k] for k in MODEL_INPUTS if k in on_device},
-                                      on_device["labels"], self.args.temperature,
+        scores = self.logprobs.target_logprobs(model, {k: on_device[k] for k in MODEL_INPUTS if k in on_device},
+                                      on_device["labels"], self.scoring_temperature,
                                       with_hidden=self.reads_hidden_states)
         batch["old_logps"] = scores.logps.detach()
         batch["old_values"] = self._values(scores.hidden, on_device, on_device["labels"]).detach()
 
-    def round_advantages(self, rewards: torch.Tensor, batches: list[dict], group: int,
-                         per_function: torch.Tensor | None = None) -> torch.Tensor:
-        """Per-token advantages and returns into each batch; returns the completions' scores (a completion no
-        reward scored: 0, counted), which PPO's loss does not read."""
+    def attach_loss_inputs(self, batches: list[dict], scored: dict, group: int) -> None:
+        """Per-token rewards (-kl_coef x KL, the score on the last token), GAE advantages (whitened over the round)
+        and returns into each micro-batch; a completion no reward scored counts 0 (counted)."""
         args = self.args
-        scores = torch.nan_to_num(rewards, nan=0.0)
-        local = scores[self._local_slice(len(scores))]
+        scores = torch.nan_to_num(scored["rewards"], nan=0.0)
+        self.rounds.spread(batches, "scores", scores)  # each completion's score (not read by the loss)
         sequences, token_rewards, kls = [], [], []
-        for i, batch in enumerate(batches):
+        for batch in batches:
             count = int(batch["num_sequences"])
             sequence = target_sequences(select_targets(batch["labels"]), sequence_starts(batch)).cpu()
             old = batch["old_logps"].float().cpu()
-            kl = token_kl(old, batch["ref_logps"].float().cpu(), args.kl_estimator) if "ref_logps" in batch \
+            kl = token_kl(old, batch["ref_logps"].float().cpu(), args.kl_estimator) if self.kl_in_reward \
                 else torch.zeros_like(old)
-            token_rewards.append(kl_penalised_rewards(kl, local[i * count:(i + 1) * count], sequence, args.kl_coef))
+            token_rewards.append(kl_penalised_rewards(kl, batch["scores"], sequence, args.kl_coef))
             sequences.append(sequence)
             kls.append(per_sequence_sum(kl, sequence, count))
         if args.whiten_rewards:
@@ -157,12 +156,11 @@ class PPOTrainer(OnlineTrainer):
             batch["returns"] = advantage + batch["old_values"].float().cpu()
             batch["token_advantages"] = whiten(advantage, totals)
         kl = self.accelerator.gather(torch.cat(kls).to(self.accelerator.device)).cpu()
-        store = self.metric_values["train" if self.model.training else "eval"]
+        store = self.run_metrics.values["train" if self.model.training else "eval"]
         store["objective/kl"].append(kl.mean().item())
         store["objective/non_score_reward"].append(-args.kl_coef * kl.mean().item())
         store["objective/scores"].append(scores.mean().item())
         store["objective/rlhf_reward"].append(scores.mean().item() - args.kl_coef * kl.mean().item())
-        return scores
 
     def _summed(self, totals: torch.Tensor) -> torch.Tensor:
         """Moments over all processes (whitening uses the whole round's tokens, not one process's share)."""

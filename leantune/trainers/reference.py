@@ -171,17 +171,9 @@ class ReferenceModelMixin:
         """The reference placed for the engine (trainers/frozen_models.py); precomputed log-probs wait for train()."""
         self.reference.place(self.accelerator, args)
 
-    # TRL's attribute, and the reference's state under the names the online trainers still use (TEMP(online))
+    # TRL's attribute, and whether the reference is the disabled adapter
     ref_model = property(lambda self: self.reference.model)
     uses_adapter_as_reference = property(lambda self: self.reference.uses_adapter)
-
-    @property
-    def _reference_ready(self) -> bool:  # TEMP(online)
-        return self.reference.ready
-
-    @_reference_ready.setter
-    def _reference_ready(self, ready: bool) -> None:  # TEMP(online): online methods score the reference as they go
-        self.reference.ready = ready
 
     def frozen_models(self) -> list[torch.nn.Module]:
         """A separate reference is held frozen (a disabled adapter or precomputed log-probs hold none)."""

@@ -34,7 +34,7 @@ from ..models.loading import (
 from ..models.output_head import unwrap_model
 from ..models.segment_attention import SEGMENT_SDPA, use_segment_attention
 from .base import LeantuneTrainer
-from .reference import MODEL_INPUTS, PolicyAndReference, disable_dropout
+from .reference import PolicyAndReference, disable_dropout
 from .reward_config import RewardConfig
 
 logger = logging.getLogger("leantune.reward")

@@ -151,7 +151,7 @@ def grpo_colocated(model_dir: str, work_dir: str, local_greedy, greedy) -> dict:
     trainer = GRPOTrainer(model_dir, lambda completions, **kw: [float(len(c)) for c in completions], args=args,
                           train_dataset=Dataset.from_dict({"prompt": [f"Count to {i}:" for i in range(16)]}),
                           processing_class=tokenizer)
-    backend = trainer._backend()
+    backend = trainer.generation.open_backend()
     equal = []
     original = backend.sync_weights
 

@@ -16,16 +16,14 @@ from ...data.streaming import check_own_stream_reads, is_stream, prepare_stream
 class SplitPreparer:
     """`recipe`: the method's preparation of one map-style split; `stream_order(stream, split, args)` -> (stream,
     buffer args): how a stream is read before its buffers are prepared (SFT's buffered shuffle); `prepared_columns`:
-    columns whose presence marks data as already prepared; `recipe_reads_streams`: TEMP(online), a recipe that still
-    wraps its own stream."""
+    columns whose presence marks data as already prepared."""
 
     def __init__(self, recipe: Callable, prepared_columns: tuple[str, ...] = (), stream_order: Callable | None = None,
-                 skips_preparation: bool = False, recipe_reads_streams: bool = False):
+                 skips_preparation: bool = False):
         self.recipe = recipe
         self.prepared_columns = prepared_columns
         self.stream_order = stream_order
         self.skips_preparation = skips_preparation
-        self.recipe_reads_streams = recipe_reads_streams
         self.reports: dict = {}  # the preparation report of each split, by split name
         self.stream_reports: dict = {}  # live reports of the streamed splits, by id of the prepared stream
         self.given_eval_splits: list = []  # (eval split as given, its prepared form), where the trainer keeps both
@@ -56,7 +54,7 @@ class SplitPreparer:
                              "runs when rows are read, after preparation would have tokenised them. Apply it with "
                              "dataset.map() instead, or pass dataset_kwargs={'skip_prepare_dataset': True} (SFT) with "
                              "a transform that returns trainer-ready rows (input_ids, labels).")
-        if is_stream(dataset) and not (self.skips_preparation or self.recipe_reads_streams):
+        if is_stream(dataset) and not self.skips_preparation:
             stream, buffer_args = self.stream_order(dataset, split, args) if self.stream_order else (dataset, args)
             dataset, report = prepare_stream(
                 stream, lambda buffer: self.recipe(buffer, split, tokenizer, buffer_args), split)

@@ -1,0 +1,77 @@
+"""The generation side of the online rounds: one backend for the run (transformers, vLLM colocated or a vLLM server,
+chosen once from the config), the policy's weights synced to it once per optimizer step, sleep mode around each
+call, and a seed per round and process, so no two processes or rounds draw the same samples."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from ...generation import Completions, SamplingSettings, make_backend
+from ...generation.backend import TRANSFORMERS, generation_engine
+
+logger = logging.getLogger("leantune.online")
+
+
+class GenerationSession:
+    """Generates for the trainer; `policy` and `step` read the trainer's wrapped model and optimizer step now."""
+
+    def __init__(self, args, accelerator, tokenizer, model, policy, step, method: str):
+        self.engine = generation_engine(args)
+        self.args, self.accelerator, self.tokenizer = args, accelerator, tokenizer
+        self.policy, self.step, self.method = policy, step, method
+        self.sampling = SamplingSettings.from_config(args, tokenizer, model)
+        self.backend = None  # made at the first round: the Trainer wraps the model first
+        self.synced_step = -1
+        self.rounds_generated = 0
+
+    @property
+    def samples_with_vllm(self) -> bool:
+        """vLLM samples (its log-probs differ from the trainer's); transformers samples from the trained model."""
+        return self.engine != TRANSFORMERS
+
+    def context_limit(self, model_limit: int | None) -> int | None:
+        """The longest prompt + completion the engine takes: the model's, or vLLM's own `vllm_max_model_length`."""
+        engine_limit = getattr(self.args, "vllm_max_model_length", None) if self.samples_with_vllm else None
+        if engine_limit:
+            return min(model_limit or engine_limit, engine_limit)
+        return model_limit
+
+    def open_backend(self):
+        if self.backend is None:
+            self.backend = make_backend(self.args, self.policy(), self.tokenizer, self.accelerator)
+            logger.info("%s generation backend: %s.", self.method.upper(), self.backend.name)
+        return self.backend
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingSettings) -> Completions:
+        backend = self.open_backend()
+        backend.wake_up()
+        step = self.step()
+        if self.synced_step != step or getattr(backend, "needs_sync", False):
+            backend.sync_weights(self.policy())
+            self.synced_step = step
+        self.rounds_generated += 1
+        seed = self.args.seed + 1_000_003 * self.rounds_generated + 65_537 * self.accelerator.process_index
+        completions = backend.generate(prompt_ids, dataclasses.replace(sampling, seed=seed))
+        backend.sleep()
+        return completions
+
+    def generate_turn(self, prompt_ids: list[list[int]], max_new_tokens: int) -> Completions:
+        """One turn of the agent's rollouts, through the same backend as single turns."""
+        sampling = dataclasses.replace(self.sampling, max_new_tokens=max_new_tokens)
+        if prompt_ids:
+            return self.generate(prompt_ids, sampling)
+        # Nothing left here while other processes go on: generate in step with them (a backend call may gather
+        # weights across processes), one token for a dummy prompt, and keep nothing.
+        self.generate([[self.sampling.eos_token_ids[0] if self.sampling.eos_token_ids else 0]],
+                      dataclasses.replace(sampling, max_new_tokens=1))
+        return Completions([], [] if sampling.logprobs else None)
+
+    def step_together(self, wants_more: bool) -> bool:
+        """Whether any process's rollouts want another turn (one process: its own answer)."""
+        if self.accelerator.num_processes == 1:
+            return wants_more
+        flag = torch.tensor([int(wants_more)], device=self.accelerator.device)
+        return bool(self.accelerator.gather(flag).any())

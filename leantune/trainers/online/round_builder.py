@@ -1,0 +1,187 @@
+"""One round of an online method: prompt rows -> completions (one sampled turn, or GRPO's agent rollouts) -> rewards
+scored and gathered over all processes -> scored micro-batches (prompt + completion, completion tokens as targets)
+with the log-probs the loss reads -> the method's own loss inputs (`attach_loss_inputs`).
+
+The method (the trainer) answers what differs: its rewards (`round_rewards`), its prompts' room
+(`scoring_prompts`), whether the generation-time policy is scored (`needs_policy_pass`), what that pass keeps
+(`attach_policy_scores`), its loss inputs and its step's item count (`loss_items`)."""
+
+from __future__ import annotations
+
+import torch
+
+from ...data.collators import MODEL_INPUTS, CausalLMCollator, prompt_completion_row
+from ...data.prompt_preparation import PROMPT_IDS
+from ...generation import Completions
+from ...losses.causal_lm import count_targets
+from ...rewards import RewardScores
+
+
+class RoundBuilder:
+    def __init__(self, trainer, session, metrics, rewards, agent):
+        self.trainer, self.session, self.metrics, self.rewards, self.agent = trainer, session, metrics, rewards, agent
+        self.args, self.accelerator, self.tokenizer = trainer.args, trainer.accelerator, trainer.processing_class
+        self.collator = CausalLMCollator(self.tokenizer.pad_token_id, ("completion_mask",), self.args.padding_free,
+                                         self.args.pad_to_multiple_of)
+        self.environments = None  # the environment instance of each rollout of the last round (TRL's attribute)
+
+    def local_slice(self, total: int) -> slice:
+        """This process's share of a round's completions (in round order, all processes)."""
+        share = total // self.accelerator.num_processes
+        start = self.accelerator.process_index * share
+        return slice(start, start + share)
+
+    def own_rows(self, prompt_rows: list[dict], group: int) -> list[dict]:
+        """Each prompt repeated `group` times; this process keeps its slice."""
+        return [row for row in prompt_rows for _ in range(group)][self.local_slice(len(prompt_rows) * group)]
+
+    def training_round(self, prompt_rows: list[dict], steps_per_generation: int) -> list[dict]:
+        """Generate, reward and prepare one round; its micro-batches, repeated num_iterations times."""
+        args = self.args
+        group = args.num_generations
+        rows = self.own_rows(prompt_rows, group)
+        completion_ids, rollout = self.completions(rows)
+        scored = self.score(rows, completion_ids, training=True, rollout=rollout)
+        off_policy = steps_per_generation > args.gradient_accumulation_steps or args.num_iterations > 1
+        batches = self.scored_batches(rows, completion_ids, scored, len(rows) // steps_per_generation, group,
+                                      self.trainer.needs_policy_pass(off_policy), rollout=rollout)
+        return [dict(batch) for _ in range(args.num_iterations) for batch in batches]
+
+    def eval_round(self, prompt_rows: list[dict], group: int) -> list[dict]:
+        """One batch of held-out prompts, on-policy: scored as one micro-batch per process."""
+        rows = self.own_rows(prompt_rows, group)
+        completion_ids, rollout = self.completions(rows)
+        scored = self.score(rows, completion_ids, training=False, rollout=rollout)
+        return self.scored_batches(rows, completion_ids, scored, len(rows), group,
+                                   self.trainer.needs_policy_pass(False), rollout=rollout)
+
+    def completions(self, rows: list[dict]):
+        """The completions of this process's rows: one sampled turn each, or with GRPO's tools / environments /
+        rollout function, the agent's rollouts (rollouts/: prompts may change, tool tokens are not trained)."""
+        if self.agent is None:
+            return self.session.generate([row[PROMPT_IDS] for row in rows], self.session.sampling), None
+        rollout = self.agent.rollout(rows, self.session.generate_turn, self.trainer, self.session.step_together)
+        self.environments = rollout.environments
+        return Completions(rollout.completion_ids), rollout
+
+    # --- rewards ---------------------------------------------------------------------------------------------------
+
+    def score(self, rows: list[dict], completion_ids, training: bool, rollout=None) -> dict:
+        """Decode, reward (all processes' rewards gathered, in round order), record the round's metrics, and let the
+        method adjust the rewards. Agent rollouts give the reward functions their messages (tool calls and results
+        included), their `environments` and a rollout function's extra columns."""
+        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        conversational = isinstance(rows[0]["prompt"], list)
+        completions = [[{"role": "assistant", "content": text}] for text in texts] if conversational else texts
+        columns = {name: [row[name] for row in rows] for name in rows[0] if name not in ("prompt", PROMPT_IDS)}
+        if rollout is not None:
+            if rollout.completions is not None:
+                completions = rollout.completions
+            if rollout.environments is not None:
+                columns["environments"] = rollout.environments
+            columns.update(rollout.extra_columns)
+        scores = self.rewards.score([row["prompt"] for row in rows], completions, completion_ids, columns,
+                                    trainer_state=self.trainer.state, **self.metrics.reward_logging(training))
+        self.metrics.count_reward_gaps(scores, rows, texts)
+        eos = set(self.session.sampling.eos_token_ids)
+        terminated = [bool(ids) and ids[-1] in eos for ids in completion_ids]
+        device = self.accelerator.device
+        per_function = self.accelerator.gather(scores.per_function.to(device)).float().cpu()
+        own = [len(ids) for ids in completion_ids] if rollout is None or rollout.policy_mask is None \
+            else [sum(mask) for mask in rollout.policy_mask]  # lengths count the policy's tokens, as in TRL
+        lengths = self.accelerator.gather(torch.tensor(own, device=device)).cpu()
+        if rollout is not None and self.agent.tools:
+            self.metrics.record_tools(rollout, len(rows), training)
+        ended = self.accelerator.gather(torch.tensor(terminated, device=device)).cpu()
+        rewards = RewardScores(per_function, scores.names, scores.missing, scores.nan).combined(self.rewards.weights)
+        self.metrics.record_round(self.rewards.names, per_function, rewards, lengths, ended, training)
+        if self.args.log_completions and self.trainer.is_world_process_zero():
+            self.metrics.log_examples(rows, texts, rewards[self.local_slice(len(rewards))])
+        scored = {"rewards": rewards, "terminated": terminated, "ended": ended, "per_function": per_function}
+        scored["rewards"] = self.trainer.round_rewards(scored, self.metrics.store(training))
+        return scored
+
+    # --- scored micro-batches --------------------------------------------------------------------------------------
+
+    def scored_batches(self, rows, completion_ids, scored: dict, micro_size: int, group: int,
+                       policy_logps: bool, rollout=None) -> list[dict]:
+        """The micro-batches of scored completions, with what the loss reads: log-probs, the method's inputs, item
+        counts."""
+        prompt_ids = rollout.prompt_ids if rollout is not None else None
+        mask = rollout.policy_mask if rollout is not None else None
+        examples = self.scoring_examples(rows, completion_ids, scored["terminated"], prompt_ids, mask)
+        batches = [self.collator(examples[i:i + micro_size]) for i in range(0, len(rows), micro_size)]
+        for batch in batches:
+            batch["num_sequences"] = torch.tensor(micro_size)
+        if self.session.sampling.logprobs:
+            logprobs = rollout.logprobs if rollout is not None else getattr(completion_ids, "logprobs", None)
+            if logprobs is not None and mask is not None:  # only the policy's own tokens are targets
+                logprobs = [[v for v, m in zip(lp, row_mask) if m] for lp, row_mask in zip(logprobs, mask)]
+            self.attach_sampling_logps(batches, examples, logprobs, micro_size)
+        self.attach_logps(batches, policy_logps)
+        self.trainer.attach_loss_inputs(batches, scored, group)
+        for batch in batches:
+            batch["loss_items"] = self.trainer.loss_items(batch)
+        return batches
+
+    def spread(self, batches: list[dict], key: str, values: torch.Tensor) -> None:
+        """Round-wide per-completion values (all processes) into each micro-batch's own completions, as `key`."""
+        local = values[self.local_slice(len(values))]
+        for i, batch in enumerate(batches):
+            size = int(batch["num_sequences"])
+            batch[key] = local[i * size:(i + 1) * size]
+
+    def scoring_examples(self, rows, completion_ids, terminated, prompt_ids=None, policy_mask=None) -> list[dict]:
+        """Prompt + completion rows whose targets are the completion's tokens; with `policy_mask` (agent rollouts)
+        only the tokens the policy sampled, not tool results."""
+        prompts = [row[PROMPT_IDS] for row in rows] if prompt_ids is None else prompt_ids
+        prompts = self.trainer.scoring_prompts(prompts, completion_ids)
+        examples, masked = [], 0
+        for prompt, completion, done, i in zip(prompts, completion_ids, terminated, range(len(rows))):
+            keep = done or not self.args.mask_truncated_completions
+            masked += not keep
+            own = [1] * len(completion) if policy_mask is None else policy_mask[i]
+            examples.append(prompt_completion_row(list(prompt), completion, [int(keep) * m for m in own]))
+        if masked:
+            self.metrics.counts["truncated_completions_masked"] += masked
+        return examples
+
+    def attach_sampling_logps(self, batches: list[dict], examples: list[dict], logprobs, micro_size: int) -> None:
+        """Per-target log-probs of the engine that sampled the completions ("sampling_logps"), in the flat target
+        order of each micro-batch: every kept completion's tokens, completion after completion."""
+        name = self.session.open_backend().name
+        if logprobs is None:
+            raise RuntimeError(f"The {name} generation backend returned no sampling log-probs.")
+        for i, batch in enumerate(batches):
+            part = range(i * micro_size, (i + 1) * micro_size)
+            values = [v for j in part if any(examples[j]["completion_mask"]) for v in logprobs[j]]
+            batch["sampling_logps"] = torch.tensor(values, dtype=torch.float32)
+            if len(values) != int(count_targets(batch["labels"])):
+                raise RuntimeError(f"{len(values)} sampling log-probs for {int(count_targets(batch['labels']))} "
+                                   f"completion tokens from the {name} generation backend.")
+
+    @torch.no_grad()
+    def attach_logps(self, batches: list[dict], policy_too: bool) -> None:
+        """Per-target log-probs of the generation-time policy ("old_logps") and of the reference ("ref_logps")."""
+        trainer = self.trainer
+        reference = trainer.reference_wanted(self.args)
+        if not policy_too and not reference:
+            return
+        model = trainer.model_wrapped
+        was_training = model.training
+        model.eval()  # no dropout while scoring: the same log-probs the loss would see without it
+        try:
+            for batch in batches:
+                on_device = trainer._prepare_inputs(batch)
+                if policy_too:
+                    trainer.attach_policy_scores(batch, model, on_device)
+                if reference:
+                    with trainer.reference_model() as reference_model:
+                        batch["ref_logps"] = self.scored_logps(reference_model, on_device)
+        finally:
+            model.train(was_training)
+
+    def scored_logps(self, model, batch: dict) -> torch.Tensor:
+        inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
+        return self.trainer.logprobs.target_logprobs(model, inputs, batch["labels"],
+                                            self.trainer.scoring_temperature).logps.detach()
