@@ -2,11 +2,11 @@
 
     python bench/trl_fields.py             # with TRL installed (`pip install "leantune[bench]"`): missing fields and
                                            # differing defaults, per config (exit 1 if a field is missing)
-    python bench/trl_fields.py --snapshot  # with TRL: write tests/data/trl_1_16_fields.json (TRL's names, types, defaults)
+    python bench/trl_fields.py --snapshot  # with TRL: write tests/fixtures/trl_1_16_fields.json (TRL's names, types, defaults)
     python bench/trl_fields.py --docs      # from that snapshot (no TRL needed): write docs/trl_compatibility.md
 
 The status of each field comes from leantune itself (config_utils.UNSUPPORTED_TRL_FIELDS: accepted, a non-default
-value refused) and from the hand-kept dicts below; tests/test_trl_fields.py checks that the snapshot's fields all
+value refused) and from the hand-kept dicts below; tests/trainers/test_trl_fields.py checks that the snapshot's fields all
 exist with TRL's defaults and that the docs are what this script writes.
 """
 
@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SNAPSHOT = REPO / "tests" / "data" / "trl_1_16_fields.json"
+SNAPSHOT = REPO / "tests" / "fixtures" / "trl_1_16_fields.json"
 DOCS = REPO / "docs" / "trl_compatibility.md"
 CONFIGS = ("SFTConfig", "DPOConfig", "KTOConfig", "RewardConfig", "GRPOConfig", "RLOOConfig", "OnlineDPOConfig",
            "GKDConfig")
@@ -296,8 +296,8 @@ def render_docs(snapshot: dict) -> str:
         "",
         f"Every field of TRL {snapshot['trl_version']}'s configs exists in leantune's config of the same name, with "
         "TRL's type and default, so a TRL script constructs its config unchanged. Written by "
-        "`python bench/trl_fields.py --docs` from `tests/data/trl_1_16_fields.json` (TRL's fields) and leantune's "
-        "configs; `tests/test_trl_fields.py` checks that it is up to date.",
+        "`python bench/trl_fields.py --docs` from `tests/fixtures/trl_1_16_fields.json` (TRL's fields) and leantune's "
+        "configs; `tests/trainers/test_trl_fields.py` checks that it is up to date.",
         "",
         "Status: **same** (TRL's default and meaning); **implemented** (a TRL field leantune now honours); **accepted, "
         "refuses non-default** (the field exists with TRL's default; any other value is a ValueError naming the field "

@@ -1,4 +1,4 @@
-"""liger-kernel's Triton kernels on CPU tensors, for the tests: Triton's interpreter.
+"""liger-kernel's Triton kernels on CPU tensors, for the tests and bench/gpu's dry run: Triton's interpreter.
 
 Triton decides when a kernel is *defined* whether it is compiled or interpreted: its own library functions when
 triton is imported (which happens early, through torch and transformers), liger-kernel's when liger-kernel is
@@ -6,7 +6,7 @@ imported. So the interpreter has to be on before the first of those imports: tes
 `interpreter_on_for_imports` first thing, on machines without CUDA (a GPU machine keeps compiled kernels for its GPU
 tests). leantune's dispatch, though, reads TRITON_INTERPRET when a trainer starts, and the rest of the suite must see
 the environment it always did (Liger asked for on CPU -> the chunked head with a notice), so conftest takes the
-variable away around every test except those marked `liger_interpreter` (tests/test_liger_cpu.py).
+variable away around every test except those marked `liger_interpreter` (tests/losses/test_liger_cpu.py).
 
 `bridge_interpreter_gaps` is for what leantune keeps off Liger on CPU: the model patches (RMSNorm, RoPE, SwiGLU,
 applied on CUDA only) and a soft-capped head; the plain fused linear cross-entropy that leantune uses needs no bridge.
@@ -104,9 +104,9 @@ def bridge_interpreter_gaps(monkeypatch) -> None:
         return original(arg)
 
     monkeypatch.setattr(interpreter, "_implicit_cvt", implicit_cvt)
-    from . import liger_cpu_math
+    from . import interpreter_math
 
-    replacements = {"tanh": liger_cpu_math.tanh, "rsqrt": liger_cpu_math.rsqrt}
+    replacements = {"tanh": interpreter_math.tanh, "rsqrt": interpreter_math.rsqrt}
     for name, module in list(sys.modules.items()):
         if name.startswith("liger_kernel.ops") and module is not None:
             for function, replacement in replacements.items():

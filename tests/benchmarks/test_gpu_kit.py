@@ -9,11 +9,11 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from ..fixtures.paths import REPO
+
 sys.path.insert(0, str(REPO))
 
 from bench.gpu import carry_size  # noqa: E402

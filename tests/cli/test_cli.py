@@ -10,7 +10,8 @@ import sys
 import pytest
 from datasets import Dataset
 
-from .conftest import REPO, tiny_model
+from ..fixtures.models import tiny_model
+from ..fixtures.paths import REPO
 
 
 def leantune(*args, cwd=None, timeout=600):

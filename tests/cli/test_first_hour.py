@@ -8,8 +8,8 @@ import logging
 
 import pytest
 
-from .conftest import saved_model_and_data, tiny_model
-from .test_cli import leantune
+from ..cli.test_cli import leantune
+from ..fixtures.models import saved_model_and_data, tiny_model
 
 
 @pytest.fixture
@@ -111,7 +111,8 @@ def cpu_run_output(tmp_path_factory):
 
     from leantune import SFTConfig, SFTTrainer
 
-    from .conftest import GSM8K_TRAIN, TOKENIZER_DIR, gsm8k_prompt_completion
+    from ..fixtures.data import gsm8k_prompt_completion
+    from ..fixtures.paths import GSM8K_TRAIN, TOKENIZER_DIR
 
     if torch.cuda.is_available():
         pytest.skip("the run must be on a machine without an accelerator")
@@ -150,7 +151,7 @@ def test_an_empty_prompt_dataset_is_a_clear_error(trainer_name):
 
     import leantune
 
-    from .test_grpo import build_default_tokenizer, char_model, config, count_a
+    from ..trainers.test_grpo import build_default_tokenizer, char_model, config, count_a
 
     tokenizer = build_default_tokenizer()
     trainer_class = getattr(leantune, trainer_name)

@@ -11,7 +11,7 @@ import pytest
 from leantune.cli.main import main
 from leantune.rewards import characters_in_place, correct_answer, resolve_reward_funcs
 
-from .conftest import tiny_model
+from ..fixtures.models import tiny_model
 
 # --- built-in rewards ------------------------------------------------------------------------------------------
 

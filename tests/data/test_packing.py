@@ -21,7 +21,7 @@ from leantune.data.packing import (
     refill_loose_bins,
 )
 
-from .conftest import GSM8K_TRAIN, TOKENIZER_DIR
+from ..fixtures.paths import GSM8K_TRAIN, TOKENIZER_DIR
 
 # ------------------------------------------------------------------------------------------------
 # Helpers

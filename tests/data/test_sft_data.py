@@ -12,7 +12,8 @@ from datasets import Dataset
 from leantune import SFTConfig, SFTTrainer
 from leantune.data.collators import IGNORE_INDEX
 
-from .conftest import gsm8k_prompt_completion, tiny_model
+from ..fixtures.data import gsm8k_prompt_completion
+from ..fixtures.models import tiny_model
 
 
 def config(tmp_path, **overrides):

@@ -37,8 +37,10 @@ from leantune import (
 from leantune.data.packing import plan_packing
 from leantune.defaults import build_default_model_config, build_default_tokenizer
 
-from .conftest import HH_PAIRS, _require, gsm8k_prompt_completion, tiny_model
-from .test_reward import tiny_reward_model
+from ..fixtures.data import gsm8k_prompt_completion
+from ..fixtures.models import tiny_model
+from ..fixtures.paths import HH_PAIRS, require
+from ..trainers.test_reward import tiny_reward_model
 
 RTOL = 1e-6
 STEPS = 3
@@ -62,7 +64,7 @@ def assert_same_losses(streamed: list, mapped: list) -> None:
 
 @pytest.fixture(scope="module")
 def hh_pairs() -> Dataset:
-    with gzip.open(_require(HH_PAIRS), "rt", encoding="utf-8") as handle:
+    with gzip.open(require(HH_PAIRS), "rt", encoding="utf-8") as handle:
         return Dataset.from_list([json.loads(line) for _, line in zip(range(12), handle)])
 
 

@@ -3,14 +3,13 @@ earlier assistant turn's analysis channel once a final answer follows and names 
 messages that only call tools. leantune locates the trained tokens in the whole conversation's own rendering
 (data/template_spans.py); each test names, per token, what is trained.
 
-tests/data/chat_templates/gpt_oss.jinja is the gpt-oss models' own chat template (openai/gpt-oss-20b, Apache-2.0),
+tests/fixtures/chat_templates/gpt_oss.jinja is the gpt-oss models' own chat template (openai/gpt-oss-20b, Apache-2.0),
 test input only. The tokenizer is the shared 32k one with harmony's special tokens added."""
 
 from __future__ import annotations
 
 import itertools
 import re
-from pathlib import Path
 
 import pytest
 from datasets import Dataset
@@ -20,7 +19,9 @@ from leantune.data.kto_preparation import prepare_kto_dataset
 from leantune.data.preference_preparation import prepare_preference_dataset
 from leantune.data.sft_preparation import prepare_sft_dataset
 
-HARMONY = (Path(__file__).parent / "data" / "chat_templates" / "gpt_oss.jinja").read_text()
+from ..fixtures.paths import CHAT_TEMPLATES
+
+HARMONY = (CHAT_TEMPLATES / "gpt_oss.jinja").read_text()
 IGNORE = -100
 CALL = [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",

@@ -3,7 +3,7 @@ Phi-3, Phi-3.5):
 leantune recognises the template exactly and takes the mask from its own marked template (data/training_templates.py),
 which must render every conversation to the same text and token ids as the original.
 
-The original templates in tests/data/chat_templates are the model vendors' own (Qwen/Qwen3-*, deepseek-ai/
+The original templates in tests/fixtures/chat_templates are the model vendors' own (Qwen/Qwen3-*, deepseek-ai/
 DeepSeek-R1-Distill-*, microsoft/Phi-3-mini-*, microsoft/Phi-3.5-mini-instruct), byte for byte as shipped; they are test input only. The tokenizer is the shared 32k one
 with the family's special tokens added, and the model a tiny Qwen3 built from a config (random weights)."""
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +20,9 @@ from leantune import SFTConfig, SFTTrainer
 from leantune.data.sft_preparation import prepare_sft_dataset
 from leantune.data.training_templates import MASK_TEMPLATES, mask_template_for
 
-ORIGINALS = Path(__file__).parent / "data" / "chat_templates"
+from ..fixtures.paths import CHAT_TEMPLATES
+
+ORIGINALS = CHAT_TEMPLATES
 FAMILIES = {
     "Qwen3": ("qwen3.jinja", ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>",
                               "<tool_response>", "</tool_response>"]),

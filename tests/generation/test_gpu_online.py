@@ -32,7 +32,8 @@ import torch
 
 from leantune.utils.imports import is_available
 
-REPO = Path(__file__).resolve().parents[1]
+from ..fixtures.paths import REPO
+
 MAX_NEW_TOKENS = 12
 MIN_MARGIN = 0.01
 N_PROMPTS = 6
@@ -114,7 +115,7 @@ def device() -> str:
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from .conftest import TOKENIZER_DIR
+    from ..fixtures.paths import TOKENIZER_DIR
 
     return AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
 

@@ -24,7 +24,8 @@ from leantune.generation.sampling import SamplingSettings, cut_at_eos
 from leantune.generation.vllm_client import VLLMServerBackend, VLLMServerClient, VLLMServerError
 from leantune.utils.imports import is_available
 
-from .conftest import REPO, tiny_model
+from ..fixtures.models import tiny_model
+from ..fixtures.paths import REPO
 
 EOS, PAD = 2, 0
 PROMPTS = [[1, 415, 2936, 9060], [1, 415, 2936, 9060], [1, 22557], [1, 1014, 349, 264, 1369, 28723]]

@@ -22,8 +22,9 @@ import torch
 from leantune.generation.server_access import TOKEN_ENV
 from leantune.generation.vllm_client import VLLMServerClient, VLLMServerError
 
-from .conftest import REPO, tiny_model
-from .test_vllm_server import PROMPTS, greedy, local_greedy, model_dir, perturbed, wait_for_url  # noqa: F401
+from ..fixtures.models import tiny_model
+from ..fixtures.paths import REPO
+from ..generation.test_vllm_server import PROMPTS, greedy, local_greedy, model_dir, perturbed, wait_for_url  # noqa: F401
 
 TOKEN = "test-token-6f1c"
 MAX_PROMPTS, MAX_NEW_TOKENS, MAX_CONNECTIONS, SOCKET_TIMEOUT = 8, 16, 3, 2

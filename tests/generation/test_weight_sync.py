@@ -12,7 +12,7 @@ import torch
 
 from leantune.generation.weight_sync import policy_weights_for_sync
 
-from .conftest import tiny_model
+from ..fixtures.models import tiny_model
 
 VOCAB = 512
 

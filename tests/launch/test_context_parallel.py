@@ -27,12 +27,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from .conftest import GSM8K_TRAIN, HH_PAIRS, REPO, _require, tiny_model
-from .test_launch import accelerate_launch, cpu_only, launch
-from .test_scale_out import assert_same_losses, assert_same_weights
+from ..fixtures.launchers import accelerate_launch, cpu_only, launch
+from ..fixtures.models import tiny_model
+from ..fixtures.paths import CPU_ENGINES, GSM8K_TRAIN, HH_PAIRS, REPO, SCRIPTS, require
+from ..launch.test_scale_out import assert_same_losses, assert_same_weights
 
-SCRIPT = Path(__file__).parent / "scripts" / "cp_run.py"
-HELPERS = Path(__file__).parent / "cpu_engines"
+SCRIPT = SCRIPTS / "cp_run.py"
+HELPERS = CPU_ENGINES
 CONFIG = REPO / "examples" / "accelerate" / "fsdp2_context_parallel.yaml"
 CASES = ["sft", "sft_packed", "sft_padding_free", "sft_packed_padding_free"]
 
@@ -127,14 +128,14 @@ def assets(tmp_path_factory, tokenizer_dir):
     root = tmp_path_factory.mktemp("context_parallel")
     tiny_model().save_pretrained(root / "model")
     AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(root / "model")
-    with open(_require(GSM8K_TRAIN), encoding="utf-8") as handle:
+    with open(require(GSM8K_TRAIN), encoding="utf-8") as handle:
         rows = [json.loads(line) for _, line in zip(range(64), handle)]
     # short examples of varied lengths (none a multiple of 4 by design), so packed rows of 96 tokens hold several
     with open(root / "sft.jsonl", "w", encoding="utf-8") as handle:
         for i, row in enumerate(rows):
             handle.write(json.dumps({"prompt": row["question"][: 40 + 7 * (i % 9)],
                                      "completion": " " + row["answer"][: 30 + 5 * (i % 7)]}) + "\n")
-    with gzip.open(_require(HH_PAIRS), "rt", encoding="utf-8") as source, open(root / "pairs.jsonl", "w") as handle:
+    with gzip.open(require(HH_PAIRS), "rt", encoding="utf-8") as source, open(root / "pairs.jsonl", "w") as handle:
         for _, line in zip(range(8), source):
             handle.write(line.rstrip("\n") + "\n")
     return root

@@ -20,18 +20,16 @@ from pathlib import Path
 
 import pytest
 
-from . import test_launch
-from .test_launch import (
-    LAUNCH_VARIABLES,
-    LEANTUNE,
-    cpu_only,
-    free_port,
-    launch,
-)
+from ..fixtures.launchers import LAUNCH_VARIABLES, LEANTUNE, cpu_only, free_port, launch, saved_launch_assets
+from ..fixtures.paths import SCRIPTS
 
-SCRIPTS = Path(__file__).parent / "scripts"
-assets = test_launch.assets  # the same saved model and data (a module fixture: built once per module)
 REL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory, tokenizer_dir, gsm8k_rows):
+    """test_launch.py's saved model and data."""
+    return saved_launch_assets(tmp_path_factory.mktemp("launch"), tokenizer_dir, gsm8k_rows)
 
 pytestmark = [cpu_only, pytest.mark.slow]
 

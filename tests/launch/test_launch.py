@@ -10,12 +10,7 @@ differ by ~1e-3 or more."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,48 +18,20 @@ import pytest
 
 from leantune.trainers import distributed
 
-from .conftest import tiny_model
+from ..fixtures.launchers import (
+    LAUNCH_VARIABLES,
+    LEANTUNE,
+    accelerate_launch,
+    cpu_only,
+    launch,
+    saved_launch_assets,
+    torchrun,
+)
+from ..fixtures.models import tiny_model
+from ..fixtures.paths import SCRIPTS
 
-SCRIPT = Path(__file__).parent / "scripts" / "sft_launch.py"
-LEANTUNE = str(Path(sys.executable).parent / "leantune")  # the entry point itself (PATH may hold a shell shim)
+SCRIPT = SCRIPTS / "sft_launch.py"
 REL = 1e-6
-LAUNCH_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PMI_SIZE",
-                    "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
-
-cpu_only = pytest.mark.skipif(distributed.has_accelerator(), reason="launches on a machine without a GPU")
-
-
-def free_port() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return str(sock.getsockname()[1])
-
-
-def launch(command: list[str], timeout: int = 300,
-           extra_env: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES and not k.startswith("ACCELERATE_")}
-    env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", **(extra_env or {}))
-    started = time.perf_counter()
-    # A session of its own: on a timeout the launcher's workers are killed with it, not left training as orphans.
-    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True) as process:
-        try:
-            stdout, stderr = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.communicate()
-            raise
-    run = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
-    return run, time.perf_counter() - started
-
-
-def torchrun(*args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", free_port(), *args]
-
-
-def accelerate_launch(*flags: str) -> list[str]:
-    return [sys.executable, "-m", "accelerate.commands.launch", *flags, "--num_processes", "2", "--num_machines", "1",
-            "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", free_port()]
 
 
 def assert_same_losses(got: list[float], expected: list[float]) -> float:
@@ -76,15 +43,7 @@ def assert_same_losses(got: list[float], expected: list[float]) -> float:
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory, tokenizer_dir, gsm8k_rows):
-    from transformers import AutoTokenizer
-
-    root = tmp_path_factory.mktemp("launch")
-    tiny_model().save_pretrained(root / "model")
-    AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(root / "model")
-    with open(root / "data.jsonl", "w", encoding="utf-8") as handle:
-        for row in gsm8k_rows[:64]:
-            handle.write(json.dumps({"prompt": row["question"], "completion": " " + row["answer"]}) + "\n")
-    return SimpleNamespace(root=root, model=str(root / "model"), data=str(root / "data.jsonl"))
+    return saved_launch_assets(tmp_path_factory.mktemp("launch"), tokenizer_dir, gsm8k_rows)
 
 
 def script_args(assets, out: Path, batch_size: int) -> list[str]:

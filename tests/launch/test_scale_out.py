@@ -32,11 +32,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from .conftest import GSM8K_TRAIN, HH_PAIRS, REPO, _require, tiny_model
-from .test_launch import accelerate_launch, cpu_only, launch
+from ..fixtures.launchers import accelerate_launch, cpu_only, launch
+from ..fixtures.models import tiny_model
+from ..fixtures.paths import CPU_ENGINES, GSM8K_TRAIN, HH_PAIRS, REPO, SCRIPTS, require
 
-SCRIPT = Path(__file__).parent / "scripts" / "engine_run.py"
-HELPERS = Path(__file__).parent / "cpu_engines"
+SCRIPT = SCRIPTS / "engine_run.py"
+HELPERS = CPU_ENGINES
 EXAMPLES = REPO / "examples" / "accelerate"
 
 OFFLINE = ["sft", "sft_tied", "sft_packed_padding_free", "sft_lora", "dpo", "dpo_padding_free",
@@ -88,7 +89,7 @@ def assets(tmp_path_factory, tokenizer_dir):
     tied.tie_weights()
     tied.save_pretrained(root / "tied_model")
     AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(root / "tied_model")
-    with open(_require(GSM8K_TRAIN), encoding="utf-8") as handle:
+    with open(require(GSM8K_TRAIN), encoding="utf-8") as handle:
         rows = [json.loads(line) for _, line in zip(range(64), handle)]
     with open(root / "sft.jsonl", "w", encoding="utf-8") as handle:
         for row in rows:
@@ -96,7 +97,7 @@ def assets(tmp_path_factory, tokenizer_dir):
     with open(root / "prompts.jsonl", "w", encoding="utf-8") as handle:
         for row in rows[:16]:
             handle.write(json.dumps({"prompt": row["question"][:80]}) + "\n")
-    with gzip.open(_require(HH_PAIRS), "rt", encoding="utf-8") as source, open(root / "pairs.jsonl", "w") as handle:
+    with gzip.open(require(HH_PAIRS), "rt", encoding="utf-8") as source, open(root / "pairs.jsonl", "w") as handle:
         for _, line in zip(range(16), source):
             handle.write(line.rstrip("\n") + "\n")
     from transformers import AutoModelForSequenceClassification
@@ -236,11 +237,11 @@ def test_every_trainer_matches_one_process_under_each_engine(engine, assets, ini
         assert_same_weights({k: v.detach() for k, v in model.state_dict().items()},
                             saved_weights(one_process, "sft"), initial)
     if engine in ("ddp", "fsdp2"):  # rank 0's measured step 2 against its plan (tests/test_plan_engines.py)
-        from .test_plan_engines import assert_rank_zero_planned
+        from ..planning.test_plan_engines import assert_rank_zero_planned
 
         assert_rank_zero_planned(assets, out, engine)
     elif engine in ("zero2", "zero3"):  # each rank's planned step against its measured breakdown (planning/zero.py)
-        from .plan_zero_check import assert_zero_plan_matches
+        from ..planning.plan_zero_check import assert_zero_plan_matches
 
         deepspeed_file = HELPERS / "deepspeed_zero3_cpu.json" if engine == "zero3" else None  # zero2: accelerate's
         assert_zero_plan_matches(assets, measured, engine, deepspeed_file)

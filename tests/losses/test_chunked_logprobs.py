@@ -19,7 +19,7 @@ from leantune.losses.token_logprobs import (
 from leantune.metrics.memory_breakdown import StepMemoryMeter
 from leantune.models.output_head import OutputHead
 
-from .conftest import tiny_model
+from ..fixtures.models import tiny_model
 
 RTOL = 1e-5
 VOCAB = 1000

@@ -36,16 +36,18 @@ from leantune import (
     SFTTrainer,
 )
 from leantune.losses.dispatch import LogProbPath, choose_logprob_path
-
-from .conftest import HH_PAIRS, gsm8k_prompt_completion, tiny_model
-from .liger_cpu import (
+from liger_cpu import (
     FusedKernelCalls,
     bridge_interpreter_gaps,
     forget_liger,
     keep_llama_unpatched,
     liger_kernels_interpreted,
 )
-from .test_sft_exactness import GradientRecorder, rel_diff
+
+from ..fixtures.data import gsm8k_prompt_completion
+from ..fixtures.models import tiny_model
+from ..fixtures.paths import HH_PAIRS
+from ..losses.test_sft_exactness import GradientRecorder, rel_diff
 
 pytest.importorskip("liger_kernel", reason="needs leantune[liger]")
 pytestmark = pytest.mark.liger_interpreter  # TRITON_INTERPRET=1 stays set for these tests (tests/conftest.py)
@@ -416,7 +418,7 @@ def test_plan_of_a_liger_run_equals_its_measured_step(tokenizer, gsm8k_rows, ker
     the trace failed ("Cannot copy out of meta tensor": the launch read the fake tensors' memory)."""
     from leantune.planning import plan_memory
 
-    from .test_plan import _measured_peak
+    from ..planning.test_plan import _measured_peak
 
     dataset = gsm8k_prompt_completion(gsm8k_rows, 12)
     fields = dict(use_liger_kernel=True, per_device_train_batch_size=2, max_length=128)

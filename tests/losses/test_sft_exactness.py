@@ -18,7 +18,8 @@ from transformers import TrainerCallback
 from leantune import SFTConfig, SFTTrainer
 from leantune.losses.causal_lm import count_targets, token_nll
 
-from .conftest import gsm8k_prompt_completion, tiny_model
+from ..fixtures.data import gsm8k_prompt_completion
+from ..fixtures.models import tiny_model
 
 RTOL = 1e-5
 MAX_LENGTH = 256

@@ -13,8 +13,9 @@ import torch
 from leantune import SFTConfig
 from leantune.losses.dispatch import LogProbPath
 
-from .conftest import gsm8k_prompt_completion, tiny_model
-from .test_sft_exactness import GradientRecorder, rel_diff
+from ..fixtures.data import gsm8k_prompt_completion
+from ..fixtures.models import tiny_model
+from ..losses.test_sft_exactness import GradientRecorder, rel_diff
 
 RTOL = 1e-5
 LAYOUTS = {

@@ -19,7 +19,7 @@ from leantune.memory import (
     offloading_context,
 )
 
-from .conftest import tiny_model
+from ..fixtures.models import tiny_model
 
 # fp32, same kernels, same order: offloading moves bytes, it must not change a single value (measured 0); 1e-6 of the
 # tensor's norm only leaves room for a kernel picking another order, far below a wrong or stale tensor (~1)

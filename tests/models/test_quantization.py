@@ -25,8 +25,10 @@ from datasets import Dataset
 
 from leantune.utils.imports import is_available
 
-from .conftest import HH_PAIRS, gsm8k_prompt_completion, tiny_model
-from .test_sft_exactness import GradientRecorder
+from ..fixtures.data import gsm8k_prompt_completion
+from ..fixtures.models import tiny_model
+from ..fixtures.paths import HH_PAIRS
+from ..losses.test_sft_exactness import GradientRecorder
 
 needs_bnb = pytest.mark.skipif(not is_available("bitsandbytes"), reason="needs leantune[bitsandbytes]")
 

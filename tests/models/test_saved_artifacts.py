@@ -26,7 +26,9 @@ from leantune.trainers.reward_trainer import RewardTrainer
 from leantune.trainers.sft_config import SFTConfig
 from leantune.trainers.sft_trainer import SFTTrainer
 
-from .conftest import HH_PAIRS, _require, gsm8k_prompt_completion, tiny_model
+from ..fixtures.data import gsm8k_prompt_completion
+from ..fixtures.models import tiny_model
+from ..fixtures.paths import HH_PAIRS, require
 
 BASE = "tiny-llama"  # relative on purpose: the bug was an adapter recording this as its base
 TEXTS = ["Natalia sold clips to 48 of her friends in April.", "The answer is 42."]
@@ -78,7 +80,7 @@ def runs(tmp_path_factory, tokenizer_dir, gsm8k_rows):
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     ids = [tokenizer(text, return_tensors="pt").input_ids for text in TEXTS]
     sft_data = gsm8k_prompt_completion(gsm8k_rows, 8)
-    pairs = load_dataset("json", data_files=str(_require(HH_PAIRS)), split="train").select(range(8))
+    pairs = load_dataset("json", data_files=str(require(HH_PAIRS)), split="train").select(range(8))
     common = dict(report_to=[], use_cpu=True, disable_tqdm=True, max_steps=2, per_device_train_batch_size=4,
                   learning_rate=1e-2, max_length=128, memory_breakdown=False, save_strategy="no")
     trained = {}

@@ -15,7 +15,8 @@ from leantune.cli.main import main
 from leantune.planning import plan_memory
 from leantune.planning.devices import parse_budget
 
-from .conftest import gsm8k_prompt_completion, tiny_model
+from ..fixtures.data import gsm8k_prompt_completion
+from ..fixtures.models import tiny_model
 
 # Llama-3-70B's published shape (config.json of meta-llama/Meta-Llama-3-70B), written here: nothing from the Hub.
 LLAMA_3_70B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192,

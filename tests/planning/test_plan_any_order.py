@@ -9,7 +9,8 @@ import io
 from leantune import SFTConfig, SFTTrainer
 from leantune.planning import plan_memory
 
-from .conftest import gsm8k_prompt_completion, tiny_model
+from ..fixtures.data import gsm8k_prompt_completion
+from ..fixtures.models import tiny_model
 
 FIELDS = dict(per_device_train_batch_size=3, max_length=192, gradient_checkpointing=False)
 

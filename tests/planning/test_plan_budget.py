@@ -9,7 +9,6 @@ import json
 import logging
 import random
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,7 +19,9 @@ from leantune.cli.main import main
 from leantune.planning import plan_memory
 from leantune.planning.plan_check import report_fit
 
-from .conftest import gsm8k_prompt_completion, tiny_model
+from ..fixtures.data import gsm8k_prompt_completion
+from ..fixtures.models import tiny_model
+from ..fixtures.paths import REPO
 
 MIB = 1 << 20
 
@@ -194,7 +195,7 @@ def test_budget_search_chooses_a_config_that_fits_for_real(tokenizer, gsm8k_rows
 def test_candidates_are_ranked_by_the_documented_factors():
     from leantune.planning.recommend import candidates
 
-    table = (Path(__file__).parent.parent / "docs" / "plan.md").read_text()
+    table = (REPO / "docs" / "plan.md").read_text()
     factors = {rule: float(x) for rule, x in re.findall(r"\| (padded layout|gradient checkpointing|activation "
                                                          r"offloading|each halving of the micro-batch) \| x([0-9.]+)",
                                                          table)}

@@ -13,7 +13,8 @@ import pytest
 
 from leantune.planning import plan_memory
 
-from .conftest import gsm8k_prompt_completion, tiny_model
+from ..fixtures.data import gsm8k_prompt_completion
+from ..fixtures.models import tiny_model
 
 # tests/scripts/engine_run.py's `sft` case: what each of its 2 processes trains
 ENGINE_RUN_SFT = dict(per_device_train_batch_size=2, max_length=64, max_steps=2, learning_rate=1e-2, optim="sgd",

@@ -18,8 +18,9 @@ import torch
 from leantune.planning import plan_memory
 from leantune.utils.imports import is_available
 
-from .conftest import gsm8k_prompt_completion, tiny_model
-from .test_plan import LLAMA_3_70B
+from ..fixtures.data import gsm8k_prompt_completion
+from ..fixtures.models import tiny_model
+from ..planning.test_plan import LLAMA_3_70B
 
 pytestmark = pytest.mark.skipif(not is_available("bitsandbytes"), reason="needs leantune[bitsandbytes]")
 

@@ -22,7 +22,7 @@ from leantune.profiling import length_summary_line, write_length_figure
 from leantune.profiling.lengths import DatasetLengths
 from leantune.profiling.profiler import build_profile
 
-from .conftest import GSM8K_TRAIN, HH_PAIRS, TOKENIZER_DIR
+from ..fixtures.paths import GSM8K_TRAIN, HH_PAIRS, TOKENIZER_DIR
 
 # --- brute force, one Python loop at a time ---------------------------------------------------------------------
 

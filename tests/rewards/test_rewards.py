@@ -13,7 +13,7 @@ import torch
 
 from leantune.rewards import RewardFunctionError, RewardFunctions, RewardScores
 
-from .conftest import TOKENIZER_DIR, _require
+from ..fixtures.paths import TOKENIZER_DIR, require
 
 PROMPTS = ["What is 2 + 2?", "Name a colour.", "Say hi."]
 COMPLETIONS = [" 4", " blue", " hello there"]
@@ -223,7 +223,7 @@ def tiny_reward_model(vocab_size: int, pad_token_id: int | None = 0, seed: int =
 def mistral_tokenizer():
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(_require(TOKENIZER_DIR)))
+    return AutoTokenizer.from_pretrained(str(require(TOKENIZER_DIR)))
 
 
 @pytest.fixture(scope="module")

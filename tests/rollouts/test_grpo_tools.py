@@ -16,7 +16,7 @@ from datasets import Dataset
 from leantune import GRPOConfig, GRPOTrainer
 from leantune.losses.dispatch import LogProbPath
 
-from .conftest import TOKENIZER_DIR
+from ..fixtures.paths import CHAT_TEMPLATES, TOKENIZER_DIR
 
 IGNORE = -100
 
@@ -417,17 +417,16 @@ def test_unknown_environment_name_is_an_error_naming_the_choices(tool_tokenizer)
 
 
 def test_template_that_rerenders_the_calling_turn_once_results_follow(tool_tokenizer):
-    """Qwen3's own template (tests/data/chat_templates/qwen3.jinja) writes an empty <think> block into an assistant
+    """Qwen3's own template (tests/fixtures/chat_templates/qwen3.jinja) writes an empty <think> block into an assistant
     turn only while no tool result follows it, so the conversation up to a tool call is not a prefix of the
     conversation with the results. TRL trains it (with a template of its own); leantune reads the results' tokens from
     Qwen3's rendering itself: everything after the <|im_end|> that closes the calling turn. The policy's turns stay
     exactly as generated (targets, per token) and nothing of the tool's turn is a target."""
     import copy
-    from pathlib import Path
 
     tokenizer = copy.deepcopy(tool_tokenizer)
     tokenizer.add_tokens(["<tool_response>", "</tool_response>", "<think>", "</think>"])
-    tokenizer.chat_template = (Path(__file__).parent / "data" / "chat_templates" / "qwen3.jinja").read_text()
+    tokenizer.chat_template = (CHAT_TEMPLATES / "qwen3.jinja").read_text()
     trainer = GRPOTrainer(tiny_policy(tokenizer), message_count, args=config(), train_dataset=questions(1),
                           processing_class=tokenizer, tools=[multiply])
     script = Script(tokenizer, [call("multiply", a=3, b=4)] * 3, ["The answer is 12."] * 3)

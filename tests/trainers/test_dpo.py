@@ -18,8 +18,9 @@ from leantune import DPOConfig, DPOTrainer
 from leantune.data.preference_preparation import PairTruncation
 from leantune.losses.preference import dpo_loss
 
-from .conftest import HH_PAIRS, tiny_model
-from .test_sft_exactness import GradientRecorder, rel_diff
+from ..fixtures.models import tiny_model
+from ..fixtures.paths import HH_PAIRS
+from ..losses.test_sft_exactness import GradientRecorder, rel_diff
 
 RTOL = 1e-5
 

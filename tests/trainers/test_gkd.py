@@ -217,7 +217,7 @@ def test_padded_padding_free_packed_chunked_and_full_agree(char_tokenizer, tmp_p
 
 @pytest.mark.liger_interpreter
 def test_liger_fused_jsd_equals_the_chunked_path(char_tokenizer, tmp_path, monkeypatch):
-    from .liger_cpu import liger_kernels_interpreted
+    from liger_cpu import liger_kernels_interpreted
 
     reason = liger_kernels_interpreted()
     if reason is not None:
@@ -337,7 +337,7 @@ def test_cli_distils_a_local_teacher_and_names_a_missing_one(tokenizer, gsm8k_ro
 
     from leantune.cli.main import main
 
-    from .conftest import tiny_model
+    from ..fixtures.models import tiny_model
 
     folders = {}
     for role, seed in (("student", 0), ("teacher", 1)):

@@ -8,8 +8,9 @@ import torch
 from leantune import SFTConfig, SFTTrainer
 from leantune.utils.imports import is_available
 
-from .conftest import gsm8k_prompt_completion, tiny_model
-from .test_sft_exactness import rel_diff, sequence_losses, whole_dataset_batch
+from ..fixtures.data import gsm8k_prompt_completion
+from ..fixtures.models import tiny_model
+from ..losses.test_sft_exactness import rel_diff, sequence_losses, whole_dataset_batch
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -63,7 +64,7 @@ def test_4bit_lora_trains(tokenizer, gsm8k_rows, tmp_path):
 
 
 def first_step_gradients(trainer):
-    from .test_sft_exactness import GradientRecorder
+    from ..losses.test_sft_exactness import GradientRecorder
 
     recorder = GradientRecorder(trainer.model)
     trainer.add_callback(recorder)

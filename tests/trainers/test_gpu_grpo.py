@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +18,8 @@ from leantune import GRPOConfig, GRPOTrainer
 from leantune.losses.dispatch import LogProbPath
 from leantune.utils.imports import is_available
 
-from .conftest import tiny_model
+from ..fixtures.models import tiny_model
+from ..fixtures.paths import SCRIPTS
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 pytestmark = pytest.mark.gpu
@@ -43,7 +43,7 @@ def gpu_config(tmp_path, **overrides):
 
 @cuda
 def test_chunked_equals_full_on_cuda(tokenizer, tmp_path):
-    from .test_grpo import loss_and_grads, one_round
+    from ..trainers.test_grpo import loss_and_grads, one_round
 
     trainer = GRPOTrainer(tiny_model().cuda(), count_a, args=gpu_config(tmp_path, beta=0.1), train_dataset=prompts(),
                           processing_class=tokenizer)
@@ -97,7 +97,7 @@ def test_zero3_gather_on_and_off_give_the_same_completions(tmp_path):
     config.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\nnum_processes: 1\n"
                       "deepspeed_config:\n  zero_stage: 3\n  zero3_init_flag: false\n  offload_optimizer_device: none\n"
                       "  offload_param_device: none\nmixed_precision: 'no'\n")
-    script = Path(__file__).parent / "scripts" / "grpo_zero3.py"
+    script = SCRIPTS / "grpo_zero3.py"
     results = {}
     for mode in ("gather", "sharded"):
         run = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),

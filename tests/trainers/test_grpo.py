@@ -24,7 +24,8 @@ from leantune.losses.policy_gradient import clipped_surrogate, grpo_loss_items, 
 from leantune.rewards import RewardFunctionError
 from leantune.trainers.config_utils import checkpointing_setting, enable_model_checkpointing
 
-from .conftest import tiny_model
+from ..fixtures.models import tiny_model
+from ..fixtures.paths import REPO, SCRIPTS
 
 # --- small fixtures: the demo's character tokenizer and a tiny Llama (fast on CPU) ---------------------------------
 
@@ -508,13 +509,12 @@ def test_two_processes_share_groups_rewards_and_weights(tmp_path):
     import socket
     import subprocess
     import sys
-    from pathlib import Path
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    script = Path(__file__).parent / "scripts" / "grpo_two_processes.py"
-    repo = str(Path(__file__).parent.parent)  # this checkout's leantune, whatever the installed one points at
+    script = SCRIPTS / "grpo_two_processes.py"
+    repo = str(REPO)  # this checkout's leantune, whatever the installed one points at
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",

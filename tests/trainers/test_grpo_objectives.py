@@ -31,7 +31,7 @@ from leantune.losses.policy_gradient import (
 )
 from leantune.models.output_head import OutputHead, compute_head_in_fp32
 
-from .test_grpo import (
+from ..trainers.test_grpo import (
     assert_grads_close,
     char_model,
     config,

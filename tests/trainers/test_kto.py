@@ -23,8 +23,9 @@ from leantune.data.kto_preparation import KL_COLUMN, kl_partners
 from leantune.losses.kto import kl_estimate, kto_loss
 from leantune.trainers.config_utils import checkpointing_setting
 
-from .conftest import HH_PAIRS, tiny_model
-from .test_sft_exactness import GradientRecorder, rel_diff
+from ..fixtures.models import tiny_model
+from ..fixtures.paths import HH_PAIRS
+from ..losses.test_sft_exactness import GradientRecorder, rel_diff
 
 RTOL = 1e-5
 

@@ -17,7 +17,8 @@ from transformers import TrainerCallback
 from leantune import SFTConfig, SFTTrainer
 from leantune.trainers.nonfinite import NonFiniteStepError
 
-from .conftest import gsm8k_prompt_completion, tiny_model
+from ..fixtures.data import gsm8k_prompt_completion
+from ..fixtures.models import tiny_model
 
 ROWS = 16
 POISONED = (5, 11)

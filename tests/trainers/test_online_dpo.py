@@ -19,7 +19,7 @@ from leantune.defaults import build_default_model_config, build_default_tokenize
 from leantune.losses.dispatch import LogProbPath
 from leantune.losses.preference import chosen_and_rejected, preferred_in_pairs
 
-from .conftest import tiny_model
+from ..fixtures.models import tiny_model
 
 
 @pytest.fixture(scope="module")

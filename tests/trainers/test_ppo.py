@@ -22,7 +22,7 @@ from leantune.losses.ppo import (
 )
 from leantune.models.value_head import VALUE_WEIGHTS_NAME
 
-from .test_grpo import assert_grads_close, char_model, count_a, prompts
+from ..trainers.test_grpo import assert_grads_close, char_model, count_a, prompts
 
 
 @pytest.fixture(scope="module")
@@ -349,7 +349,7 @@ def test_cli_trains_a_local_model_with_a_reward_function_and_refuses_grpo_fields
 
     from leantune.cli.main import main
 
-    from .conftest import tiny_model
+    from ..fixtures.models import tiny_model
 
     model_dir, data, out = tmp_path / "model", tmp_path / "gsm8k.jsonl", tmp_path / "out"
     tiny_model().save_pretrained(model_dir)

@@ -14,17 +14,18 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from pathlib import Path
 
 import pytest
 from transformers import TrainerCallback
 
 from leantune import SFTConfig, SFTTrainer
 
-from .conftest import gsm8k_prompt_completion, saved_model_and_data, tiny_model
-from .test_launch import cpu_only, launch, torchrun
+from ..fixtures.data import gsm8k_prompt_completion
+from ..fixtures.launchers import cpu_only, launch, torchrun
+from ..fixtures.models import saved_model_and_data, tiny_model
+from ..fixtures.paths import SCRIPTS
 
-SCRIPT = Path(__file__).parent / "scripts" / "sft_resume_launch.py"
+SCRIPT = SCRIPTS / "sft_resume_launch.py"
 
 REL = 1e-6
 

@@ -12,7 +12,7 @@ from leantune.losses.reward import bradley_terry_loss
 from leantune.trainers.reward_config import RewardConfig
 from leantune.trainers.reward_trainer import RewardCollator, RewardTrainer, prepare_reward_dataset, reward_positions
 
-from .conftest import HH_PAIRS, _require
+from ..fixtures.paths import HH_PAIRS, require
 
 
 def tiny_reward_model(arch: str = "llama", vocab_size: int = 32000, seed: int = 0):
@@ -36,7 +36,7 @@ def config(tmp_path, **overrides) -> RewardConfig:
 
 @pytest.fixture(scope="module")
 def hh_pairs():
-    return load_dataset("json", data_files=str(_require(HH_PAIRS)), split="train").select(range(16))
+    return load_dataset("json", data_files=str(require(HH_PAIRS)), split="train").select(range(16))
 
 
 def pairs(**columns) -> Dataset:
@@ -311,7 +311,7 @@ def test_cli_trains_a_saved_reward_model_on_hh_rlhf(tmp_path, tokenizer_dir, cap
     model_dir = tmp_path / "tiny-reward"
     tiny_reward_model().save_pretrained(model_dir)
     AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(model_dir)
-    code = main(["reward", "--model_name_or_path", str(model_dir), "--dataset_name", str(_require(HH_PAIRS)),
+    code = main(["reward", "--model_name_or_path", str(model_dir), "--dataset_name", str(require(HH_PAIRS)),
                  "--max_steps", "2", "--logging_steps", "1", "--per_device_train_batch_size", "2", "--max_length", "128",
                  "--padding_free", "true", "--output_dir", str(tmp_path / "out"), "--report_to", "none", "--disable_tqdm", "true",
                  "--dataset_num_proc", "1"])

@@ -30,8 +30,10 @@ from leantune import (
 from leantune.defaults import build_default_model_config, build_default_tokenizer
 from leantune.models.loading import load_causal_lm
 
-from .conftest import HH_PAIRS, _require, gsm8k_prompt_completion, tiny_model
-from .test_reward import tiny_reward_model
+from ..fixtures.data import gsm8k_prompt_completion
+from ..fixtures.models import tiny_model
+from ..fixtures.paths import HH_PAIRS, require
+from ..trainers.test_reward import tiny_reward_model
 
 COMMON = dict(report_to=[], save_strategy="no", use_cpu=True, per_device_train_batch_size=4,
               per_device_eval_batch_size=4, max_steps=1, seed=0, logging_steps=1, learning_rate=1e-3,
@@ -40,7 +42,7 @@ COMMON = dict(report_to=[], save_strategy="no", use_cpu=True, per_device_train_b
 
 @pytest.fixture(scope="module")
 def hh_pairs() -> Dataset:
-    with gzip.open(_require(HH_PAIRS), "rt", encoding="utf-8") as handle:
+    with gzip.open(require(HH_PAIRS), "rt", encoding="utf-8") as handle:
         rows = [json.loads(line) for _, line in zip(range(16), handle)]
     return Dataset.from_list(rows)
 

@@ -12,7 +12,8 @@ import pytest
 import leantune
 from leantune.trainers.config_utils import UNSUPPORTED_TRL_FIELDS, checkpointing_field
 
-from .conftest import REPO, tiny_model
+from ..fixtures.models import tiny_model
+from ..fixtures.paths import REPO
 
 
 def _script():

@@ -21,7 +21,8 @@ import pytest
 
 trl = pytest.importorskip("trl")
 
-from .conftest import GSM8K_TRAIN, HH_PAIRS, REPO, _require, tiny_model  # noqa: E402
+from ..fixtures.models import tiny_model  # noqa: E402
+from ..fixtures.paths import GSM8K_TRAIN, HH_PAIRS, REPO, require  # noqa: E402
 
 SCRIPTS = Path(trl.__file__).parent / "scripts"
 LEANTUNE_NAMES = {f"{method}{kind}" for method in ("SFT", "DPO", "KTO", "Reward", "GRPO", "RLOO")
@@ -64,9 +65,9 @@ def workspace(tmp_path_factory, tokenizer_dir):
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     tiny_model().save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")
-    with open(_require(GSM8K_TRAIN), encoding="utf-8") as handle:
+    with open(require(GSM8K_TRAIN), encoding="utf-8") as handle:
         gsm8k = [json.loads(line) for _, line in zip(range(8), handle)]
-    with gzip.open(_require(HH_PAIRS), "rt", encoding="utf-8") as handle:
+    with gzip.open(require(HH_PAIRS), "rt", encoding="utf-8") as handle:
         hh = [json.loads(line) for _, line in zip(range(200), handle)]
 
     def fits(pair):  # short (no truncation at max_length=128), and the implicit prompt ends at the last "Assistant:"
