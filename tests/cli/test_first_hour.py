@@ -111,12 +111,12 @@ def cpu_run_output(tmp_path_factory):
 
     from leantune import SFTConfig, SFTTrainer
 
-    from ..fixtures.data import gsm8k_prompt_completion
-    from ..fixtures.paths import GSM8K_TRAIN, TOKENIZER_DIR
+    from ..fixtures.data import gsm8k_prompt_completion, gsm8k_rows
+    from ..fixtures.paths import TOKENIZER_DIR
 
     if torch.cuda.is_available():
         pytest.skip("the run must be on a machine without an accelerator")
-    rows = [json.loads(line) for _, line in zip(range(8), open(GSM8K_TRAIN, encoding="utf-8"))]
+    rows = gsm8k_rows(8)
     args = SFTConfig(output_dir=str(tmp_path_factory.mktemp("cpu-run")), report_to=[], save_strategy="no",
                      max_steps=2, logging_steps=1, per_device_train_batch_size=2, max_length=64, disable_tqdm=False)
     trainer = SFTTrainer(model=tiny_model(), args=args, train_dataset=gsm8k_prompt_completion(rows, 8),

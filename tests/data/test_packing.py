@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from collections import Counter
 
@@ -21,7 +20,8 @@ from leantune.data.packing import (
     refill_loose_bins,
 )
 
-from ..fixtures.paths import GSM8K_TRAIN, TOKENIZER_DIR
+from ..fixtures.data import gsm8k_rows
+from ..fixtures.paths import TOKENIZER_DIR
 
 # ------------------------------------------------------------------------------------------------
 # Helpers
@@ -103,8 +103,7 @@ def gsm8k_tokens() -> Dataset:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
-    with open(GSM8K_TRAIN, encoding="utf-8") as handle:
-        rows = [json.loads(line) for _, line in zip(range(3000), handle)]
+    rows = gsm8k_rows(3000)
     prompts = tokenizer([r["question"] for r in rows], return_attention_mask=False)["input_ids"]
     answers = tokenizer([" " + r["answer"] for r in rows], add_special_tokens=False, return_attention_mask=False)
     answers = answers["input_ids"]

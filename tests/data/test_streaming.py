@@ -9,8 +9,6 @@ while one different row in a batch moves a step's loss by more than 1e-3.
 
 from __future__ import annotations
 
-import gzip
-import json
 import logging
 
 import numpy as np
@@ -35,13 +33,12 @@ from leantune import (
     pack_dataset,
 )
 from leantune.data.packing import plan_packing
-from leantune.defaults import build_default_model_config, build_default_tokenizer
 
-from ..fixtures.data import gsm8k_prompt_completion
-from ..fixtures.models import tiny_model
-from ..fixtures.paths import HH_PAIRS, require
-from ..trainers.test_reward import tiny_reward_model
+from ..fixtures.data import count_a, gsm8k_prompt_completion
+from ..fixtures.data import reversal_prompts as prompts
+from ..fixtures.models import char_model, tiny_model, tiny_reward_model
 
+HH_PAIRS_ROWS = 12
 RTOL = 1e-6
 STEPS = 3
 COMMON = dict(report_to=[], save_strategy="no", use_cpu=True, max_steps=STEPS, seed=0, logging_steps=1,
@@ -60,34 +57,6 @@ class LossRecorder(TrainerCallback):
 def assert_same_losses(streamed: list, mapped: list) -> None:
     assert len(streamed) == len(mapped) == STEPS
     np.testing.assert_allclose(streamed, mapped, rtol=RTOL)
-
-
-@pytest.fixture(scope="module")
-def hh_pairs() -> Dataset:
-    with gzip.open(require(HH_PAIRS), "rt", encoding="utf-8") as handle:
-        return Dataset.from_list([json.loads(line) for _, line in zip(range(12), handle)])
-
-
-@pytest.fixture(scope="module")
-def char_tokenizer():
-    return build_default_tokenizer()
-
-
-def char_model(tokenizer):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(build_default_model_config(tokenizer))
-
-
-def prompts(n: int = 24) -> Dataset:
-    words = ["cat", "dog", "bird", "fish", "tree", "lake", "road", "moon"]
-    return Dataset.from_dict({"prompt": [f"reverse: {words[i % 8]}{'x' * (i % 3)} =" for i in range(n)]})
-
-
-def count_a(completions, **kwargs):
-    return [text.count("a") / max(len(text), 1) for text in completions]
 
 
 # --- trainers: the stream trains like the same data read in order ---------------------------------------------------
@@ -155,7 +124,7 @@ def test_online_streams_train_like_the_prompts_in_order(cls, config_cls, char_to
     def build(d, path, **kw):
         return online(cls, config_cls, char_tokenizer, d, path, **kw)
 
-    data = prompts()
+    data = prompts(24)
     mapped = losses_of(build, data, tmp_path / "map")
     streamed = losses_of(build, data.to_iterable_dataset(), tmp_path / "stream")
     assert_same_losses(streamed, mapped)
@@ -167,7 +136,7 @@ def test_a_streamed_train_set_needs_max_steps(tokenizer, gsm8k_rows, hh_pairs, c
     with pytest.raises(ValueError, match=r"`max_steps`"):
         dpo(tokenizer, hh_pairs.to_iterable_dataset(), tmp_path, max_steps=-1)
     with pytest.raises(ValueError, match=r"`max_steps`"):
-        online(GRPOTrainer, GRPOConfig, char_tokenizer, prompts().to_iterable_dataset(), tmp_path, max_steps=-1)
+        online(GRPOTrainer, GRPOConfig, char_tokenizer, prompts(24).to_iterable_dataset(), tmp_path, max_steps=-1)
     with pytest.raises(ValueError, match="precompute_ref_log_probs"):
         dpo(tokenizer, hh_pairs.to_iterable_dataset(), tmp_path, precompute_ref_log_probs=True)
 
@@ -203,8 +172,8 @@ def test_eval_streams_give_the_dataset_metrics(tokenizer, gsm8k_rows, hh_pairs, 
     with pytest.raises(ValueError, match="precompute_ref_log_probs.*not supported with IterableDataset"):
         precomputing.evaluate(hh_pairs.to_iterable_dataset())
 
-    grpo_map = online(GRPOTrainer, GRPOConfig, char_tokenizer, prompts(), tmp_path)
-    grpo_stream = online(GRPOTrainer, GRPOConfig, char_tokenizer, prompts().to_iterable_dataset(), tmp_path)
+    grpo_map = online(GRPOTrainer, GRPOConfig, char_tokenizer, prompts(24), tmp_path)
+    grpo_stream = online(GRPOTrainer, GRPOConfig, char_tokenizer, prompts(24).to_iterable_dataset(), tmp_path)
     expected, got = grpo_map.evaluate(prompts(8)), grpo_stream.evaluate(prompts(8).to_iterable_dataset())
     assert expected and got.keys() == expected.keys()
     for name, value in expected.items():

@@ -27,9 +27,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from ..fixtures.data import gsm8k_rows
 from ..fixtures.launchers import accelerate_launch, cpu_only, launch
 from ..fixtures.models import tiny_model
-from ..fixtures.paths import CPU_ENGINES, GSM8K_TRAIN, HH_PAIRS, REPO, SCRIPTS, require
+from ..fixtures.paths import CPU_ENGINES, HH_PAIRS, REPO, SCRIPTS, require
 from ..launch.test_scale_out import assert_same_losses, assert_same_weights
 
 SCRIPT = SCRIPTS / "cp_run.py"
@@ -128,8 +129,7 @@ def assets(tmp_path_factory, tokenizer_dir):
     root = tmp_path_factory.mktemp("context_parallel")
     tiny_model().save_pretrained(root / "model")
     AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(root / "model")
-    with open(require(GSM8K_TRAIN), encoding="utf-8") as handle:
-        rows = [json.loads(line) for _, line in zip(range(64), handle)]
+    rows = gsm8k_rows(64)
     # short examples of varied lengths (none a multiple of 4 by design), so packed rows of 96 tokens hold several
     with open(root / "sft.jsonl", "w", encoding="utf-8") as handle:
         for i, row in enumerate(rows):

@@ -32,9 +32,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from ..fixtures.data import gsm8k_rows
 from ..fixtures.launchers import accelerate_launch, cpu_only, launch
 from ..fixtures.models import tiny_model
-from ..fixtures.paths import CPU_ENGINES, GSM8K_TRAIN, HH_PAIRS, REPO, SCRIPTS, require
+from ..fixtures.paths import CPU_ENGINES, HH_PAIRS, REPO, SCRIPTS, require
 
 SCRIPT = SCRIPTS / "engine_run.py"
 HELPERS = CPU_ENGINES
@@ -89,8 +90,7 @@ def assets(tmp_path_factory, tokenizer_dir):
     tied.tie_weights()
     tied.save_pretrained(root / "tied_model")
     AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(root / "tied_model")
-    with open(require(GSM8K_TRAIN), encoding="utf-8") as handle:
-        rows = [json.loads(line) for _, line in zip(range(64), handle)]
+    rows = gsm8k_rows(64)
     with open(root / "sft.jsonl", "w", encoding="utf-8") as handle:
         for row in rows:
             handle.write(json.dumps({"prompt": row["question"], "completion": " " + row["answer"]}) + "\n")

@@ -6,8 +6,6 @@ leantune/losses/preference.py; the losses are evaluated in float64 too, so they 
 
 from __future__ import annotations
 
-import gzip
-import json
 import math
 
 import pytest
@@ -18,8 +16,8 @@ from leantune import DPOConfig, DPOTrainer
 from leantune.losses.preference import DPO_LOSS_TYPES, dpo_loss, pair_sequence_logps, wpo_weights
 from leantune.losses.token_logprobs import select_targets
 
+from ..fixtures.data import hh_rows
 from ..fixtures.models import tiny_model
-from ..fixtures.paths import HH_PAIRS
 from ..losses.test_sft_exactness import GradientRecorder, rel_diff
 
 # Three pairs: summed completion log-probs of policy and reference, chosen and rejected, and completion lengths.
@@ -232,8 +230,7 @@ def test_config_keeps_trl_types_and_refuses_what_leantune_lacks():
 
 @pytest.fixture(scope="module")
 def pairs() -> Dataset:
-    with gzip.open(HH_PAIRS, "rt", encoding="utf-8") as handle:
-        rows = [json.loads(line) for _, line in zip(range(24), handle)]
+    rows = hh_rows(24)
     # the 4 shortest pairs (about 50-200 tokens a sequence), untruncated: one batch of the whole set, quick on CPU
     return Dataset.from_list(sorted(rows, key=lambda row: len(row["chosen"]) + len(row["rejected"]))[:4])
 

@@ -15,8 +15,6 @@ gradient moves the gradients by >= 1e-3.
 
 from __future__ import annotations
 
-import gzip
-import json
 import logging
 
 import pytest
@@ -44,15 +42,15 @@ from liger_cpu import (
     liger_kernels_interpreted,
 )
 
-from ..fixtures.data import gsm8k_prompt_completion
+from ..fixtures.data import count_a, gsm8k_prompt_completion
 from ..fixtures.models import tiny_model
-from ..fixtures.paths import HH_PAIRS
 from ..losses.test_sft_exactness import GradientRecorder, rel_diff
 
 pytest.importorskip("liger_kernel", reason="needs leantune[liger]")
 pytestmark = pytest.mark.liger_interpreter  # TRITON_INTERPRET=1 stays set for these tests (tests/conftest.py)
 
 RTOL = 1e-5
+HH_PAIRS_ROWS = 8
 GRAD_RTOL = 5e-5
 LAYOUTS = {"padded": {}, "padding_free": {"padding_free": True}}
 COMMON = dict(report_to=[], save_strategy="no", use_cpu=True, max_grad_norm=0.0, seed=0, logging_steps=1,
@@ -69,13 +67,6 @@ def liger_on_cpu():
 @pytest.fixture
 def kernel_calls(monkeypatch):
     return FusedKernelCalls(monkeypatch)
-
-
-@pytest.fixture(scope="module")
-def hh_pairs() -> Dataset:
-    with gzip.open(HH_PAIRS, "rt", encoding="utf-8") as handle:
-        rows = [json.loads(line) for _, line in zip(range(8), handle)]
-    return Dataset.from_list(rows)
 
 
 def train_steps(trainer):
@@ -283,10 +274,6 @@ def test_kto_liger_training_equals_chunked_and_full(layout, tokenizer, hh_pairs,
 def online_prompts(n: int = 8) -> Dataset:
     words = ["cat", "dog", "bird", "fish", "tree", "lake", "road", "moon"]
     return Dataset.from_dict({"prompt": [f"Reverse the word {words[i % 8]}:" for i in range(n)]})
-
-
-def count_a(completions, **kwargs):
-    return [text.count("a") / max(len(text), 1) for text in completions]
 
 
 def online_trainer(cls, config_cls, tokenizer, tmp_path, **overrides):

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import io
 
-import pytest
 import torch
 from datasets import Dataset
 
@@ -29,17 +28,12 @@ from leantune import (
     PPOConfig,
     PPOTrainer,
 )
-from leantune.defaults import build_default_model_config, build_default_tokenizer
+from leantune.defaults import build_default_model_config
 from leantune.planning import plan_memory
 
 WORDS = ["cat", "dog", "bird", "fish", "tree", "lake", "road", "moon"]
 RUN = dict(output_dir="/tmp/leantune-test-frozen", use_cpu=True, report_to=[], save_strategy="no", max_steps=2,
            per_device_train_batch_size=4, disable_tqdm=True, memory_breakdown=True, seed=0)
-
-
-@pytest.fixture(scope="module")
-def char_tokenizer():
-    return build_default_tokenizer()
 
 
 def config_of(tokenizer, layers: int = 2, labels: int | None = None):

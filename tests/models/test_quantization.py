@@ -15,8 +15,6 @@ every later forward goes through a kernel without backward: the LoRA gradients s
 
 from __future__ import annotations
 
-import gzip
-import json
 import math
 
 import pytest
@@ -27,12 +25,12 @@ from leantune.utils.imports import is_available
 
 from ..fixtures.data import gsm8k_prompt_completion
 from ..fixtures.models import tiny_model
-from ..fixtures.paths import HH_PAIRS
 from ..losses.test_sft_exactness import GradientRecorder
 
 needs_bnb = pytest.mark.skipif(not is_available("bitsandbytes"), reason="needs leantune[bitsandbytes]")
 
 QUANT = {4: {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}, 8: {"load_in_8bit": True}}
+HH_PAIRS_ROWS = 8
 
 
 def cpu_has_avx512_bf16() -> bool:
@@ -54,12 +52,6 @@ def model_dir(tmp_path_factory, tokenizer_dir):
     tiny_model().save_pretrained(path)
     AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(path)
     return path
-
-
-@pytest.fixture(scope="module")
-def hh_pairs() -> Dataset:
-    with gzip.open(HH_PAIRS, "rt", encoding="utf-8") as handle:
-        return Dataset.from_list([json.loads(line) for _, line in zip(range(8), handle)])
 
 
 def lora(init_random: bool = False):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gzip
 import itertools
 import json
 import math
@@ -22,7 +21,8 @@ from leantune.profiling import length_summary_line, write_length_figure
 from leantune.profiling.lengths import DatasetLengths
 from leantune.profiling.profiler import build_profile
 
-from ..fixtures.paths import GSM8K_TRAIN, HH_PAIRS, TOKENIZER_DIR
+from ..fixtures.data import gsm8k_rows, hh_rows
+from ..fixtures.paths import TOKENIZER_DIR
 
 # --- brute force, one Python loop at a time ---------------------------------------------------------------------
 
@@ -194,14 +194,12 @@ def mistral(tokenizer_dir):
 
 @pytest.fixture(scope="module")
 def gsm8k_300(tokenizer_dir):
-    with open(GSM8K_TRAIN, encoding="utf-8") as handle:
-        return [json.loads(line) for _, line in zip(range(300), handle)]
+    return gsm8k_rows(300)
 
 
 @pytest.fixture(scope="module")
 def hh_300(tokenizer_dir):
-    with gzip.open(HH_PAIRS, "rt", encoding="utf-8") as handle:
-        return [json.loads(line) for _, line in zip(range(300), handle)]
+    return hh_rows(300)
 
 
 def test_gsm8k_lengths_are_the_sft_trainers_and_the_recommendation_the_brute_force_one(mistral, gsm8k_300, tmp_path):

@@ -5,8 +5,6 @@ Tolerance: relative difference <= 1e-5 in fp32 for per-sequence log-probs, losse
 
 from __future__ import annotations
 
-import gzip
-import json
 import logging
 import math
 
@@ -23,13 +21,7 @@ from ..fixtures.paths import HH_PAIRS
 from ..losses.test_sft_exactness import GradientRecorder, rel_diff
 
 RTOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def hh_pairs() -> Dataset:
-    with gzip.open(HH_PAIRS, "rt", encoding="utf-8") as handle:
-        rows = [json.loads(line) for _, line in zip(range(24), handle)]
-    return Dataset.from_list(rows)
+HH_PAIRS_ROWS = 24
 
 
 def make_trainer(tokenizer, dataset, tmp_path, model=None, **overrides):

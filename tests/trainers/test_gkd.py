@@ -20,18 +20,13 @@ from datasets import Dataset
 
 from leantune import GKDConfig, GKDTrainer
 from leantune.data.collators import CausalLMCollator, sequence_prompts
-from leantune.defaults import build_default_model_config, build_default_tokenizer
+from leantune.defaults import build_default_model_config
 from leantune.losses.causal_lm import count_targets
 from leantune.losses.dispatch import LogProbPath
 from leantune.losses.distillation import generalized_jsd
 from leantune.utils.imports import is_available
 
 RTOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def char_tokenizer():
-    return build_default_tokenizer()
 
 
 def char_model(tokenizer, seed: int, hidden: int = 128, initializer_range: float = 0.3):

@@ -18,15 +18,12 @@ from leantune import GRPOConfig, GRPOTrainer
 from leantune.losses.dispatch import LogProbPath
 from leantune.utils.imports import is_available
 
+from ..fixtures.data import count_a
 from ..fixtures.models import tiny_model
 from ..fixtures.paths import SCRIPTS
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 pytestmark = pytest.mark.gpu
-
-
-def count_a(completions, **kwargs):
-    return [text.count("a") / max(len(text), 1) for text in completions]
 
 
 def prompts(n=32):

@@ -12,7 +12,6 @@ import torch
 from datasets import Dataset
 
 from leantune import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
-from leantune.defaults import build_default_model_config, build_default_tokenizer
 from leantune.losses.advantages import (
     group_relative_advantages,
     leave_one_out_advantages,
@@ -24,33 +23,10 @@ from leantune.losses.policy_gradient import clipped_surrogate, grpo_loss_items, 
 from leantune.rewards import RewardFunctionError
 from leantune.trainers.config_utils import checkpointing_setting, enable_model_checkpointing
 
-from ..fixtures.models import tiny_model
+from ..fixtures.data import count_a
+from ..fixtures.data import reversal_prompts_with_answers as prompts
+from ..fixtures.models import char_model, tiny_model
 from ..fixtures.paths import REPO, SCRIPTS
-
-# --- small fixtures: the demo's character tokenizer and a tiny Llama (fast on CPU) ---------------------------------
-
-
-@pytest.fixture(scope="module")
-def char_tokenizer():
-    return build_default_tokenizer()
-
-
-def char_model(tokenizer, seed: int = 0):
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(build_default_model_config(tokenizer))
-
-
-def prompts(n: int = 64) -> Dataset:
-    words = ["cat", "dog", "bird", "fish", "tree", "lake", "road", "moon"]
-    return Dataset.from_dict({"prompt": [f"reverse: {words[i % 8]}{'x' * (i % 3)} =" for i in range(n)],
-                              "answer": [str(i) for i in range(n)]})
-
-
-def count_a(completions, **kwargs):
-    """Share of 'a' characters: a reward any random model can climb."""
-    return [text.count("a") / max(len(text), 1) for text in completions]
 
 
 def config(cls=GRPOConfig, **overrides):

@@ -13,7 +13,6 @@ import torch
 from accelerate import Accelerator
 
 from leantune import GRPOConfig, GRPOTrainer
-from leantune.defaults import build_default_tokenizer
 from leantune.generation.sampling import Completions, SamplingSettings
 from leantune.generation.transformers_backend import TransformersBackend
 from leantune.generation.vllm_client import VLLMServerClient
@@ -44,11 +43,6 @@ from ..trainers.test_grpo import (
 F64 = torch.float64
 # The by-hand cases are float64 sums and products of a handful of terms: exact to ~1e-15 of values of order 1.
 EXACT = dict(rtol=1e-12, atol=1e-12)
-
-
-@pytest.fixture(scope="module")
-def char_tokenizer():
-    return build_default_tokenizer()
 
 
 def t(values) -> torch.Tensor:

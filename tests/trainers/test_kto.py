@@ -8,8 +8,6 @@ RTOL * |S| of those sums (see `logp_scale`), never relative to the small differe
 
 from __future__ import annotations
 
-import gzip
-import json
 import logging
 import math
 
@@ -24,17 +22,10 @@ from leantune.losses.kto import kl_estimate, kto_loss
 from leantune.trainers.config_utils import checkpointing_setting
 
 from ..fixtures.models import tiny_model
-from ..fixtures.paths import HH_PAIRS
 from ..losses.test_sft_exactness import GradientRecorder, rel_diff
 
 RTOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def hh_pairs() -> Dataset:
-    with gzip.open(HH_PAIRS, "rt", encoding="utf-8") as handle:
-        rows = [json.loads(line) for _, line in zip(range(10), handle)]
-    return Dataset.from_list(rows)
+HH_PAIRS_ROWS = 10
 
 
 def make_trainer(tokenizer, dataset, tmp_path, model=None, **overrides):

@@ -10,38 +10,16 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from datasets import Dataset
 
 from leantune import OnlineDPOConfig, OnlineDPOTrainer
 from leantune.cli.main import main
 from leantune.data.prompt_preparation import PROMPT_IDS
-from leantune.defaults import build_default_model_config, build_default_tokenizer
 from leantune.losses.dispatch import LogProbPath
 from leantune.losses.preference import chosen_and_rejected, preferred_in_pairs
 
-from ..fixtures.models import tiny_model
-
-
-@pytest.fixture(scope="module")
-def char_tokenizer():
-    return build_default_tokenizer()
-
-
-def char_model(tokenizer, seed: int = 0):
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(build_default_model_config(tokenizer))
-
-
-def prompts(n: int = 64) -> Dataset:
-    words = ["cat", "dog", "bird", "fish", "tree", "lake", "road", "moon"]
-    return Dataset.from_dict({"prompt": [f"reverse: {words[i % 8]}{'x' * (i % 3)} =" for i in range(n)]})
-
-
-def count_a(completions, **kwargs):
-    """Share of 'a' characters: a reward any random model can climb."""
-    return [text.count("a") / max(len(text), 1) for text in completions]
+from ..fixtures.data import count_a
+from ..fixtures.data import reversal_prompts as prompts
+from ..fixtures.models import char_model, tiny_model
 
 
 class RecordingReward:

@@ -25,13 +25,6 @@ from leantune.models.value_head import VALUE_WEIGHTS_NAME
 from ..trainers.test_grpo import assert_grads_close, char_model, count_a, prompts
 
 
-@pytest.fixture(scope="module")
-def char_tokenizer():
-    from leantune.defaults import build_default_tokenizer
-
-    return build_default_tokenizer()
-
-
 def config(**overrides):
     settings = dict(output_dir="/tmp/leantune-test-ppo", use_cpu=True, report_to=[], save_strategy="no",
                     per_device_train_batch_size=8, max_completion_length=8, max_steps=2, learning_rate=1e-3,

@@ -6,37 +6,20 @@ import math
 
 import pytest
 import torch
-from datasets import Dataset, load_dataset
+from datasets import Dataset
 
 from leantune.losses.reward import bradley_terry_loss
 from leantune.trainers.reward_config import RewardConfig
 from leantune.trainers.reward_trainer import RewardCollator, RewardTrainer, prepare_reward_dataset, reward_positions
 
+from ..fixtures.models import tiny_reward_model
 from ..fixtures.paths import HH_PAIRS, require
-
-
-def tiny_reward_model(arch: str = "llama", vocab_size: int = 32000, seed: int = 0):
-    """A 2-layer decoder with a one-output reward head, random weights, fp32."""
-    from transformers import LlamaConfig, LlamaForSequenceClassification, Qwen2Config, Qwen2ForSequenceClassification
-
-    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, pad_token_id=0,
-                  bos_token_id=1, eos_token_id=2, num_labels=1, attn_implementation="sdpa")
-    torch.manual_seed(seed)
-    if arch == "llama":
-        return LlamaForSequenceClassification(LlamaConfig(**common)).float()
-    return Qwen2ForSequenceClassification(Qwen2Config(**common)).float()
 
 
 def config(tmp_path, **overrides) -> RewardConfig:
     values = dict(output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True, disable_tqdm=True, save_strategy="no",
                   max_length=256, per_device_train_batch_size=4, memory_breakdown=False)
     return RewardConfig(**{**values, **overrides})
-
-
-@pytest.fixture(scope="module")
-def hh_pairs():
-    return load_dataset("json", data_files=str(require(HH_PAIRS)), split="train").select(range(16))
 
 
 def pairs(**columns) -> Dataset:

@@ -5,9 +5,6 @@ the default dtype of a model loaded by name or path, and TRL's script keywords (
 
 from __future__ import annotations
 
-import gzip
-import json
-
 import pytest
 import torch
 from datasets import Dataset, DatasetDict
@@ -27,44 +24,18 @@ from leantune import (
     SFTConfig,
     SFTTrainer,
 )
-from leantune.defaults import build_default_model_config, build_default_tokenizer
 from leantune.models.loading import load_causal_lm
 
-from ..fixtures.data import gsm8k_prompt_completion
-from ..fixtures.models import tiny_model
-from ..fixtures.paths import HH_PAIRS, require
-from ..trainers.test_reward import tiny_reward_model
+from ..fixtures.data import count_a, gsm8k_prompt_completion
+from ..fixtures.models import char_model, tiny_model, tiny_reward_model
 
 COMMON = dict(report_to=[], save_strategy="no", use_cpu=True, per_device_train_batch_size=4,
               per_device_eval_batch_size=4, max_steps=1, seed=0, logging_steps=1, learning_rate=1e-3,
               memory_breakdown=False, disable_tqdm=True)
 
 
-@pytest.fixture(scope="module")
-def hh_pairs() -> Dataset:
-    with gzip.open(require(HH_PAIRS), "rt", encoding="utf-8") as handle:
-        rows = [json.loads(line) for _, line in zip(range(16), handle)]
-    return Dataset.from_list(rows)
-
-
-@pytest.fixture(scope="module")
-def char_tokenizer():
-    return build_default_tokenizer()
-
-
-def char_model(tokenizer):
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(build_default_model_config(tokenizer))
-
-
 def prompts(n: int) -> Dataset:
     return Dataset.from_dict({"prompt": [f"reverse: {w} =" for w in ["cat", "dog", "bird", "fish"] * (n // 4)]})
-
-
-def count_a(completions, **kwargs):
-    return [text.count("a") / max(len(text), 1) for text in completions]
 
 
 # --- one builder per trainer: (trainer class, kwargs of a cheap trainer, its raw train data, raw eval data) ---------

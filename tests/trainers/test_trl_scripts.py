@@ -8,7 +8,6 @@ test.jsonl). Per-step losses come from the step-2 checkpoint's trainer_state.jso
 
 from __future__ import annotations
 
-import gzip
 import json
 import math
 import os
@@ -21,8 +20,9 @@ import pytest
 
 trl = pytest.importorskip("trl")
 
+from ..fixtures.data import gsm8k_rows, hh_rows  # noqa: E402
 from ..fixtures.models import tiny_model  # noqa: E402
-from ..fixtures.paths import GSM8K_TRAIN, HH_PAIRS, REPO, require  # noqa: E402
+from ..fixtures.paths import REPO  # noqa: E402
 
 SCRIPTS = Path(trl.__file__).parent / "scripts"
 LEANTUNE_NAMES = {f"{method}{kind}" for method in ("SFT", "DPO", "KTO", "Reward", "GRPO", "RLOO")
@@ -65,10 +65,8 @@ def workspace(tmp_path_factory, tokenizer_dir):
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     tiny_model().save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")
-    with open(require(GSM8K_TRAIN), encoding="utf-8") as handle:
-        gsm8k = [json.loads(line) for _, line in zip(range(8), handle)]
-    with gzip.open(require(HH_PAIRS), "rt", encoding="utf-8") as handle:
-        hh = [json.loads(line) for _, line in zip(range(200), handle)]
+    gsm8k = gsm8k_rows(8)
+    hh = hh_rows(200)
 
     def fits(pair):  # short (no truncation at max_length=128), and the implicit prompt ends at the last "Assistant:"
         shared = os.path.commonprefix([pair["chosen"], pair["rejected"]])
