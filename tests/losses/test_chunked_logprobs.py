@@ -19,15 +19,11 @@ from leantune.losses.token_logprobs import (
 from leantune.metrics.memory_breakdown import StepMemoryMeter
 from leantune.models.output_head import OutputHead
 
+from ..fixtures.comparisons import rel_diff
 from ..fixtures.models import tiny_model
 
 RTOL = 1e-5
 VOCAB = 1000
-
-
-def rel_diff(a, b) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
 
 
 def small_config_model(kind: str):

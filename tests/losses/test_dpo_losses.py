@@ -16,9 +16,9 @@ from leantune import DPOConfig, DPOTrainer
 from leantune.losses.preference import DPO_LOSS_TYPES, dpo_loss, pair_sequence_logps, wpo_weights
 from leantune.losses.token_logprobs import select_targets
 
+from ..fixtures.comparisons import GradientRecorder, rel_diff
 from ..fixtures.data import hh_rows
 from ..fixtures.models import tiny_model
-from ..losses.test_sft_exactness import GradientRecorder, rel_diff
 
 # Three pairs: summed completion log-probs of policy and reference, chosen and rejected, and completion lengths.
 PC, PR = [-4.0, -7.5, -3.2], [-5.0, -6.0, -8.1]

@@ -42,9 +42,9 @@ from liger_cpu import (
     liger_kernels_interpreted,
 )
 
+from ..fixtures.comparisons import GradientRecorder, rel_diff
 from ..fixtures.data import count_a, gsm8k_prompt_completion
 from ..fixtures.models import tiny_model
-from ..losses.test_sft_exactness import GradientRecorder, rel_diff
 
 pytest.importorskip("liger_kernel", reason="needs leantune[liger]")
 pytestmark = pytest.mark.liger_interpreter  # TRITON_INTERPRET=1 stays set for these tests (tests/conftest.py)

@@ -13,21 +13,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from transformers import TrainerCallback
 
 from leantune import SFTConfig, SFTTrainer
-from leantune.losses.causal_lm import count_targets, token_nll
+from leantune.losses.causal_lm import count_targets
 
+from ..fixtures.comparisons import GradientRecorder, rel_diff, token_nll
 from ..fixtures.data import gsm8k_prompt_completion
 from ..fixtures.models import tiny_model
 
 RTOL = 1e-5
 MAX_LENGTH = 256
-
-
-def rel_diff(a, b) -> float:
-    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
-    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
 
 
 def make_trainer(model, tokenizer, dataset, tmp_path, **overrides):
@@ -122,15 +117,6 @@ def test_attention_does_not_cross_packed_sequences(tokenizer, gsm8k_rows, tmp_pa
     for row in rows[1:]:
         key = tuple(row["input_ids"])
         assert rel_diff(changed[key], base[key]) <= RTOL
-
-
-class GradientRecorder(TrainerCallback):
-    def __init__(self, model):
-        self.model, self.grads = model, None
-
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        if self.grads is None:
-            self.grads = {n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None}
 
 
 def first_step(tokenizer, dataset, tmp_path, **overrides):

@@ -13,9 +13,9 @@ import torch
 from leantune import SFTConfig
 from leantune.losses.dispatch import LogProbPath
 
+from ..fixtures.comparisons import GradientRecorder, rel_diff
 from ..fixtures.data import gsm8k_prompt_completion
 from ..fixtures.models import tiny_model
-from ..losses.test_sft_exactness import GradientRecorder, rel_diff
 
 RTOL = 1e-5
 LAYOUTS = {

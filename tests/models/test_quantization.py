@@ -23,9 +23,9 @@ from datasets import Dataset
 
 from leantune.utils.imports import is_available
 
+from ..fixtures.comparisons import GradientRecorder
 from ..fixtures.data import gsm8k_prompt_completion
 from ..fixtures.models import tiny_model
-from ..losses.test_sft_exactness import GradientRecorder
 
 needs_bnb = pytest.mark.skipif(not is_available("bitsandbytes"), reason="needs leantune[bitsandbytes]")
 

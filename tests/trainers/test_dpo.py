@@ -16,9 +16,9 @@ from leantune import DPOConfig, DPOTrainer
 from leantune.data.preference_preparation import PairTruncation
 from leantune.losses.preference import dpo_loss
 
+from ..fixtures.comparisons import GradientRecorder, rel_diff
 from ..fixtures.models import tiny_model
 from ..fixtures.paths import HH_PAIRS
-from ..losses.test_sft_exactness import GradientRecorder, rel_diff
 
 RTOL = 1e-5
 HH_PAIRS_ROWS = 24

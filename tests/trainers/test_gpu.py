@@ -64,7 +64,7 @@ def test_4bit_lora_trains(tokenizer, gsm8k_rows, tmp_path):
 
 
 def first_step_gradients(trainer):
-    from ..losses.test_sft_exactness import GradientRecorder
+    from ..fixtures.comparisons import GradientRecorder
 
     recorder = GradientRecorder(trainer.model)
     trainer.add_callback(recorder)

@@ -21,8 +21,8 @@ from leantune.data.kto_preparation import KL_COLUMN, kl_partners
 from leantune.losses.kto import kl_estimate, kto_loss
 from leantune.trainers.config_utils import checkpointing_setting
 
+from ..fixtures.comparisons import GradientRecorder, rel_diff
 from ..fixtures.models import tiny_model
-from ..losses.test_sft_exactness import GradientRecorder, rel_diff
 
 RTOL = 1e-5
 HH_PAIRS_ROWS = 10
