@@ -10,14 +10,9 @@ import sys
 import pytest
 from datasets import Dataset
 
+from ..fixtures.commands import leantune
 from ..fixtures.models import tiny_model
 from ..fixtures.paths import REPO
-
-
-def leantune(*args, cwd=None, timeout=600):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "-m", "leantune.cli.main", *args], capture_output=True, text=True,
-                          cwd=cwd or REPO, env=env, timeout=timeout)
 
 
 def test_help_lists_commands_and_sft_flags():

@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from ..cli.test_cli import leantune
+from ..fixtures.commands import leantune
 from ..fixtures.models import saved_model_and_data, tiny_model
 
 
@@ -150,8 +150,11 @@ def test_an_empty_prompt_dataset_is_a_clear_error(trainer_name):
     from datasets import Dataset
 
     import leantune
+    from leantune.defaults import build_default_tokenizer
 
-    from ..trainers.test_grpo import build_default_tokenizer, char_model, config, count_a
+    from ..fixtures.data import count_a
+    from ..fixtures.models import char_model
+    from ..fixtures.online_rounds import grpo_config as config
 
     tokenizer = build_default_tokenizer()
     trainer_class = getattr(leantune, trainer_name)

@@ -17,9 +17,10 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
 
+from ..fixtures.comparisons import rel_diff
 from ..fixtures.data import gsm8k_prompt_completion
 from ..fixtures.models import tiny_model
-from ..losses.test_sft_exactness import make_trainer, rel_diff, sequence_losses, whole_dataset_batch
+from ..fixtures.sft_layouts import make_trainer, sequence_losses, whole_dataset_batch
 
 VARLEN_REFERENCE = "leantune_test_varlen_reference"
 # fp32 forward passes whose attention sums run in different orders (one masked softmax over every token vs. one SDPA

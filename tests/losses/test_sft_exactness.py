@@ -20,43 +20,9 @@ from leantune.losses.causal_lm import count_targets
 from ..fixtures.comparisons import GradientRecorder, rel_diff, token_nll
 from ..fixtures.data import gsm8k_prompt_completion
 from ..fixtures.models import tiny_model
+from ..fixtures.sft_layouts import make_trainer, model_inputs, sequence_losses, whole_dataset_batch
 
 RTOL = 1e-5
-MAX_LENGTH = 256
-
-
-def make_trainer(model, tokenizer, dataset, tmp_path, **overrides):
-    settings = dict(output_dir=str(tmp_path), max_length=MAX_LENGTH, report_to=[], save_strategy="no", use_cpu=True,
-                    per_device_train_batch_size=4, max_steps=1, max_grad_norm=0.0, seed=0, logging_steps=1)
-    settings.update(overrides)
-    return SFTTrainer(model=model, args=SFTConfig(**settings), train_dataset=dataset, processing_class=tokenizer)
-
-
-def whole_dataset_batch(trainer):
-    rows = [trainer.train_dataset[i] for i in range(len(trainer.train_dataset))]
-    return trainer.data_collator(rows)
-
-
-def model_inputs(batch) -> dict:
-    return {k: v for k, v in batch.items() if k not in ("labels", "num_real_tokens")}
-
-
-def sequence_losses(model, batch) -> dict[tuple, np.ndarray]:
-    """Per-token next-token NLL of every real sequence in the batch, keyed by its token ids."""
-    inputs = model_inputs(batch)
-    with torch.no_grad():
-        nll = token_nll(model(**inputs).logits, batch["labels"])
-    out = {}
-    for row in range(batch["input_ids"].shape[0]):
-        ids, losses = batch["input_ids"][row], nll[row]
-        if "attention_mask" in batch:
-            n = int(batch["attention_mask"][row].sum())
-            out[tuple(ids[:n].tolist())] = losses[:n].numpy()
-            continue
-        starts = torch.nonzero(batch["position_ids"][row] == 0).flatten().tolist() + [len(ids)]
-        for a, b in zip(starts[:-1], starts[1:]):
-            out[tuple(ids[a:b].tolist())] = losses[a:b].numpy()
-    return out
 
 
 def step_gradients(model, batch) -> dict[str, torch.Tensor]:

@@ -3,8 +3,6 @@ from its config alone without allocating its weights; the command's mistakes are
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import resource
 import time
@@ -17,24 +15,10 @@ from leantune.planning.devices import parse_budget
 
 from ..fixtures.data import gsm8k_prompt_completion
 from ..fixtures.models import tiny_model
+from ..fixtures.planning import LLAMA_3_70B, measured_breakdown
+
 
 # Llama-3-70B's published shape (config.json of meta-llama/Meta-Llama-3-70B), written here: nothing from the Hub.
-LLAMA_3_70B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192,
-               "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
-               "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192,
-               "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False, "bos_token_id": 128000,
-               "eos_token_id": 128001, "hidden_act": "silu"}
-
-
-def _measured_peak(trainer_class, config_class, model, dataset, tokenizer, fields) -> int:
-    args = config_class(output_dir="/tmp/leantune-test-plan", use_cpu=True, report_to=[], save_strategy="no",
-                        disable_tqdm=True, memory_breakdown=True, max_steps=2, **fields)
-    trainer = trainer_class(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
-    with contextlib.redirect_stdout(io.StringIO()):
-        trainer.train()
-    return trainer.memory_breakdown
-
-
 @pytest.mark.parametrize("arch, fields", [
     ("qwen2", dict(packing=True, per_device_train_batch_size=2, max_length=192, gradient_checkpointing=False)),
     ("llama", dict(per_device_train_batch_size=3, gradient_accumulation_steps=2, max_length=160,
@@ -46,7 +30,7 @@ def test_plan_predicts_the_measured_step_peak(tokenizer, gsm8k_rows, arch, field
     dataset = gsm8k_prompt_completion(gsm8k_rows, 24)
     model = tiny_model(arch)
     plan = plan_memory(model.config, dataset, "sft", processing_class=tokenizer, **fields)
-    measured = _measured_peak(SFTTrainer, SFTConfig, model, dataset, tokenizer, fields)
+    measured = measured_breakdown(SFTTrainer, SFTConfig, model, dataset, tokenizer, fields)
     predicted = plan.measured_step
     # Both numbers are MemTracker's sums of the same tensors' byte sizes (one with storage, one fake), so they agree to
     # the byte in every configuration measured (docs/benchmarks.md); 2% is the bound the plan promises, per part too

@@ -20,7 +20,7 @@ from leantune.utils.imports import is_available
 
 from ..fixtures.data import gsm8k_prompt_completion
 from ..fixtures.models import tiny_model
-from ..planning.test_plan import LLAMA_3_70B
+from ..fixtures.planning import LLAMA_3_70B
 
 pytestmark = pytest.mark.skipif(not is_available("bitsandbytes"), reason="needs leantune[bitsandbytes]")
 

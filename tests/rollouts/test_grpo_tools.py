@@ -16,6 +16,7 @@ from datasets import Dataset
 from leantune import GRPOConfig, GRPOTrainer
 from leantune.losses.dispatch import LogProbPath
 
+from ..fixtures.online_rounds import one_round
 from ..fixtures.paths import CHAT_TEMPLATES, TOKENIZER_DIR
 
 IGNORE = -100
@@ -105,12 +106,6 @@ class Script:
         width = max(map(len, rows))
         rows = [r + [self.tokenizer.pad_token_id] * (width - len(r)) for r in rows]
         return torch.cat([input_ids, torch.tensor(rows, device=input_ids.device)], dim=-1)
-
-
-def one_round(trainer):
-    trainer.model_wrapped = trainer.model
-    rows = [trainer.train_dataset[i] for i in range(trainer.round_size // trainer.args.num_generations)]
-    return trainer.generation_round(rows)
 
 
 def message_count(completions, **kwargs):

@@ -8,9 +8,10 @@ import torch
 from leantune import SFTConfig, SFTTrainer
 from leantune.utils.imports import is_available
 
+from ..fixtures.comparisons import rel_diff
 from ..fixtures.data import gsm8k_prompt_completion
 from ..fixtures.models import tiny_model
-from ..losses.test_sft_exactness import rel_diff, sequence_losses, whole_dataset_batch
+from ..fixtures.sft_layouts import sequence_losses, whole_dataset_batch
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

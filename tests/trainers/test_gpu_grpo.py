@@ -40,7 +40,7 @@ def gpu_config(tmp_path, **overrides):
 
 @cuda
 def test_chunked_equals_full_on_cuda(tokenizer, tmp_path):
-    from ..trainers.test_grpo import loss_and_grads, one_round
+    from ..fixtures.online_rounds import loss_and_grads, one_round
 
     trainer = GRPOTrainer(tiny_model().cuda(), count_a, args=gpu_config(tmp_path, beta=0.1), train_dataset=prompts(),
                           processing_class=tokenizer)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from datasets import Dataset
 
-from leantune import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+from leantune import GRPOTrainer, RLOOConfig, RLOOTrainer
 from leantune.losses.advantages import (
     group_relative_advantages,
     leave_one_out_advantages,
@@ -26,41 +26,9 @@ from leantune.trainers.config_utils import checkpointing_setting, enable_model_c
 from ..fixtures.data import count_a
 from ..fixtures.data import reversal_prompts_with_answers as prompts
 from ..fixtures.models import char_model, tiny_model
+from ..fixtures.online_rounds import assert_grads_close, loss_and_grads, one_round
+from ..fixtures.online_rounds import grpo_config as config
 from ..fixtures.paths import REPO, SCRIPTS
-
-
-def config(cls=GRPOConfig, **overrides):
-    settings = dict(output_dir="/tmp/leantune-test-grpo", use_cpu=True, report_to=[], save_strategy="no",
-                    per_device_train_batch_size=8, num_generations=4, max_completion_length=8, max_steps=2,
-                    learning_rate=1e-3, logging_steps=1, disable_tqdm=True, memory_breakdown=False, seed=0)
-    settings.update(overrides)
-    return cls(**settings)
-
-
-def one_round(trainer):
-    """The micro-batches of one generation round, with the trainer's model set up as in training."""
-    trainer.model_wrapped = trainer.model
-    rows = [trainer.train_dataset[i] for i in range(trainer.round_size // trainer.args.num_generations)]
-    return trainer.generation_round(rows)
-
-
-def assert_grads_close(got: dict, expected: dict) -> None:
-    """Per tensor: rel 1e-5 elementwise, and 1e-5 of the tensor's largest entry as the floor. An entry near 0 is a sum
-    of per-token terms as large as the largest entries, so its fp32 rounding scales with those (measured: 3.7e-8 on an
-    entry of a gradient whose largest entry is 0.11, i.e. 3e-7 of it), not with the entry; a fixed atol does not."""
-    assert got.keys() == expected.keys() and expected
-    for name, reference in expected.items():
-        torch.testing.assert_close(got[name], reference, rtol=1e-5, atol=1e-5 * float(reference.abs().max()))
-
-
-def loss_and_grads(trainer, batch):
-    trainer.model.zero_grad()
-    trainer.model.train()
-    loss = trainer.compute_loss(trainer.model, trainer._prepare_inputs(dict(batch)), num_items_in_batch=None)
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
-    return loss.detach(), grads
-
 
 # --- advantages and losses on small tensors -------------------------------------------------------------------
 

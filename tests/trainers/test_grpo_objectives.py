@@ -30,15 +30,11 @@ from leantune.losses.policy_gradient import (
 )
 from leantune.models.output_head import OutputHead, compute_head_in_fp32
 
-from ..trainers.test_grpo import (
-    assert_grads_close,
-    char_model,
-    config,
-    count_a,
-    loss_and_grads,
-    one_round,
-    prompts,
-)
+from ..fixtures.data import count_a
+from ..fixtures.data import reversal_prompts_with_answers as prompts
+from ..fixtures.models import char_model
+from ..fixtures.online_rounds import assert_grads_close, loss_and_grads, one_round
+from ..fixtures.online_rounds import grpo_config as config
 
 F64 = torch.float64
 # The by-hand cases are float64 sums and products of a handful of terms: exact to ~1e-15 of values of order 1.

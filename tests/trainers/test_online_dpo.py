@@ -20,6 +20,7 @@ from leantune.losses.preference import chosen_and_rejected, preferred_in_pairs
 from ..fixtures.data import count_a
 from ..fixtures.data import reversal_prompts as prompts
 from ..fixtures.models import char_model, tiny_model
+from ..fixtures.online_rounds import assert_grads_close, loss_and_grads
 
 
 class RecordingReward:
@@ -47,22 +48,6 @@ def one_round(trainer):
     trainer.model_wrapped = trainer.model
     rows = [trainer.train_dataset[i] for i in range(trainer.round_size // 2)]
     return rows, trainer.generation_round(rows)
-
-
-def loss_and_grads(trainer, batch):
-    trainer.model.zero_grad()
-    trainer.model.train()
-    loss = trainer.compute_loss(trainer.model, trainer._prepare_inputs(dict(batch)), num_items_in_batch=None)
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
-
-
-def assert_grads_close(got: dict, expected: dict) -> None:
-    """Per tensor: rel 1e-5 elementwise, with 1e-5 of the tensor's largest entry as the floor (an entry near 0 is a sum
-    of terms as large as the largest entries, so its fp32 rounding scales with those, not with the entry)."""
-    assert got.keys() == expected.keys() and expected
-    for name, reference in expected.items():
-        torch.testing.assert_close(got[name], reference, rtol=1e-5, atol=1e-5 * float(reference.abs().max()))
 
 
 def moved_policy(trainer) -> None:

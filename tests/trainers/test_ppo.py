@@ -22,7 +22,10 @@ from leantune.losses.ppo import (
 )
 from leantune.models.value_head import VALUE_WEIGHTS_NAME
 
-from ..trainers.test_grpo import assert_grads_close, char_model, count_a, prompts
+from ..fixtures.data import count_a
+from ..fixtures.data import reversal_prompts_with_answers as prompts
+from ..fixtures.models import char_model
+from ..fixtures.online_rounds import assert_grads_close, loss_and_grads
 
 
 def config(**overrides):
@@ -60,15 +63,6 @@ def off_policy(batch: dict) -> dict:
     batch["old_logps"] = batch["old_logps"] + shift
     batch["old_values"] = batch["old_values"] - 2 * shift
     return batch
-
-
-def loss_and_grads(trainer, batch):
-    trainer.model.zero_grad()
-    trainer.model.train()
-    loss = trainer.compute_loss(trainer.model, trainer._prepare_inputs(dict(batch)), num_items_in_batch=None)
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
-    return loss.detach(), grads
 
 
 # --- the per-token pieces by hand ----------------------------------------------------------------------------------
