@@ -174,7 +174,7 @@ def rel_diff(a, b) -> float:
 
 def liger_chunked_full(ctx: Context, row: dict) -> None:
     """Per-token log-probs and their gradient wrt the hidden states: Liger's fused kernel, leantune's chunked head
-    and the full logits. Tolerance as tests/test_liger_cpu.py: fp32 log-softmax in other orders differs by ~1e-6
+    and the full logits. Tolerance as tests/losses/test_liger_cpu.py: fp32 log-softmax in other orders differs by ~1e-6
     on log-probs of ~10 (1e-7 relative): 1e-5 relative to the largest value; gradients 5e-5 (compounded ulps)."""
     import torch
 

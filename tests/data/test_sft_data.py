@@ -114,7 +114,7 @@ def test_conversation_without_chat_template_is_a_clear_error(tokenizer, tmp_path
 
 
 def test_assistant_only_loss_without_generation_markers_uses_the_template_prefixes(tokenizer, tmp_path):
-    # The same turns as with the markers (tests/test_assistant_masks.py compares the masks token by token).
+    # The same turns as with the markers (tests/data/test_assistant_masks.py compares the masks token by token).
     tokenizer.chat_template = tokenizer.chat_template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
     trainer = trainer_for(Dataset.from_list(CONVERSATIONS), tokenizer, tmp_path, assistant_only_loss=True)
     labels = trainer.data_collator([trainer.train_dataset[1]])["labels"][0]

@@ -1,7 +1,7 @@
 """The offsets FlashAttention's varlen kernels would read, checked on CPU.
 
 On a GPU with flash-attn, transformers hands the collator's `cu_seq_lens_q/k` and `max_length_q/k` straight to
-`flash_attn_varlen_func` (tests/test_gpu.py runs that). FlashAttention needs CUDA, so here the same offsets are
+`flash_attn_varlen_func` (tests/trainers/test_gpu.py runs that). FlashAttention needs CUDA, so here the same offsets are
 checked three ways: they are what transformers itself would derive from the position ids, they delimit exactly the
 dataset's sequences in order, and attention computed by FlashAttention's varlen contract from them (tokens of all
 rows laid end to end, causal inside each [cu[i], cu[i+1]) and nowhere else; written below as one masked softmax,

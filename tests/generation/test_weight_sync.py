@@ -1,6 +1,6 @@
 """`policy_weights_for_sync`: checkpoint names and values for plain, wrapped and PEFT models (CPU).
 
-ZeRO-3's module-at-a-time gathering needs DeepSpeed on a GPU: tests/test_gpu_online.py.
+ZeRO-3's module-at-a-time gathering needs DeepSpeed on a GPU: tests/generation/test_gpu_online.py.
 """
 
 from __future__ import annotations

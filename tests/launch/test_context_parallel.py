@@ -6,7 +6,7 @@ Under cp_size=2 both processes take the same batch and each holds half of every 
 passes keys and values between them); the CPU-only part (the ring for the CPU SDPA kernel) is a test helper in
 tests/cpu_engines/.
 
-Tolerances (SGD with momentum 0.9, no clipping, 2 steps, lr 1e-2; tests/scripts/cp_run.py), as tests/test_scale_out.py:
+Tolerances (SGD with momentum 0.9, no clipping, 2 steps, lr 1e-2; tests/scripts/cp_run.py), as tests/launch/test_scale_out.py:
 - Per-step losses: 1e-5 relative. Context parallelism changes only how each attention row's softmax is assembled
   (two blocks merged through their log-sum-exp, fp32: ~1e-7 relative) and how the loss's partial sums are all-reduced.
   Measured: padded identical to the last bit, packed / padding-free within 1 ulp (1e-7). Letting packed documents see

@@ -249,7 +249,7 @@ def leaves_reached(tensor: torch.Tensor) -> set[int]:
 def test_trainers_forward_keeps_the_head_in_its_graph_exactly():
     """`capture_hidden_states(head_follows=True)` (the trainers' forward): the empty logits reach the head's weight,
     so DDP with find_unused_parameters=True (no gradient checkpointing) counts it used and waits for the chunked loss's
-    gradient instead of failing (the 2-process run: tests/test_launch.py). Values and gradients stay the full path's,
+    gradient instead of failing (the 2-process run: tests/launch/test_launch.py). Values and gradients stay the full path's,
     and a micro-batch without targets gives the head a zero gradient, not none, which DDP would wait for forever."""
     model = small_config_model("llama")
     input_ids, labels = batch()

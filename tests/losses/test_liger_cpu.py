@@ -410,7 +410,7 @@ def test_plan_of_a_liger_run_equals_its_measured_step(tokenizer, gsm8k_rows, ker
     measured = measured_breakdown(SFTTrainer, SFTConfig, model, dataset, tokenizer, fields)
     assert kernel_calls.take() > 0  # and so did the measured run, for real under Triton's interpreter
     predicted = plan.measured_step
-    # The same bound as tests/test_plan.py: both sides are MemTracker's sums of the same tensors' sizes (real, fake).
+    # The same bound as tests/planning/test_plan.py: both sides are MemTracker's sums of the same tensors' sizes (real, fake).
     assert abs(predicted.peak_bytes - measured.peak_bytes) <= 0.02 * measured.peak_bytes
     for part, size in measured.parts.items():
         assert abs(predicted.parts.get(part, 0) - size) <= 0.02 * measured.peak_bytes, part

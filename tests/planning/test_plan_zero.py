@@ -1,5 +1,5 @@
 """What the ZeRO plan reads from the DeepSpeed config the run will use (leantune/planning/zero.py). Its numbers are
-checked against real 2-process runs in tests/test_scale_out.py (tests/plan_zero_check.py), on the launches made
+checked against real 2-process runs in tests/launch/test_scale_out.py (tests/fixtures/launched_plans.py), on the launches made
 there anyway; here, the config's reading and the mistakes a user can make, with no launch."""
 
 from __future__ import annotations

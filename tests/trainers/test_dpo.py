@@ -141,7 +141,7 @@ def test_loss_types_against_hand_computed_values():
     by_hand = lambda a, b: (beta * (a.double() - b.double())).tolist()  # noqa: E731
     assert chosen_rewards.tolist() == pytest.approx(by_hand(pc, rc), rel=1e-6)
     assert rejected_rewards.tolist() == pytest.approx(by_hand(pr, rr), rel=1e-6)
-    # label smoothing is robust DPO's (TRL 1.16: the sigmoid loss ignores it); every type: tests/test_dpo_losses.py
+    # label smoothing is robust DPO's (TRL 1.16: the sigmoid loss ignores it); every type: tests/losses/test_dpo_losses.py
     smoothed, _, _ = dpo_loss(pc, pr, rc, rr, beta, "robust", label_smoothing=0.1)
     expected = [(0.9 * -math.log(1 / (1 + math.exp(-beta * m))) - 0.1 * -math.log(1 / (1 + math.exp(beta * m))))
                 / 0.8 for m in margin.tolist()]

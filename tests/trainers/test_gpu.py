@@ -47,7 +47,7 @@ def test_peak_memory_is_cuda_max_allocated(tokenizer, gsm8k_rows, tmp_path):
 @pytest.mark.skipif(not is_available("bitsandbytes"), reason="needs leantune[bitsandbytes]")
 def test_4bit_lora_trains(tokenizer, gsm8k_rows, tmp_path):
     """The CUDA path of 4-bit LoRA: the model loads on the current GPU. Gradients, every trainer, the CPU repacking
-    guard and the CLI are tested on CPU in tests/test_quantization.py."""
+    guard and the CLI are tested on CPU in tests/models/test_quantization.py."""
     from peft import LoraConfig
 
     model_dir = tmp_path / "model"

@@ -1,7 +1,7 @@
 """GRPO/RLOO on a GPU: the trainer with CUDA, bf16, Liger requested, vLLM colocated with sleep mode, and DeepSpeed
 ZeRO-3 with and without gathering for generation. Skipped without CUDA (and without the extra each needs).
 
-Backend-level vLLM and ZeRO-3 checks live in tests/test_gpu_online.py; these run the whole trainer."""
+Backend-level vLLM and ZeRO-3 checks live in tests/generation/test_gpu_online.py; these run the whole trainer."""
 
 from __future__ import annotations
 

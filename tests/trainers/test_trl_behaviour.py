@@ -366,7 +366,7 @@ def test_grpo_takes_trls_keywords_and_names_what_it_lacks(char_tokenizer, tmp_pa
                       **dict(COMMON, output_dir=str(tmp_path), per_device_train_batch_size=2))
     with pytest.raises(ValueError, match="No reward source provided"):
         GRPOTrainer(char_model(char_tokenizer), args=args, train_dataset=prompts(8), processing_class=char_tokenizer)
-    # the agentic keywords are taken (tests/test_grpo_tools.py); a value of the wrong kind is an error naming them
+    # the agentic keywords are taken (tests/rollouts/test_grpo_tools.py); a value of the wrong kind is an error naming them
     for keyword in ("tools", "rollout_func", "environment_factory"):
         with pytest.raises(ValueError, match=f"`{keyword}`"):
             GRPOTrainer(char_model(char_tokenizer), count_a, args=args, train_dataset=prompts(8),
