@@ -16,7 +16,7 @@ PY=${LEANTUNE_LOWER_BOUNDS_BASE_PYTHON:-python3}
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 # The versions claimed as lower bounds in pyproject.toml; keep the two in step.
 PINS=(torch==2.11.0 transformers==5.17.0 accelerate==1.15.0 peft==0.21.0 datasets==5.0.1)
-# numpy<2.4: torch 2.11 pins triton 3.6, whose interpreter (Liger's kernels on CPU, liger_cpu/__init__.py) fails under
+# numpy<2.4: torch 2.11 pins triton 3.6, whose interpreter (Liger's kernels on CPU, devkit/liger_cpu.py) fails under
 # numpy 2.4 ("only 0-dimensional arrays can be converted to Python scalars"); compiled GPU kernels are not affected.
 EXTRAS=(liger-kernel==0.8.5 bitsandbytes==0.50.2 "numpy<2.4" "pytest>=8" pytest-timeout "pytest-xdist>=3.5")
 

@@ -15,8 +15,8 @@ import torch
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, torch.get_num_threads() // _WORKERS)))
 
-# Before anything imports triton: Liger's kernels on CPU need Triton's interpreter from the start (liger_cpu/)
-from liger_cpu import hide_interpreter, interpreter_on_for_imports  # noqa: E402
+# Before anything imports triton: Liger's kernels on CPU need Triton's interpreter from the start (devkit/liger_cpu.py)
+from devkit.liger_cpu import hide_interpreter, interpreter_on_for_imports  # noqa: E402
 
 interpreter_on_for_imports(cuda=torch.cuda.is_available())
 

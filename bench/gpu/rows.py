@@ -279,7 +279,7 @@ def liger_patches_undone(dry: bool):
     """Liger's model patching (TRL's `use_liger_kernel`, leantune's on CUDA) also replaces module-level names of
     transformers' modeling_qwen2 / modeling_llama (RoPE, RMSNorm, MLP) and may replace torch's cross_entropy:
     restored after the row, so later rows build the plain models. Dry: Liger's kernels under Triton's interpreter
-    need the two bridges of liger_cpu/ (a float kernel argument; libdevice's tanh/rsqrt)."""
+    need the two bridges of devkit/liger_cpu.py (a float kernel argument; libdevice's tanh/rsqrt)."""
     import torch.nn.functional as F
     from transformers.models.llama import modeling_llama
     from transformers.models.qwen2 import modeling_qwen2
@@ -292,7 +292,7 @@ def liger_patches_undone(dry: bool):
     if dry:
         import pytest
 
-        from liger_cpu import bridge_interpreter_gaps
+        from devkit.liger_cpu import bridge_interpreter_gaps
 
         bridge = pytest.MonkeyPatch()
         bridge_interpreter_gaps(bridge)

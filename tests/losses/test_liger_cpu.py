@@ -21,6 +21,13 @@ import pytest
 import torch
 from datasets import Dataset
 
+from devkit.liger_cpu import (
+    FusedKernelCalls,
+    bridge_interpreter_gaps,
+    forget_liger,
+    keep_llama_unpatched,
+    liger_kernels_interpreted,
+)
 from leantune import (
     DPOConfig,
     DPOTrainer,
@@ -34,13 +41,6 @@ from leantune import (
     SFTTrainer,
 )
 from leantune.losses.dispatch import LogProbPath, choose_logprob_path
-from liger_cpu import (
-    FusedKernelCalls,
-    bridge_interpreter_gaps,
-    forget_liger,
-    keep_llama_unpatched,
-    liger_kernels_interpreted,
-)
 
 from ..fixtures.comparisons import GradientRecorder, rel_diff
 from ..fixtures.data import count_a, gsm8k_prompt_completion

@@ -212,7 +212,7 @@ def test_padded_padding_free_packed_chunked_and_full_agree(char_tokenizer, tmp_p
 
 @pytest.mark.liger_interpreter
 def test_liger_fused_jsd_equals_the_chunked_path(char_tokenizer, tmp_path, monkeypatch):
-    from liger_cpu import liger_kernels_interpreted
+    from devkit.liger_cpu import liger_kernels_interpreted
 
     reason = liger_kernels_interpreted()
     if reason is not None:

@@ -4,26 +4,17 @@ fields leantune does not implement yet refuse other values; the implemented ones
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 
 import pytest
 
 import leantune
+from devkit import trl_fields
 from leantune.trainers.config_utils import UNSUPPORTED_TRL_FIELDS, checkpointing_field
 
 from ..fixtures.models import tiny_model
 from ..fixtures.paths import REPO
 
-
-def _script():
-    spec = importlib.util.spec_from_file_location("trl_fields", REPO / "bench" / "trl_fields.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-trl_fields = _script()
 SNAPSHOT = trl_fields.load_snapshot()
 CONFIGS = tuple(SNAPSHOT["configs"])
 

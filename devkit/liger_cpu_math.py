@@ -1,4 +1,4 @@
-"""libdevice's tanh and rsqrt in triton.language, for Triton's CPU interpreter (liger_cpu/__init__.py): imported only
+"""libdevice's tanh and rsqrt in triton.language, for Triton's CPU interpreter (devkit/liger_cpu.py): imported only
 by `bridge_interpreter_gaps`, after triton, so importing it never imports triton early."""
 
 import triton

@@ -104,9 +104,9 @@ def bridge_interpreter_gaps(monkeypatch) -> None:
         return original(arg)
 
     monkeypatch.setattr(interpreter, "_implicit_cvt", implicit_cvt)
-    from . import interpreter_math
+    from . import liger_cpu_math
 
-    replacements = {"tanh": interpreter_math.tanh, "rsqrt": interpreter_math.rsqrt}
+    replacements = {"tanh": liger_cpu_math.tanh, "rsqrt": liger_cpu_math.rsqrt}
     for name, module in list(sys.modules.items()):
         if name.startswith("liger_kernel.ops") and module is not None:
             for function, replacement in replacements.items():
