@@ -26,7 +26,7 @@ def data_root() -> Path:
     if explicit:
         return Path(explicit)
     beside = REPO.parent / "shared"
-    return beside if beside.is_dir() else REPO / "tests" / "data" / "shared"
+    return beside if beside.is_dir() else REPO / "tests" / "fixtures" / "shared"
 
 
 SHARED = data_root()
