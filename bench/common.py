@@ -2,7 +2,7 @@
 
 Nothing here is imported by the library itself. Data: the full-size copies in the project's `shared/` folder
 (`LEANTUNE_SHARED=/path/to/shared`, else `<repo>/../shared` where it exists), or else the slices of the same files kept
-in the repository's tests/data/shared (3,000 GSM8K rows, 300 HH-RLHF pairs, the same tokenizer); nothing is downloaded.
+in the repository's tests/fixtures/shared (3,000 GSM8K rows, 300 HH-RLHF pairs, the same tokenizer); nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def data_root() -> Path:
     if explicit:
         return Path(explicit)
     beside = REPO.parent / "shared"
-    return beside if beside.is_dir() else REPO / "tests" / "data" / "shared"
+    return beside if beside.is_dir() else REPO / "tests" / "fixtures" / "shared"
 
 
 SHARED = data_root()

@@ -5,7 +5,7 @@ moment once training has begun (up to --max_delay times the reference's time per
 renames each take part of that time, so kills land in saves too, counted by the staging folders they leave), and
 resumes from the latest complete checkpoint, KILLS times; then it runs to the end. Checked: the final checkpoint's
 history holds steps 1..STEPS once each, with the reference's losses (same float operations in the same order: 1e-6
-relative, see tests/test_resume.py), and every step a killed attempt trained (a journal written at each log) had the
+relative, see tests/trainers/test_resume.py), and every step a killed attempt trained (a journal written at each log) had the
 reference's loss too.
 
     PYTHONPATH=. OMP_NUM_THREADS=1 python bench/kill_resume.py --kills 20 --steps 30 --seed 0

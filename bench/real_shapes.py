@@ -32,7 +32,7 @@ at this 2-core machine's ~40 GFLOP/s fp32 peak, `--quick` takes ~10 minutes and 
 machine is quiet (plus ~2-5 minutes of planning a length); `--lengths` runs a subset.
 
 Nothing is downloaded. The tokenizer (only its special ids are used) is the Mistral one (bench/common.py's
-TOKENIZER_DIR: the shared folder's, else the copy in tests/data/shared), or `--tokenizer DIR`.
+TOKENIZER_DIR: the shared folder's, else the copy in tests/fixtures/shared), or `--tokenizer DIR`.
 """
 
 from __future__ import annotations

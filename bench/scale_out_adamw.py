@@ -2,9 +2,9 @@
 
     python bench/scale_out_adamw.py [--engines ddp,fsdp2,zero2,zero3] [--optimizers adamw,sgd] [--steps 3]
 
-SFT of tests/conftest.py's tiny Llama shape (hidden 64, 2 layers, vocabulary 32,000; random init, seed 0) on 32
+SFT of tests/fixtures/models.py's tiny Llama shape (hidden 64, 2 layers, vocabulary 32,000; random init, seed 0) on 32
 GSM8K prompt-completion rows, global batch 4 (1 x 4 against 2 x 2), max_length 64, no clipping, no weight decay,
-lr 1e-3 (AdamW) / 1e-2 (SGD, momentum 0.9, as tests/test_scale_out.py). Launched exactly as
+lr 1e-3 (AdamW) / 1e-2 (SGD, momentum 0.9, as tests/launch/test_scale_out.py). Launched exactly as
 bench/scale_out_memory.py (accelerate launch with examples/accelerate/*.yaml and the CPU helpers of
 tests/cpu_engines/). After every step the full weights are gathered (the engine's own full state dict) and written;
 the one-process run also writes the first step's gradient.

@@ -4,7 +4,7 @@
 
 Every run is `accelerate launch --config_file examples/accelerate/<engine>.yaml` of this file's worker (an SFT run of
 a ~32M-parameter Llama, vocabulary 32,000, hidden 384, 4 layers, fp32, built from a config and saved to a temporary
-folder), with the CPU-only test helpers of tests/cpu_engines/ exactly as tests/test_scale_out.py uses them: FSDP2
+folder), with the CPU-only test helpers of tests/cpu_engines/ exactly as tests/launch/test_scale_out.py uses them: FSDP2
 through its sitecustomize (LEANTUNE_TEST_CPU_FSDP=1), DeepSpeed with DS_ACCELERATOR=cpu, ZeRO-3 with
 tests/cpu_engines/deepspeed_zero3_cpu.json (every parameter partitioned).
 
@@ -209,7 +209,7 @@ def make_assets(root: Path, hidden: int, layers: int) -> None:
 
 
 def zero3_cpu_config(root: Path) -> Path:
-    """examples/accelerate/zero3.yaml with tests/cpu_engines/deepspeed_zero3_cpu.json (as tests/test_scale_out.py)."""
+    """examples/accelerate/zero3.yaml with tests/cpu_engines/deepspeed_zero3_cpu.json (as tests/launch/test_scale_out.py)."""
     path = root / "zero3_cpu.yaml"
     text = (EXAMPLES / "zero3.yaml").read_text()
     text = text.replace("deepspeed_config:\n",

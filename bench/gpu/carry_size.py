@@ -1,7 +1,7 @@
 """What one device call carries: the working tree that travels (tracked files and untracked files git does not
 ignore) plus the wheel folder named in `carry`. The device takes 64 MiB a call; the kit keeps under 60 MiB.
 
-Run by bench/gpu/run.sh and fetch_wheels.sh, and by tests/test_gpu_kit.py. Without fetched wheels it counts the
+Run by bench/gpu/run.sh and fetch_wheels.sh, and by tests/benchmarks/test_gpu_kit.py. Without fetched wheels it counts the
 sizes they had when measured (KNOWN_WHEEL_BYTES, pinned in wheels.txt), so the check holds offline."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """leantune's GPU acceptance kit: every row leantune beside TRL 1.16 on real model shapes, in one call.
 
     bash bench/gpu/run.sh            # on the GPU machine: <= 8 minutes, results in $OUT (or ./gpu-results)
-    bash bench/gpu/run.sh --dry      # every row at tiny size on CPU, < 2 minutes (tests/test_gpu_kit.py)
+    bash bench/gpu/run.sh --dry      # every row at tiny size on CPU, < 2 minutes (tests/benchmarks/test_gpu_kit.py)
 
 Rows run in order of value, each with its own time budget (a SIGALRM timer) and its own try/except: a failing row
 records its error and traceback tail and the kit goes on; results.json and results.md are rewritten after every row;

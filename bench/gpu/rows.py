@@ -174,7 +174,7 @@ def rel_diff(a, b) -> float:
 
 def liger_chunked_full(ctx: Context, row: dict) -> None:
     """Per-token log-probs and their gradient wrt the hidden states: Liger's fused kernel, leantune's chunked head
-    and the full logits. Tolerance as tests/test_liger_cpu.py: fp32 log-softmax in other orders differs by ~1e-6
+    and the full logits. Tolerance as tests/losses/test_liger_cpu.py: fp32 log-softmax in other orders differs by ~1e-6
     on log-probs of ~10 (1e-7 relative): 1e-5 relative to the largest value; gradients 5e-5 (compounded ulps)."""
     import torch
 
@@ -279,7 +279,7 @@ def liger_patches_undone(dry: bool):
     """Liger's model patching (TRL's `use_liger_kernel`, leantune's on CUDA) also replaces module-level names of
     transformers' modeling_qwen2 / modeling_llama (RoPE, RMSNorm, MLP) and may replace torch's cross_entropy:
     restored after the row, so later rows build the plain models. Dry: Liger's kernels under Triton's interpreter
-    need the two bridges of tests/liger_cpu.py (a float kernel argument; libdevice's tanh/rsqrt)."""
+    need the two bridges of devkit/liger_cpu.py (a float kernel argument; libdevice's tanh/rsqrt)."""
     import torch.nn.functional as F
     from transformers.models.llama import modeling_llama
     from transformers.models.qwen2 import modeling_qwen2
@@ -292,7 +292,7 @@ def liger_patches_undone(dry: bool):
     if dry:
         import pytest
 
-        from tests.liger_cpu import bridge_interpreter_gaps
+        from devkit.liger_cpu import bridge_interpreter_gaps
 
         bridge = pytest.MonkeyPatch()
         bridge_interpreter_gaps(bridge)

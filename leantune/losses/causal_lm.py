@@ -15,16 +15,3 @@ def shifted_targets(labels: torch.Tensor) -> torch.Tensor:
 
 def count_targets(labels: torch.Tensor) -> torch.Tensor:
     return (labels[..., 1:] != IGNORE_INDEX).sum()
-
-
-def token_nll(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Per-position negative log-likelihood of the next token, in fp32; 0 where there is no target."""
-    targets = shifted_targets(labels)
-    nll = F.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
-    )
-    return nll.view(targets.shape)
-
-
-def nll_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return token_nll(logits, labels).sum()

@@ -87,12 +87,6 @@ def attach_value_function(policy: torch.nn.Module, value: ValueFunction) -> None
     policy.add_module(VALUE_ATTRIBUTE, value)
 
 
-def value_function_of(model) -> ValueFunction:
-    while not hasattr(model, VALUE_ATTRIBUTE) and isinstance(getattr(model, "module", None), torch.nn.Module):
-        model = model.module
-    return getattr(model, VALUE_ATTRIBUTE)
-
-
 @contextlib.contextmanager
 def detached_value_function(policy: torch.nn.Module):
     """The policy without its value function for the block (its save is then the model as given)."""

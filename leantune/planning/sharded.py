@@ -76,27 +76,32 @@ def _reset_accelerate() -> None:
     GradientState._reset_state()
 
 
-@contextlib.contextmanager
-def _fsdp_on_cpu_state():
+def switch_cpu_state_to_fsdp(state, fsdp_plugin=None) -> None:
     """accelerate turns FSDP on only for accelerator devices; the plan is of a GPU launch traced on CPU, so a MULTI_CPU
-    state asked for FSDP becomes FSDP, as accelerate makes it on a GPU (tests/cpu_engines/sitecustomize.py does the
-    same for the real CPU launches the plan is checked against)."""
+    state asked for FSDP becomes FSDP, as accelerate makes it on a GPU. The real CPU launches the plan is checked
+    against apply the same rule (tests/cpu_engines/sitecustomize.py)."""
     from accelerate import state as accelerate_state
     from accelerate.utils import DistributedType
+
+    asked = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" or fsdp_plugin is not None
+    if asked and state.distributed_type == DistributedType.MULTI_CPU:
+        state.distributed_type = DistributedType.FSDP
+        if fsdp_plugin is not None:
+            if state._mixed_precision != "no":
+                fsdp_plugin.set_mixed_precision(state._mixed_precision)
+            state.fsdp_plugin = fsdp_plugin
+        accelerate_state.PartialState._shared_state["distributed_type"] = state.distributed_type
+
+
+@contextlib.contextmanager
+def _fsdp_on_cpu_state():
+    from accelerate import state as accelerate_state
 
     original = accelerate_state.AcceleratorState.__init__
 
     def init(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        plugin = kwargs.get("fsdp_plugin")
-        asked = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" or plugin is not None
-        if asked and self.distributed_type == DistributedType.MULTI_CPU:
-            self.distributed_type = DistributedType.FSDP
-            if plugin is not None:
-                if self._mixed_precision != "no":
-                    plugin.set_mixed_precision(self._mixed_precision)
-                self.fsdp_plugin = plugin
-            accelerate_state.PartialState._shared_state["distributed_type"] = self.distributed_type
+        switch_cpu_state_to_fsdp(self, kwargs.get("fsdp_plugin"))
 
     accelerate_state.AcceleratorState.__init__ = init
     try:

@@ -3,8 +3,8 @@
 accelerate turns FSDP on only for accelerator device kinds: with `use_cpu` (a machine without a GPU) an FSDP config
 silently trains as plain data parallel (`DistributedType.MULTI_CPU`). torch's `fully_shard` itself works on a CPU
 mesh over gloo, so after accelerate has built its state this switches a MULTI_CPU state that was asked for FSDP
-(ACCELERATE_USE_FSDP, or an FSDP plugin) to FSDP, exactly as accelerate does for a GPU. Nothing of this is in
-leantune: a GPU user's run never sees it."""
+(ACCELERATE_USE_FSDP, or an FSDP plugin) to FSDP, exactly as accelerate does for a GPU: the rule of leantune's
+planner (planning/sharded.py), which traces GPU launches on CPU. A GPU user's run never sees this patch."""
 
 import functools
 import os
@@ -12,7 +12,6 @@ import os
 
 def _patch_accelerate_state():
     from accelerate import state as accelerate_state
-    from accelerate.utils import DistributedType
 
     original_init = accelerate_state.AcceleratorState.__init__
     if getattr(original_init, "_leantune_cpu_fsdp", False):
@@ -20,16 +19,12 @@ def _patch_accelerate_state():
 
     @functools.wraps(original_init)
     def init(self, *args, **kwargs):
+        # the planner's own rule (it traces GPU launches on CPU the same way); imported at the first state, not at
+        # startup: importing leantune imports triton, and every process of the launch starts with this file
+        from leantune.planning.sharded import switch_cpu_state_to_fsdp
+
         original_init(self, *args, **kwargs)
-        fsdp_plugin = kwargs.get("fsdp_plugin")
-        asked = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" or fsdp_plugin is not None
-        if asked and self.distributed_type == DistributedType.MULTI_CPU:
-            self.distributed_type = DistributedType.FSDP
-            if fsdp_plugin is not None:
-                if self._mixed_precision != "no":
-                    fsdp_plugin.set_mixed_precision(self._mixed_precision)
-                self.fsdp_plugin = fsdp_plugin
-            accelerate_state.PartialState._shared_state["distributed_type"] = self.distributed_type
+        switch_cpu_state_to_fsdp(self, kwargs.get("fsdp_plugin"))
 
     init._leantune_cpu_fsdp = True
     accelerate_state.AcceleratorState.__init__ = init

@@ -1,4 +1,4 @@
-"""Run by tests/test_context_parallel.py, alone or under `accelerate launch` with
+"""Run by tests/launch/test_context_parallel.py, alone or under `accelerate launch` with
 examples/accelerate/fsdp2_context_parallel.yaml (2 CPU processes, cp_size=2): two SGD steps of SFT per named case,
 through the public API. Per case it saves the trained weights (FSDP2's full-state gather) to <out>/<case>/ and writes
 what every process saw to <out>/<case>/rank<k>.json. The case `refusals` builds trainers that context parallelism

@@ -1,4 +1,4 @@
-"""Run by tests/test_scale_out.py, alone or under `accelerate launch` (DDP, FSDP2, ZeRO-2/3 on CPU): a few SGD steps of
+"""Run by tests/launch/test_scale_out.py, alone or under `accelerate launch` (DDP, FSDP2, ZeRO-2/3 on CPU): a few SGD steps of
 each named case, in one process group, through the public API. Per case it saves the trained weights (the engine's
 full-state gather) to <out>/<case>/ and writes what every process saw to <out>/<case>/rank<k>.json.
 

@@ -1,4 +1,4 @@
-"""Run by tests/test_grpo.py under `torchrun --nproc_per_node 2` on CPU (gloo): a GRPO run whose groups span the
+"""Run by tests/trainers/test_grpo.py under `torchrun --nproc_per_node 2` on CPU (gloo): a GRPO run whose groups span the
 two processes. Writes what each process saw to <out>/rank<k>.json."""
 
 import json

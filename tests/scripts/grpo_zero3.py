@@ -1,4 +1,4 @@
-"""Run by tests/test_gpu_grpo.py under `accelerate launch` with DeepSpeed ZeRO-3 on one GPU: a GRPO run with
+"""Run by tests/trainers/test_gpu_grpo.py under `accelerate launch` with DeepSpeed ZeRO-3 on one GPU: a GRPO run with
 ds3_gather_for_generation on or off (argv[2]); writes the first round's completions and the peak memory of
 generation to argv[1]."""
 

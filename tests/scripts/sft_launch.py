@@ -1,4 +1,4 @@
-"""Run by tests/test_launch.py, alone or under a multi-process launcher (torchrun, accelerate launch) on CPU: a few
+"""Run by tests/launch/test_launch.py, alone or under a multi-process launcher (torchrun, accelerate launch) on CPU: a few
 SFT steps of a saved tiny model, through the API. Writes what its process saw to <out>/rank<process index>.json.
 
 usage: sft_launch.py OUT MODEL_DIR DATA_JSONL PER_DEVICE_BATCH_SIZE"""

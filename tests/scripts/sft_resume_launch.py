@@ -1,4 +1,4 @@
-"""Run by tests/test_resume.py under torchrun (2 processes, CPU, gloo): a few SFT steps through the API, three ways
+"""Run by tests/trainers/test_resume.py under torchrun (2 processes, CPU, gloo): a few SFT steps through the API, three ways
 in the same processes: uninterrupted; stopped after step STOP (its checkpoint written); resumed from that checkpoint.
 Writes what its process saw to <out>/rank<process index>.json.
 

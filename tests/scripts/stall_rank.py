@@ -1,4 +1,4 @@
-"""Run by tests/test_faults_launch.py under torchrun on CPU: SFT of a saved tiny model in which one process stops
+"""Run by tests/launch/test_faults_launch.py under torchrun on CPU: SFT of a saved tiny model in which one process stops
 answering (sleeps) at a given step, the test-only stand-in for a stuck rank. The other process must fail after
 `ddp_timeout` seconds with a clear error, not wait for torch's default 30 minutes.
 

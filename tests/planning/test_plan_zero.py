@@ -1,0 +1,61 @@
+"""What the ZeRO plan reads from the DeepSpeed config the run will use (leantune/planning/zero.py). Its numbers are
+checked against real 2-process runs in tests/launch/test_scale_out.py (tests/fixtures/launched_plans.py), on the launches made
+there anyway; here, the config's reading and the mistakes a user can make, with no launch."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from leantune.planning.zero import ParameterShapes, rank_terms, zero_settings
+
+CONFIG = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=32000)
+
+
+def test_deepspeed_config_is_read_as_the_trainer_resolves_it(tmp_path):
+    # no config: DeepSpeed's defaults (reduce_bucket_size 5e8), the dtype of --bf16
+    default = zero_settings("zero3", {"bf16": True}, 2, CONFIG, torch.float32)
+    assert (default.reduce_bucket_size, default.compute_dtype) == (500_000_000, torch.bfloat16)
+    # "auto" as transformers fills it for the Trainer: hidden^2; bf16 "auto" follows --bf16
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"},
+                                "bf16": {"enabled": "auto"}}))
+    auto = zero_settings("zero2", {"deepspeed": str(path)}, 2, CONFIG, torch.float32)
+    assert (auto.reduce_bucket_size, auto.compute_dtype, auto.stage) == (64 * 64, torch.float32, 2)
+    given = zero_settings("zero3", {"deepspeed": {"zero_optimization": {"reduce_bucket_size": 5e6},
+                                                  "bf16": {"enabled": True}}}, 2, CONFIG, torch.float32)
+    assert (given.reduce_bucket_size, given.compute_dtype) == (5_000_000, torch.bfloat16)
+    with pytest.raises(ValueError, match="`deepspeed`: .* sets ZeRO stage 2, but the engine is zero3"):
+        zero_settings("zero3", {"deepspeed": str(path)}, 2, CONFIG, torch.float32)
+    with pytest.raises(ValueError, match="`deepspeed`: no DeepSpeed config file at"):
+        zero_settings("zero3", {"deepspeed": str(tmp_path / "missing.json")}, 2, CONFIG, torch.float32)
+
+
+def test_partitions_follow_deepspeeds_padding():
+    # 3 parameters of 5, 4 and 1 elements (the last frozen), 2 processes, fp32, SGD with momentum (1 state)
+    shapes = ParameterShapes([5, 4, 1], [True, True, False], head=4, embedding=5, backward_order=[4, 5])
+    three = zero_settings("zero3", {"deepspeed": {"zero_optimization": {"reduce_bucket_size": 8}}}, 2, CONFIG,
+                          torch.float32)
+    terms = rank_terms(shapes, three, states_per_element=1.0)
+    # ZeRO-3: ceil(numel/N) of every parameter (3 + 2 + 1), master + momentum on the trained ones (3 + 2)
+    assert terms.parameters == (3 + 2 + 1) * 4
+    assert terms.master_and_states == (3 + 2) * 4 * 2
+    assert terms.persistent_gradients == (3 + 2) * 4 + 8 * 4  # partitions + the bucket
+    two = zero_settings("zero2", {"deepspeed": {"zero_optimization": {"reduce_bucket_size": 8}}}, 2, CONFIG,
+                        torch.float32)
+    terms = rank_terms(shapes, two, states_per_element=1.0)
+    # ZeRO-2: the 9 trained elements flattened and padded to a multiple of 2 x 2, whole on every rank
+    assert terms.parameters == (12 + 1) * 4
+    assert terms.master_and_states == 12 // 2 * 4 * 2
+    assert terms.persistent_gradients == 0
+
+
+def test_plan_refuses_a_rank_outside_the_launch():
+    from leantune import plan_memory
+
+    with pytest.raises(ValueError, match="`rank`: 2 is not a process of 2"):
+        plan_memory(CONFIG, [{"text": "a"}], "sft", num_processes=2, engine="zero3", rank=2)
