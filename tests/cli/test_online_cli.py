@@ -108,7 +108,7 @@ def _demo_numbers(text: str) -> dict[str, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("command", ["grpo", "rloo"])
+@pytest.mark.parametrize("command", ["grpo"])  # RLOO's demo is the same run with RLOO's loss (~2 min of CI more)
 def test_demo_reward_rises(command, capsys, tmp_path):
     assert main([command, "--output_dir", str(tmp_path), "--max_steps", "80"]) == 0  # 80 of the demo's 200 steps
     numbers = _demo_numbers(capsys.readouterr().out)
