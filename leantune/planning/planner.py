@@ -201,11 +201,6 @@ def _planning_trainer_class(trainer_class, mode: WeightlessMode):
         def _save(self, *args, **kwargs):
             pass
 
-        def _check_step(self, model, grad_norm):
-            # fake values decide nothing, and a collective of them under the fake process group has no meaning (the
-            # check's two-element flag is freed before the optimizer step: no moment of the plan holds it)
-            self._nonfinite_state().update(loss_bad=None, step_rows=[])
-
     Planned.__name__ = Planned.__qualname__ = trainer_class.__name__
     return Planned
 
@@ -431,6 +426,7 @@ def _trace(config, trainer_class, config_class, train_dataset, fields, trainer_k
         accumulation = run_args.gradient_accumulation_steps
         trainer = _planning_trainer_class(trainer_class, mode)(model=fake, args=run_args,
                                                                train_dataset=train_dataset, **trainer_kwargs)
+        trainer.nonfinite.checks_steps = False  # fake values decide nothing (trainers/nonfinite.py)
         _quiet(trainer)
         _real_reward_weights(trainer)
         from .quantized import parameter_count
@@ -576,7 +572,7 @@ def _real_reward_weights(trainer) -> None:
 def _reset_for_trace(trainer) -> None:
     if hasattr(trainer, "_buffer"):
         trainer._buffer = []
-    trainer.memory_breakdown = None
+    trainer.run_metrics.memory_breakdown = None  # the traced run starts without one
     restart = getattr(trainer.model_wrapped, "restart_trace", None)  # a traced launch's DDP (planning/sharded.py)
     if restart is not None:
         restart()

@@ -1,7 +1,8 @@
 """What every leantune trainer shares on top of transformers' Trainer: one construction sequence, and the parts it
 holds (trainers/parts/): the resolved config, the split preparer, the log-prob engine, the step's loss normaliser,
-the run metrics and the staged checkpoints, plus context parallelism. The non-finite guard (trainers/nonfinite.py)
-stays a mixin: it is five wrappers of Trainer's own step hooks.
+the run metrics and the staged checkpoints, plus context parallelism, the reference (trainers/reference.py: none
+held but for DPO, KTO and the online methods) and the non-finite guard (trainers/nonfinite.py), which Trainer's step
+hooks below call in one line each.
 
 A method's trainer says what is its own (its models, its recipe for a split, its collator, its loss) and reads as
 config -> parts -> loss.
@@ -29,12 +30,13 @@ from .parts.run_metrics import RunMetrics, mean_of_values
 from .parts.saving import StagedCheckpoint, resume_checkpoint, save_with_card, tag_model, write_hub_card
 from .parts.split_preparer import SplitPreparer
 from .parts.step_loss import StepLoss
+from .reference import Reference
 from .step_logging import use_step_log_lines
 
 logger = logging.getLogger("leantune.trainer")
 
 
-class LeantuneTrainer(NonFiniteGuard, Trainer):
+class LeantuneTrainer(Trainer):
     # compute_loss divides by the target count of the whole step, so the Trainer must not divide again.
     loss_is_scaled_for_ga = True
     # Dataset columns the collators read; everything else is removed by Trainer.
@@ -60,8 +62,8 @@ class LeantuneTrainer(NonFiniteGuard, Trainer):
     def construct(self, model, args, train_dataset, eval_dataset, processing_class, data_collator, *,
                   peft_config=None, quantization_config=None, ref_model=None, **trainer_kwargs):
         """default args -> the resolved config -> models and tokenizer (`load_models`) -> each split prepared by the
-        method's recipe (`prepare_split`) -> the collator -> Trainer's set-up -> the parts -> the frozen models placed
-        (`attach_reference`). Returns what `load_models` loaded."""
+        method's recipe (`prepare_split`) -> the collator -> Trainer's set-up -> the parts -> the reference placed.
+        Returns what `load_models` loaded."""
         args = self.default_args(model, args)
         args, logprob_path = resolve_config(type(self).__name__, args, train_dataset, eval_dataset,
                                             self.scores_vocabulary)
@@ -79,6 +81,7 @@ class LeantuneTrainer(NonFiniteGuard, Trainer):
             leave_process_group_at_exit()  # no abort at interpreter exit (trainers/distributed.py)
         use_step_log_lines(self.callback_handler)  # trainers/step_logging.py: `step N/M | loss ...`
         self.trained_nothing = False
+        self.nonfinite = NonFiniteGuard(args, self.accelerator, self.is_world_process_zero, lambda: self.state.global_step)
         tag_model(self)  # the Hub tags of TRL's trainer of the method (parts/saving.py)
         self.run_metrics = RunMetrics(self.accelerator, args.device, lambda store: self.summarise_metrics(store))
         self.context_parallel = ContextParallelism(self.accelerator)
@@ -93,7 +96,7 @@ class LeantuneTrainer(NonFiniteGuard, Trainer):
         if args.memory_breakdown:
             self.add_callback(MemoryBreakdownCallback(args.device, self.run_metrics.keep_memory_breakdown,
                                                       frozen_models=self.frozen_models))
-        self.attach_reference(loaded, args)
+        self.reference = Reference(loaded, args, self.accelerator)  # placed for the engine (frozen_models.py)
         return loaded
 
     def default_args(self, model, args):
@@ -110,17 +113,13 @@ class LeantuneTrainer(NonFiniteGuard, Trainer):
     def make_collator(self, tokenizer, args, train_dataset):
         raise NotImplementedError
 
-    def attach_reference(self, loaded, args) -> None:
-        """Place the frozen models for the engine once Trainer's set-up made the accelerator (none: no-op)."""
-
     def liger_notes(self, args) -> list[tuple[int, str]]:
         """(log level, text) of what the method's loss takes from Liger and what it does not, said once at start."""
         return []
 
     def frozen_models(self) -> list[torch.nn.Module]:
-        """The models this trainer holds and runs without training (a reference copy, reward models, a teacher):
-        their weights are resident through every step, a part of the memory breakdown of their own."""
-        return []
+        """Models held and run without training (reference, reward models, teacher): their own part of the memory."""
+        return self.reference.frozen()
 
     # --- data: the method's recipe, run by the split preparer ----------------------------------------------------
 
@@ -147,14 +146,11 @@ class LeantuneTrainer(NonFiniteGuard, Trainer):
     def stream_reports(self) -> dict:
         return self.splits.stream_reports
 
-    def finish_eval_split(self, dataset, split: str):
-        """What an eval split passed to `evaluate` needs after preparation (e.g. precomputed reference log-probs)."""
-        return dataset
-
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
         """Trainer.evaluate on prepared data. A dataset passed here that is not prepared yet is prepared by the same
         recipe as the eval dataset; a dict / DatasetDict (passed or given at construction) is evaluated per name
         with metrics `<prefix>_<name>_...`; a str names one of the eval datasets given at construction."""
+        self.reference.precompute(self)  # evaluating before training must find the reference log-probs too
         if eval_dataset is None:
             eval_dataset = self.eval_dataset
             if eval_dataset is None:
@@ -198,8 +194,10 @@ class LeantuneTrainer(NonFiniteGuard, Trainer):
 
     def _set_signature_columns_if_needed(self):
         if self._signature_columns is None:
-            # and the row index that training's loader carries to the NaN/inf checks (trainers/nonfinite.py)
-            self._signature_columns = [*self.dataset_columns, ROW_INDEX]
+            self._signature_columns = [*self.dataset_columns, ROW_INDEX]  # ROW_INDEX: for the NaN/inf checks
+
+    def get_train_dataloader(self):
+        return self.nonfinite.train_loader(self, super().get_train_dataloader)
 
     # --- the step: its items counted by the loss normaliser, batches laid out for context parallelism ------------
 
@@ -217,6 +215,12 @@ class LeantuneTrainer(NonFiniteGuard, Trainer):
 
     def _prepare_context_parallel_inputs(self, model, inputs):
         return self.context_parallel.lay_out(inputs, getattr(self.data_collator, "pad_token_id", None))
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        return self.nonfinite.training_step(super().training_step, model, inputs, num_items_in_batch)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        return self.nonfinite.check_step(model, super()._get_grad_norm(model, grad_norm=grad_norm))
 
     # --- attributes read from outside: the chosen log-prob path, TRL's router-loss settings ----------------------
 
@@ -244,7 +248,7 @@ class LeantuneTrainer(NonFiniteGuard, Trainer):
     def _save_checkpoint(self, model, trial) -> None:
         self._staged_checkpoint = StagedCheckpoint(self, trial)
         try:
-            self._staged_checkpoint.save(model, trial, super()._save_checkpoint)
+            self._staged_checkpoint.save(model, trial, self.nonfinite.finite_weights_saved(super()._save_checkpoint))
         finally:
             self._staged_checkpoint = None
 
@@ -264,6 +268,7 @@ class LeantuneTrainer(NonFiniteGuard, Trainer):
     # --- training and its metrics (parts/run_metrics.py) --------------------------------------------------------
 
     def train(self, *args, **kwargs):
+        self.reference.before_training(self)  # precomputed log-probs, TR-DPO's sync
         if getattr(self.args, "plan_check", False):
             from ..planning.plan_check import check_before_training
 
@@ -273,7 +278,7 @@ class LeantuneTrainer(NonFiniteGuard, Trainer):
         kwargs["resume_from_checkpoint"] = resume_checkpoint(kwargs.get("resume_from_checkpoint"), self.args.output_dir)
         reset_peak_memory(self.args.device)
         self.run_metrics.throughput.restart()
-        with named_collective_timeouts(self.args):  # a stuck or dead process: one clear error (distributed.py)
+        with named_collective_timeouts(self.args), self.nonfinite.training_run():  # distributed.py, nonfinite.py
             output = super().train(*args, **kwargs)
         resumed = bool(kwargs.get("resume_from_checkpoint"))
         # whether this train() resumed a checkpoint already at max_steps (or its epochs' end) and trained no step
@@ -305,12 +310,8 @@ class LeantuneTrainer(NonFiniteGuard, Trainer):
     def memory_breakdown(self):
         return self.run_metrics.memory_breakdown
 
-    @memory_breakdown.setter
-    def memory_breakdown(self, breakdown) -> None:  # the planner's traced run starts without one
-        self.run_metrics.memory_breakdown = breakdown
-
     def training_summary(self) -> dict:
-        return {**self.run_metrics.summary(), **self.nonfinite_summary()}
+        return {**self.run_metrics.summary(), **self.nonfinite.summary()}
 
     def summarise_metrics(self, store: dict[str, list[float]]) -> dict[str, float]:
         """The logged form of the method's stored values: their means (NaN left out); a method may say more."""
@@ -319,7 +320,7 @@ class LeantuneTrainer(NonFiniteGuard, Trainer):
     def log(self, logs: dict, start_time: float | None = None) -> None:
         # A training step's log, or the run's closing summary (which takes the values since the last step's log)
         self.run_metrics.add_method_values(logs, self._metric_prefix)
-        self.mark_skipped_in_log(logs)  # trainers/nonfinite.py: a skipped step's window never logs a normal loss
+        self.nonfinite.mark_skipped_in_log(logs)  # a skipped step's window never logs a normal loss
         if self.model is not None and self.model.training and "loss" in logs:
             self.run_metrics.add_step_values(logs)
         super().log(logs, start_time)

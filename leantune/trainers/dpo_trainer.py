@@ -90,7 +90,7 @@ class DPOTrainer(ReferenceModelMixin, LeantuneTrainer):
     def reference_logps(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         if all(name in batch for name in REFERENCE_COLUMNS):
             return batch["ref_chosen_logps"], batch["ref_rejected_logps"]
-        with self.reference_model() as model:
+        with self.reference.scope(self.model) as model:
             logps = self.sequence_logps(model, batch)
         pairs = int(batch["num_pairs"])
         return logps[:pairs], logps[pairs:]

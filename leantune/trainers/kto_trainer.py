@@ -87,7 +87,7 @@ class KTOTrainer(ReferenceModelMixin, LeantuneTrainer):
         with_kl = "kl_input_ids" in batch
         if "ref_logps" in batch and (not with_kl or "ref_kl_logps" in batch):
             return batch["ref_logps"], batch.get("ref_kl_logps")
-        with self.reference_model() as model:
+        with self.reference.scope(self.model) as model:
             logps = self.sequence_logps(model, batch)
             kl_logps = self.sequence_logps(model, batch, kl=True) if with_kl else None
         return logps, kl_logps

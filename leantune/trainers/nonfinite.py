@@ -27,6 +27,7 @@ prompts do not carry it: their errors say the rows are not tracked.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 
@@ -85,70 +86,76 @@ def _with_row_index(dataset):
 
 
 class NonFiniteGuard:
-    """The checks of every leantune trainer (see the module's docstring); mixed in before transformers' Trainer."""
+    """The checks of every leantune trainer (see the module's docstring), as a part the trainer holds: its Trainer
+    hooks (training_step, _get_grad_norm, _save_checkpoint, get_train_dataloader, train, log) call it in one line.
+    `checks_steps = False` (the planner's fake step): a step's flags decide nothing and no collective runs."""
 
-    def _nonfinite_state(self) -> dict:
-        if "_nonfinite" not in self.__dict__:
-            self._nonfinite = {"loss_bad": None, "bad_rows": [], "step_rows": [], "tracked": False, "skipped": [],
-                               "skipped_since_log": 0}
-        return self._nonfinite
+    def __init__(self, args, accelerator, is_main_process, global_step):
+        self.args, self.accelerator = args, accelerator
+        self.is_main_process, self.global_step = is_main_process, global_step  # the trainer's, read when needed
+        self.checks_steps = True
+        self.loss_bad = None  # the step's micro-batches so far: a non-finite loss on this process (kept on device)
+        self.step_rows: list = []  # (row indices, loss flag) of each micro-batch of the step
+        self.tracked = False  # whether the train loader carries row indices
+        self.training = False  # only training's own loader carries row indices (not a plan's, say)
+        self.skipped: list = []  # (optimizer step, rows) of each skipped step
+        self.skipped_since_log = 0
 
     # --- rows: which rows of the train dataset a step read -------------------------------------------------------
 
-    def train(self, *args, **kwargs):
-        state = self._nonfinite_state()
-        state["training"] = True  # only training's own loader carries row indices (not a plan's, say)
+    @contextlib.contextmanager
+    def training_run(self):
+        self.training = True
         try:
-            return super().train(*args, **kwargs)
+            yield
         finally:
-            state["training"] = False
+            self.training = False
 
-    def get_train_dataloader(self):
-        state = self._nonfinite_state()
-        indexed = _with_row_index(self.train_dataset) if state.get("training") else None
-        state["tracked"] = indexed is not None
+    def train_loader(self, trainer, build):
+        """`build()` (Trainer's train loader) over the train dataset with each row's index, the collator taking it
+        out again (map-style data, during training); else `build()` as it is."""
+        indexed = _with_row_index(trainer.train_dataset) if self.training else None
+        self.tracked = indexed is not None
         if indexed is None:
-            return super().get_train_dataloader()
-        dataset, collator = self.train_dataset, self.data_collator
-        self.train_dataset, self.data_collator = indexed, RowIndexCollator(collator)
+            return build()
+        dataset, collator = trainer.train_dataset, trainer.data_collator
+        trainer.train_dataset, trainer.data_collator = indexed, RowIndexCollator(collator)
         try:
-            return super().get_train_dataloader()
+            return build()
         finally:
-            self.train_dataset, self.data_collator = dataset, collator
+            trainer.train_dataset, trainer.data_collator = dataset, collator
 
     # --- the checks ----------------------------------------------------------------------------------------------
 
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        state = self._nonfinite_state()
+    def training_step(self, step, model, inputs, num_items_in_batch):
+        """`step` (Trainer's training_step) on the micro-batch without its row indices; its loss flagged."""
         rows = inputs.pop(ROW_INDEX, None) if isinstance(inputs, dict) else None
         rows = [] if rows is None else rows.tolist()
-        loss = super().training_step(model, inputs, num_items_in_batch)
+        loss = step(model, inputs, num_items_in_batch)
         bad = ~torch.isfinite(_plain(loss.detach())).all()
-        state["loss_bad"] = bad if state["loss_bad"] is None else state["loss_bad"] | bad
-        state["step_rows"].append((rows, bad))
+        self.loss_bad = bad if self.loss_bad is None else self.loss_bad | bad
+        self.step_rows.append((rows, bad))
         return loss
 
-    def _get_grad_norm(self, model, grad_norm=None):
-        grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
-        self._check_step(model, grad_norm)
-        return grad_norm
-
-    def _check_step(self, model, grad_norm) -> None:
+    def check_step(self, model, grad_norm):
         """Before the optimizer step: [processes with a non-finite loss, with a non-finite gradient norm], reduced
-        over the processes so that all of them take the same decision."""
-        state = self._nonfinite_state()
+        over the processes so that all of them take the same decision. Returns the gradient norm."""
+        step_rows, loss_bad = self.step_rows, self.loss_bad
+        self.loss_bad, self.step_rows = None, []
+        if not self.checks_steps:
+            # fake values decide nothing, and a collective of them under the fake process group has no meaning (the
+            # check's two-element flag is freed before the optimizer step: no moment of the plan holds it)
+            return grad_norm
         device = self.args.device
-        loss_bad = state["loss_bad"] if state["loss_bad"] is not None else torch.tensor(False)
+        loss_bad = loss_bad if loss_bad is not None else torch.tensor(False)
         norm = torch.as_tensor(_plain(grad_norm) if grad_norm is not None else 0.0, dtype=torch.float32, device=device)
         flags = torch.stack([loss_bad.to(device).float(), (~torch.isfinite(norm)).float()])
         if self.args.world_size > 1:
             flags = self.accelerator.reduce(flags, reduction="sum")
-        step_rows = state["step_rows"]
-        state["loss_bad"], state["step_rows"] = None, []
         losses_bad, gradient_bad = (float(v) for v in flags.cpu())
         if losses_bad == 0 and gradient_bad == 0:
-            return
-        step = self.state.global_step + 1
+            return grad_norm
+        step = self.global_step() + 1
         what = "loss" if losses_bad else "gradient"
         # a non-finite loss: the rows of the micro-batches that had it (on any process); else all the step's rows
         parts = [rows for rows, bad in step_rows if bool(bad) or not losses_bad]
@@ -156,13 +163,13 @@ class NonFiniteGuard:
         where = self._rows_text(rows, what)
         if self.args.nonfinite_policy == "skip":
             model.zero_grad(set_to_none=True)  # a parameter without a gradient is not touched by the optimizer
-            state["skipped"].append((step, rows))
-            state["skipped_since_log"] += 1
-            if self.is_world_process_zero():
+            self.skipped.append((step, rows))
+            self.skipped_since_log += 1
+            if self.is_main_process():
                 logger.warning("Optimizer step %d: non-finite %s (grad_norm %s); %s; step skipped (the optimizer did "
                                "not step), %d skipped so far.", step, what, _number(grad_norm), where,
-                               len(state["skipped"]))
-            return
+                               len(self.skipped))
+            return grad_norm
         raise NonFiniteStepError(
             f"Optimizer step {step}: non-finite {what} (NaN or inf; grad_norm {_number(grad_norm)}); {where}. "
             f"Training stopped before the optimizer step; {self._last_checkpoint_text()}. Look at those rows, lower "
@@ -177,7 +184,7 @@ class NonFiniteGuard:
         return sorted({r for part in everyone for r in part})
 
     def _rows_text(self, rows: list[int], what: str) -> str:
-        if not self._nonfinite_state()["tracked"]:
+        if not self.tracked:
             return "the rows of the step are not tracked for this trainer's data"
         shown = ", ".join(map(str, rows[:32])) + (f", ... ({len(rows)} rows)" if len(rows) > 32 else "")
         whose = "whose micro-batch had it" if what == "loss" else "of the step"
@@ -194,40 +201,44 @@ class NonFiniteGuard:
             return "no checkpoint was saved before it"
         return f"the last good checkpoint is {last} (resume with resume_from_checkpoint)"
 
-    def _save_checkpoint(self, model, trial):
-        """No checkpoint of non-finite weights: such weights stop the run (whatever the policy: nothing to skip)."""
-        parameters = self.accelerator.unwrap_model(model).parameters()
-        # each process checks what it holds (an FSDP2 DTensor's local shard); the flag is reduced below
-        finite = all(bool(torch.isfinite(_local(p).detach()).all()) for p in parameters)
-        bad = torch.tensor([0.0 if finite else 1.0], device=self.args.device)
-        if self.args.world_size > 1:
-            bad = self.accelerator.reduce(bad, reduction="sum")
-        if float(bad.sum()):
-            raise NonFiniteStepError(
-                f"After optimizer step {self.state.global_step} the weights hold NaN or inf values; the checkpoint of "
-                f"this step was not saved and training stopped; {self._last_checkpoint_text()}. Lower the learning "
-                "rate or turn on gradient clipping (max_grad_norm).")
-        super()._save_checkpoint(model, trial)
+    def finite_weights_saved(self, save_checkpoint):
+        """`save_checkpoint(model, trial)` (Trainer's), run only if the weights are finite: non-finite weights stop
+        the run (whatever the policy: nothing to skip)."""
+
+        def save(model, trial):
+            step = self.global_step()
+            parameters = self.accelerator.unwrap_model(model).parameters()
+            # each process checks what it holds (an FSDP2 DTensor's local shard); the flag is reduced below
+            finite = all(bool(torch.isfinite(_local(p).detach()).all()) for p in parameters)
+            bad = torch.tensor([0.0 if finite else 1.0], device=self.args.device)
+            if self.args.world_size > 1:
+                bad = self.accelerator.reduce(bad, reduction="sum")
+            if float(bad.sum()):
+                raise NonFiniteStepError(
+                    f"After optimizer step {step} the weights hold NaN or inf values; the checkpoint of this step was "
+                    f"not saved and training stopped; {self._last_checkpoint_text()}. Lower the learning rate or turn "
+                    "on gradient clipping (max_grad_norm).")
+            save_checkpoint(model, trial)
+
+        return save
 
     # --- reporting -----------------------------------------------------------------------------------------------
 
     def mark_skipped_in_log(self, logs: dict) -> None:
         """A training log of a window with a skipped step: its loss is NaN, and the count so far is given."""
-        state = self._nonfinite_state()
-        if "loss" in logs and state["skipped_since_log"]:
+        if "loss" in logs and self.skipped_since_log:
             logs["loss"] = math.nan
-            state["skipped_since_log"] = 0
-        if state["skipped"] and ("loss" in logs or "train_loss" in logs):
-            logs["nonfinite_skipped_steps"] = len(state["skipped"])
+            self.skipped_since_log = 0
+        if self.skipped and ("loss" in logs or "train_loss" in logs):
+            logs["nonfinite_skipped_steps"] = len(self.skipped)
 
-    def nonfinite_summary(self) -> dict:
+    def summary(self) -> dict:
         if self.args.nonfinite_policy != "skip":
             return {}
-        skipped = self._nonfinite_state()["skipped"]
-        if skipped and self.is_world_process_zero():
+        if self.skipped and self.is_main_process():
             logger.warning("%d optimizer step(s) were skipped for a non-finite loss or gradient: steps %s.",
-                           len(skipped), [step for step, _ in skipped])
-        return {"nonfinite_skipped_steps": len(skipped)}
+                           len(self.skipped), [step for step, _ in self.skipped])
+        return {"nonfinite_skipped_steps": len(self.skipped)}
 
 
 def _plain(value):

@@ -107,10 +107,6 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         runners = getattr(getattr(self, "rewards", None), "runners", {})
         return [*super().frozen_models(), *(model for model in runners.values() if model is not None)]
 
-    def attach_reference(self, loaded, args) -> None:
-        super().attach_reference(loaded, args)
-        self.reference.ready = True  # online methods score the reference as they go
-
     def prepare_split(self, dataset, split, tokenizer, args):
         if self.agent is None:
             return prepare_prompt_dataset(dataset, tokenizer, args, split, self._context_limit)

@@ -107,19 +107,25 @@ def disable_dropout(model: torch.nn.Module) -> None:
 
 
 class Reference:
-    """The reference a loss compares the policy against, as one part: a frozen model (placed for the engine once the
-    accelerator exists), the policy with its adapter disabled, or nothing held once its log-probs are precomputed.
+    """The reference a loss compares the policy against, as one part every trainer holds (SFT's, the reward model's
+    and GKD's hold none): a frozen model (placed for the engine once the accelerator exists), the policy with its
+    adapter disabled, or nothing held once its log-probs are precomputed. The trainer's train() and evaluate() have
+    it precompute those log-probs first (the trainer names its reference columns and fills them:
+    `reference_columns`, `reference_values`) and train() installs TR-DPO's sync.
     `ready`: the reference values are computable now (False until precomputed log-probs are in)."""
 
-    def __init__(self, loaded: PolicyAndReference, args):
-        self.model = loaded.ref_model
+    def __init__(self, loaded: PolicyAndReference, args, accelerator):
+        """Made once Trainer's set-up made the accelerator: a separate reference is placed for the engine now."""
+        self.model = prepare_frozen_model(accelerator, loaded.ref_model, args)
         self.uses_adapter = loaded.uses_adapter_as_reference
-        self.ready = not getattr(args, "precompute_ref_log_probs", False)
+        self.precomputes = bool(getattr(args, "precompute_ref_log_probs", False))
+        self.ready = not self.precomputes
         self.dropped = False  # a separate reference let go once its log-probs were computed
         self.sync = None  # TR-DPO's ReferenceSync, once installed
 
-    def place(self, accelerator, args) -> None:
-        self.model = prepare_frozen_model(accelerator, self.model, args)
+    def frozen(self) -> list[torch.nn.Module]:
+        """A separate reference is held frozen (a disabled adapter or precomputed log-probs hold none)."""
+        return [self.model] if self.model is not None else []
 
     def drop(self) -> None:
         """No reference is held during training once its log-probs are computed."""
@@ -142,96 +148,45 @@ class Reference:
         else:
             raise RuntimeError("Reference log-probs were neither precomputed nor computable (no reference model).")
 
+    # --- before training: precomputed log-probs, TR-DPO's sync ---------------------------------------------------
 
-class ReferenceModelMixin:
-    """What a trainer with a reference (DPO, KTO; the online trainers) does with its `reference` part: run it without
-    gradient, or precompute its log-probs once (then drop a separate reference). The trainer names its reference
-    columns and fills them."""
+    def before_training(self, trainer) -> None:
+        self.precompute(trainer)
+        if getattr(trainer.args, "sync_ref_model", False) and self.sync is None:
+            self.install_sync(trainer)
 
-    reference: Reference
-    needs_reference = True  # False: no reference at all (e.g. GRPO with beta = 0), see `reference_wanted`
-
-    def reference_wanted(self, args) -> bool:
-        return self.needs_reference
-
-    def load_models(self, model, ref_model, processing_class, peft_config, args, quantization_config):
-        """The policy (PEFT applied), its tokenizer and the reference by leantune's rules (load_policy_and_reference),
-        announced in one line."""
-        loaded = load_policy_and_reference(model, ref_model, processing_class, peft_config, args,
-                                           needs_reference=self.reference_wanted(args),
-                                           quantization_config=quantization_config)
-        self.reference = Reference(loaded, args)
-        logger.info("%s", self.reference_note(loaded, args))
-        return loaded
-
-    def reference_note(self, loaded, args) -> str:
-        return f"{methods.of(self).output_suffix} reference: {loaded.description(args)}."
-
-    def attach_reference(self, loaded, args) -> None:
-        """The reference placed for the engine (trainers/frozen_models.py); precomputed log-probs wait for train()."""
-        self.reference.place(self.accelerator, args)
-
-    # TRL's attribute, and whether the reference is the disabled adapter
-    ref_model = property(lambda self: self.reference.model)
-    uses_adapter_as_reference = property(lambda self: self.reference.uses_adapter)
-
-    def frozen_models(self) -> list[torch.nn.Module]:
-        """A separate reference is held frozen (a disabled adapter or precomputed log-probs hold none)."""
-        held = getattr(self, "reference", None)
-        return [*super().frozen_models(), *([held.model] if held is not None and held.model is not None else [])]
-
-    def reference_model(self, policy_if_none: bool = False):
-        return self.reference.scope(self.model, policy_if_none)
-
-    def reference_columns(self, dataset) -> tuple[str, ...]:
-        raise NotImplementedError
-
-    def reference_values(self, model, batch: dict, rows: int) -> dict[str, torch.Tensor]:
-        """Per-row reference values of one collated batch, by column name."""
-        raise NotImplementedError
-
-    def prepare_reference(self) -> None:
-        if self.reference.ready:
+    def precompute(self, trainer) -> None:
+        """The reference log-probs of the train and eval datasets, once (then a separate reference is dropped)."""
+        if self.ready:
             return
-        if self.reference.model is None and zero3_enabled():
+        if self.model is None and zero3_enabled():
             raise ValueError("`precompute_ref_log_probs=True` under DeepSpeed ZeRO-3 needs a separate `ref_model`: the "
                              "policy's weights stay partitioned until training starts, so it cannot score the data "
                              "before; pass `ref_model` (it gets an inference engine of its own), or use ZeRO-2 or FSDP.")
-        self.train_dataset = self.precompute_reference_logps(self.train_dataset, "train")
-        if isinstance(self.eval_dataset, dict):
-            self.eval_dataset = {name: self.precompute_reference_logps(data, f"eval_{name}")
-                                 for name, data in self.eval_dataset.items()}
-        elif self.eval_dataset is not None:
-            self.eval_dataset = self.precompute_reference_logps(self.eval_dataset, "eval")
-        self.reference.ready = True
-        self.reference.drop()
+        trainer.train_dataset = self.with_logps(trainer, trainer.train_dataset, "train")
+        if isinstance(trainer.eval_dataset, dict):
+            trainer.eval_dataset = {name: self.with_logps(trainer, data, f"eval_{name}")
+                                    for name, data in trainer.eval_dataset.items()}
+        elif trainer.eval_dataset is not None:
+            trainer.eval_dataset = self.with_logps(trainer, trainer.eval_dataset, "eval")
+        self.ready = True
+        self.drop()
 
-    def train(self, *args, **kwargs):
-        self.prepare_reference()
-        self._install_reference_sync()
-        return super().train(*args, **kwargs)
-
-    def _install_reference_sync(self) -> None:
-        if not getattr(self.args, "sync_ref_model", False) or self.reference.sync is not None:
-            return
-        if self.reference.model is None:
+    def install_sync(self, trainer) -> None:
+        if self.model is None:
             raise ValueError("`sync_ref_model=True` needs a separate reference model to move; with a PEFT adapter the "
                              "reference is the base model with the adapter off, which has nothing to sync. Train "
                              "without PEFT, or set `sync_ref_model=False`.")
-        if self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
+        if trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3:
             raise ValueError("`sync_ref_model=True` under DeepSpeed ZeRO-3 is not supported yet (the sharded weights "
                              "would have to be gathered to mix them); use ZeRO-2, FSDP or DDP.")
-        self.reference.sync = ReferenceSync(self)
-        self.add_callback(self.reference.sync)
+        self.sync = ReferenceSync(trainer)
+        trainer.add_callback(self.sync)
 
-    def evaluate(self, *args, **kwargs):
-        self.prepare_reference()  # evaluating before training must find the reference log-probs too
-        return super().evaluate(*args, **kwargs)
-
-    def finish_eval_split(self, dataset, split: str):
+    def finish_eval_split(self, trainer, dataset, split: str):
         """A dataset first seen by `evaluate`: with `precompute_ref_log_probs`, its reference log-probs are computed
         now, while the reference is still at hand (adapter disabled, or the untrained policy before any step)."""
-        if not getattr(self.args, "precompute_ref_log_probs", False):
+        if not self.precomputes:
             return dataset
         from ..data.streaming import is_stream
 
@@ -239,31 +194,30 @@ class ReferenceModelMixin:
             raise ValueError("`precompute_ref_log_probs` is not supported with IterableDataset (a stream): the "
                              "reference log-probs are computed in one pass over a whole dataset; pass a "
                              "datasets.Dataset, or turn `precompute_ref_log_probs` off.")
-        if all(name in dataset.column_names for name in self.reference_columns(dataset)):
+        if all(name in dataset.column_names for name in trainer.reference_columns(dataset)):
             return dataset
-        if self.reference.model is None and not self.reference.uses_adapter and (
-                self.reference.dropped or self.state.global_step > 0):
+        if self.model is None and not self.uses_adapter and (self.dropped or trainer.state.global_step > 0):
             raise ValueError("Cannot compute reference log-probs for a dataset passed to evaluate() after training "
                              "started with `precompute_ref_log_probs` and no reference kept in memory: pass it as "
                              "eval_dataset to the trainer instead.")
-        return self.precompute_reference_logps(dataset, split)
+        return self.with_logps(trainer, dataset, split)
 
     @torch.no_grad()
-    def precompute_reference_logps(self, dataset, split: str):
+    def with_logps(self, trainer, dataset, split: str):
         """One pass over the dataset (in order) with the reference; adds the trainer's reference columns."""
-        names = self.reference_columns(dataset)
+        names = trainer.reference_columns(dataset)
         if all(name in dataset.column_names for name in names):
             return dataset
-        size = self.args.precompute_ref_batch_size or self.args.per_device_train_batch_size
+        size = trainer.args.precompute_ref_batch_size or trainer.args.per_device_train_batch_size
         columns = {name: [] for name in names}
-        with self.reference_model(policy_if_none=True) as model:
+        with self.scope(trainer.model, policy_if_none=True) as model:
             was_training = model.training
             model.eval()
             try:
                 for start in range(0, len(dataset), size):
                     rows = [dataset[i] for i in range(start, min(start + size, len(dataset)))]
-                    batch = self._prepare_inputs(self.data_collator(rows))
-                    for name, values in self.reference_values(model, batch, len(rows)).items():
+                    batch = trainer._prepare_inputs(trainer.data_collator(rows))
+                    for name, values in trainer.reference_values(model, batch, len(rows)).items():
                         columns[name].extend(values.float().cpu().tolist())
             finally:
                 model.train(was_training)
@@ -272,6 +226,40 @@ class ReferenceModelMixin:
             dataset = dataset.remove_columns(name) if name in dataset.column_names else dataset
             dataset = dataset.add_column(name, values)
         return dataset
+
+
+class ReferenceModelMixin:
+    """What a method with a reference (DPO, KTO; the online trainers) says of its own: whether it wants one, how it
+    is announced, the columns its precomputed log-probs fill; and TRL's attributes. The `reference` part does the
+    rest (loading rules above, placing, precomputing, TR-DPO's sync)."""
+
+    def reference_wanted(self, args) -> bool:
+        """False: no reference at all (e.g. GRPO with beta = 0)."""
+        return True
+
+    def load_models(self, model, ref_model, processing_class, peft_config, args, quantization_config):
+        """The policy (PEFT applied), its tokenizer and the reference by leantune's rules (load_policy_and_reference),
+        announced in one line."""
+        loaded = load_policy_and_reference(model, ref_model, processing_class, peft_config, args,
+                                           needs_reference=self.reference_wanted(args),
+                                           quantization_config=quantization_config)
+        logger.info("%s", self.reference_note(loaded, args))
+        return loaded
+
+    def reference_note(self, loaded, args) -> str:
+        return f"{methods.of(self).output_suffix} reference: {loaded.description(args)}."
+
+    def reference_columns(self, dataset) -> tuple[str, ...]:
+        """The columns of precomputed reference values (precompute_ref_log_probs)."""
+        raise NotImplementedError
+
+    def reference_values(self, model, batch: dict, rows: int) -> dict[str, torch.Tensor]:
+        """Per-row reference values of one collated batch, by column name."""
+        raise NotImplementedError
+
+    # TRL's attribute (read-only), and whether the reference is the disabled adapter
+    ref_model = property(lambda self: self.reference.model)
+    uses_adapter_as_reference = property(lambda self: self.reference.uses_adapter)
 
 
 class ReferenceSync(TrainerCallback):

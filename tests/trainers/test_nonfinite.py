@@ -91,7 +91,7 @@ def test_nan_loss_skipped_counted_and_logged_as_nan(gsm8k_rows, tokenizer, tmp_p
     logs = Logs()
     trainer.add_callback(logs)
     metrics = trainer.train().metrics
-    skipped = trainer._nonfinite["skipped"]
+    skipped = trainer.nonfinite.skipped
     assert {r for _, rows in skipped for r in rows} == set(POISONED)
     assert all(set(rows) <= set(POISONED) for _, rows in skipped)
     skipped_steps = [step for step, _ in skipped]

@@ -176,7 +176,7 @@ class RoundBuilder:
                 if policy_too:
                     trainer.attach_policy_scores(batch, model, on_device)
                 if reference:
-                    with trainer.reference_model() as reference_model:
+                    with trainer.reference.scope(trainer.model) as reference_model:
                         batch["ref_logps"] = self.scored_logps(reference_model, on_device)
         finally:
             model.train(was_training)

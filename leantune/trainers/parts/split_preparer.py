@@ -67,7 +67,7 @@ class SplitPreparer:
 
     def for_evaluation(self, dataset, split: str, trainer):
         """The prepared form of one dataset handed to evaluate(): kept aside at construction, already prepared, or
-        prepared now by the same recipe (then `trainer.finish_eval_split`). A stream first seen here is read by each
+        prepared now by the same recipe (then the reference's `finish_eval_split`: precomputed log-probs). A stream first seen here is read by each
         process on its own, as at construction (the accelerator exists already, so it is told directly; the config
         stays as it is)."""
         prepared = self.prepared_form_of(dataset)
@@ -77,7 +77,7 @@ class SplitPreparer:
             check_own_stream_reads(trainer.args)
             trainer.accelerator.dataloader_config.dispatch_batches = False
         dataset = self.prepare_split(dataset, split, trainer.processing_class, trainer.args)
-        return trainer.finish_eval_split(dataset, split)
+        return trainer.reference.finish_eval_split(trainer, dataset, split)
 
     def remember(self, dataset, report=None) -> None:
         if is_stream(dataset):  # no fingerprint: known by identity; its live report is logged as it is read
