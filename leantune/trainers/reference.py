@@ -1,4 +1,5 @@
-"""Policy and reference models for the trainers that compare against a reference (DPO, KTO, GRPO, RLOO).
+"""Policy and reference models for the trainers that compare against a reference (DPO, KTO, GRPO, RLOO, Online DPO,
+PPO): loaded by leantune's rules, then held by the trainer as its `Reference` part (placed, precomputed, synced).
 
 The reference costs no second copy when it can be avoided: with a PEFT adapter it is the policy with the adapter
 disabled; with `precompute_ref_log_probs` its log-probs are computed once before training; otherwise it is a frozen
@@ -274,7 +275,7 @@ class ReferenceSync(TrainerCallback):
         if state.global_step % args.ref_model_sync_steps:
             return
         unwrap = self.trainer.accelerator.unwrap_model
-        mix_into(unwrap(self.trainer.ref_model), unwrap(self.trainer.model), args.ref_model_mixup_alpha)
+        mix_into(unwrap(self.trainer.reference.model), unwrap(self.trainer.model), args.ref_model_mixup_alpha)
 
 
 @torch.no_grad()
