@@ -1,22 +1,39 @@
-"""bench/real_shapes.py end to end on a tiny shape, so the script cannot rot: both libraries really train (in this
-process), both are planned, the JSON holds what docs/benchmarks.md's table reads, and the losses agree."""
+"""bench/real_shapes.py end to end on a tiny shape, so the script cannot rot: run as its command (both libraries
+really train, in the script's one process), both are planned, the JSON holds what docs/benchmarks.md's table reads,
+and the losses agree. Its search and its FLOPs count are devkit's, checked here directly."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 
-from bench.real_shapes import longest_fitting, main, model_config, model_flops, parse_args
+from devkit.longest_fitting import longest_fitting
+from devkit.model_flops import model_flops
+from devkit.qwen2_shape import qwen2_config
+
+from ..fixtures.paths import REPO
 
 TINY = ["--layers", "1", "--hidden", "64", "--intermediate", "128", "--heads", "4", "--kv-heads", "2",
         "--vocab", "1000"]
 
 
-def test_real_shapes_main_path_tiny(tokenizer_dir, tmp_path, monkeypatch):
-    monkeypatch.setenv("LEANTUNE_SHARED", str(tokenizer_dir.parents[1]))
+def run_real_shapes(tokenizer_dir, *args: str) -> int:
+    """`python bench/real_shapes.py ARGS` with the repository's tokenizer; its exit code (its output on failure)."""
+    env = {**os.environ, "LEANTUNE_SHARED": str(tokenizer_dir.parents[1]),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, str(REPO / "bench" / "real_shapes.py"), *args], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
+    return done.returncode
+
+
+def test_real_shapes_main_path_tiny(tokenizer_dir, tmp_path):
     out = tmp_path / "real_shapes.json"
-    assert main([*TINY, "--lengths", "64", "--in-process", "--no-longest", "--matmul-size", "256",
-                 "--matmul-repeats", "2", "--out", str(out)]) == 0
+    assert run_real_shapes(tokenizer_dir, *TINY, "--lengths", "64", "--in-process", "--no-longest", "--matmul-size",
+                           "256", "--matmul-repeats", "2", "--out", str(out)) == 0
     report = json.loads(out.read_text())
     assert report["matmul_gflops"] > 0
     for library in ("leantune", "trl"):
@@ -41,11 +58,10 @@ def test_real_shapes_main_path_tiny(tokenizer_dir, tmp_path, monkeypatch):
                                                                    report["runs"]["trl:64"]["losses"]))
 
 
-def test_real_shapes_skips_a_run_predicted_over_the_cap(tokenizer_dir, tmp_path, monkeypatch):
-    monkeypatch.setenv("LEANTUNE_SHARED", str(tokenizer_dir.parents[1]))
+def test_real_shapes_skips_a_run_predicted_over_the_cap(tokenizer_dir, tmp_path):
     out = tmp_path / "real_shapes.json"
-    assert main([*TINY, "--lengths", "64", "--in-process", "--no-longest", "--cap-gib", "0.000001",
-                 "--libraries", "leantune", "--matmul-size", "128", "--out", str(out)]) == 0
+    assert run_real_shapes(tokenizer_dir, *TINY, "--lengths", "64", "--in-process", "--no-longest", "--cap-gib",
+                           "0.000001", "--libraries", "leantune", "--matmul-size", "128", "--out", str(out)) == 0
     report = json.loads(out.read_text())
     assert report["runs"]["leantune:64"]["skipped"].startswith("predicted, not run")
     assert report["summary"][0]["leantune"]["measured"] is False
@@ -65,7 +81,7 @@ def test_longest_fitting_finds_the_last_length_under_the_budget():
 
 
 def test_model_flops_counts_qwen_0_5b():
-    config = model_config(parse_args([]))
+    config = qwen2_config()  # the bench's default shape (its flags default to devkit.qwen2_shape.QWEN25_05B)
     flops = model_flops(config, 1024)
     # Qwen2.5-0.5B: 494,032,768 parameters, of which 136,134,656 are the (tied) embedding
     assert flops["non_embedding_parameters"] == 494_032_768 - 151_936 * 896
