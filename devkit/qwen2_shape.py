@@ -1,6 +1,5 @@
-"""Qwen2.5-0.5B's shape (its config.json), built from its fields with random weights in mind: no Hub, and the shape,
-not the weights, sets memory and time. bench/real_shapes.py trains it (its shape flags default to these fields);
-the tests count its FLOPs."""
+"""Qwen2.5-0.5B's shape, as its config.json gives it: bench/real_shapes.py trains it with random weights (no Hub; the
+shape, not the weights, sets memory and time), its shape flags defaulting to these fields; the tests count its FLOPs."""
 
 from __future__ import annotations
 
