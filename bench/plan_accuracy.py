@@ -354,7 +354,7 @@ def zero_fields(method: str, processes: int, bf16: bool) -> dict:
 
 def deepspeed_config(stage: int, bucket: float, bf16: bool) -> dict:
     """What a user with a small model writes: the stage, the bucket; ZeRO-3 partitions every parameter (as
-    tests/cpu_engines/deepspeed_zero3_cpu.json, so a tiny model is sharded at all)."""
+    devkit/cpu_engines/deepspeed_zero3_cpu.json, so a tiny model is sharded at all)."""
     zero = {"stage": stage, "reduce_bucket_size": int(bucket)}
     if stage == 3:
         zero.update(stage3_param_persistence_threshold=0, stage3_max_live_parameters=0, stage3_max_reuse_distance=0,
@@ -514,7 +514,7 @@ def zero_model_config(hidden: int):
 #     PYTHONPATH=. python bench/plan_accuracy.py --engines ddp,fsdp2 [--processes 1,2] [--only NAME_SUBSTRING]
 #
 # Each row is `accelerate launch --config_file examples/accelerate/<engine>.yaml` of this file's worker (launched as
-# bench/scale_out_memory.py launches: FSDP2 on CPU through tests/cpu_engines/), which trains the row's configuration
+# bench/scale_out_memory.py launches: FSDP2 on CPU through devkit/cpu_engines/), which trains the row's configuration
 # with `memory_breakdown=True` on every rank; the plan is `plan_memory(..., num_processes=N, engine=<engine>)`.
 
 ENGINE_CONFIGS = ["sft default", "sft padding-free", "dpo default", "grpo default"]

@@ -60,10 +60,12 @@ from bench.common import (  # noqa: E402
     rss_bytes,
     source_state,
 )
+from devkit.longest_fitting import longest_fitting  # noqa: E402
+from devkit.model_flops import model_flops  # noqa: E402
+from devkit.qwen2_shape import QWEN25_05B, qwen2_config  # noqa: E402
 
 GIB = 1024 * MIB
 LIBRARIES = ("leantune", "trl")
-QWEN25_05B = dict(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=151_936)
 FULL_LENGTHS = (1024, 2048, 4096, 8192)
 QUICK_LENGTHS = (1024,)
 FIRST_ID = 3  # token ids 0-2 are the tokenizer's unk/pad, bos and eos: a row never holds them
@@ -73,17 +75,8 @@ FIRST_ID = 3  # token ids 0-2 are the tokenizer's unk/pad, bos and eos: a row ne
 
 
 def model_config(opts):
-    """Qwen2.5-0.5B's configuration (as its config.json says), with the shape flags applied."""
-    from transformers import Qwen2Config
-
-    config = Qwen2Config(
-        vocab_size=opts.vocab, hidden_size=opts.hidden, intermediate_size=opts.intermediate,
-        num_hidden_layers=opts.layers, num_attention_heads=opts.heads, num_key_value_heads=opts.kv_heads,
-        max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
-        hidden_act="silu", use_sliding_window=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )
-    config._attn_implementation = "sdpa"
-    return config
+    """Qwen2.5-0.5B's configuration with the shape flags applied."""
+    return qwen2_config(**{name: getattr(opts, name) for name in QWEN25_05B})
 
 
 def build_model(config, seed: int):
@@ -282,48 +275,7 @@ def _trace_trl(config, length: int, opts, tokenizer) -> int:
     return breakdowns[0].peak_bytes
 
 
-def longest_fitting(predict, budget: int, start: int, step: int = 256, limit: int = 1 << 20,
-                    tolerance: float = 1 / 64, known: dict[int, int] | None = None) -> tuple[int, int]:
-    """(longest length, a multiple of `step`, whose predicted peak fits `budget`; its prediction). Each prediction is
-    a traced step (seconds of CPU), and a peak is close to linear in the length, so the next length probed is where
-    the line through the last two probes meets the budget (bisection where that is not strictly inside the bracket),
-    until the bracket is `step` tokens or `tolerance` of the length wide. (0, 0) when not even `step` tokens fit;
-    at most `limit`. `known`: predictions already made ({length: peak}), the first points of the line."""
-    cache: dict[int, int] = dict(known or {})
-
-    def peak(length):
-        if length not in cache:
-            cache[length] = predict(length)
-        return cache[length]
-
-    def snap(length):
-        return max(step, min(limit, int(length) // step * step))
-
-    low, high = 0, None  # low fits (0: nothing probed fits yet), high does not
-    sides = []  # which side each probe fell on: True fits
-    for length in sorted({*cache, snap(start), snap(2 * start)} if len(cache) < 2 else cache):
-        sides.append(peak(length) <= budget)
-        low, high = (max(low, length), high) if sides[-1] else (low, length if high is None else min(high, length))
-    while not (high is not None and high - low <= max(step, low * tolerance)) and not (high is None and low >= limit):
-        if high is None:  # grow along the line through the two longest probes
-            (a, pa), (b, pb) = sorted(cache.items())[-2:]
-            guess = snap(a + (budget - pa) * (b - a) / (pb - pa)) if pb > pa else 2 * low
-            guess = max(guess, low + step)
-        elif low and sides[-1] != sides[-2]:  # the line between the bracket's ends (regula falsi)
-            guess = snap(low + (budget - cache[low]) * (high - low) / (cache[high] - cache[low]))
-            guess = min(max(guess, low + step), high - step)
-        else:  # the last two probes fell on one side: halve (keeps a curved peak from stalling the line)
-            guess = snap((low + high) / 2)
-        if high is not None and not low < guess < high:
-            guess = snap((low + high) / 2)
-        if guess in cache:
-            break
-        sides.append(peak(guess) <= budget)
-        low, high = (guess, high) if sides[-1] else (low, guess)
-    return low, cache.get(low, 0)
-
-
-# --- FLOPs and the machine's peak ---------------------------------------------------------------------------------
+# --- the machine's peak (model FLOPs: devkit/model_flops.py) ------------------------------------------------------
 
 
 def matmul_peak_gflops(size: int, repeats: int) -> float:
@@ -339,27 +291,6 @@ def matmul_peak_gflops(size: int, repeats: int) -> float:
         torch.mm(a, b)
         best = min(best, time.perf_counter() - started)
     return 2 * size ** 3 / best / 1e9
-
-
-def model_flops(config, tokens: int) -> dict:
-    """FLOPs of one training step (forward + backward = 3 x forward) of one sequence of `tokens` tokens.
-
-    Layers: 6 x their parameters x tokens. Causal attention: QK^T and AV, each 2 x tokens^2 x (heads x head_dim) a
-    layer forward, halved by the causal mask, x 3 for the backward. The LM head: 6 x hidden x vocab x tokens (its
-    weight is the tied embedding's, so it is not in the non-embedding count). The checkpointing's recompute (one more
-    forward of the layers) is not model FLOPs: `recompute` gives it apart."""
-    hidden, layers = config.hidden_size, config.num_hidden_layers
-    head_dim = hidden // config.num_attention_heads
-    kv = config.num_key_value_heads * head_dim
-    per_layer = (hidden * hidden + hidden) + 2 * (hidden * kv + kv) + hidden * hidden  # q (bias), k, v (bias), o
-    per_layer += 3 * hidden * config.intermediate_size + 2 * hidden  # gate, up, down; two RMSNorm weights
-    non_embedding = layers * per_layer + hidden  # + the final norm
-    dense = 6 * non_embedding * tokens
-    attention = 3 * layers * (2 * 2 * tokens * tokens * config.num_attention_heads * head_dim) // 2
-    head = 6 * hidden * config.vocab_size * tokens
-    recompute = (dense + attention) // 3  # one more forward of the layers
-    return {"non_embedding_parameters": non_embedding, "dense": dense, "attention": attention, "head": head,
-            "model": dense + attention + head, "recompute": recompute}
 
 
 # --- the table ----------------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ SFT of tests/fixtures/models.py's tiny Llama shape (hidden 64, 2 layers, vocabul
 GSM8K prompt-completion rows, global batch 4 (1 x 4 against 2 x 2), max_length 64, no clipping, no weight decay,
 lr 1e-3 (AdamW) / 1e-2 (SGD, momentum 0.9, as tests/launch/test_scale_out.py). Launched exactly as
 bench/scale_out_memory.py (accelerate launch with examples/accelerate/*.yaml and the CPU helpers of
-tests/cpu_engines/). After every step the full weights are gathered (the engine's own full state dict) and written;
+devkit/cpu_engines/). After every step the full weights are gathered (the engine's own full state dict) and written;
 the one-process run also writes the first step's gradient.
 
 Reported per engine and step: the loss's relative difference from one process, and |W_N - W_1| / |W_1 - W_0| (the

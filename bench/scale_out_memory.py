@@ -4,9 +4,9 @@
 
 Every run is `accelerate launch --config_file examples/accelerate/<engine>.yaml` of this file's worker (an SFT run of
 a ~32M-parameter Llama, vocabulary 32,000, hidden 384, 4 layers, fp32, built from a config and saved to a temporary
-folder), with the CPU-only test helpers of tests/cpu_engines/ exactly as tests/launch/test_scale_out.py uses them: FSDP2
+folder), with the CPU-only helpers of devkit/cpu_engines/ exactly as tests/launch/test_scale_out.py uses them: FSDP2
 through its sitecustomize (LEANTUNE_TEST_CPU_FSDP=1), DeepSpeed with DS_ACCELERATOR=cpu, ZeRO-3 with
-tests/cpu_engines/deepspeed_zero3_cpu.json (every parameter partitioned).
+devkit/cpu_engines/deepspeed_zero3_cpu.json (every parameter partitioned).
 
 Per rank it reports two accountings of the second optimizer step (the first that holds optimizer states):
 - MemTracker: leantune's `MemoryBreakdownCallback` (the default `memory_breakdown=True`): the step's peak of live
@@ -34,7 +34,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples" / "accelerate"
-HELPERS = REPO / "tests" / "cpu_engines"
+HELPERS = REPO / "devkit" / "cpu_engines"
 MIB = 1024 * 1024
 ENGINES = ("ddp", "fsdp2", "zero2", "zero3")
 # the share of P each part should have per rank, N processes: (parameters, gradients, optimizer states)
@@ -209,7 +209,7 @@ def make_assets(root: Path, hidden: int, layers: int) -> None:
 
 
 def zero3_cpu_config(root: Path) -> Path:
-    """examples/accelerate/zero3.yaml with tests/cpu_engines/deepspeed_zero3_cpu.json (as tests/launch/test_scale_out.py)."""
+    """examples/accelerate/zero3.yaml with devkit/cpu_engines/deepspeed_zero3_cpu.json (as tests/launch/test_scale_out.py)."""
     path = root / "zero3_cpu.yaml"
     text = (EXAMPLES / "zero3.yaml").read_text()
     text = text.replace("deepspeed_config:\n",

@@ -1,12 +1,14 @@
 """What one device call carries: the working tree that travels (tracked files and untracked files git does not
 ignore) plus the wheel folder named in `carry`. The device takes 64 MiB a call; the kit keeps under 60 MiB.
 
-Run by bench/gpu/run.sh and fetch_wheels.sh, and by tests/benchmarks/test_gpu_kit.py. Without fetched wheels it counts the
-sizes they had when measured (KNOWN_WHEEL_BYTES, pinned in wheels.txt), so the check holds offline."""
+Run by bench/gpu/run.sh and fetch_wheels.sh, and by tests/benchmarks/test_gpu_kit.py (`--json`: the counts, the pins
+and their measured sizes, for a test to read). Without fetched wheels it counts the sizes they had when measured
+(KNOWN_WHEEL_BYTES, pinned in wheels.txt), so the check holds offline."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -62,8 +64,14 @@ def check(wheels: Path = HERE / "wheels", repo: Path = REPO) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--wheels", type=Path, default=HERE / "wheels")
+    parser.add_argument("--repo", type=Path, default=REPO, help="the git tree that travels (default: this repository)")
+    parser.add_argument("--json", action="store_true",
+                        help="print the counts, the pins and their measured sizes as JSON")
     opts = parser.parse_args(argv)
-    result = check(opts.wheels)
+    result = check(opts.wheels, opts.repo)
+    if opts.json:
+        print(json.dumps({**result, "pinned_names": pinned_names(), "known_wheel_bytes": KNOWN_WHEEL_BYTES}))
+        return 0 if result["ok"] else 2
     mib = 1024 * 1024
     print(f"carried: tree {result['tree_bytes'] / mib:.1f} MiB + wheels {result['wheel_bytes'] / mib:.1f} MiB "
           f"({result['wheel_source']}) = {result['total_bytes'] / mib:.1f} MiB of {LIMIT_BYTES / mib:.0f} MiB")

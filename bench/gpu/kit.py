@@ -2,6 +2,7 @@
 
     bash bench/gpu/run.sh            # on the GPU machine: <= 8 minutes, results in $OUT (or ./gpu-results)
     bash bench/gpu/run.sh --dry      # every row at tiny size on CPU, < 2 minutes (tests/benchmarks/test_gpu_kit.py)
+    python bench/gpu/kit.py --list-rows  # the rows' names, in order
 
 Rows run in order of value, each with its own time budget (a SIGALRM timer) and its own try/except: a failing row
 records its error and traceback tail and the kit goes on; results.json and results.md are rewritten after every row;
@@ -67,11 +68,15 @@ def parse_args(argv=None):
     parser.add_argument("--total-s", type=float, default=float(os.environ.get("GPUKIT_TOTAL_S", 0)) or None,
                         help="stop starting rows after this many seconds (default 420 on GPU; 300 dry, a guard against a hang: the dry target is < 2 minutes)")
     parser.add_argument("--rows", default=None, help=f"comma-separated subset of {ROW_NAMES}")
+    parser.add_argument("--list-rows", action="store_true", help="print every row's name, one a line, and exit")
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
     opts = parse_args(argv)
+    if opts.list_rows:
+        print("\n".join(ROW_NAMES))
+        return 0
     settings = Settings(dry=opts.dry, out=Path(opts.out), total_s=opts.total_s or (300 if opts.dry else 420))
     import torch
 

@@ -11,7 +11,7 @@ Every request carries the server's token when `LEANTUNE_VLLM_SERVER_TOKEN` is se
 again while the server answers 503 (busy), within that time. A refused weight chunk ends its update on the server
 (nothing of it is applied) before the error is raised.
 
-Verified on CPU (tests/test_vllm_server.py) against the server's transformers engine.
+Verified on CPU (tests/generation/test_vllm_server.py) against the server's transformers engine.
 """
 
 from __future__ import annotations

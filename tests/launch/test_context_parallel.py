@@ -3,8 +3,8 @@ processes by `accelerate launch --config_file examples/accelerate/fsdp2_context_
 on the same data: padded rows, packing, padding-free, packing + padding-free.
 
 Under cp_size=2 both processes take the same batch and each holds half of every sequence (torch's ring attention
-passes keys and values between them); the CPU-only part (the ring for the CPU SDPA kernel) is a test helper in
-tests/cpu_engines/.
+passes keys and values between them); the CPU-only part (the ring for the CPU SDPA kernel) is a helper in
+devkit/cpu_engines/.
 
 Tolerances (SGD with momentum 0.9, no clipping, 2 steps, lr 1e-2; tests/scripts/cp_run.py), as tests/launch/test_scale_out.py:
 - Per-step losses: 1e-5 relative. Context parallelism changes only how each attention row's softmax is assembled

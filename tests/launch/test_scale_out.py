@@ -2,8 +2,8 @@
 the accelerate config files in examples/accelerate/, against one process with the same global batch.
 
 What runs here is what a GPU user runs: the shipped config files as they are, DeepSpeed with its own defaults. The
-CPU-only parts are test helpers in tests/cpu_engines/ (accelerate's FSDP on CPU processes, DeepSpeed's CPU
-accelerator). One more ZeRO-3 launch, of two cases, uses tests/cpu_engines/deepspeed_zero3_cpu.json for what is
+CPU-only parts are the helpers in devkit/cpu_engines/ (accelerate's FSDP on CPU processes, DeepSpeed's CPU
+accelerator). One more ZeRO-3 launch, of two cases, uses devkit/cpu_engines/deepspeed_zero3_cpu.json for what is
 measured rather than trained: the plan's accuracy (the plan models neither DeepSpeed's prefetching nor its
 small-parameter persistence; see docs/plan.md) and the weights held during sharded generation.
 
@@ -64,7 +64,7 @@ ENGINE_CASES = {
     "zero3": [c for c in SHARDED if c not in ("sft", "dpo_padding_free_precomputed")]
     + ["gkd_on_policy"],  # the student gathered for its own samples, the teacher sharded
 }
-# ZeRO-3 with tests/cpu_engines/deepspeed_zero3_cpu.json: "sft"'s measured step against the plan, and the weights a
+# ZeRO-3 with devkit/cpu_engines/deepspeed_zero3_cpu.json: "sft"'s measured step against the plan, and the weights a
 # sharded generation round holds (against "grpo" of the launch with DeepSpeed's defaults)
 ZERO3_MEASURED = ["sft", "grpo_sharded_generation"]
 # DeepSpeed's CPU accelerator compiles its shared-memory all-reduce op (deepspeed_shm_comm) in every process group it
@@ -109,7 +109,7 @@ def assets(tmp_path_factory, tokenizer_dir):
 
 
 def zero3_measured_config(root: Path) -> Path:
-    """examples/accelerate/zero3.yaml with the DeepSpeed settings of tests/cpu_engines/deepspeed_zero3_cpu.json: for
+    """examples/accelerate/zero3.yaml with the DeepSpeed settings of devkit/cpu_engines/deepspeed_zero3_cpu.json: for
     the plan-accuracy and generation-memory checks only (ZERO3_MEASURED); every trainer runs zero3.yaml as shipped."""
     path = root / "zero3_measured.yaml"
     text = (EXAMPLES / "zero3.yaml").read_text()

@@ -1,4 +1,5 @@
-"""Test-only: let accelerate's FSDP run on CPU processes over gloo (put this folder on PYTHONPATH of a launched run).
+"""Development only (the tests' and bench's CPU launches): let accelerate's FSDP run on CPU processes over gloo (put
+this folder on PYTHONPATH of a launched run).
 
 accelerate turns FSDP on only for accelerator device kinds: with `use_cpu` (a machine without a GPU) an FSDP config
 silently trains as plain data parallel (`DistributedType.MULTI_CPU`). torch's `fully_shard` itself works on a CPU
