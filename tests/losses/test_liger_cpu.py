@@ -16,12 +16,15 @@ gradient moves the gradients by >= 1e-3.
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
 from datasets import Dataset
 
 from devkit.liger_cpu import (
+    SET_BY_TESTS,
+    VARIABLE,
     FusedKernelCalls,
     bridge_interpreter_gaps,
     forget_liger,
@@ -65,9 +68,13 @@ COMMON = dict(report_to=[], save_strategy="no", use_cpu=True, max_grad_norm=0.0,
 
 @pytest.fixture(scope="module", autouse=True)
 def liger_on_cpu():
-    reason = liger_kernels_interpreted()
-    if reason is not None:
-        pytest.skip(f"Liger's kernels do not run on CPU here: {reason}")
+    with pytest.MonkeyPatch.context() as patch:
+        if os.environ.get(SET_BY_TESTS) == "1":  # the suite turned the interpreter on: these tests keep it on
+            patch.setenv(VARIABLE, "1")
+        reason = liger_kernels_interpreted()
+        if reason is not None:
+            pytest.skip(f"Liger's kernels do not run on CPU here: {reason}")
+        yield
 
 
 @pytest.fixture
