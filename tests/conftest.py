@@ -16,7 +16,7 @@ _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, torch.get_num_threads() // _WORKERS)))
 
 # Before anything imports triton: Liger's kernels on CPU need Triton's interpreter from the start (devkit/liger_cpu.py)
-from devkit.liger_cpu import hide_interpreter, interpreter_on_for_imports  # noqa: E402
+from devkit.liger_cpu import hide_interpreter, interpreter_on_for_imports, keep_interpreter  # noqa: E402
 
 interpreter_on_for_imports(cuda=torch.cuda.is_available())
 
@@ -31,6 +31,8 @@ def pytest_configure(config):
 def _interpreter_only_for_liger_tests(request, monkeypatch):
     if request.node.get_closest_marker("liger_interpreter") is None:
         hide_interpreter(monkeypatch)
+    else:
+        keep_interpreter(monkeypatch)
 
 
 @pytest.fixture(scope="session")

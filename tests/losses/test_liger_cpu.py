@@ -390,9 +390,9 @@ def test_a_liger_without_per_token_gradients_trains_per_token_losses_on_the_chun
     """liger-kernel < 0.8.2 scales every token's gradient by the first token's with reduction="none": with such a
     version (its feature check answering no), DPO's policy pass takes the chunked head, announced; the reference's
     (no gradient) still goes through Liger."""
-    from leantune.trainers import base
+    from leantune.trainers.parts import logprob_engine
 
-    monkeypatch.setattr(base, "per_target_gradients_supported", lambda: False)
+    monkeypatch.setattr(logprob_engine, "per_target_gradients_supported", lambda: False)
     with caplog.at_level(logging.WARNING, logger="leantune"):
         trainer = preference_trainer(DPOTrainer, DPOConfig, tokenizer, hh_pairs, tmp_path, use_liger_loss=True)
     assert "fixed in 0.8.2" in caplog.text
