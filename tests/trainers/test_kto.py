@@ -22,7 +22,7 @@ from leantune.losses.kto import kl_estimate, kto_loss
 from leantune.trainers.config_utils import checkpointing_setting
 
 from ..fixtures.comparisons import GradientRecorder, rel_diff
-from ..fixtures.models import tiny_model
+from ..fixtures.models import lora, tiny_model
 
 RTOL = 1e-5
 HH_PAIRS_ROWS = 10
@@ -174,12 +174,6 @@ def test_chunked_equals_full_loss_and_gradients(tokenizer, hh_pairs, tmp_path):
     for name, reference in full_grads.items():  # max abs difference over max |gradient|; measured ~1e-7
         assert rel_diff(chunked_grads[name], reference) <= RTOL, name
 
-
-def lora(init_random: bool):
-    from peft import LoraConfig
-
-    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
-                      init_lora_weights=not init_random, task_type="CAUSAL_LM")
 
 
 def test_peft_reference_equals_a_separate_copy_of_the_base_weights(tokenizer, hh_pairs, tmp_path):
