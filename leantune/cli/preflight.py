@@ -52,6 +52,8 @@ def resolve_resume(value, output_dir: str, overwrite: bool) -> str | None:
             value = None
     if value is True:
         latest = latest_complete_checkpoint(output_dir)
+        if latest is None and os.environ.get("RANK", "0") != "0":
+            return None  # process 0 chooses; the trainer makes every process resume from its choice or stop
         if latest is None and os.environ.get("TORCHELASTIC_RESTART_COUNT") is not None:
             # under torchrun (--max-restarts): the first attempt, or a restart of one that died before any checkpoint
             logger.info("--resume_from_checkpoint true: no complete checkpoint in %s yet; a fresh run (attempt %s of "

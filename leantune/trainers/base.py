@@ -27,7 +27,7 @@ from .nonfinite import ROW_INDEX, NonFiniteGuard
 from .parts.logprob_engine import LogProbEngine
 from .parts.resolved_config import resolve_config
 from .parts.run_metrics import RunMetrics, mean_of_values
-from .parts.saving import StagedCheckpoint, resume_checkpoint, save_with_card, tag_model, write_hub_card
+from .parts.saving import StagedCheckpoint, agreed_resume_checkpoint, save_with_card, tag_model, write_hub_card
 from .parts.split_preparer import SplitPreparer
 from .parts.step_loss import StepLoss
 from .reference import Reference
@@ -275,7 +275,7 @@ class LeantuneTrainer(Trainer):
             self.memory_plan = check_before_training(self)  # planning/plan_check.py: training itself is unchanged
         if args and "resume_from_checkpoint" not in kwargs:
             kwargs["resume_from_checkpoint"], args = args[0], args[1:]
-        kwargs["resume_from_checkpoint"] = resume_checkpoint(kwargs.get("resume_from_checkpoint"), self.args.output_dir)
+        kwargs["resume_from_checkpoint"] = agreed_resume_checkpoint(kwargs.get("resume_from_checkpoint"), self.args)
         reset_peak_memory(self.args.device)
         self.run_metrics.throughput.restart()
         with named_collective_timeouts(self.args), self.nonfinite.training_run():  # distributed.py, nonfinite.py

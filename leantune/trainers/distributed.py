@@ -129,6 +129,16 @@ def start_cpu_process_group(args) -> None:
         timeout=timeout)
 
 
+def gather_from_all(value) -> list:
+    """Every process's `value` (picklable), in rank order, on every process; one process: `[value]`. How processes
+    agree on an outcome (a save that failed, the checkpoint to resume) before any of them waits on the others."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return [value]
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, value)
+    return gathered
+
+
 class ProcessGroupTimeout(TrainingFault):
     """A collective waited longer than `ddp_timeout` for the other processes: one is stuck or dead."""
 

@@ -3,7 +3,8 @@
 transformers' checkpoint is written into `tmp-checkpoint-N/checkpoint-N` with the trainer's own state, fsynced and
 renamed to `checkpoint-N` only when whole (checkpoint_files.py); the rotation of --save_total_limit and a push to the
 Hub come after the rename. A write that fails for want of space removes the staging folder and raises NoRoomError,
-the last complete checkpoint untouched.
+the last complete checkpoint untouched, on every process at once (the processes agree on each part's outcome).
+At resume the processes agree on the checkpoint: process 0's choice, which every process must be able to read.
 """
 
 from __future__ import annotations
@@ -17,9 +18,15 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from ... import methods
 from ...models import model_card
 from ...models.output_head import text_config_of, unwrap_model
+from ...utils.faults import TrainingFault
 from .. import checkpoint_files
+from ..distributed import gather_from_all, is_collective_timeout
 
 logger = logging.getLogger("leantune.trainer")
+
+
+class CheckpointSaveFault(TrainingFault):
+    """Another process's part of a checkpoint save failed: this one stops with it (its error is in that log)."""
 
 
 def save_with_card(trainer, output_dir: str | None, state_dict, save) -> None:
@@ -42,7 +49,12 @@ def save_with_card(trainer, output_dir: str | None, state_dict, save) -> None:
 class StagedCheckpoint:
     """One checkpoint save: transformers writes into the staging folder (`trainer._get_output_dir` names it while
     `active`: the one write to the trainer, undone at the end); rotation there finds one checkpoint and removes
-    nothing, and the push waits (`active`) for the renamed folder."""
+    nothing, and the push waits (`active`) for the renamed folder.
+
+    Each of the save's three parts (the staging folder, every process's files, the rename) ends with the processes
+    agreeing on its outcome (`_together`) where a barrier stood: a part that failed on one process (a full disk on
+    the writing one) stops every process at once with the same error, instead of leaving the others waiting at the
+    next barrier until `ddp_timeout`."""
 
     def __init__(self, trainer, trial):
         self.trainer = trainer
@@ -55,46 +67,84 @@ class StagedCheckpoint:
 
     def save(self, model, trial, save_checkpoint) -> None:
         trainer, args = self.trainer, self.trainer.args
-        if args.should_save:
-            checkpoint_files.remove_tree(self.staging_root)  # a save of this step that a kill cut short
-            os.makedirs(self.staged)
-        trainer.accelerator.wait_for_everyone()
+        self._together(self._open_staging)
+        self._warn_if_not_shared()
         trainer._get_output_dir = lambda trial=None: self.staging_root
         self.active = True
         try:
-            save_checkpoint(model, trial)
-            trainer.accelerator.wait_for_everyone()  # every process's files (rng_state_<i>.pth) are in
-            if args.should_save:
-                self._point_best_checkpoint_at()
-                trainer.save_extra_state(self.staged)
-                checkpoint_files.publish(self.staged, self.final)
-                checkpoint_files.remove_tree(self.staging_root)
-        except Exception as error:
-            self._clean_up(error)
+            self._together(lambda: save_checkpoint(model, trial))  # every process's files (rng_state_<i>.pth) are in
+            self._together(self._publish)
         finally:
             del trainer._get_output_dir
             self.active = False
-        trainer.accelerator.wait_for_everyone()
         if args.push_to_hub:
             trainer._push_from_checkpoint(self.final)
         if args.should_save:
             rotate_checkpoints(output_dir=self.run_dir, save_total_limit=args.save_total_limit,
                                best_model_checkpoint=trainer.state.best_model_checkpoint, use_mtime=True)
 
-    def _clean_up(self, error: Exception) -> None:
-        """A save that failed leaves nothing behind (non-finite weights, ...); one that ran out of space says how
-        much room a checkpoint needs."""
-        should_save = self.trainer.args.should_save
-        if not (should_save and checkpoint_files.is_no_room(error, self.run_dir)):
-            if should_save:
-                checkpoint_files.remove_tree(self.staging_root)
+    def _open_staging(self) -> None:
+        if self.trainer.args.should_save:
+            checkpoint_files.remove_tree(self.staging_root)  # a save of this step that a kill cut short
+            os.makedirs(self.staged)
+
+    def _warn_if_not_shared(self) -> None:
+        """A process that does not see the writing process's staging folder is on a node without a shared file
+        system (and without save_on_each_node): said at the first save, not when a resume there fails."""
+        trainer = self.trainer
+        if trainer.args.should_save or trainer.args.world_size == 1 or os.path.isdir(self.staged):
+            return
+        if not getattr(trainer, "_said_not_shared", False):
+            trainer._said_not_shared = True
+            logger.warning("Process %d does not see %s, which the process writing checkpoints created: its node does "
+                           "not share output_dir's file system, so a resume there cannot read the checkpoints; put "
+                           "output_dir on a shared file system or train with save_on_each_node=True.",
+                           trainer.args.process_index, self.staged)
+
+    def _publish(self) -> None:
+        if self.trainer.args.should_save:
+            self._point_best_checkpoint_at()
+            self.trainer.save_extra_state(self.staged)
+            checkpoint_files.publish(self.staged, self.final)
+            checkpoint_files.remove_tree(self.staging_root)
+
+    def _together(self, part) -> None:
+        """Run this process's `part`, then learn every process's outcome; if any failed, the staging folder goes
+        and every process raises: the no-room line of the first process that ran out of space, else its own error
+        (a process that did not fail: CheckpointSaveFault naming the one that did)."""
+        error = outcome = None
+        try:
+            part()
+        except Exception as caught:
+            if is_collective_timeout(caught):  # a process is stuck or gone: no agreement to wait for
+                raise
+            error, outcome = caught, self._outcome(caught)
+        outcomes = gather_from_all(outcome)
+        if all(found is None for found in outcomes):
+            return
+        if self.trainer.args.should_save:
+            checkpoint_files.remove_tree(self.staging_root)
+        no_room = next((found["text"] for found in outcomes if found is not None and found["no_room"]), None)
+        if no_room is not None:
+            raise checkpoint_files.NoRoomError(no_room) from error
+        if error is not None:
             raise error
+        rank, failed = next((rank, found) for rank, found in enumerate(outcomes) if found is not None)
+        raise CheckpointSaveFault(f"process {rank} could not write checkpoint-{self.step} ({failed['text']}); the "
+                                  "last complete checkpoint is intact: see that process's log.")
+
+    def _outcome(self, error: Exception) -> dict:
+        """What the other processes learn of this one's failed part: whether it ran out of space (with the line
+        saying where, how much and what to do) or its error in one line."""
+        if not checkpoint_files.is_no_room(error, self.run_dir):
+            return {"no_room": False, "text": " ".join(f"{type(error).__name__}: {error}".split())[:300]}
         written = checkpoint_files.folder_bytes(self.staging_root)
-        checkpoint_files.remove_tree(self.staging_root)
+        if self.trainer.args.should_save:  # gone before the free space is measured
+            checkpoint_files.remove_tree(self.staging_root)
         earlier = [checkpoint_files.folder_bytes(os.path.join(self.run_dir, entry))
                    for entry in os.listdir(self.run_dir) if entry.startswith(f"{PREFIX_CHECKPOINT_DIR}-")]
-        raise checkpoint_files.no_room_error(self.run_dir, max([written, *earlier]),
-                                             f"checkpoint-{self.step}") from error
+        text = str(checkpoint_files.no_room_error(self.run_dir, max([written, *earlier]), f"checkpoint-{self.step}"))
+        return {"no_room": True, "text": text}
 
     def _point_best_checkpoint_at(self) -> None:
         """transformers looked for the best checkpoint beside the staged one: the state names its final folder."""
@@ -117,6 +167,34 @@ def resume_checkpoint(given, output_dir: str):
         raise ValueError(f"`resume_from_checkpoint`=True: no complete checkpoint (checkpoint-N with a "
                          f"trainer_state.json) in {output_dir}.")
     return found
+
+
+def agreed_resume_checkpoint(given, args):
+    """The checkpoint every process resumes from: process 0's (processes resolve `True` each in its own view of
+    output_dir, and one that found another checkpoint, or none, would train from another state). Only process 0
+    writes checkpoints unless `save_on_each_node`, so on nodes without a shared file system the others cannot read
+    it: then every process stops with one line, instead of one failing and the rest waiting for it."""
+    try:
+        chosen, problem = resume_checkpoint(given, args.output_dir), None
+    except ValueError as error:
+        chosen, problem = None, str(error)
+    choices = gather_from_all((chosen, problem))
+    if len(choices) == 1:
+        if problem:
+            raise ValueError(problem)
+        return chosen
+    chosen, problem = choices[0]
+    if problem:
+        raise ValueError(problem)
+    readable = chosen is None or checkpoint_files.readable_state(os.fspath(chosen))
+    unreadable = [str(rank) for rank, ok in enumerate(gather_from_all(readable)) if not ok]
+    if unreadable:
+        raise ValueError(
+            f"resume_from_checkpoint: process 0 resumes from {os.fspath(chosen)}, which process(es) "
+            f"{', '.join(unreadable)} cannot read (no readable trainer_state.json there): only process 0 writes "
+            "checkpoints unless save_on_each_node; put output_dir on a file system every node shares, or train with "
+            "save_on_each_node=True (--save_on_each_node true) so that each node writes its own copy.")
+    return chosen
 
 
 def tag_model(trainer) -> None:
