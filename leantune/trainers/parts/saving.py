@@ -9,6 +9,7 @@ At resume the processes agree on the checkpoint: process 0's choice, which every
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -36,7 +37,8 @@ def save_with_card(trainer, output_dir: str | None, state_dict, save) -> None:
     card = trainer.args.should_save and model_card.may_write(output_dir)
     if state_dict is not None:
         state_dict = without_tied_copies(trainer.accelerator.unwrap_model(trainer.model), state_dict)
-    save(output_dir, state_dict=state_dict)
+    with writing_on_each_node(trainer):
+        save(output_dir, state_dict=state_dict)
     if card:
         try:
             model_card.write_model_card(trainer, output_dir)
@@ -44,6 +46,23 @@ def save_with_card(trainer, output_dir: str | None, state_dict, save) -> None:
             logger.warning("Could not write the model card README.md in %s: %s", output_dir, error)
     elif trainer.args.should_save:
         logger.info("%s already has a README.md not written by leantune: left as it is.", output_dir)
+
+
+@contextlib.contextmanager
+def writing_on_each_node(trainer):
+    """transformers' `save_pretrained` writes on global process 0 alone whatever `is_main_process` says (5.x:
+    `should_save_on_this_rank`), so with save_on_each_node the other nodes' checkpoints held no weights or config
+    and could not be resumed there: during the save, each node's writing process (`should_save`) writes them."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    if not (trainer.args.save_on_each_node and trainer.args.should_save and trainer.args.world_size > 1
+            and hasattr(model, "should_save_on_this_rank")):
+        yield
+        return
+    model.should_save_on_this_rank = lambda is_main_process: is_main_process
+    try:
+        yield
+    finally:
+        del model.should_save_on_this_rank
 
 
 class StagedCheckpoint:
