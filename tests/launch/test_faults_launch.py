@@ -20,7 +20,16 @@ from pathlib import Path
 
 import pytest
 
-from ..fixtures.launchers import LAUNCH_VARIABLES, LEANTUNE, cpu_only, free_port, launch, saved_launch_assets
+from ..fixtures.launchers import (
+    LAUNCH_VARIABLES,
+    LEANTUNE,
+    cpu_only,
+    free_port,
+    launch,
+    launch_as_nodes,
+    saved_launch_assets,
+    small_disk,
+)
 from ..fixtures.paths import SCRIPTS
 
 REL = 1e-6
@@ -46,6 +55,43 @@ def test_a_stuck_process_fails_the_others_after_ddp_timeout(assets):
         run.stderr[-3000:]
     # the timeout, then torchrun stopping the stuck process (a few seconds on a loaded 2-core machine)
     assert timeout <= waited < timeout + 45, waited
+
+
+def test_a_full_disk_or_a_checkpoint_another_node_cannot_read_stops_every_process_in_one_line(assets, tmp_path):
+    """Two "nodes" of one process each, each on its own disk (its working folder; --output_dir is relative).
+    1. With save_on_each_node, node 0's disk (an 80 MiB tmpfs) holds one checkpoint, not two: both processes stop
+       at checkpoint-2 with node 0's no-room line (process 1 used to wait for the lost process 0 and fail with
+       another error), and node 1's own checkpoint-1 holds the weights (transformers wrote them on process 0 alone).
+    2. Resumed without save_on_each_node beside a node whose disk has no checkpoint: both stop with one line naming
+       save_on_each_node (that process used to fail alone and the other to wait for it)."""
+    command = [LEANTUNE, "sft", "--model_name_or_path", assets.model, "--dataset_name", assets.data, "--max_length",
+               "32", "--per_device_train_batch_size", "2", "--max_steps", "3", "--save_steps", "1", "--report_to",
+               "none", "--disable_tqdm", "true", "--memory_breakdown", "false", "--output_dir", "out",
+               "--ddp_timeout", "300"]
+    node1, node2 = tmp_path / "node1", tmp_path / "node2"
+    node1.mkdir(), node2.mkdir()
+    with small_disk(tmp_path / "node0", 80) as node0:
+        runs, _ = launch_as_nodes([*command, "--save_on_each_node", "true"], [node0, node1])
+        line = last_lines(runs)
+        assert line.startswith("leantune sft: error: no room to write checkpoint-2 in out: it needs about "), line
+        assert sorted(os.listdir(node0 / "out")) == ["checkpoint-1"]
+        assert {"model.safetensors", "config.json", "rng_state_1.pth", "trainer_state.json"} <= set(
+            os.listdir(node1 / "out" / "checkpoint-1")) and not (node1 / "out" / "checkpoint-2").exists()
+
+        runs, _ = launch_as_nodes([*command, "--resume_from_checkpoint", "true"], [node0, node2])
+        line = last_lines(runs)
+        assert line.startswith("leantune sft: error: resume_from_checkpoint: process 0 resumes from "
+                               "out/checkpoint-1, which process(es) 1 cannot read"), line
+        assert "save_on_each_node" in line
+
+
+def last_lines(runs: list[subprocess.CompletedProcess]) -> str:
+    """The one line every process ended with (exit 2, no traceback): the same on each."""
+    for run in runs:
+        assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    lines = {run.stderr.strip().splitlines()[-1] for run in runs}
+    assert len(lines) == 1, lines
+    return lines.pop()
 
 
 def cli(assets, out: Path, steps: int) -> list[str]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import pytest
 from transformers import TrainerCallback
@@ -21,7 +20,7 @@ from transformers import TrainerCallback
 from leantune import SFTConfig, SFTTrainer
 
 from ..fixtures.data import gsm8k_prompt_completion
-from ..fixtures.launchers import cpu_only, launch, torchrun
+from ..fixtures.launchers import cpu_only, launch, small_disk, torchrun
 from ..fixtures.models import saved_model_and_data, tiny_model
 from ..fixtures.paths import SCRIPTS
 
@@ -204,13 +203,8 @@ def model_and_data(tmp_path, tokenizer, gsm8k_rows):
 def tmpfs(tmp_path):
     """A real small file system (tmpfs of 80 MiB): room for one checkpoint of the tiny model (~50 MiB: weights
     16 MiB, Adam states 33 MiB), not two."""
-    folder = tmp_path / "small-disk"
-    folder.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=80m", "tmpfs", str(folder)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    yield folder
-    subprocess.run(["umount", "-l", str(folder)], check=False)
+    with small_disk(tmp_path / "small-disk", 80) as folder:
+        yield folder
 
 
 def test_a_full_disk_is_one_line_and_keeps_the_last_checkpoint(model_and_data, tmpfs, capsys):
