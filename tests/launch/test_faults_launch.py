@@ -1,11 +1,14 @@
-"""Faults of multi-process CPU runs under torchrun: a stuck process, a killed process, two "nodes" on one machine.
+"""Faults of multi-process CPU runs: a stuck process, a killed process, a full disk, two "nodes" on one machine.
 
 - A process that stops answering: the others fail after `ddp_timeout` with one clear error (trainers/distributed.py
   starts the gloo group with it; transformers dropped it on CPU, so they waited torch's default 30 minutes).
-- `torchrun --max-restarts 1` with `leantune sft --resume_from_checkpoint true`: the first attempt starts fresh (no
-  checkpoint yet), a rank killed with SIGKILL mid-run makes torchrun restart the group, which resumes from the last
-  complete checkpoint; the per-step losses equal an uninterrupted run's to 1e-6 relative (the same process layout,
-  data order, restored RNG and optimizer states: the same fp32 operations, only an OpenMP split may differ).
+- A full disk on one node, or a checkpoint that one node cannot read at resume: every process stops at once with
+  the same line (the processes agree on a save's outcome and on the checkpoint to resume: parts/saving.py).
+- `torchrun --max-restarts 1` on two nodes with `leantune sft --resume_from_checkpoint true`: the first attempt
+  starts fresh (no checkpoint yet), a rank killed with SIGKILL mid-run is restarted by its launcher and the other
+  node's process by its own, and they resume from the last complete checkpoint; the per-step losses equal an
+  uninterrupted run's to 1e-6 relative (the same ranks, data order, restored RNG and optimizer states: the same fp32
+  operations, only an OpenMP split may differ).
 """
 
 from __future__ import annotations
@@ -173,12 +176,17 @@ def uninterrupted(assets):
     return losses(out / f"checkpoint-{STEPS}")
 
 
-def test_torchrun_max_restarts_resumes_a_killed_rank_from_the_last_checkpoint(assets, uninterrupted):
-    out = assets.root / "restarted"
-    launcher = start(torchrun("--nproc_per_node", "2", "--max-restarts", "1", "--master_port", free_port(),
-                              *cli(assets, out, STEPS)))
-    kill_after_checkpoint(launcher, out, 4)
-    run = finish(launcher)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "Resuming from the latest checkpoint" in run.stderr, run.stderr[-3000:]
+def test_torchrun_max_restarts_on_two_nodes_resumes_a_killed_rank_from_the_last_checkpoint(assets, uninterrupted):
+    """Two "nodes" of one process each (two torchrun launchers, --nnodes 2) on one machine: the rank of node 1 is
+    killed mid-run; its launcher restarts it, node 0's process loses its peer and is restarted by its own, and both
+    resume from the last complete checkpoint: every step's loss is the uninterrupted 2-process run's."""
+    out, port = assets.root / "restarted", free_port()
+    launchers = [start(torchrun("--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1", "--master_addr",
+                                "127.0.0.1", "--master_port", port, "--max-restarts", "1", *cli(assets, out, STEPS)))
+                 for node in (0, 1)]
+    kill_after_checkpoint(launchers[1], out, 4, local_rank=0)
+    runs = [finish(launcher) for launcher in launchers]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-3000:]
+    assert "Resuming from the latest checkpoint" in runs[0].stderr, runs[0].stderr[-3000:]
     assert_same_losses(losses(out / f"checkpoint-{STEPS}"), uninterrupted, STEPS)
