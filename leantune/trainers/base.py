@@ -275,7 +275,8 @@ class LeantuneTrainer(Trainer):
             self.memory_plan = check_before_training(self)  # planning/plan_check.py: training itself is unchanged
         if args and "resume_from_checkpoint" not in kwargs:
             kwargs["resume_from_checkpoint"], args = args[0], args[1:]
-        kwargs["resume_from_checkpoint"] = agreed_resume_checkpoint(kwargs.get("resume_from_checkpoint"), self.args)
+        with named_collective_timeouts(self.args):  # every process takes process 0's checkpoint, or all stop
+            kwargs["resume_from_checkpoint"] = agreed_resume_checkpoint(kwargs.get("resume_from_checkpoint"), self.args)
         reset_peak_memory(self.args.device)
         self.run_metrics.throughput.restart()
         with named_collective_timeouts(self.args), self.nonfinite.training_run():  # distributed.py, nonfinite.py
