@@ -193,16 +193,13 @@ def agreed_resume_checkpoint(given, args):
     output_dir, and one that found another checkpoint, or none, would train from another state). Only process 0
     writes checkpoints unless `save_on_each_node`, so on nodes without a shared file system the others cannot read
     it: then every process stops with one line, instead of one failing and the rest waiting for it."""
+    if args.world_size == 1:
+        return resume_checkpoint(given, args.output_dir)
     try:
         chosen, problem = resume_checkpoint(given, args.output_dir), None
-    except ValueError as error:
+    except ValueError as error:  # process 0's problem is every process's; another's choice is replaced
         chosen, problem = None, str(error)
-    choices = gather_from_all((chosen, problem))
-    if len(choices) == 1:
-        if problem:
-            raise ValueError(problem)
-        return chosen
-    chosen, problem = choices[0]
+    chosen, problem = gather_from_all((chosen, problem))[0]
     if problem:
         raise ValueError(problem)
     readable = chosen is None or checkpoint_files.readable_state(os.fspath(chosen))
