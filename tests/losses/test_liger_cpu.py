@@ -45,7 +45,7 @@ from leantune import (
 )
 from leantune.trainers.parts.logprob_engine import LogProbPath, choose_logprob_path
 
-from ..fixtures.comparisons import GradientRecorder, rel_diff
+from ..fixtures.comparisons import GradientRecorder, loss_and_grads, rel_diff
 from ..fixtures.data import count_a, gsm8k_prompt_completion
 from ..fixtures.models import tiny_model
 from ..fixtures.online_rounds import one_round
@@ -99,17 +99,6 @@ def assert_same_step(got, expected, what, loss_atol: float = 0.0, grad_rtol: flo
     assert grads.keys() == reference_grads.keys() and grads
     for name, reference in reference_grads.items():
         assert rel_diff(grads[name], reference) <= grad_rtol, (what, name)
-
-
-def loss_and_grads(trainer, batch, path: LogProbPath):
-    """The trainer's own compute_loss on one batch through `path`, and the gradients it gives."""
-    trainer.logprob_path = path
-    model = trainer.model
-    model.zero_grad()
-    model.train()
-    loss = trainer.compute_loss(model, trainer._prepare_inputs(dict(batch)), num_items_in_batch=None)
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def assert_paths_agree(trainer, batch, kernel_calls):
