@@ -20,7 +20,7 @@ from devkit.liger_cpu import hide_interpreter, interpreter_on_for_imports, keep_
 
 interpreter_on_for_imports(cuda=torch.cuda.is_available())
 
-from .fixtures import data, paths  # noqa: E402
+from .fixtures import data, paths, tokenizers  # noqa: E402
 
 
 def pytest_configure(config):
@@ -40,11 +40,15 @@ def tokenizer_dir() -> Path:
     return paths.require(paths.TOKENIZER_DIR)
 
 
-@pytest.fixture
-def tokenizer(tokenizer_dir):
-    from transformers import AutoTokenizer
+@pytest.fixture(scope="session")
+def _session_tokenizer(tokenizer_dir):
+    return tokenizers.load_tokenizer(tokenizer_dir)
 
-    return AutoTokenizer.from_pretrained(str(tokenizer_dir))
+
+@pytest.fixture
+def tokenizer(_session_tokenizer):
+    """The real 32k tokenizer, a copy of its own for each test (tests change templates and tokens)."""
+    return tokenizers.fresh_copy(_session_tokenizer)
 
 
 @pytest.fixture(scope="module")
