@@ -27,6 +27,20 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "liger_interpreter: runs with TRITON_INTERPRET=1 (Liger's kernels on CPU)")
 
 
+def pytest_collection_modifyitems(config, items):
+    """`--dist loadgroup` (pyproject.toml) spreads the tests one by one over the workers, except the tests of a file
+    with module- or session-scoped fixtures of its own (multi-process runs, TRL's scripts, a served model) or with
+    Liger's interpreter: those stay together on one worker, so their fixtures are computed once. xdist hands out the
+    groups first (largest first) and the single tests last, which keeps the workers' ends close."""
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        own_wide_fixtures = any(
+            definition.scope in ("module", "session") and definition.baseid == path
+            for definitions in item._fixtureinfo.name2fixturedefs.values() for definition in definitions)
+        if own_wide_fixtures or item.get_closest_marker("liger_interpreter") is not None:
+            item.add_marker(pytest.mark.xdist_group(path))
+
+
 @pytest.fixture(autouse=True)
 def _interpreter_only_for_liger_tests(request, monkeypatch):
     if request.node.get_closest_marker("liger_interpreter") is None:
