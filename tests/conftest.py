@@ -31,7 +31,9 @@ def pytest_collection_modifyitems(config, items):
     """`--dist loadgroup` (pyproject.toml) spreads the tests one by one over the workers, except the tests of a file
     with module- or session-scoped fixtures of its own (multi-process runs, TRL's scripts, a served model) or with
     Liger's interpreter: those stay together on one worker, so their fixtures are computed once. xdist hands out the
-    groups first (largest first) and the single tests last, which keeps the workers' ends close."""
+    groups first (largest first) and the single tests last, in collection order: the single tests marked slow are
+    moved to the front of them, so that no long one starts last (a group's own order is kept)."""
+    grouped = set()
     for item in items:
         path = item.nodeid.split("::")[0]
         own_wide_fixtures = any(
@@ -39,6 +41,8 @@ def pytest_collection_modifyitems(config, items):
             for definitions in item._fixtureinfo.name2fixturedefs.values() for definition in definitions)
         if own_wide_fixtures or item.get_closest_marker("liger_interpreter") is not None:
             item.add_marker(pytest.mark.xdist_group(path))
+            grouped.add(item.nodeid)
+    items.sort(key=lambda item: item.nodeid in grouped or item.get_closest_marker("slow") is None)
 
 
 @pytest.fixture(autouse=True)

@@ -228,6 +228,7 @@ def _losses(checkpoint) -> dict[int, float]:
     return {entry["step"]: entry["loss"] for entry in state["log_history"] if "loss" in entry}
 
 
+@pytest.mark.slow
 def test_resume_after_kill_9_gives_the_uninterrupted_losses(local_model_and_data, tmp_path, capsys):
     import signal
     import time
@@ -270,6 +271,7 @@ def test_resume_after_kill_9_gives_the_uninterrupted_losses(local_model_and_data
         assert got[step] == pytest.approx(expected[step], rel=1e-6), step
 
 
+@pytest.mark.slow
 def test_overwrite_output_dir_starts_over_and_resume_from_a_path(local_model_and_data, tmp_path, capsys):
     """The runs go through the command's own main() in this process (a real process costs an import each; the
     kill -9 test above and test_a_real_process_exits_2_without_traceback_and_debug_shows_it launch real ones)."""

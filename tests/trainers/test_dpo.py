@@ -199,6 +199,7 @@ def test_cli_trains_on_the_hh_pairs(tokenizer, tmp_path, capsys):
     assert "=== leantune dpo summary ===" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_cli_demo_moves_held_out_reward_accuracy_up(capsys, tmp_path, monkeypatch):
     from leantune.cli import dpo
     from leantune.cli.main import main
