@@ -36,9 +36,10 @@ def pytest_collection_modifyitems(config, items):
     grouped = set()
     for item in items:
         path = item.nodeid.split("::")[0]
-        own_wide_fixtures = any(
+        fixture_info = getattr(item, "_fixtureinfo", None)  # a test function's (pytest's own record of it)
+        own_wide_fixtures = fixture_info is not None and any(
             definition.scope in ("module", "session") and definition.baseid == path
-            for definitions in item._fixtureinfo.name2fixturedefs.values() for definition in definitions)
+            for definitions in fixture_info.name2fixturedefs.values() for definition in definitions)
         if own_wide_fixtures or item.get_closest_marker("liger_interpreter") is not None:
             item.add_marker(pytest.mark.xdist_group(path))
             grouped.add(item.nodeid)
