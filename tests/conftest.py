@@ -20,11 +20,30 @@ from devkit.liger_cpu import hide_interpreter, interpreter_on_for_imports, keep_
 
 interpreter_on_for_imports(cuda=torch.cuda.is_available())
 
-from .fixtures import data, paths  # noqa: E402
+from .fixtures import data, paths, tokenizers  # noqa: E402
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "liger_interpreter: runs with TRITON_INTERPRET=1 (Liger's kernels on CPU)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """`--dist loadgroup` (pyproject.toml) spreads the tests one by one over the workers, except the tests of a file
+    with module- or session-scoped fixtures of its own (multi-process runs, TRL's scripts, a served model) or with
+    Liger's interpreter: those stay together on one worker, so their fixtures are computed once. xdist hands out the
+    groups first (largest first) and the single tests last, in collection order: the single tests marked slow are
+    moved to the front of them, so that no long one starts last (a group's own order is kept)."""
+    grouped = set()
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        fixture_info = getattr(item, "_fixtureinfo", None)  # a test function's (pytest's own record of it)
+        own_wide_fixtures = fixture_info is not None and any(
+            definition.scope in ("module", "session") and definition.baseid == path
+            for definitions in fixture_info.name2fixturedefs.values() for definition in definitions)
+        if own_wide_fixtures or item.get_closest_marker("liger_interpreter") is not None:
+            item.add_marker(pytest.mark.xdist_group(path))
+            grouped.add(item.nodeid)
+    items.sort(key=lambda item: item.nodeid in grouped or item.get_closest_marker("slow") is None)
 
 
 @pytest.fixture(autouse=True)
@@ -40,11 +59,15 @@ def tokenizer_dir() -> Path:
     return paths.require(paths.TOKENIZER_DIR)
 
 
-@pytest.fixture
-def tokenizer(tokenizer_dir):
-    from transformers import AutoTokenizer
+@pytest.fixture(scope="session")
+def _session_tokenizer(tokenizer_dir):
+    return tokenizers.load_tokenizer(tokenizer_dir)
 
-    return AutoTokenizer.from_pretrained(str(tokenizer_dir))
+
+@pytest.fixture
+def tokenizer(_session_tokenizer):
+    """The real 32k tokenizer, a copy of its own for each test (tests change templates and tokens)."""
+    return tokenizers.fresh_copy(_session_tokenizer)
 
 
 @pytest.fixture(scope="module")

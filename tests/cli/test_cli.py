@@ -228,9 +228,12 @@ def _losses(checkpoint) -> dict[int, float]:
     return {entry["step"]: entry["loss"] for entry in state["log_history"] if "loss" in entry}
 
 
-def test_resume_after_kill_9_gives_the_uninterrupted_losses(local_model_and_data, tmp_path):
+@pytest.mark.slow
+def test_resume_after_kill_9_gives_the_uninterrupted_losses(local_model_and_data, tmp_path, capsys):
     import signal
     import time
+
+    from leantune.cli.main import main
 
     model_dir, _ = local_model_and_data
     data = _bad_files(tmp_path)["qa.jsonl"]  # GSM8K-like question/answer columns, read through the mapping flags
@@ -254,8 +257,9 @@ def test_resume_after_kill_9_gives_the_uninterrupted_losses(local_model_and_data
     process.wait()
     assert not (killed / f"checkpoint-{steps}").exists(), "the run finished before it could be killed"
 
-    fresh = leantune("sft", *common, "--output_dir", str(killed))
-    assert fresh.returncode == 2 and "holds checkpoints of an earlier run" in fresh.stderr
+    capsys.readouterr()
+    assert main(["sft", *common, "--output_dir", str(killed)]) == 2  # in this process: a real one costs an import
+    assert "holds checkpoints of an earlier run" in capsys.readouterr().err
     resumed = leantune("sft", *common, "--output_dir", str(killed), "--resume_from_checkpoint", "true")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout
@@ -267,20 +271,25 @@ def test_resume_after_kill_9_gives_the_uninterrupted_losses(local_model_and_data
         assert got[step] == pytest.approx(expected[step], rel=1e-6), step
 
 
-def test_overwrite_output_dir_starts_over_and_resume_from_a_path(local_model_and_data, tmp_path):
+@pytest.mark.slow
+def test_overwrite_output_dir_starts_over_and_resume_from_a_path(local_model_and_data, tmp_path, capsys):
+    """The runs go through the command's own main() in this process (a real process costs an import each; the
+    kill -9 test above and test_a_real_process_exits_2_without_traceback_and_debug_shows_it launch real ones)."""
+    from leantune.cli.main import main
+
     model_dir, data_file = local_model_and_data
-    common = ["--model_name_or_path", str(model_dir), "--dataset_name", str(data_file), "--max_length", "32",
+    common = ["sft", "--model_name_or_path", str(model_dir), "--dataset_name", str(data_file), "--max_length", "32",
               "--per_device_train_batch_size", "2", "--save_steps", "2", "--logging_steps", "1", "--report_to",
               "none", "--disable_tqdm", "true", "--memory_breakdown", "false"]
     out = tmp_path / "out"
-    assert leantune("sft", *common, "--max_steps", "4", "--output_dir", str(out)).returncode == 0
-    again = leantune("sft", *common, "--max_steps", "2", "--output_dir", str(out), "--overwrite_output_dir", "true")
-    assert again.returncode == 0, again.stderr[-3000:]
+    assert main([*common, "--max_steps", "4", "--output_dir", str(out)]) == 0
+    assert main([*common, "--max_steps", "2", "--output_dir", str(out), "--overwrite_output_dir", "true"]) == 0
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]  # the earlier run's are gone
     other = tmp_path / "other"
-    resumed = leantune("sft", *common, "--max_steps", "4", "--output_dir", str(other), "--resume_from_checkpoint",
-                       str(out / "checkpoint-2"))
-    assert resumed.returncode == 0 and f"resumed from {out / 'checkpoint-2'}" in resumed.stdout
+    capsys.readouterr()
+    assert main([*common, "--max_steps", "4", "--output_dir", str(other), "--resume_from_checkpoint",
+                 str(out / "checkpoint-2")]) == 0
+    assert f"resumed from {out / 'checkpoint-2'}" in capsys.readouterr().out
     assert _losses(other / "checkpoint-4").keys() == {1, 2, 3, 4}
 
 

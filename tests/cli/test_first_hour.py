@@ -10,6 +10,7 @@ import pytest
 
 from ..fixtures.commands import leantune
 from ..fixtures.models import saved_model_and_data, tiny_model
+from ..fixtures.tokenizers import load_tokenizer
 
 
 @pytest.fixture
@@ -107,7 +108,6 @@ def cpu_run_output(tmp_path_factory):
     import warnings
 
     import torch
-    from transformers import AutoTokenizer
 
     from leantune import SFTConfig, SFTTrainer
 
@@ -120,7 +120,7 @@ def cpu_run_output(tmp_path_factory):
     args = SFTConfig(output_dir=str(tmp_path_factory.mktemp("cpu-run")), report_to=[], save_strategy="no",
                      max_steps=2, logging_steps=1, per_device_train_batch_size=2, max_length=64, disable_tqdm=False)
     trainer = SFTTrainer(model=tiny_model(), args=args, train_dataset=gsm8k_prompt_completion(rows, 8),
-                         processing_class=AutoTokenizer.from_pretrained(str(TOKENIZER_DIR)))
+                         processing_class=load_tokenizer(TOKENIZER_DIR))
     out = io.StringIO()
     with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(out):
         warnings.simplefilter("always")

@@ -21,6 +21,7 @@ from leantune.data.sft_preparation import prepare_sft_dataset
 from leantune.data.training_templates import MASK_TEMPLATES, mask_template_for
 
 from ..fixtures.paths import CHAT_TEMPLATES
+from ..fixtures.tokenizers import load_tokenizer
 
 ORIGINALS = CHAT_TEMPLATES
 FAMILIES = {
@@ -45,9 +46,8 @@ def original(family: str) -> str:
 
 
 def family_tokenizer(tokenizer_dir, family: str):
-    from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tokenizer = load_tokenizer(tokenizer_dir)
     tokenizer.add_special_tokens({"additional_special_tokens": FAMILIES[family][1]})
     tokenizer.chat_template = original(family)
     return tokenizer

@@ -25,7 +25,17 @@ from leantune.utils.imports import is_available
 
 from ..fixtures.models import tiny_model
 from ..fixtures.paths import REPO
-from ..fixtures.served import EOS, PAD, PROMPTS, greedy, local_greedy, perturbed, saved_served_model, wait_for_url
+from ..fixtures.served import (
+    EOS,
+    PAD,
+    PROMPTS,
+    greedy,
+    local_greedy,
+    perturbed,
+    record_weight_syncs,
+    saved_served_model,
+    wait_for_url,
+)
 
 
 @pytest.fixture(scope="module")
@@ -192,11 +202,7 @@ def test_grpo_trains_against_the_server_and_syncs_each_optimizer_step(server, mo
                       vllm_server_base_url=server, vllm_server_timeout=30)
     trainer = GRPOTrainer(str(model_dir), lambda completions, **kw: [float(len(c)) for c in completions], args=args,
                           train_dataset=data, processing_class=tokenizer)
-    backend = trainer.generation.open_backend()
-    assert backend.name != "transformers"
-    synced_at = []
-    original = backend.sync_weights
-    backend.sync_weights = lambda model: (synced_at.append(trainer.state.global_step), original(model))
+    backend, synced_at = record_weight_syncs(trainer)
     trainer.train()
     assert synced_at == [0, 1, 2]  # one round per optimizer step, each after the policy moved
     trainer.state.global_step += 1  # as after another optimizer step
@@ -223,11 +229,7 @@ def test_online_dpo_trains_against_the_server_and_syncs_each_optimizer_step(serv
     trainer = OnlineDPOTrainer(str(model_dir), args=args,
                                reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
                                train_dataset=data, processing_class=tokenizer)
-    backend = trainer.generation.open_backend()
-    assert backend.name != "transformers"
-    synced_at = []
-    original = backend.sync_weights
-    backend.sync_weights = lambda model: (synced_at.append(trainer.state.global_step), original(model))
+    backend, synced_at = record_weight_syncs(trainer)
     trainer.train()
     assert synced_at == [0, 1]  # one round of 2 prompts x 2 completions per optimizer step, after the policy moved
     losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]

@@ -29,6 +29,7 @@ from leantune.trainers.sft_trainer import SFTTrainer
 from ..fixtures.data import gsm8k_prompt_completion
 from ..fixtures.models import tiny_model
 from ..fixtures.paths import HH_PAIRS, require
+from ..fixtures.tokenizers import load_tokenizer
 
 BASE = "tiny-llama"  # relative on purpose: the bug was an adapter recording this as its base
 TEXTS = ["Natalia sold clips to 48 of her friends in April.", "The answer is 42."]
@@ -74,10 +75,9 @@ def lora(task_type: str):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tokenizer_dir, gsm8k_rows):
     """Train and save every artefact from a relative base path; returns what the loading check needs."""
-    from transformers import AutoTokenizer
 
     workdir = tmp_path_factory.mktemp("run")
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tokenizer = load_tokenizer(tokenizer_dir)
     ids = [tokenizer(text, return_tensors="pt").input_ids for text in TEXTS]
     sft_data = gsm8k_prompt_completion(gsm8k_rows, 8)
     pairs = load_dataset("json", data_files=str(require(HH_PAIRS)), split="train").select(range(8))

@@ -23,6 +23,7 @@ from leantune.profiling.profiler import build_profile
 
 from ..fixtures.data import gsm8k_rows, hh_rows
 from ..fixtures.paths import TOKENIZER_DIR
+from ..fixtures.tokenizers import load_tokenizer
 
 # --- brute force, one Python loop at a time ---------------------------------------------------------------------
 
@@ -187,9 +188,8 @@ def test_sft_preparation_logs_the_length_summary_before_truncating(mistral, tmp_
 
 @pytest.fixture(scope="module")
 def mistral(tokenizer_dir):
-    from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    return load_tokenizer(tokenizer_dir)
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import torch
 from leantune.rewards import RewardFunctionError, RewardFunctions, RewardScores
 
 from ..fixtures.paths import TOKENIZER_DIR, require
+from ..fixtures.tokenizers import load_tokenizer
 
 PROMPTS = ["What is 2 + 2?", "Name a colour.", "Say hi."]
 COMPLETIONS = [" 4", " blue", " hello there"]
@@ -221,9 +222,8 @@ def tiny_reward_model(vocab_size: int, pad_token_id: int | None = 0, seed: int =
 
 @pytest.fixture(scope="module")
 def mistral_tokenizer():
-    from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(require(TOKENIZER_DIR)))
+    return load_tokenizer(require(TOKENIZER_DIR))
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from leantune.trainers.parts.logprob_engine import LogProbPath
 
 from ..fixtures.online_rounds import one_round
 from ..fixtures.paths import CHAT_TEMPLATES, TOKENIZER_DIR
+from ..fixtures.tokenizers import load_tokenizer
 
 IGNORE = -100
 
@@ -37,11 +38,10 @@ TOOL_TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def tool_tokenizer():
-    from transformers import AutoTokenizer
 
     if not TOKENIZER_DIR.exists():
         pytest.skip(f"shared tokenizer not found at {TOKENIZER_DIR}")
-    tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
+    tokenizer = load_tokenizer(TOKENIZER_DIR)
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     tokenizer.add_tokens(["<tool_call>", "</tool_call>"])
     tokenizer.eos_token = "<|im_end|>"

@@ -17,28 +17,17 @@ from leantune.data.preference_preparation import PairTruncation
 from leantune.losses.preference import dpo_loss
 
 from ..fixtures.comparisons import GradientRecorder, rel_diff
-from ..fixtures.models import lora, tiny_model
+from ..fixtures.models import tiny_model
 from ..fixtures.paths import HH_PAIRS
+from ..fixtures.preference import adapter_and_copy_references, batch_of, preference_trainer
 
 RTOL = 1e-5
 HH_PAIRS_ROWS = 24
 
 
 def make_trainer(tokenizer, dataset, tmp_path, model=None, **overrides):
-    settings = dict(output_dir=str(tmp_path), max_length=192, report_to=[], save_strategy="no", use_cpu=True,
-                    per_device_train_batch_size=4, max_steps=1, max_grad_norm=0.0, seed=0, logging_steps=1,
-                    learning_rate=1e-3, memory_breakdown=False)
-    peft_config = overrides.pop("peft_config", None)
-    ref_model = overrides.pop("ref_model", None)
-    settings.update(overrides)
-    return DPOTrainer(model=model if model is not None else tiny_model(), ref_model=ref_model,
-                      args=DPOConfig(**settings), train_dataset=dataset, processing_class=tokenizer,
-                      peft_config=peft_config)
-
-
-def batch_of(trainer, size=6):
-    rows = [trainer.train_dataset[i] for i in range(size)]
-    return trainer.data_collator(rows)
+    return preference_trainer(DPOTrainer, DPOConfig, tokenizer, dataset, tmp_path, model,
+                              **{"max_length": 192, **overrides})
 
 
 def test_padding_free_equals_padded_per_sequence(tokenizer, hh_pairs, tmp_path):
@@ -83,17 +72,7 @@ def test_chunked_equals_full_loss_and_gradients(padding_free, tokenizer, hh_pair
 
 def test_peft_reference_equals_a_separate_copy_of_the_base_weights(tokenizer, hh_pairs, tmp_path):
     """With a random (non-zero) adapter the policy differs from its base; the reference must be the base."""
-    torch.manual_seed(0)
-    peft_trainer = make_trainer(tokenizer, hh_pairs, tmp_path / "p", model=tiny_model(seed=3),
-                                peft_config=lora(init_random=True))
-    assert peft_trainer.uses_adapter_as_reference and peft_trainer.ref_model is None
-    copy_trainer = make_trainer(tokenizer, hh_pairs, tmp_path / "c", model=tiny_model(seed=4),
-                                ref_model=tiny_model(seed=3))
-    batch = batch_of(peft_trainer)
-    via_adapter = torch.cat(peft_trainer.reference_logps(batch))
-    via_copy = torch.cat(copy_trainer.reference_logps(batch))
-    with torch.no_grad():
-        policy = peft_trainer.sequence_logps(peft_trainer.model, batch)
+    via_adapter, via_copy, policy = adapter_and_copy_references(make_trainer, tokenizer, hh_pairs, tmp_path)
     assert rel_diff(via_adapter, via_copy) <= RTOL  # as above; measured 0 (the same base weights and kernels)
     assert rel_diff(policy, via_copy) > 1e-3  # the adapter does change the policy (measured 5.4e-3, seeded)
 
@@ -220,6 +199,7 @@ def test_cli_trains_on_the_hh_pairs(tokenizer, tmp_path, capsys):
     assert "=== leantune dpo summary ===" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_cli_demo_moves_held_out_reward_accuracy_up(capsys, tmp_path, monkeypatch):
     from leantune.cli import dpo
     from leantune.cli.main import main

@@ -26,6 +26,8 @@ from leantune.losses.distillation import generalized_jsd
 from leantune.trainers.parts.logprob_engine import LogProbPath
 from leantune.utils.imports import is_available
 
+from ..fixtures.comparisons import loss_and_grads
+
 RTOL = 1e-5
 
 
@@ -53,18 +55,6 @@ def gkd_trainer(tokenizer, tmp_path, teacher=None, **overrides):
     teacher = teacher if teacher is not None else char_model(tokenizer, seed=0)
     return GKDTrainer(model=char_model(tokenizer, seed=1, hidden=64), teacher_model=teacher,
                       args=GKDConfig(**settings), train_dataset=reversals(), processing_class=tokenizer)
-
-
-def loss_and_grads(trainer, batch, path: LogProbPath):
-    """The trainer's own compute_loss on one batch through `path` (divided by the batch's target count), and the
-    student's gradients."""
-    trainer.logprob_path = path
-    model = trainer.model
-    model.zero_grad()
-    model.train()
-    loss = trainer.compute_loss(model, trainer._prepare_inputs(dict(batch)), num_items_in_batch=None)
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def assert_same(got, expected, what):

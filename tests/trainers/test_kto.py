@@ -23,25 +23,15 @@ from leantune.trainers.config_utils import checkpointing_setting
 
 from ..fixtures.comparisons import GradientRecorder, rel_diff
 from ..fixtures.models import lora, tiny_model
+from ..fixtures.preference import adapter_and_copy_references, batch_of, preference_trainer
 
 RTOL = 1e-5
 HH_PAIRS_ROWS = 10
 
 
 def make_trainer(tokenizer, dataset, tmp_path, model=None, **overrides):
-    settings = dict(output_dir=str(tmp_path), max_length=160, report_to=[], save_strategy="no", use_cpu=True,
-                    per_device_train_batch_size=4, max_steps=1, max_grad_norm=0.0, seed=0, logging_steps=1,
-                    learning_rate=1e-3, memory_breakdown=False, disable_tqdm=True)
-    peft_config = overrides.pop("peft_config", None)
-    ref_model = overrides.pop("ref_model", None)
-    settings.update(overrides)
-    return KTOTrainer(model=model if model is not None else tiny_model(), ref_model=ref_model,
-                      args=KTOConfig(**settings), train_dataset=dataset, processing_class=tokenizer,
-                      peft_config=peft_config)
-
-
-def batch_of(trainer, size=6):
-    return trainer.data_collator([trainer.train_dataset[i] for i in range(size)])
+    return preference_trainer(KTOTrainer, KTOConfig, tokenizer, dataset, tmp_path, model,
+                              **{"max_length": 160, "disable_tqdm": True, **overrides})
 
 
 def logp_scale(trainer) -> float:
@@ -178,17 +168,7 @@ def test_chunked_equals_full_loss_and_gradients(tokenizer, hh_pairs, tmp_path):
 
 def test_peft_reference_equals_a_separate_copy_of_the_base_weights(tokenizer, hh_pairs, tmp_path):
     """With a random (non-zero) adapter the policy differs from its base; the reference must be the base."""
-    torch.manual_seed(0)
-    peft_trainer = make_trainer(tokenizer, hh_pairs, tmp_path / "p", model=tiny_model(seed=3),
-                                peft_config=lora(init_random=True))
-    assert peft_trainer.uses_adapter_as_reference and peft_trainer.ref_model is None
-    copy_trainer = make_trainer(tokenizer, hh_pairs, tmp_path / "c", model=tiny_model(seed=4),
-                                ref_model=tiny_model(seed=3))
-    batch = batch_of(peft_trainer)
-    via_adapter = torch.cat(peft_trainer.reference_logps(batch))
-    via_copy = torch.cat(copy_trainer.reference_logps(batch))
-    with torch.no_grad():
-        policy = peft_trainer.sequence_logps(peft_trainer.model, batch)
+    via_adapter, via_copy, policy = adapter_and_copy_references(make_trainer, tokenizer, hh_pairs, tmp_path)
     assert via_adapter.shape == (12,)  # completions and KL completions
     assert rel_diff(via_adapter, via_copy) <= RTOL  # as above; measured 0 (the same base weights and kernels)
     assert rel_diff(policy, via_copy[:6]) > 1e-3  # the adapter does change the policy (measured 5.6e-3, seeded)
