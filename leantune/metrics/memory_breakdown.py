@@ -161,7 +161,10 @@ def _frozen_ref_type():
 
 
 def _tracker_class():
-    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+    from torch._guards import active_fake_mode
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState
+
+    from .op_scratch import scratch_bytes
 
     frozen = _frozen_ref_type()
 
@@ -185,6 +188,25 @@ def _tracker_class():
                 if not param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
                     self._param_to_grad_hook_handles[param] = (_NO_HOOK, _NO_HOOK)
             return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = super().__torch_dispatch__(func, types, args, kwargs)
+            scratch = scratch_bytes(func, args, kwargs, result)
+            if scratch and result is not NotImplemented and active_fake_mode() is self._fake_mode_on_entry:
+                self._count_scratch(result.device, scratch)
+            return result
+
+        def _count_scratch(self, device, size):
+            """The op's peak: what is live after it, plus the scratch it held inside (metrics/op_scratch.py)."""
+            snapshot = self._curr_mem_snap.setdefault(device, dict.fromkeys(self._ref_class, 0))
+            kind = _MemRefType.TEMP if self._mod_tracker.is_bw and not self._in_ac else _MemRefType.ACT
+            if self._in_opt:
+                kind = _MemRefType.OPT
+            for key in (kind, "Total"):
+                snapshot[key] = snapshot.get(key, 0) + size
+            self._update_peak_stats(_ModState.PEAK_BW if self._mod_tracker.is_bw else _ModState.PEAK_FW)
+            for key in (kind, "Total"):
+                snapshot[key] -= size
 
         def _pre_fw_hook(self, module, inputs):
             # A model called twice in one step (a reference pass with the adapter disabled, gradient accumulation)
