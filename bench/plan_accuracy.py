@@ -141,84 +141,6 @@ CONFIGS += [  # issue 26's rows where the allocator disagreed with the plan (Qwe
 ]
 
 
-class AllocatorMeter:
-    """A second measure of the step `memory_breakdown` measures, sharing nothing with MemTracker: the CPU allocator's
-    live bytes from torch.profiler's memory events (every allocation and free, op-internal buffers included), plus
-    the storages already live when profiling began (the loaded weights, found through the garbage collector).
-
-    `with meter.profiling(trainer): trainer.train()`, then `meter.peak_bytes`: the most bytes live at once during the
-    measured step (marked by a profiler range from its `on_step_begin` to its `on_step_end`)."""
-
-    RANGE = "allocator meter: measured step"
-
-    def __init__(self, step: int = 1):
-        self.step = step
-        self.peak_bytes = self.before_bytes = None
-        self.peak_ops = []  # the ops running when the peak was reached, outermost first
-
-    @staticmethod
-    def live_storage_bytes() -> int:
-        import gc
-
-        import torch
-
-        seen, total = set(), 0
-        for obj in gc.get_objects():
-            if not isinstance(obj, torch.Tensor) or obj.device.type != "cpu":
-                continue
-            try:
-                storage = obj.untyped_storage()
-            except Exception:  # a tensor without storage (fake, sparse, a subclass)
-                continue
-            if storage.data_ptr() and storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                total += storage.nbytes()
-        return total
-
-    def profiling(self, trainer):
-        import contextlib
-
-        from torch.profiler import ProfilerActivity, profile, record_function
-        from transformers import TrainerCallback
-
-        meter = self
-
-        class StepRange(TrainerCallback):
-            marker = None
-
-            def on_step_begin(self, args, state, control, **kwargs):
-                if state.global_step == meter.step and self.marker is None:
-                    self.marker = record_function(meter.RANGE)
-                    self.marker.__enter__()
-
-            def on_step_end(self, args, state, control, **kwargs):
-                if self.marker is not None:
-                    self.marker.__exit__(None, None, None)
-                    self.marker = False
-
-        @contextlib.contextmanager
-        def watching():
-            trainer.add_callback(StepRange())
-            before = self.live_storage_bytes()
-            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-                yield
-            events = sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns())
-            window = next(e for e in events if e.name() == self.RANGE)
-            start, end = window.start_ns(), window.start_ns() + window.duration_ns()
-            live, peak, at = before, None, start
-            for event in events:
-                if event.name() != "[memory]" or str(event.device_type()) != "DeviceType.CPU":
-                    continue
-                live += event.nbytes()
-                if start <= event.start_ns() <= end and (peak is None or live > peak):
-                    peak, at = live, event.start_ns()
-            self.peak_bytes, self.before_bytes = peak, before
-            covering = [e for e in events if e.name().startswith("aten::") and e.start_ns() <= at <= e.end_ns()]
-            self.peak_ops = [e.name() for e in sorted(covering, key=lambda e: e.start_ns())]
-
-        return watching()
-
-
 PART_ERRORS = []  # (row, the largest |predicted - measured| of a part, as a share of the measured peak)
 
 
@@ -317,6 +239,8 @@ def run_one(name, method, arch, vocab, layers, extra, tokenizer):
                             peft_config=peft, **kwargs)
     import contextlib
     import io
+
+    from leantune.metrics.allocator_meter import AllocatorMeter
 
     allocator = AllocatorMeter()
     with contextlib.redirect_stdout(io.StringIO()), allocator.profiling(trainer):
