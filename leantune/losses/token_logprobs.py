@@ -115,6 +115,7 @@ def chunked_logprobs(
 
 # Per-target statistics of the logits (no gradient), from one [tokens, vocabulary] chunk L of them and its log-norm:
 # top1: whether the target is the argmax (TRL's mean_token_accuracy); log_sum_sq_probs: log sum_v p_v^2 (WPO).
+# The chunked head computes the same values in place on its chunk (`_chunk_scores`); these serve full logits.
 TOKEN_STATS = {
     "top1": lambda logits, log_norm, tokens: (logits.argmax(dim=-1) == tokens).float(),
     "log_sum_sq_probs": lambda logits, log_norm, tokens: torch.logsumexp(2 * logits, dim=-1) - 2 * log_norm,
