@@ -28,12 +28,13 @@ MIB = 1024 * 1024
 
 
 def tiny_config(arch: str, vocab: int, layers: int = 2):
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config
 
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, pad_token_id=0,
                   bos_token_id=1, eos_token_id=2)
-    return (LlamaConfig if arch == "llama" else Qwen2Config)(**common)
+    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "phi3": Phi3Config}
+    return classes[arch](**common)
 
 
 def data(kind: str, rows: int):
@@ -108,7 +109,7 @@ CONFIGS = [
     ("gkd on-policy (lmbda 1)", "gkd", "llama", 32000, 2, {"lmbda": 1.0}),
     ("gkd qwen2 padding-free, lmbda 0.5", "gkd", "qwen2", 32000, 2, {"lmbda": 0.5, "padding_free": True}),
 ]
-NOT_FIELDS = ("peft", "reward_model", "quantization", "lengths")  # row settings that are not config fields
+NOT_FIELDS = ("peft", "reward_model", "quantization", "lengths", "lora_targets")  # row settings that are not config fields
 TEACHER_LAYERS = 3  # GKD's teacher: the student's shape with one more layer
 
 # QLoRA: the real run loads a saved checkpoint with bitsandbytes (CPU backend); LoRA on all linear layers
@@ -133,6 +134,10 @@ CONFIGS += [
     ("qlora sft nf4+dq bf16 compute", "sft", "llama", 32000, 2, {"peft": True, "quantization": {
         **NF4_DQ, "bnb_4bit_compute_dtype": "bfloat16"}}),
     ("qlora grpo nf4+dq", "grpo", "llama", 32000, 2, {"peft": True, "quantization": NF4_DQ}),
+]
+CONFIGS += [  # issue 26's rows where the allocator disagreed with the plan (Qwen3's, Phi3's vocabularies)
+    ("dpo qwen3 padding-free LoRA", "dpo", "qwen3", 151936, 2, {"padding_free": True, "peft": True}),
+    ("kto phi3 LoRA", "kto", "phi3", 32064, 2, {"peft": True, "lora_targets": ["qkv_proj", "o_proj"]}),
 ]
 
 
@@ -196,8 +201,8 @@ def run_one(name, method, arch, vocab, layers, extra, tokenizer):
 
     trainer_class, config_class = method_classes(method)
     fields = fields_for(method, extra)
-    peft = LoraConfig(r=8, lora_alpha=16, task_type="SEQ_CLS" if method == "reward" else "CAUSAL_LM") \
-        if extra.get("peft") else None
+    peft = LoraConfig(r=8, lora_alpha=16, task_type="SEQ_CLS" if method == "reward" else "CAUSAL_LM",
+                      target_modules=extra.get("lora_targets")) if extra.get("peft") else None
     quantization = extra.get("quantization")
     if quantization:  # QLoRA: every linear layer adapted, the plan told the quantization as the run is
         peft = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
@@ -235,7 +240,10 @@ def run_one(name, method, arch, vocab, layers, extra, tokenizer):
     import contextlib
     import io
 
-    with contextlib.redirect_stdout(io.StringIO()):
+    from leantune.metrics.allocator_meter import AllocatorMeter
+
+    allocator = AllocatorMeter()
+    with contextlib.redirect_stdout(io.StringIO()), allocator.profiling(trainer):
         trainer.train()
     measured = trainer.memory_breakdown.peak_bytes
     if extra.get("plan_check"):
@@ -244,7 +252,7 @@ def run_one(name, method, arch, vocab, layers, extra, tokenizer):
     parts = set(trainer.memory_breakdown.parts) | set(plan.measured_step.parts)
     PART_ERRORS.append((name, max(abs(plan.measured_step.parts.get(part, 0) - trainer.memory_breakdown.parts.get(
         part, 0)) for part in parts) / measured))
-    return predicted, measured, plan.worst.peak_bytes, plan_seconds
+    return predicted, measured, plan.worst.peak_bytes, plan_seconds, allocator.peak_bytes, plan.peak_bytes
 
 
 def profile_json(dataset, tokenizer) -> str:
@@ -284,16 +292,17 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
-    errors = []
+    errors, allocator_errors, over_bound = [], [], 0
     if options.row is None:
         print("| configuration | method | arch | vocab | layers | predicted MiB | measured MiB | error | "
-              "worst batch MiB | plan s |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+              "worst batch MiB | plan s | allocator MiB | error vs allocator | allocator / bound |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, method, arch, vocab, layers, extra in CONFIGS if options.row is None else CONFIGS[options.row:][:1]:
         if options.only and not any(part in name for part in options.only.split(",")):
             continue
         try:
-            predicted, measured, worst, seconds = run_one(name, method, arch, vocab, layers, extra, tokenizer)
+            predicted, measured, worst, seconds, allocator, bound = run_one(name, method, arch, vocab, layers, extra,
+                                                                            tokenizer)
         except Exception as error:  # a row that fails is reported, not hidden
             print(f"| {name} | {method} | {arch} | {vocab} | {layers} | failed: {type(error).__name__}: "
                   f"{str(error)[:80]} | | | | |", flush=True)
@@ -301,10 +310,16 @@ def main() -> None:
         error = (predicted - measured) / measured
         errors.append(abs(error))
         print(f"| {name} | {method} | {arch} | {vocab} | {layers} | {predicted / MIB:.2f} | {measured / MIB:.2f} | "
-              f"{100 * error:+.2f}% | {worst / MIB:.2f} | {seconds:.1f} |", flush=True)
+              f"{100 * error:+.2f}% | {worst / MIB:.2f} | {seconds:.1f} | {allocator / MIB:.2f} | "
+              f"{100 * (predicted - allocator) / allocator:+.2f}% | {100 * allocator / bound:.1f}% |", flush=True)
+        allocator_errors.append(abs(predicted - allocator) / allocator)
+        over_bound += allocator > bound
     if errors and options.row is None:
         print(f"\n{len(errors)} configurations: worst |error| {100 * max(errors):.2f}%, within 2%: "
               f"{sum(e <= 0.02 for e in errors)}, within 5%: {sum(e <= 0.05 for e in errors)}")
+    if allocator_errors and options.row is None:
+        print(f"against the allocator: worst |error| {100 * max(allocator_errors):.2f}%, within 2%: "
+              f"{sum(e <= 0.02 for e in allocator_errors)}, above the bound (plan.peak_bytes): {over_bound}")
     if PART_ERRORS:
         row, worst_part = max(PART_ERRORS, key=lambda item: item[1])
         print(f"parts (parameters, gradients, optimizer states, activations, temporaries): worst |error| "

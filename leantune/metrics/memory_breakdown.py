@@ -19,9 +19,11 @@ MemTracker would otherwise meet them only when their forward runs and file them 
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils._pytree import tree_flatten
 from transformers import TrainerCallback
 
 logger = logging.getLogger("leantune.memory")
@@ -109,6 +111,7 @@ class StepMemoryMeter:
         if dequantization is not None:
             dequantization.__exit__(None, None, None)
         tracker.__exit__(None, None, None)
+        tracker.grad_hooks.remove()
         snapshot = tracker.get_tracker_snapshot("peak")
         by_device = {str(device): stats for device, stats in snapshot.items()}
         main = _device_key(self.device, by_device)
@@ -161,7 +164,10 @@ def _frozen_ref_type():
 
 
 def _tracker_class():
-    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+    from torch._guards import active_fake_mode
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState
+
+    from .op_scratch import scratch_bytes
 
     frozen = _frozen_ref_type()
 
@@ -173,6 +179,10 @@ def _tracker_class():
         def __init__(self):
             super().__init__()
             self._ref_class = (*_MemRefType, frozen)
+            self.grad_hooks = GradHookLedger()
+            modules = self._mod_tracker  # its hooks are looked up on the instance when it is entered
+            modules._fw_pre_hook = self.grad_hooks.wrap(modules._fw_pre_hook, lambda module, args: args)
+            modules._fw_post_hook = self.grad_hooks.wrap(modules._fw_post_hook, lambda module, args, out: out)
 
         def _update_and_maybe_create_winfos(self, t, reftype, update_existing=False):
             if reftype is not frozen and any(self._WINFO.get(st, (None,))[0] is not None and
@@ -186,6 +196,25 @@ def _tracker_class():
                     self._param_to_grad_hook_handles[param] = (_NO_HOOK, _NO_HOOK)
             return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = super().__torch_dispatch__(func, types, args, kwargs)
+            scratch = scratch_bytes(func, args, kwargs, result)
+            if scratch and result is not NotImplemented and active_fake_mode() is self._fake_mode_on_entry:
+                self._count_scratch(result.device, scratch)
+            return result
+
+        def _count_scratch(self, device, size):
+            """The op's peak: what is live after it, plus the scratch it held inside (metrics/op_scratch.py)."""
+            snapshot = self._curr_mem_snap.setdefault(device, dict.fromkeys(self._ref_class, 0))
+            kind = _MemRefType.TEMP if self._mod_tracker.is_bw and not self._in_ac else _MemRefType.ACT
+            if self._in_opt:
+                kind = _MemRefType.OPT
+            for key in (kind, "Total"):
+                snapshot[key] = snapshot.get(key, 0) + size
+            self._update_peak_stats(_ModState.PEAK_BW if self._mod_tracker.is_bw else _ModState.PEAK_FW)
+            for key in (kind, "Total"):
+                snapshot[key] -= size
+
         def _pre_fw_hook(self, module, inputs):
             # A model called twice in one step (a reference pass with the adapter disabled, gradient accumulation)
             # looks to MemTracker like a new iteration; per-module stats restart, the step's peak is kept.
@@ -196,6 +225,40 @@ def _tracker_class():
                 return super()._pre_fw_hook(module, inputs)
 
     return FrozenParameterSafeTracker
+
+
+class GradHookLedger:
+    """The gradient hooks MemTracker's module tracker puts on every module's inputs and outputs, to remove them when
+    the meter stops (torch's `register_multi_grad_hook` returns a handle that the tracker drops).
+
+    Why: a hook on a leaf that requires grad (a LoRA model's embedding output, made to require grad so that
+    checkpointed layers backpropagate) references the leaf's gradient accumulator, which holds the leaf: a cycle
+    through C++ that the garbage collector cannot break, so the leaf and its `.grad` ([batch, tokens, hidden] each)
+    outlived the measured step for the rest of training. A meter leaves the run as it found it."""
+
+    def __init__(self):
+        self._added: list[tuple[weakref.ref, int]] = []  # (a tensor's hook dict, the key of a hook added to it)
+
+    def wrap(self, hook, tensors_of):
+        def watched(*args):
+            flat = tree_flatten(tensors_of(*args))[0]
+            tensors = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
+            before = [set(t._backward_hooks or ()) for t in tensors]
+            result = hook(*args)
+            for tensor, keys in zip(tensors, before):
+                hooks = tensor._backward_hooks
+                if hooks:
+                    self._added.extend((weakref.ref(hooks), key) for key in set(hooks) - keys)
+            return result
+
+        return watched
+
+    def remove(self) -> None:
+        added, self._added = self._added, []
+        for ref, key in added:
+            hooks = ref()
+            if hooks is not None:
+                hooks.pop(key, None)
 
 
 def _param_kind():

@@ -53,3 +53,32 @@ def test_deepspeed_partitions_and_master_copy_are_filed_by_part():
     assert [t.numel() for t in found[_MemRefType.OPT]] == [36]
     assert sorted(t.numel() for t in found[_MemRefType.GRAD]) == [36, 100]
     assert _engine_tensors(torch.nn.Linear(8, 8), torch.optim.SGD(model.parameters(), lr=0.1)) == {}
+
+
+def test_an_ops_internal_buffer_is_counted_as_the_allocator_sees_it():
+    # aten::logsumexp forms `input - max` inside the op (as large as its input) and frees it before returning: the
+    # breakdown counts it (metrics/op_scratch.py) and must then equal the CPU allocator's own peak, from
+    # torch.profiler's memory events (nothing shared with MemTracker), to the byte
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 4096)
+    inputs = torch.randn(256, 64)
+
+    def step():
+        torch.logsumexp(model(inputs), dim=-1)
+
+    meter = StepMemoryMeter("cpu")
+    meter.start(model)
+    step()
+    breakdown = meter.stop(0)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    live = peak = 0
+    for event in sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns()):
+        if event.name() == "[memory]":
+            live += event.nbytes()
+            peak = max(peak, live)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert peak > 2 * 256 * 4096 * 4  # the logits and the op's buffer at once
+    assert breakdown.peak_bytes == weights + peak
