@@ -240,7 +240,7 @@ def run_one(name, method, arch, vocab, layers, extra, tokenizer):
     import contextlib
     import io
 
-    from leantune.metrics.allocator_meter import AllocatorMeter
+    from devkit.allocator_meter import AllocatorMeter
 
     allocator = AllocatorMeter()
     with contextlib.redirect_stdout(io.StringIO()), allocator.profiling(trainer):

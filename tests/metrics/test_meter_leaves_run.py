@@ -13,7 +13,7 @@ import torch
 from datasets import Dataset
 
 from leantune import SFTConfig, SFTTrainer
-from leantune.metrics.allocator_meter import AllocatorMeter
+from devkit.allocator_meter import AllocatorMeter
 from tests.fixtures.models import lora, tiny_model
 
 
