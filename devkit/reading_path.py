@@ -58,7 +58,7 @@ def traced_step(trainer) -> set:
 
     seen, tracing = set(), [True]
 
-    def profile(frame, event, arg):
+    def profile(frame, event, arg):  # CPU: autograd runs the custom backward passes on this thread too
         if event == "call" and tracing[0] and frame.f_code.co_filename.startswith(str(PACKAGE)):
             seen.add(frame.f_code)
 
