@@ -1,11 +1,9 @@
-"""What a reader reads to follow one training step: from `trainer.train()` until the first optimizer step is done
-(the loss, its backward and the optimizer step that leantune drives), every leantune function that runs.
+"""What a reader reads to follow one training step, from `trainer.train()` to the end of the first optimizer step
+(the loss, its backward and the optimizer step leantune drives): every leantune function that runs. Issue 25's target
+(GRPO: at most 1,500 lines) is measured on the functions' lines (def to end, docstrings and comments included, a
+nested function counted once); the whole-file total of their files is printed beside it.
 
-Issue 25's target ("following GRPO from train() to the loss: at most 1,500 lines") is measured against the lines of
-the functions on the path (def to end, docstrings and comments included: what a reader reads, nested functions
-counted once); the whole-file total of the files they live in is printed beside it.
-
-    python -m devkit.reading_path [--method grpo|rloo|online_dpo|dpo|sft] [--functions]
+    python -m devkit.reading_path [--method grpo|rloo|online_dpo|ppo|dpo|kto|reward|sft|gkd] [--functions]
 """
 
 from __future__ import annotations
@@ -18,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 import leantune
+from leantune.methods import METHODS
 
 PACKAGE = Path(leantune.__file__).resolve().parent
 SPANS_WITHOUT_A_DEF = ("<lambda>", "<genexpr>", "<listcomp>", "<dictcomp>", "<setcomp>")
@@ -26,30 +25,37 @@ SPANS_WITHOUT_A_DEF = ("<lambda>", "<genexpr>", "<listcomp>", "<dictcomp>", "<se
 def tiny_trainer(method: str, output_dir: str, **overrides):
     """A one-step CPU run of `method` on the built-in demo's data and character tokenizer (no files, no Hub), with
     the method's defaults but for `overrides` of its config."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from leantune.defaults import as_prompts_with_answers, build_default_dataset
-    from leantune.defaults.preferences import build_default_preference_dataset
     from leantune.defaults.model import build_default_model_config
+    from leantune.defaults.preferences import build_default_preference_dataset, unpaired
     from leantune.defaults.tokenizer import build_default_tokenizer
-    from leantune.methods import METHODS
+    from leantune.methods import METHODS, PREFERENCE_DATA
 
-    spec = METHODS[method]
-    tokenizer = build_default_tokenizer()
-    model = AutoModelForCausalLM.from_config(build_default_model_config(tokenizer))
-    common = dict(output_dir=output_dir, use_cpu=True, report_to=[], save_strategy="no", max_steps=1, seed=0,
-                  logging_steps=1, disable_tqdm=True, memory_breakdown=False, per_device_train_batch_size=8, **overrides)
+    spec, tokenizer = METHODS[method], build_default_tokenizer()
+    config = build_default_model_config(tokenizer)
+    config.num_labels = 1  # a reward model's one score (a causal LM ignores it)
+    kind = AutoModelForSequenceClassification if spec.sequence_classifier else AutoModelForCausalLM
+    model = kind.from_config(config)
+    settings = dict(output_dir=output_dir, use_cpu=True, report_to=[], save_strategy="no", max_steps=1, seed=0,
+                    logging_steps=1, disable_tqdm=True, memory_breakdown=False, per_device_train_batch_size=8)
+    if spec.online:  # 8-token completions, in groups of 4 (Online DPO: pairs; PPO: one per prompt)
+        settings.update({"max_new_tokens" if method == "online_dpo" else "max_completion_length": 8},
+                        **({"online_dpo": {"num_generations": 2}, "ppo": {}}.get(method, {"num_generations": 4})))
+    settings.update(overrides)
+    inputs = dict(model=model, args=spec.config_class(**settings), processing_class=tokenizer)
     if spec.online:
-        prompts = as_prompts_with_answers(build_default_dataset(16, 0, seed=0, task="reverse")["train"])
-        lengths = {"max_new_tokens": 8} if method == "online_dpo" else {"max_completion_length": 8}
-        args = spec.config_class(**common, **lengths, num_generations=2 if method == "online_dpo" else 4)
-        return spec.trainer_class(model, reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
-                                  args=args, train_dataset=prompts, processing_class=tokenizer)
-    if spec.data == "preference":
+        inputs["reward_funcs"] = lambda completions, **_: [float(len(c)) for c in completions]
+        data = as_prompts_with_answers(build_default_dataset(16, 0, seed=0, task="reverse")["train"])
+    elif spec.data == PREFERENCE_DATA or method == "kto":
         data = build_default_preference_dataset(16, 0, seed=0)["train"]
+        data = unpaired(data) if method == "kto" else data
     else:
         data = build_default_dataset(16, 0, seed=0, task="reverse")["train"]
-    return spec.trainer_class(model, args=spec.config_class(**common), train_dataset=data, processing_class=tokenizer)
+    if method == "gkd":
+        inputs["teacher_model"] = AutoModelForCausalLM.from_config(config)
+    return spec.trainer_class(train_dataset=data, **inputs)
 
 
 def traced_step(trainer) -> set:
@@ -76,22 +82,14 @@ def traced_step(trainer) -> set:
 
 
 @functools.cache
-def definitions(filename: str) -> list[tuple[int, int, str]]:
+def definitions(filename: str, node=None, prefix: str = "") -> list[tuple[int, int, str]]:
     """(first line with decorators, last line, qualified name) of every function in a file."""
     found = []
-
-    def visit(node, prefix):
-        for child in ast.iter_child_nodes(node):
-            name = prefix
-            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                name = f"{prefix}{child.name}"
-                if not isinstance(child, ast.ClassDef):
-                    first = min([child.lineno, *(d.lineno for d in child.decorator_list)])
-                    found.append((first, child.end_lineno, name))
-                name += "."
-            visit(child, name)
-
-    visit(ast.parse(Path(filename).read_text()), "")
+    for child in ast.iter_child_nodes(node or ast.parse(Path(filename).read_text())):
+        name = f"{prefix}{child.name}." if hasattr(child, "name") and hasattr(child, "body") else prefix
+        if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+            found.append((min([child.lineno, *(d.lineno for d in child.decorator_list)]), child.end_lineno, name[:-1]))
+        found += definitions(filename, child, name)
     return found
 
 
@@ -115,8 +113,7 @@ def function_spans(codes: set) -> dict[str, dict[str, tuple[int, int]]]:
     return spans
 
 
-def lines_of(functions: dict[str, tuple[int, int]]) -> int:
-    """The lines of a file's functions, a nested one's counted once."""
+def lines_of(functions: dict[str, tuple[int, int]]) -> int:  # a nested function's lines counted once
     return len({line for first, last in functions.values() for line in range(first, last + 1)})
 
 
@@ -135,7 +132,7 @@ def reading_path(method: str = "grpo", **overrides) -> tuple[dict, dict]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--method", default="grpo", choices=("grpo", "rloo", "online_dpo", "dpo", "sft"))
+    parser.add_argument("--method", default="grpo", choices=sorted(METHODS))
     parser.add_argument("--functions", action="store_true", help="list every function with its lines")
     parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE", help="config fields, e.g. beta=0.04")
     options = parser.parse_args(argv)
