@@ -132,11 +132,6 @@ class GRPOConfig(OnlineConfig):
         super().__post_init__()
 
     @property
-    def entropies_in_loss(self) -> bool:
-        """The entropy bonus and the high-entropy token mask read per-token entropies."""
-        return self.entropy_coef != 0.0 or self.use_adaptive_entropy or self.top_entropy_quantile < 1.0
-
-    @property
     def needs_sampling_logprobs(self) -> bool:
         """Whether the backend must return the sampled tokens' log-probs: vLLM's are read by the importance-sampling
         correction and the off-policy mask (transformers' generate samples from the trainer's own model)."""

@@ -53,6 +53,9 @@ class GRPOTrainer(OnlineTrainer):
             raise ValueError("No reward source provided: pass `reward_funcs` (callables, reward model ids or paths, "
                              "or reward models), or an `environment_factory` whose environment defines a "
                              "`get_reward` method.")
+        args = self.default_args(model, args)
+        # the entropy bonus and the high-entropy token mask read per-token entropies (the loss, Liger's notices)
+        self.entropies_in_loss = args.entropy_coef != 0.0 or args.use_adaptive_entropy or args.top_entropy_quantile < 1
         super().__init__(model, reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          processing_class=processing_class, reward_processing_classes=reward_processing_classes,
                          callbacks=callbacks, optimizers=optimizers, quantization_config=quantization_config,

@@ -163,11 +163,6 @@ class OnlineConfig(MemoryOptions, CausalLMOptions, ReferenceSyncOptions, Trainin
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
     @property
-    def entropies_in_loss(self) -> bool:
-        """Whether the method's loss reads per-token entropies (GRPO's entropy bonus or high-entropy token mask)."""
-        return False
-
-    @property
     def eval_num_generations(self) -> int:
         """`num_generations_eval`, or `num_generations` while it is unset."""
         return self.num_generations if self.num_generations_eval is None else self.num_generations_eval

@@ -45,6 +45,7 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
     # What the method declares:
     scores_at_temperature = True  # log-probs of the logits divided by args.temperature, as sampled (Online DPO: 1)
     entropy_bonus = None  # GRPO's entropy_coef (losses/entropy_bonus.py): the loss's entropies keep their gradient
+    entropies_in_loss = False  # the loss reads per-token entropies (GRPO's entropy bonus or high-entropy token mask)
     reads_hidden_states = False  # the loss reads the policy's last hidden states at the targets (PPO's value head)
     # The generation-time policy scores every round, on-policy too (its log-probs feed the method's inputs or
     # corrections); otherwise only a round trained after the policy moved
@@ -183,7 +184,7 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         model_inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
         temperature = self.scoring_temperature
         # Entropies for the metric come with the chunked head at no extra pass; Liger's kernel computes none
-        with_entropy = self.args.entropies_in_loss or not self.logprobs.liger_head_runs(model, temperature)
+        with_entropy = self.entropies_in_loss or not self.logprobs.liger_head_runs(model, temperature)
         scores = self.logprobs.target_logprobs(model, model_inputs, batch["labels"], temperature,
                                                with_entropy=with_entropy,
                                                entropy_grad=with_entropy and self.entropy_bonus is not None,
@@ -209,7 +210,7 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         return (loss, {}) if return_outputs else loss
 
     def liger_notes(self, args) -> list[tuple[int, str]]:
-        if args.entropies_in_loss:
+        if self.entropies_in_loss:
             text = ("use_liger_loss=True: the loss reads per-token entropies (entropy_coef / use_adaptive_entropy / "
                     "top_entropy_quantile), which Liger's fused kernel does not compute, so the training forward "
                     "passes score through leantune's chunked head (exact, never the full logits); generation-time "
