@@ -49,6 +49,21 @@ class EntropyBonus:
         mean = entropy.sum() / max(int(entropy.numel()), 1)
         return -self.applied_coef * mean / accumulation_steps
 
+    def added(self, loss: torch.Tensor, entropy: torch.Tensor, accumulation_steps: int, training: bool,
+              step_ends: bool, reduce_sum) -> tuple[torch.Tensor, dict]:
+        """(the micro-batch's normalised loss plus the bonus, its metrics). While training, the adaptive coefficient
+        observes the entropies and moves when the optimizer step ends (`step_ends`; `reduce_sum`: see end_step)."""
+        metrics = {"policy_loss": loss.detach() * accumulation_steps}  # the policy term at the logged loss's scale
+        loss = loss + self.term(entropy, accumulation_steps)
+        if training:
+            if self.adaptive:
+                self.observe(entropy)
+            if step_ends:
+                if self.adaptive:
+                    self.end_step(reduce_sum)
+                metrics["entropy_coef"] = torch.tensor(self.coef, device=loss.device)
+        return loss, metrics
+
     def observe(self, entropy: torch.Tensor) -> None:
         self._window[0] += float(entropy.detach().sum())
         self._window[1] += int(entropy.numel())

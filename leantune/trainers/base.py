@@ -89,9 +89,11 @@ class LeantuneTrainer(Trainer):
                                     self.compute_loss_func, args)
         self.step_loss = StepLoss(args, self.accelerator, self.context_parallel, self.model, self.items_in,
                                   self.run_metrics.record)
+        # the temperature the trainer's log-probs are of: the sampling one (GRPO, RLOO, PPO), else 1
+        self.scoring_temperature = args.temperature if self.scores_at_temperature else 1.0
         self.logprobs = LogProbEngine(
             args, logprob_path, lambda: self.compute_metrics is not None or self.preprocess_logits_for_metrics is not None,
-            self.step_loss.note_router_loss, args.temperature if self.scores_at_temperature else 1.0)
+            self.step_loss.note_router_loss, self.scoring_temperature)
         self.logprobs.announce(self.model, self.liger_notes(args))
         if args.memory_breakdown:
             self.add_callback(MemoryBreakdownCallback(args.device, self.run_metrics.keep_memory_breakdown,
@@ -281,7 +283,10 @@ class LeantuneTrainer(Trainer):
         self.run_metrics.throughput.restart()
         with named_collective_timeouts(self.args), self.nonfinite.training_run():  # distributed.py, nonfinite.py
             output = super().train(*args, **kwargs)
-        resumed = bool(kwargs.get("resume_from_checkpoint"))
+        return self.report_run_end(output, resumed=bool(kwargs.get("resume_from_checkpoint")))
+
+    def report_run_end(self, output, resumed: bool):
+        """After the run: nothing trained by a resumed finished run, the stream's drops, the summary, the memory."""
         # whether this train() resumed a checkpoint already at max_steps (or its epochs' end) and trained no step
         self.trained_nothing = (resumed and self.state.global_step == getattr(self, "_initial_global_step", -1)
                                 and self.state.global_step >= self.state.max_steps)

@@ -212,43 +212,49 @@ class ContextParallelism:
         """Lay the batch out for context parallelism (targets shifted before the split; packed and padding-free
         rows so that each document attends only to itself across the ring) and hand it to accelerate's
         `maybe_context_parallel`, which splits input_ids, shift_labels and position_ids along time."""
-        cp = self.size
-        if cp <= 1:
+        if self.size <= 1:
             return contextlib.nullcontext, inputs
         inputs = dict(inputs)
         labels = inputs.pop("labels")
-        pad = 0 if pad_token_id is None else pad_token_id
-        rank = self.accelerator.torch_device_mesh["cp"].get_local_rank()
         if "cu_seq_lens_q" in inputs:  # packed or padding-free rows: per-document layout
-            laid = lay_out_documents(inputs, labels, cp, pad)
-            offsets, longest = local_segment_offsets(laid["local_lengths"], labels.device)
-            inputs.update(input_ids=laid["input_ids"], shift_labels=laid["shift_labels"],
-                          position_ids=laid["position_ids"], cu_seq_lens_q=offsets, cu_seq_lens_k=offsets,
-                          max_length_q=longest, max_length_k=longest)
-            self._local_positions = laid["local_positions"][rank]
+            self._lay_out_documents(inputs, labels, 0 if pad_token_id is None else pad_token_id)
         else:
-            mask = inputs.pop("attention_mask", None)
-            if mask is not None:
-                check_padded_rows(mask)
-            positions = inputs.get("position_ids")
-            if positions is not None and (positions[:, 1:] <= positions[:, :-1]).any():
-                raise ValueError("These rows hold several sequences (their position_ids restart) but no "
-                                 "`cu_seq_lens_q` offsets: context parallelism would let each sequence attend to the "
-                                 "ones before it. Use leantune's collator with `packing` / `padding_free`.")
-            width = inputs["input_ids"].shape[1]
-            if width % (2 * cp):
-                raise ValueError(f"A batch of width {width} cannot be split into 2 x cp_size = {2 * cp} equal chunks; "
-                                 f"set `pad_to_multiple_of` to a multiple of {2 * cp}.")
-            inputs["shift_labels"] = shifted_targets(labels).contiguous()
-            if positions is None:
-                positions = torch.arange(width, device=labels.device).expand(labels.shape[0], -1)
-            inputs["position_ids"] = positions.clone()
-            self._local_positions = None
+            self._lay_out_rows(inputs, labels)
         inputs["input_ids"] = inputs["input_ids"].clone()
         self.batch_targets = (inputs["shift_labels"] != IGNORE_INDEX).sum()
         buffers = [inputs["input_ids"], inputs["shift_labels"], inputs["position_ids"]]
         return functools.partial(self.accelerator.maybe_context_parallel, buffers=buffers, buffer_seq_dims=[1, 1, 1],
                                  no_restore_buffers=set(buffers)), inputs
+
+    def _lay_out_documents(self, inputs: dict, labels: torch.Tensor, pad: int) -> None:
+        cp = self.size
+        rank = self.accelerator.torch_device_mesh["cp"].get_local_rank()
+        laid = lay_out_documents(inputs, labels, cp, pad)
+        offsets, longest = local_segment_offsets(laid["local_lengths"], labels.device)
+        inputs.update(input_ids=laid["input_ids"], shift_labels=laid["shift_labels"],
+                      position_ids=laid["position_ids"], cu_seq_lens_q=offsets, cu_seq_lens_k=offsets,
+                      max_length_q=longest, max_length_k=longest)
+        self._local_positions = laid["local_positions"][rank]
+
+    def _lay_out_rows(self, inputs: dict, labels: torch.Tensor) -> None:
+        cp = self.size
+        mask = inputs.pop("attention_mask", None)
+        if mask is not None:
+            check_padded_rows(mask)
+        positions = inputs.get("position_ids")
+        if positions is not None and (positions[:, 1:] <= positions[:, :-1]).any():
+            raise ValueError("These rows hold several sequences (their position_ids restart) but no "
+                             "`cu_seq_lens_q` offsets: context parallelism would let each sequence attend to the "
+                             "ones before it. Use leantune's collator with `packing` / `padding_free`.")
+        width = inputs["input_ids"].shape[1]
+        if width % (2 * cp):
+            raise ValueError(f"A batch of width {width} cannot be split into 2 x cp_size = {2 * cp} equal chunks; "
+                             f"set `pad_to_multiple_of` to a multiple of {2 * cp}.")
+        inputs["shift_labels"] = shifted_targets(labels).contiguous()
+        if positions is None:
+            positions = torch.arange(width, device=labels.device).expand(labels.shape[0], -1)
+        inputs["position_ids"] = positions.clone()
+        self._local_positions = None
 
     def check_layout(self, inputs: dict) -> None:
         """Inside the split: this process holds the positions leantune's layout put there (a safety net should

@@ -53,13 +53,19 @@ class GRPOTrainer(OnlineTrainer):
             raise ValueError("No reward source provided: pass `reward_funcs` (callables, reward model ids or paths, "
                              "or reward models), or an `environment_factory` whose environment defines a "
                              "`get_reward` method.")
+        args = self.default_args(model, args)
+        # the entropy bonus and the high-entropy token mask read per-token entropies (the loss, Liger's notices)
+        self.entropies_in_loss = args.entropy_coef != 0.0 or args.use_adaptive_entropy or args.top_entropy_quantile < 1
         super().__init__(model, reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          processing_class=processing_class, reward_processing_classes=reward_processing_classes,
                          callbacks=callbacks, optimizers=optimizers, quantization_config=quantization_config,
                          peft_config=peft_config, agent=agent)
         self.rollout_func = rollout_func
         self.tools = list(agent.tools) if agent is not None else []  # TRL's attribute: every tool the policy may call
-        self.entropy_bonus = EntropyBonus.from_config(self.args)
+        self.entropy_bonus = EntropyBonus.from_config(self.args)  # added to the loss by OnlineTrainer.compute_loss
+        # vLLM's importance-sampling correction (TRL: only when generating with vLLM): its pi_old, even on-policy
+        self.corrects_sampling = self.generation.samples_with_vllm and self.args.vllm_importance_sampling_correction
+        self.scores_policy_on_policy = self.corrects_sampling
         if self.args.cast_lm_head_to_fp32:
             for model in (self.model, self.ref_model):
                 if model is not None:
@@ -76,19 +82,6 @@ class GRPOTrainer(OnlineTrainer):
         """TRL's attribute: the reusable environment instances, by environment name."""
         environments = self.agent.environments if self.agent is not None else None
         return environments.pool if environments is not None else None
-
-    @property
-    def corrects_sampling(self) -> bool:
-        """vLLM's importance-sampling correction applies (TRL: only when generating with vLLM)."""
-        return self.generation.samples_with_vllm and self.args.vllm_importance_sampling_correction
-
-    def needs_policy_pass(self, off_policy: bool) -> bool:
-        return off_policy or self.corrects_sampling  # the correction's pi_old, even on-policy
-
-    def entropies_in_loss(self, args=None) -> bool:
-        """The entropy bonus and the high-entropy token mask read per-token entropies."""
-        args = args or self.args
-        return args.entropy_coef != 0.0 or args.use_adaptive_entropy or args.top_entropy_quantile < 1.0
 
     def attach_loss_inputs(self, batches: list[dict], scored: dict, group: int) -> None:
         """Each completion's advantage: its reward against its group's (losses/advantages.py)."""
@@ -141,27 +134,6 @@ class GRPOTrainer(OnlineTrainer):
         metrics.update(loss_metrics)
         loss_sum = grpo_loss_sum(token_loss, sequence, count, args.loss_type, args.max_completion_length)
         return loss_sum, metrics
-
-    def with_entropy_bonus(self, model, loss, entropy, batch: dict, metrics: dict) -> torch.Tensor:
-        """loss - coef x H (losses/entropy_bonus.py), over the tokens the policy term acts on (top_entropy_quantile's
-        mask), divided by the accumulation steps only; the adaptive coefficient moves at each step's end."""
-        bonus = self.entropy_bonus
-        if bonus is None:
-            return loss
-        steps = getattr(self, "current_gradient_accumulation_steps", 1) if model.training else 1
-        mask = batch.get("entropy_token_mask")
-        acted = entropy if mask is None else entropy[mask]
-        metrics["policy_loss"] = loss.detach() * steps  # the policy term alone, at the scale of the logged loss
-        loss = loss + bonus.term(acted, steps)
-        if model.training:
-            if bonus.adaptive:
-                bonus.observe(acted)
-            if self.accelerator.sync_gradients:
-                if bonus.adaptive:
-                    device = self.accelerator.device
-                    bonus.end_step(lambda totals: self.accelerator.reduce(totals.to(device), reduction="sum").cpu())
-                metrics["entropy_coef"] = torch.tensor(bonus.coef, device=loss.device)
-        return loss
 
     @property
     def entropy_coef(self) -> float | None:

@@ -155,6 +155,11 @@ class NonFiniteGuard:
         losses_bad, gradient_bad = (float(v) for v in flags.cpu())
         if losses_bad == 0 and gradient_bad == 0:
             return grad_norm
+        return self._bad_step(model, grad_norm, step_rows, losses_bad)
+
+    def _bad_step(self, model, grad_norm, step_rows: list, losses_bad: float):
+        """A step with a non-finite loss or gradient norm on some process: skipped (counted) or stopped, its rows
+        named."""
         step = self.global_step() + 1
         what = "loss" if losses_bad else "gradient"
         # a non-finite loss: the rows of the micro-batches that had it (on any process); else all the step's rows

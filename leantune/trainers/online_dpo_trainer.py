@@ -13,12 +13,14 @@ import torch
 
 from ..losses.preference import chosen_and_rejected, dpo_loss, preferred_in_pairs
 from ..losses.token_logprobs import per_sequence_sum
+from .online.round_builder import eos_penalised
 from .online_trainer import OnlineTrainer
 
 
 class OnlineDPOTrainer(OnlineTrainer):
     method = "online_dpo"  # its entry in leantune/methods.py
     scores_at_temperature = False  # the DPO loss reads the model's own probabilities, not the sampling ones
+    cuts_prompts_to_max_length = True  # prompt + completion scored within max_length (TRL's left truncation)
 
     def __init__(self, model, ref_model=None, reward_funcs=None, args=None, data_collator=None, train_dataset=None,
                  eval_dataset=None, processing_class=None, reward_processing_classes=None, peft_config=None,
@@ -51,29 +53,16 @@ class OnlineDPOTrainer(OnlineTrainer):
 
     # --- the round: rewards (with the missing-EOS penalty) -> which completion of each pair is chosen ----------------
 
-    def round_rewards(self, scored: dict, store: dict) -> torch.Tensor:
-        """The rewards, minus `missing_eos_penalty` for a completion that did not end in EOS."""
-        ended, rewards = scored["ended"], scored["rewards"]
-        if self.args.missing_eos_penalty is not None:
-            rewards = rewards - self.args.missing_eos_penalty * (~ended).float()
-        best, worst = chosen_and_rejected(torch.nan_to_num(rewards, nan=0.0), preferred_in_pairs(rewards))
-        store["objective/scores"].append(torch.nan_to_num(rewards, nan=0.0).mean().item())
-        store["objective/scores_margin"].append((best - worst).mean().item())
-        store["val/contain_eos_token"].append(ended.float().mean().item())
-        return rewards
-
     def attach_loss_inputs(self, batches: list[dict], scored: dict, group: int) -> None:
         """Which completion of each pair is chosen (`chosen`, per completion; pairs stay whole in every
-        micro-batch)."""
-        self.rounds.spread(batches, "chosen", preferred_in_pairs(scored["rewards"]))
-
-    def scoring_prompts(self, prompts: list, completion_ids: list) -> list:
-        """Prompt + completion within `max_length`: the start of a long prompt is cut (TRL's left truncation)."""
-        room = [self.args.max_length - len(completion) for completion in completion_ids]
-        cut = sum(len(prompt) > keep for prompt, keep in zip(prompts, room))
-        if cut:
-            self.round_counts["prompts_cut_to_max_length"] += cut
-        return [list(prompt)[-keep:] if len(prompt) > keep else prompt for prompt, keep in zip(prompts, room)]
+        micro-batch), by the rewards minus `missing_eos_penalty` for a completion that did not end in EOS."""
+        rewards, store = eos_penalised(scored, self.args.missing_eos_penalty), scored["store"]
+        chosen = preferred_in_pairs(rewards)
+        best, worst = chosen_and_rejected(torch.nan_to_num(rewards, nan=0.0), chosen)
+        store["objective/scores"].append(torch.nan_to_num(rewards, nan=0.0).mean().item())
+        store["objective/scores_margin"].append((best - worst).mean().item())
+        store["val/contain_eos_token"].append(scored["ended"].float().mean().item())
+        self.rounds.spread(batches, "chosen", chosen)
 
     # --- the loss ----------------------------------------------------------------------------------------------------
 

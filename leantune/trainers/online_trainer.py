@@ -8,8 +8,8 @@
 
 A training step takes its micro-batches from a buffer of scored completions, refilled by a new round when empty;
 `compute_loss` scores a micro-batch with the policy (chunked log-probs by default: never the full logits) and hands
-per-token log-probs to the method's `policy_loss`, normalised over the whole optimizer step. A method file supplies
-its loss inputs and loss (the hooks under "the method" below).
+per-token log-probs to the method's `policy_loss`, normalised over the whole optimizer step. A method file declares
+what its round and loss read (the class attributes below) and supplies its loss inputs, item count and loss.
 """
 
 from __future__ import annotations
@@ -42,9 +42,15 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
     """Config -> parts (generation session, round builder, round metrics) -> the method's loss."""
 
     keeps_eval_dataset_as_given = True  # as TRL's online trainers: prompts are prepared aside, for evaluate()
-    scores_at_temperature = True  # log-probs of the logits divided by args.temperature, as sampled
+    # What the method declares:
+    scores_at_temperature = True  # log-probs of the logits divided by args.temperature, as sampled (Online DPO: 1)
     entropy_bonus = None  # GRPO's entropy_coef (losses/entropy_bonus.py): the loss's entropies keep their gradient
+    entropies_in_loss = False  # the loss reads per-token entropies (GRPO's entropy bonus or high-entropy token mask)
     reads_hidden_states = False  # the loss reads the policy's last hidden states at the targets (PPO's value head)
+    # The generation-time policy scores every round, on-policy too (its log-probs feed the method's inputs or
+    # corrections); otherwise only a round trained after the policy moved
+    scores_policy_on_policy = False
+    cuts_prompts_to_max_length = False  # prompt + completion scored within args.max_length (Online DPO, as TRL's)
 
     prepared_columns = (PROMPT_IDS,)
 
@@ -84,12 +90,6 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
 
     def reference_wanted(self, args) -> bool:
         return args.beta != 0.0
-
-    @property
-    def scoring_temperature(self) -> float:
-        """The temperature the completions are scored at: the sampling one (GRPO, RLOO), or 1 for methods whose loss
-        reads the model's own probabilities (Online DPO, as TRL's)."""
-        return self.args.temperature if self.scores_at_temperature else 1.0
 
     def load_models(self, model, ref_model, processing_class, peft_config, args, quantization_config):
         loaded = super().load_models(model, ref_model, processing_class, peft_config, args, quantization_config)
@@ -156,29 +156,17 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
     def items_in(self, batch: dict) -> torch.Tensor:
         return torch.as_tensor(batch["loss_items"])
 
-    # --- the method: its rewards, its round's scoring, its loss inputs and its loss -----------------------------------
+    # --- the method: its loss inputs, its rollout scores, its item count and its loss ------------------------------
 
-    def round_rewards(self, scored: dict, store: dict) -> torch.Tensor:
-        """The round's rewards as the method reads them (all processes; `scored["ended"]`: which ended in EOS)."""
-        return scored["rewards"]
-
-    def scoring_prompts(self, prompts: list, completion_ids: list) -> list:
-        """The prompt tokens each completion is scored after (Online DPO cuts them to fit max_length)."""
-        return prompts
-
-    def needs_policy_pass(self, off_policy: bool) -> bool:
-        """Whether the generation-time policy scores the round (its log-probs are needed when the round trains after
-        the policy moved, `off_policy`, or by the method's own advantages or corrections)."""
-        return off_policy
+    def attach_loss_inputs(self, batches: list[dict], scored: dict, group: int) -> None:
+        """The method's own inputs of its loss into each micro-batch (advantages, chosen completions, returns...),
+        from the gathered round (`scored`: rewards, per function, which ended in EOS, the metric store; groups of
+        `group` completions of one prompt)."""
+        raise NotImplementedError
 
     def attach_policy_scores(self, batch: dict, model, on_device: dict) -> None:
         """What the generation-time policy gives each micro-batch: its log-probs (PPO adds its values)."""
         batch["old_logps"] = self.rounds.scored_logps(model, on_device)
-
-    def attach_loss_inputs(self, batches: list[dict], scored: dict, group: int) -> None:
-        """The method's own inputs of its loss into each micro-batch (advantages, chosen completions, returns...),
-        from the gathered rewards (groups of `group` completions of one prompt)."""
-        raise NotImplementedError
 
     def loss_items(self, batch: dict) -> int:
         """What this micro-batch adds to the optimizer step's divisor."""
@@ -188,14 +176,6 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         """(summed loss of the micro-batch, per-micro-batch metrics) from per-target log-probs."""
         raise NotImplementedError
 
-    def entropies_in_loss(self, args=None) -> bool:
-        """Whether the loss reads per-token entropies (GRPO's entropy bonus or its high-entropy token mask)."""
-        return False
-
-    def with_entropy_bonus(self, model, loss, entropy, batch: dict, metrics: dict) -> torch.Tensor:
-        """The loss plus the method's entropy term (GRPO's entropy_coef); none by default."""
-        return loss
-
     # --- the loss ---------------------------------------------------------------------------------------------------
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -204,10 +184,11 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         model_inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
         temperature = self.scoring_temperature
         # Entropies for the metric come with the chunked head at no extra pass; Liger's kernel computes none
-        with_entropy = self.entropies_in_loss() or not self.logprobs.liger_head_runs(model, temperature)
-        scores = self.logprobs.target_logprobs(model, model_inputs, batch["labels"], temperature, with_entropy=with_entropy,
-                                      entropy_grad=with_entropy and self.entropy_bonus is not None,
-                                      with_hidden=self.reads_hidden_states)
+        with_entropy = self.entropies_in_loss or not self.logprobs.liger_head_runs(model, temperature)
+        scores = self.logprobs.target_logprobs(model, model_inputs, batch["labels"], temperature,
+                                               with_entropy=with_entropy,
+                                               entropy_grad=with_entropy and self.entropy_bonus is not None,
+                                               with_hidden=self.reads_hidden_states)
         if self.reads_hidden_states:
             batch["target_hidden"] = scores.hidden  # [targets, hidden], with its gradient (PPO's value head)
         logps, entropy = scores.logps, scores.entropy
@@ -218,12 +199,18 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         loss_sum, metrics = self.policy_loss(logps, sequence, batch)
         metrics["entropy"] = entropy.detach().mean()  # NaN when nothing is scored (left out of the logged mean)
         loss = self.normalise(loss_sum, batch["loss_items"], num_items_in_batch)
-        loss = self.with_entropy_bonus(model, loss, entropy, batch, metrics)
+        if self.entropy_bonus is not None:  # over the tokens the policy term acts on (top_entropy_quantile's mask)
+            mask = batch.get("entropy_token_mask")
+            steps = getattr(self, "current_gradient_accumulation_steps", 1) if model.training else 1
+            loss, bonus_metrics = self.entropy_bonus.added(
+                loss, entropy if mask is None else entropy[mask], steps, model.training, self.accelerator.sync_gradients,
+                lambda totals: self.accelerator.reduce(totals.to(self.accelerator.device), reduction="sum").cpu())
+            metrics.update(bonus_metrics)
         self.run_metrics.record(model, **{name: value.reshape(1) for name, value in metrics.items()})
         return (loss, {}) if return_outputs else loss
 
     def liger_notes(self, args) -> list[tuple[int, str]]:
-        if self.entropies_in_loss(args):
+        if self.entropies_in_loss:
             text = ("use_liger_loss=True: the loss reads per-token entropies (entropy_coef / use_adaptive_entropy / "
                     "top_entropy_quantile), which Liger's fused kernel does not compute, so the training forward "
                     "passes score through leantune's chunked head (exact, never the full logits); generation-time "

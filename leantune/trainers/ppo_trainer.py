@@ -36,6 +36,7 @@ from ..models.value_head import (
     save_value_function,
 )
 from .config_utils import checkpointing_setting, enable_model_checkpointing
+from .online.round_builder import eos_penalised
 from .online_trainer import OnlineTrainer
 
 logger = logging.getLogger("leantune.online")
@@ -43,6 +44,7 @@ logger = logging.getLogger("leantune.online")
 
 class PPOTrainer(OnlineTrainer):
     method = "ppo"  # its entry in leantune/methods.py
+    scores_policy_on_policy = True  # the generation-time values (and log-probs) make the returns and advantages
 
     def __init__(self, args=None, processing_class=None, model=None, ref_model=None, reward_model=None,
                  train_dataset=None, value_model=None, data_collator=None, eval_dataset=None,
@@ -73,9 +75,6 @@ class PPOTrainer(OnlineTrainer):
     def kl_in_reward(self) -> bool:
         """Each token's reward carries -kl_coef x its KL to the reference (kl_coef = 0: no reference, no KL)."""
         return self.args.kl_coef != 0.0
-
-    def needs_policy_pass(self, off_policy: bool) -> bool:
-        return True  # the generation-time values (and log-probs) make the returns and advantages, on-policy too
 
     def load_models(self, model, ref_model, processing_class, peft_config, args, quantization_config):
         if self._reward_sources[0] is None:
@@ -118,11 +117,6 @@ class PPOTrainer(OnlineTrainer):
 
     # --- a round: scores, rollout values, per-token rewards, advantages and returns --------------------------------
 
-    def round_rewards(self, scored: dict, store: dict) -> torch.Tensor:
-        """The completions' scores, minus `missing_eos_penalty` for a completion that did not end in EOS."""
-        penalty = self.args.missing_eos_penalty
-        return scored["rewards"] - penalty * (~scored["ended"]).float() if penalty else scored["rewards"]
-
     def attach_policy_scores(self, batch: dict, model, on_device: dict) -> None:
         scores = self.logprobs.target_logprobs(model, {k: on_device[k] for k in MODEL_INPUTS if k in on_device},
                                       on_device["labels"], self.scoring_temperature,
@@ -132,9 +126,10 @@ class PPOTrainer(OnlineTrainer):
 
     def attach_loss_inputs(self, batches: list[dict], scored: dict, group: int) -> None:
         """Per-token rewards (-kl_coef x KL, the score on the last token), GAE advantages (whitened over the round)
-        and returns into each micro-batch; a completion no reward scored counts 0 (counted)."""
+        and returns into each micro-batch; a completion's score loses `missing_eos_penalty` if it did not end in EOS,
+        one no reward scored counts 0 (counted)."""
         args = self.args
-        scores = torch.nan_to_num(scored["rewards"], nan=0.0)
+        scores = torch.nan_to_num(eos_penalised(scored, args.missing_eos_penalty), nan=0.0)
         self.rounds.spread(batches, "scores", scores)  # each completion's score (not read by the loss)
         sequences, token_rewards, kls = [], [], []
         for batch in batches:
@@ -156,7 +151,7 @@ class PPOTrainer(OnlineTrainer):
             batch["returns"] = advantage + batch["old_values"].float().cpu()
             batch["token_advantages"] = whiten(advantage, totals)
         kl = self.accelerator.gather(torch.cat(kls).to(self.accelerator.device)).cpu()
-        store = self.run_metrics.values["train" if self.model.training else "eval"]
+        store = scored["store"]
         store["objective/kl"].append(kl.mean().item())
         store["objective/non_score_reward"].append(-args.kl_coef * kl.mean().item())
         store["objective/scores"].append(scores.mean().item())

@@ -25,8 +25,7 @@ class RLOOTrainer(OnlineTrainer):
         """RLOO's reward is lowered by beta x the completion's log-ratio to the reference (beta = 0: no KL)."""
         return self.args.beta != 0.0
 
-    def needs_policy_pass(self, off_policy: bool) -> bool:
-        return off_policy or self.kl_in_reward  # the KL in the reward is measured with the generation-time policy
+    scores_policy_on_policy = kl_in_reward  # the KL in the reward is measured with the generation-time policy
 
     def attach_loss_inputs(self, batches: list[dict], scored: dict, group: int) -> None:
         """Each completion's advantage: its (clipped, KL-lowered) reward minus the mean of its group's others."""
@@ -37,7 +36,7 @@ class RLOOTrainer(OnlineTrainer):
         if self.kl_in_reward:
             kl = torch.cat([self._sequence_kl(batch) for batch in batches])
             kl = self.accelerator.gather(kl.to(self.accelerator.device)).cpu()
-            self.run_metrics.values["train" if self.model.training else "eval"]["kl"].append(kl.mean().item())
+            scored["store"]["kl"].append(kl.mean().item())
             rewards = rewards - args.beta * kl
         advantages, _ = leave_one_out_advantages(rewards, group, args.normalize_advantages)
         self.rounds.spread(batches, "advantages", advantages)

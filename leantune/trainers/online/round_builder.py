@@ -1,10 +1,11 @@
 """One round of an online method: prompt rows -> completions (one sampled turn, or GRPO's agent rollouts) -> rewards
 scored and gathered over all processes -> scored micro-batches (prompt + completion, completion tokens as targets)
-with the log-probs the loss reads -> the method's own loss inputs (`attach_loss_inputs`).
+with the log-probs the loss reads -> the method's own loss inputs (`attach_loss_inputs`) and item counts
+(`loss_items`).
 
-The method (the trainer) answers what differs: its rewards (`round_rewards`), its prompts' room
-(`scoring_prompts`), whether the generation-time policy is scored (`needs_policy_pass`), what that pass keeps
-(`attach_policy_scores`), its loss inputs and its step's item count (`loss_items`)."""
+What differs between methods, the method (the trainer) declares: whether the generation-time policy scores an
+on-policy round (`scores_policy_on_policy`; PPO's pass also keeps its values: `attach_policy_scores`) and whether
+prompts are cut to fit `max_length` (`cuts_prompts_to_max_length`)."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ class RoundBuilder:
         scored = self.score(rows, completion_ids, training=True, rollout=rollout)
         off_policy = steps_per_generation > args.gradient_accumulation_steps or args.num_iterations > 1
         batches = self.scored_batches(rows, completion_ids, scored, len(rows) // steps_per_generation, group,
-                                      self.trainer.needs_policy_pass(off_policy), rollout=rollout)
+                                      off_policy or self.trainer.scores_policy_on_policy, rollout=rollout)
         return [dict(batch) for _ in range(args.num_iterations) for batch in batches]
 
     def eval_round(self, prompt_rows: list[dict], group: int) -> list[dict]:
@@ -53,7 +54,7 @@ class RoundBuilder:
         completion_ids, rollout = self.completions(rows)
         scored = self.score(rows, completion_ids, training=False, rollout=rollout)
         return self.scored_batches(rows, completion_ids, scored, len(rows), group,
-                                   self.trainer.needs_policy_pass(False), rollout=rollout)
+                                   self.trainer.scores_policy_on_policy, rollout=rollout)
 
     def completions(self, rows: list[dict]):
         """The completions of this process's rows: one sampled turn each, or with GRPO's tools / environments /
@@ -67,8 +68,7 @@ class RoundBuilder:
     # --- rewards ---------------------------------------------------------------------------------------------------
 
     def score(self, rows: list[dict], completion_ids, training: bool, rollout=None) -> dict:
-        """Decode, reward (all processes' rewards gathered, in round order), record the round's metrics, and let the
-        method adjust the rewards. Agent rollouts give the reward functions their messages (tool calls and results
+        """Decode, reward (all processes' rewards gathered, in round order) and record the round's metrics. Agent rollouts give the reward functions their messages (tool calls and results
         included), their `environments` and a rollout function's extra columns."""
         texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         conversational = isinstance(rows[0]["prompt"], list)
@@ -97,9 +97,8 @@ class RoundBuilder:
         self.metrics.record_round(self.rewards.names, per_function, rewards, lengths, ended, training)
         if self.args.log_completions and self.trainer.is_world_process_zero():
             self.metrics.log_examples(rows, texts, rewards[self.local_slice(len(rewards))])
-        scored = {"rewards": rewards, "terminated": terminated, "ended": ended, "per_function": per_function}
-        scored["rewards"] = self.trainer.round_rewards(scored, self.metrics.store(training))
-        return scored
+        return {"rewards": rewards, "terminated": terminated, "ended": ended, "per_function": per_function,
+                "store": self.metrics.store(training)}
 
     # --- scored micro-batches --------------------------------------------------------------------------------------
 
@@ -135,7 +134,8 @@ class RoundBuilder:
         """Prompt + completion rows whose targets are the completion's tokens; with `policy_mask` (agent rollouts)
         only the tokens the policy sampled, not tool results."""
         prompts = [row[PROMPT_IDS] for row in rows] if prompt_ids is None else prompt_ids
-        prompts = self.trainer.scoring_prompts(prompts, completion_ids)
+        if self.trainer.cuts_prompts_to_max_length:
+            prompts = self.cut_to_max_length(prompts, completion_ids)
         examples, masked = [], 0
         for prompt, completion, done, i in zip(prompts, completion_ids, terminated, range(len(rows))):
             keep = done or not self.args.mask_truncated_completions
@@ -145,6 +145,14 @@ class RoundBuilder:
         if masked:
             self.metrics.counts["truncated_completions_masked"] += masked
         return examples
+
+    def cut_to_max_length(self, prompts: list, completion_ids: list) -> list:
+        """Prompt + completion within `max_length`: the start of a long prompt is cut (TRL's left truncation)."""
+        room = [self.args.max_length - len(completion) for completion in completion_ids]
+        cut = sum(len(prompt) > keep for prompt, keep in zip(prompts, room))
+        if cut:
+            self.metrics.counts["prompts_cut_to_max_length"] += cut
+        return [list(prompt)[-keep:] if len(prompt) > keep else prompt for prompt, keep in zip(prompts, room)]
 
     def attach_sampling_logps(self, batches: list[dict], examples: list[dict], logprobs, micro_size: int) -> None:
         """Per-target log-probs of the engine that sampled the completions ("sampling_logps"), in the flat target
@@ -185,3 +193,8 @@ class RoundBuilder:
         inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
         return self.trainer.logprobs.target_logprobs(model, inputs, batch["labels"],
                                             self.trainer.scoring_temperature).logps.detach()
+
+
+def eos_penalised(scored: dict, penalty: float | None) -> torch.Tensor:
+    """The round's rewards minus `penalty` (missing_eos_penalty) for a completion that did not end in EOS."""
+    return scored["rewards"] - penalty * (~scored["ended"]).float() if penalty else scored["rewards"]
