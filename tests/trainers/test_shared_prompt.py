@@ -8,7 +8,7 @@ import pytest
 import torch
 from datasets import Dataset
 
-from leantune import GRPOConfig, GRPOTrainer
+from leantune import GRPOConfig, GRPOTrainer, OnlineDPOConfig, OnlineDPOTrainer, RLOOConfig, RLOOTrainer
 from leantune.models import segment_attention
 from leantune.trainers.online.shared_prompt import batch_targets
 
@@ -28,8 +28,8 @@ def scored_round(tokenizer, shared: bool, cls=GRPOTrainer, config=GRPOConfig, **
     settings = dict(beta=0.1, padding_free=True, shared_prompt=shared, per_device_train_batch_size=12,
                     num_iterations=2)
     settings.update(overrides)
-    trainer = cls(tiny_model("llama"), count_a, args=grpo_config(config, **settings), train_dataset=gsm8k_prompts(),
-                  processing_class=tokenizer)
+    trainer = cls(tiny_model("llama"), reward_funcs=count_a, args=grpo_config(config, **settings),
+                  train_dataset=gsm8k_prompts(), processing_class=tokenizer)
     torch.manual_seed(5)
     batch = one_round(trainer)[0]
     generator = torch.Generator().manual_seed(7)
@@ -79,6 +79,24 @@ def test_shared_prompt_scores_equal_unshared_and_a_wrong_mask_does_not(tokenizer
             unshared["labels"], unshared_trainer.args.temperature).logps
     with pytest.raises(AssertionError):
         assert_logps_close(wrong, expected)
+
+
+# RLOO: whole-sequence ratios and the KL in the reward (old and reference log-probs summed per completion); Online
+# DPO: pairs (2 per prompt) and their summed log-probs against the reference, scored at temperature 1.
+@pytest.mark.parametrize("cls, config, overrides", [
+    (RLOOTrainer, RLOOConfig, {}),
+    (OnlineDPOTrainer, OnlineDPOConfig, {"num_generations": 2, "per_device_train_batch_size": 3, "num_iterations": 1}),
+], ids=["rloo", "online_dpo"])
+def test_rloo_and_online_dpo_score_shared_prompts_exactly(tokenizer, cls, config, overrides):
+    _, unshared, (unshared_loss, unshared_grads) = scored_round(tokenizer, False, cls, config, **overrides)
+    _, shared, (loss, grads) = scored_round(tokenizer, True, cls, config, **overrides)
+    assert shared["input_ids"].shape[1] < unshared["input_ids"].shape[1]
+    for name in ("old_logps", "ref_logps"):
+        if name in unshared:
+            assert_logps_close(shared[name], unshared[name])
+    # losses of O(0.1-1) here: rel 1e-5, with a 1e-6 floor for a loss whose terms cancel (RLOO's advantages sum to 0)
+    torch.testing.assert_close(loss, unshared_loss, rtol=1e-5, atol=1e-6)
+    assert_grads_close(grads, unshared_grads)
 
 
 def test_shared_prompt_needs_segment_attention(tokenizer):
