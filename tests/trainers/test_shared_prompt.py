@@ -10,10 +10,11 @@ from datasets import Dataset
 
 from leantune import GRPOConfig, GRPOTrainer, OnlineDPOConfig, OnlineDPOTrainer, RLOOConfig, RLOOTrainer
 from leantune.models import segment_attention
+from leantune.trainers.config_utils import checkpointing_setting, enable_model_checkpointing
 from leantune.trainers.online.shared_prompt import batch_targets
 
 from ..fixtures.data import count_a, gsm8k_rows
-from ..fixtures.models import tiny_model
+from ..fixtures.models import lora, tiny_model
 from ..fixtures.online_rounds import assert_grads_close, grpo_config, loss_and_grads, one_round
 
 
@@ -21,15 +22,19 @@ def gsm8k_prompts(n: int = 3) -> Dataset:
     return Dataset.from_dict({"prompt": [row["question"] for row in gsm8k_rows(n)]})
 
 
-def scored_round(tokenizer, shared: bool, cls=GRPOTrainer, config=GRPOConfig, **overrides):
-    """One round's first micro-batch (3 GSM8K prompts of 36, 42 and 65 tokens x 4 completions), scored with the old policy
-    and the reference, then the policy moved by a seeded step so the loss's ratio, clipping and KL all act; its loss
-    and gradients."""
+def scored_round(tokenizer, shared: bool, cls=GRPOTrainer, config=GRPOConfig, peft_config=None,
+                 checkpointing: bool = False, **overrides):
+    """One round's first micro-batch (3 GSM8K prompts of 36, 42 and 65 tokens x 4 completions), scored with the old
+    policy and the reference, then the policy moved by a seeded step so the loss's ratio, clipping and KL all act; its
+    loss and gradients (`checkpointing`: gradient checkpointing on, as train() turns it on by default)."""
     settings = dict(beta=0.1, padding_free=True, shared_prompt=shared, per_device_train_batch_size=12,
                     num_iterations=2)
     settings.update(overrides)
+    extra = {} if peft_config is None else {"peft_config": peft_config}
     trainer = cls(tiny_model("llama"), reward_funcs=count_a, args=grpo_config(config, **settings),
-                  train_dataset=gsm8k_prompts(), processing_class=tokenizer)
+                  train_dataset=gsm8k_prompts(), processing_class=tokenizer, **extra)
+    if checkpointing:
+        enable_model_checkpointing(trainer.model, checkpointing_setting(trainer.args)[1])
     torch.manual_seed(5)
     batch = one_round(trainer)[0]
     generator = torch.Generator().manual_seed(7)
@@ -81,15 +86,20 @@ def test_shared_prompt_scores_equal_unshared_and_a_wrong_mask_does_not(tokenizer
         assert_logps_close(wrong, expected)
 
 
-# RLOO: whole-sequence ratios and the KL in the reward (old and reference log-probs summed per completion); Online
-# DPO: pairs (2 per prompt) and their summed log-probs against the reference, scored at temperature 1.
+# RLOO: whole-sequence ratios and the KL in the reward (old and reference log-probs summed per completion), with LoRA
+# (the reference: the adapter disabled) and the shared side under gradient checkpointing; Online DPO: pairs (2 per
+# prompt) and their summed log-probs against the reference, scored at temperature 1, from full logits.
 @pytest.mark.parametrize("cls, config, overrides", [
-    (RLOOTrainer, RLOOConfig, {}),
-    (OnlineDPOTrainer, OnlineDPOConfig, {"num_generations": 2, "per_device_train_batch_size": 3, "num_iterations": 1}),
-], ids=["rloo", "online_dpo"])
+    (RLOOTrainer, RLOOConfig, {"peft_config": "lora"}),
+    (OnlineDPOTrainer, OnlineDPOConfig, {"num_generations": 2, "per_device_train_batch_size": 3, "num_iterations": 1,
+                                         "chunked_loss": False}),
+], ids=["rloo-lora-checkpointing", "online_dpo-full_logits"])
 def test_rloo_and_online_dpo_score_shared_prompts_exactly(tokenizer, cls, config, overrides):
+    if overrides.get("peft_config") == "lora":
+        overrides = {**overrides, "peft_config": lora(True)}
     _, unshared, (unshared_loss, unshared_grads) = scored_round(tokenizer, False, cls, config, **overrides)
-    _, shared, (loss, grads) = scored_round(tokenizer, True, cls, config, **overrides)
+    _, shared, (loss, grads) = scored_round(tokenizer, True, cls, config, checkpointing=cls is RLOOTrainer,
+                                            **overrides)
     assert shared["input_ids"].shape[1] < unshared["input_ids"].shape[1]
     for name in ("old_logps", "ref_logps"):
         if name in unshared:
