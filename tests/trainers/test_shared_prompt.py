@@ -113,3 +113,10 @@ def test_shared_prompt_needs_segment_attention(tokenizer):
     with pytest.raises(ValueError, match="shared_prompt=True.*attn_implementation='sdpa'.*'eager'"):
         GRPOTrainer(tiny_model("llama", attn_implementation="eager"), count_a,
                     args=grpo_config(shared_prompt=True), train_dataset=gsm8k_prompts(), processing_class=tokenizer)
+
+
+def test_shared_prompt_is_refused_where_there_are_no_groups():
+    from leantune import PPOConfig
+
+    with pytest.raises(ValueError, match="shared_prompt=True.*groups"):
+        PPOConfig(output_dir="/tmp/x", use_cpu=True, shared_prompt=True)
