@@ -4,7 +4,7 @@
 
 Each row is prompt tokens : completion tokens : G (num_generations). One micro-batch = one group (G completions of
 one prompt). Modes, each a GRPOTrainer built the same way on the same model (fp32, `use_cpu`, beta 0, loss "dapo",
-gradient checkpointing off so activation memory shows as it is):
+gradient checkpointing off so activation memory shows as it is, `--checkpointing` for leantune's default):
 - unshared padded: G rows of prompt + completion (leantune's default layout);
 - unshared padding-free: one row of the G sequences (segment attention);
 - shared: one row [prompt, completion_1, ..., completion_G] (`shared_prompt=True`).
@@ -77,7 +77,7 @@ def update_step(trainer, batch) -> None:
     trainer.optimizer.zero_grad(set_to_none=True)
 
 
-def measure(mode: str, prompt, completions, repeats: int) -> dict:
+def measure(mode: str, prompt, completions, repeats: int, checkpointing: bool = False) -> dict:
     import torch
     from datasets import Dataset
 
@@ -89,10 +89,14 @@ def measure(mode: str, prompt, completions, repeats: int) -> dict:
     tokenizer = load_tokenizer()
     args = GRPOConfig(output_dir="/tmp/leantune-bench-shared-prompt", use_cpu=True, report_to=[], save_strategy="no",
                       per_device_train_batch_size=group, num_generations=group, max_completion_length=len(completions[0]),
-                      beta=0.0, loss_type="dapo", gradient_checkpointing=False, memory_breakdown=False,
+                      beta=0.0, loss_type="dapo", gradient_checkpointing=checkpointing, memory_breakdown=False,
                       disable_tqdm=True, seed=0, **MODES[mode])
     trainer = GRPOTrainer(tiny_llama(0, len(tokenizer)), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
                           args=args, train_dataset=Dataset.from_dict({"prompt": ["x"]}), processing_class=tokenizer)
+    if checkpointing:
+        from leantune.trainers.config_utils import checkpointing_setting, enable_model_checkpointing
+
+        enable_model_checkpointing(trainer.model, checkpointing_setting(trainer.args)[1])
     trainer.create_optimizer()
     trainer.model.train()
     examples = []
@@ -133,6 +137,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--json", default=None)
+    parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing on (leantune's default)")
     options = parser.parse_args()
     import torch
 
@@ -145,7 +150,7 @@ def main() -> None:
         prompt, completions = gsm8k_tokens(tokenizer, prompt_length, completion_length, group)
         measured = {}
         for mode in options.modes.split(","):
-            measured[mode] = measure(mode, prompt, completions, options.repeats)
+            measured[mode] = measure(mode, prompt, completions, options.repeats, options.checkpointing)
             release_memory()
             print(json.dumps({"row": spec, **measured[mode]}), flush=True)
         shared = measured.get("shared")
