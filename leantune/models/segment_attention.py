@@ -7,13 +7,13 @@ causal SDPA call, so the work is sum(length^2) and no mask is read. The segment 
 
 Shared-prompt rows (trainers/online/shared_prompt.py) add `shared_prompt_of`: for each segment, the segment whose
 keys and values it reads before its own (its group's prompt), or -1. Such a segment (a completion, a "branch") runs
-one SDPA call with K/V = cat(prompt, branch) and the bottom-right-aligned causal mask over [L_b, L_p + L_b] (every
-prompt key, its own keys causally): L_b x (L_p + L_b) work per branch, the prompt's K/V gradients summed from every
-branch by cat's backward. Batching a group's branches in one call would attend over every branch's keys (G^2 x L_b^2
-work, mostly masked), and a prompt-then-branch split needs two calls and a log-sum-exp merge that SDPA does not
-expose. Measured on CPU (one thread, 4 heads of 64, forward + backward): a 160:160 branch 4.1 ms against 6.4 ms for
-its unshared causal row, 256:64 2.0 against 6.9 ms, 64:256 5.8 against 6.4 ms (the upper triangle of the branch's
-own block is computed and masked on CPU).
+one SDPA call with K/V = cat(prompt, branch) and a [L_b, L_p + L_b] boolean mask (every prompt key, its own keys
+causally): L_b x (L_p + L_b) work per branch, the prompt's K/V gradients summed from every branch by cat's
+backward. Batching a group's branches in one call would attend over every branch's keys (G^2 x L_b^2 work, mostly
+masked), and a prompt-then-branch split needs two calls and a log-sum-exp merge that SDPA does not expose. Measured
+on CPU (one thread, 4 heads of 64, forward + backward): a 160:160 branch 4.1 ms against 6.4 ms for its unshared
+causal row, 256:64 2.0 against 6.9 ms, 64:256 5.8 against 6.4 ms (the upper triangle of the branch's own block is
+computed and masked).
 """
 
 from __future__ import annotations
@@ -65,13 +65,13 @@ def segment_sdpa_attention(module, query, key, value, attention_mask, dropout=0.
     return output.transpose(1, 2).contiguous(), None
 
 
-def branch_mask(prompt_length: int, branch_length: int, device):
-    """A branch's queries see every prompt key and their own keys up to themselves: the causal mask aligned to the
-    bottom right of [L_b, L_p + L_b]. As torch's `causal_lower_right` bias it is never materialised, and on CUDA
-    SDPA runs it in its fused kernels, where a boolean mask would force the masked ones."""
-    from torch.nn.attention.bias import causal_lower_right
-
-    return causal_lower_right(branch_length, prompt_length + branch_length)
+def branch_mask(prompt_length: int, branch_length: int, device) -> torch.Tensor:
+    """[L_b, L_p + L_b] booleans: a branch's queries see every prompt key and their own keys up to themselves (the
+    causal mask aligned to the bottom right). Not torch's `causal_lower_right` bias: creating that tensor subclass
+    fails under a tensor-tracking mode such as leantune's memory meter (MemTracker), which runs by default."""
+    seen = torch.ones(branch_length, prompt_length + branch_length, dtype=torch.bool, device=device)
+    seen[:, prompt_length:] = seen[:, prompt_length:].tril()
+    return seen
 
 
 def register_segment_attention() -> str:
