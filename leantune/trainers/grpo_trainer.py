@@ -24,7 +24,6 @@ from __future__ import annotations
 import torch
 
 from ..losses.advantages import group_relative_advantages, normalize_then_sum_advantages
-from ..losses.causal_lm import count_targets
 from ..losses.entropy_bonus import EntropyBonus
 from ..losses.policy_gradient import (
     GRPOObjective,
@@ -37,6 +36,7 @@ from ..losses.policy_gradient import (
 )
 from ..models.output_head import compute_head_in_fp32
 from ..rollouts import AgentRollouts
+from .online.shared_prompt import count_batch_targets
 from .online_trainer import OnlineTrainer
 
 
@@ -105,7 +105,7 @@ class GRPOTrainer(OnlineTrainer):
         return result.reshape(rows, 1)
 
     def loss_items(self, batch: dict) -> int:
-        return grpo_loss_items(self.args.loss_type, int(batch["num_sequences"]), int(count_targets(batch["labels"])),
+        return grpo_loss_items(self.args.loss_type, int(batch["num_sequences"]), count_batch_targets(batch),
                                self.args.max_completion_length)
 
     def policy_loss(self, logps: torch.Tensor, sequence: torch.Tensor, batch: dict):

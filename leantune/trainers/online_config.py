@@ -48,6 +48,14 @@ class OnlineConfig(MemoryOptions, CausalLMOptions, ReferenceSyncOptions, Trainin
         metadata={"help": "Score the completions of a batch in one row with restarting position_ids (no padding)."},
     )
     pad_to_multiple_of: int | None = field(default=None, metadata={"help": "Pad each scored batch to a multiple of this."})
+    shared_prompt: bool = field(
+        default=False,
+        metadata={"help": "Score each group's prompt once: one row per group [prompt, completion_1, ..., completion_G], "
+                  "each completion attending to that one prompt (the prompt's gradients summed over the G "
+                  "completions), in the policy, reference and old-policy forwards. Same log-probs, losses and "
+                  "gradients as scoring every completion with its own prompt copy, with less compute and activation "
+                  "memory. Needs attn_implementation='sdpa' (leantune's segment attention)."},
+    )
     chat_template_kwargs: dict[str, Any] | str | None = field(
         default=None, metadata={"help": "Extra arguments of the chat template for conversational prompts."}
     )
@@ -216,9 +224,24 @@ def validate_online_config(args: OnlineConfig) -> None:
                          f"{args.world_size} processes x `steps_per_generation`, default `gradient_accumulation_steps`)"
                          f" must be a multiple of num_generations ({args.num_generations}); change one of them or "
                          f"`num_generations`.")
+    if args.shared_prompt:
+        validate_shared_prompt(args)
     if args.num_completions_to_print is not None and not args.log_completions:
         raise ValueError("`num_completions_to_print` has no effect without `log_completions=True`; set "
                          "`log_completions=True` or leave `num_completions_to_print` unset.")
+
+
+def validate_shared_prompt(args: OnlineConfig) -> None:
+    """What shared-prompt rows cannot run with, refused by name (the model's attention is checked when it loads)."""
+    if getattr(args, "min_num_generations", 2) < 2:
+        raise ValueError("`shared_prompt=True` is for methods that sample groups of completions per prompt (GRPO, "
+                         "RLOO, Online DPO); set `shared_prompt=False`.")
+    from .context_parallel import requested_cp_size
+
+    cp_size = requested_cp_size(args)
+    if cp_size > 1:
+        raise ValueError(f"`shared_prompt=True` does not run with context parallelism (cp_size={cp_size}) yet: its "
+                         f"rows are not split per document; set `shared_prompt=False` or cp_size=1.")
 
 
 def validate_vllm_options(args: OnlineConfig) -> None:

@@ -18,10 +18,9 @@ import logging
 
 import torch
 
-from ..data.collators import MODEL_INPUTS, sequence_starts
+from ..data.collators import MODEL_INPUTS
 from ..data.prompt_preparation import PROMPT_IDS, context_limit_of, prepare_prompt_dataset
 from ..generation.backend import check_backend_requirements
-from ..losses.token_logprobs import target_sequences
 from ..rewards import RewardFunctions
 from ..rollouts import AgentRollouts
 from .base import LeantuneTrainer
@@ -31,6 +30,7 @@ from .online.generation_session import GenerationSession
 from .online.prompt_rounds import RoundLoader, RoundSampler, StreamRounds, as_rows, round_loader
 from .online.round_builder import RoundBuilder
 from .online.round_metrics import RoundMetrics
+from .online.shared_prompt import batch_target_sequences, batch_targets
 from .reference import ReferenceModelMixin
 
 logger = logging.getLogger("leantune.online")
@@ -185,7 +185,7 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         temperature = self.scoring_temperature
         # Entropies for the metric come with the chunked head at no extra pass; Liger's kernel computes none
         with_entropy = self.entropies_in_loss or not self.logprobs.liger_head_runs(model, temperature)
-        scores = self.logprobs.target_logprobs(model, model_inputs, batch["labels"], temperature,
+        scores = self.logprobs.target_logprobs(model, model_inputs, batch_targets(batch), temperature,
                                                with_entropy=with_entropy,
                                                entropy_grad=with_entropy and self.entropy_bonus is not None,
                                                with_hidden=self.reads_hidden_states)
@@ -194,7 +194,7 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         logps, entropy = scores.logps, scores.entropy
         if entropy is None:
             entropy = torch.full_like(logps.detach(), float("nan"))  # NaN: left out of the logged mean
-        sequence = target_sequences(scores.targets, sequence_starts(batch))
+        sequence = batch_target_sequences(batch, scores.targets)
         batch["token_entropy"] = entropy.detach()  # per target (GRPO's top_entropy_quantile reads it)
         loss_sum, metrics = self.policy_loss(logps, sequence, batch)
         metrics["entropy"] = entropy.detach().mean()  # NaN when nothing is scored (left out of the logged mean)

@@ -60,8 +60,11 @@ def load_policy_and_reference(model, ref_model, processing_class, peft_config, a
     tokenizer = load_tokenizer(model_source, processing_class, trust_remote_code=args.trust_remote_code)
     ensure_pad_token(tokenizer, getattr(args, "pad_token", None))  # DPOConfig has TRL's pad_token
     model.config.use_cache = False
-    if args.padding_free and use_segment_attention(model):
+    shared_prompt = getattr(args, "shared_prompt", False)  # online methods: prompt-sharing rows need it too
+    if (args.padding_free or shared_prompt) and use_segment_attention(model):
         logger.info("Padding-free batches: attention runs per sequence (%s).", SEGMENT_SDPA)
+    if shared_prompt:
+        require_shared_prompt_attention(model)
     model = apply_peft(model, peft_config, args)
     precompute = getattr(args, "precompute_ref_log_probs", False)
     adapter_reference = needs_reference and ref_model is None and hasattr(model, "disable_adapter")
@@ -70,8 +73,10 @@ def load_policy_and_reference(model, ref_model, processing_class, peft_config, a
     elif ref_model is not None:
         ref_model = load_causal_lm(ref_model, getattr(args, "ref_model_init_kwargs", None),
                                    trust_remote_code=args.trust_remote_code)
-        if args.padding_free:
+        if args.padding_free or shared_prompt:
             use_segment_attention(ref_model)
+        if shared_prompt:
+            require_shared_prompt_attention(ref_model)
     elif not adapter_reference and not precompute:
         ref_model = initial_policy_copy(model, model_source, args)
     if ref_model is not None:
@@ -284,3 +289,11 @@ def mix_into(target: torch.nn.Module, source: torch.nn.Module, alpha: float) -> 
     sources = dict(source.named_parameters())
     for name, parameter in target.named_parameters():
         parameter.mul_(1.0 - alpha).add_(sources[name].to(parameter.dtype), alpha=alpha)
+
+
+def require_shared_prompt_attention(model) -> None:
+    from .online.shared_prompt import shared_prompt_problem
+
+    problem = shared_prompt_problem(model)
+    if problem is not None:
+        raise ValueError(problem)

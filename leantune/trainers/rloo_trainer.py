@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from ..data.collators import sequence_starts
 from ..losses.advantages import leave_one_out_advantages
 from ..losses.policy_gradient import clipped_surrogate
-from ..losses.token_logprobs import per_sequence_sum, select_targets, target_sequences
+from ..losses.token_logprobs import per_sequence_sum
+from .online.shared_prompt import batch_target_sequences, batch_targets
 from .online_trainer import OnlineTrainer
 
 
@@ -44,8 +44,7 @@ class RLOOTrainer(OnlineTrainer):
     @staticmethod
     def _sequence_kl(batch: dict) -> torch.Tensor:
         """Summed log-ratio log pi_old - log pi_ref of each completion (first-order estimate, as in RLOO)."""
-        targets = select_targets(batch["labels"])
-        sequence = target_sequences(targets, sequence_starts(batch)).to(batch["old_logps"].device)
+        sequence = batch_target_sequences(batch, batch_targets(batch)).to(batch["old_logps"].device)
         delta = batch["old_logps"] - batch["ref_logps"]
         return per_sequence_sum(delta, sequence, int(batch["num_sequences"])).float().cpu()
 

@@ -14,8 +14,8 @@ import torch
 from ...data.collators import MODEL_INPUTS, CausalLMCollator, prompt_completion_row
 from ...data.prompt_preparation import PROMPT_IDS
 from ...generation import Completions
-from ...losses.causal_lm import count_targets
 from ...rewards import RewardScores
+from .shared_prompt import batch_targets, count_batch_targets, shared_prompt_batch
 
 
 class RoundBuilder:
@@ -109,7 +109,7 @@ class RoundBuilder:
         prompt_ids = rollout.prompt_ids if rollout is not None else None
         mask = rollout.policy_mask if rollout is not None else None
         examples = self.scoring_examples(rows, completion_ids, scored["terminated"], prompt_ids, mask)
-        batches = [self.collator(examples[i:i + micro_size]) for i in range(0, len(rows), micro_size)]
+        batches = [self.collate(examples[i:i + micro_size]) for i in range(0, len(rows), micro_size)]
         for batch in batches:
             batch["num_sequences"] = torch.tensor(micro_size)
         if self.session.sampling.logprobs:
@@ -122,6 +122,13 @@ class RoundBuilder:
         for batch in batches:
             batch["loss_items"] = self.trainer.loss_items(batch)
         return batches
+
+    def collate(self, examples: list[dict]) -> dict:
+        """One micro-batch: the configured layout, or with `shared_prompt` one row of prompt-sharing groups."""
+        if not getattr(self.args, "shared_prompt", False):
+            return self.collator(examples)
+        return shared_prompt_batch(examples, [example["prompt_length"] for example in examples],
+                                   self.tokenizer.pad_token_id, self.args.pad_to_multiple_of)
 
     def spread(self, batches: list[dict], key: str, values: torch.Tensor) -> None:
         """Round-wide per-completion values (all processes) into each micro-batch's own completions, as `key`."""
@@ -142,6 +149,7 @@ class RoundBuilder:
             masked += not keep
             own = [1] * len(completion) if policy_mask is None else policy_mask[i]
             examples.append(prompt_completion_row(list(prompt), completion, [int(keep) * m for m in own]))
+            examples[-1]["prompt_length"] = len(prompt)  # where the shared-prompt layout cuts it
         if masked:
             self.metrics.counts["truncated_completions_masked"] += masked
         return examples
@@ -164,8 +172,8 @@ class RoundBuilder:
             part = range(i * micro_size, (i + 1) * micro_size)
             values = [v for j in part if any(examples[j]["completion_mask"]) for v in logprobs[j]]
             batch["sampling_logps"] = torch.tensor(values, dtype=torch.float32)
-            if len(values) != int(count_targets(batch["labels"])):
-                raise RuntimeError(f"{len(values)} sampling log-probs for {int(count_targets(batch['labels']))} "
+            if len(values) != count_batch_targets(batch):
+                raise RuntimeError(f"{len(values)} sampling log-probs for {count_batch_targets(batch)} "
                                    f"completion tokens from the {name} generation backend.")
 
     @torch.no_grad()
@@ -191,7 +199,7 @@ class RoundBuilder:
 
     def scored_logps(self, model, batch: dict) -> torch.Tensor:
         inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
-        return self.trainer.logprobs.target_logprobs(model, inputs, batch["labels"],
+        return self.trainer.logprobs.target_logprobs(model, inputs, batch_targets(batch),
                                             self.trainer.scoring_temperature).logps.detach()
 
 

@@ -222,8 +222,10 @@ class LogProbEngine:
         TOKEN_STATS when asked for) by the chosen path. The entropies carry a gradient only with `entropy_grad` (an
         entropy bonus in the loss). `shifted`: `labels` already hold each position's next token (context
         parallelism's `shift_labels`). `with_hidden`: also the last hidden states at the target positions
-        (`TargetScores.hidden`, what PPO's value head reads), on every path."""
-        scores = self._scores(model, inputs, select_targets(labels, shifted), temperature, with_entropy,
+        (`TargetScores.hidden`, what PPO's value head reads), on every path. `labels` may be the `Targets` themselves
+        (shared-prompt rows, where one position predicts several tokens)."""
+        targets = labels if isinstance(labels, Targets) else select_targets(labels, shifted)
+        scores = self._scores(model, inputs, targets, temperature, with_entropy,
                               entropy_grad, stats, with_hidden)
         if with_hidden:
             scores.hidden = scores.hidden.reshape(-1, scores.hidden.shape[-1]).index_select(0, scores.targets.index)

@@ -31,7 +31,7 @@ class StepLoss:
 
     def count(self, batch_samples: list, device) -> torch.Tensor:
         """The step's item count: its micro-batches', summed over the processes when they average together."""
-        count = sum((self.items_in(b) for b in batch_samples if "labels" in b), torch.tensor(0))
+        count = sum((self.items_in(b) for b in batch_samples if "labels" in b or "target_index" in b), torch.tensor(0))
         count = torch.as_tensor(count).to(device)
         if self.args.average_tokens_across_devices and self.args.world_size > 1:
             count = self.accelerator.gather(count).sum()

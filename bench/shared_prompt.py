@@ -1,0 +1,175 @@
+"""Shared-prompt scoring (`shared_prompt=True`) against the unshared layouts: the GRPO update step, one run.
+
+    python bench/shared_prompt.py [--rows 256:64:8,160:160:8,...] [--repeats 2] [--json out.json]
+
+Each row is prompt tokens : completion tokens : G (num_generations). One micro-batch = one group (G completions of
+one prompt). Modes, each a GRPOTrainer built the same way on the same model (fp32, `use_cpu`, beta 0, loss "dapo",
+gradient checkpointing off so activation memory shows as it is, `--checkpointing` for leantune's default):
+- unshared padded: G rows of prompt + completion (leantune's default layout);
+- unshared padding-free: one row of the G sequences (segment attention);
+- shared: one row [prompt, completion_1, ..., completion_G] (`shared_prompt=True`).
+The update step is the trainer's own `compute_loss` (the chunked head, the GRPO loss) + backward + AdamW step on
+that micro-batch: median process CPU time (one torch thread: the measure least moved by other jobs on a shared
+machine) and wall time of `--repeats` steps after a warm-up; then the loss's forward and backward once
+more, watched by leantune's memory meter (MemTracker: the peak, and "activations" = that peak less the weights,
+gradients and AdamW states held at it: activations, temporaries such as the head's chunk) and by the process's peak
+RSS (VmHWM reset before, reported above the RSS before). The optimizer step itself is the same in every layout. Generation is not part of the update step and not run:
+prompts are GSM8K questions laid end to end and cut to length, completions are GSM8K answers cut to length
+(real tokens of the 32k tokenizer). Model: bench.common.tiny_llama (hidden 256, 4 layers, 32,000 vocabulary).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import (  # noqa: E402
+    GSM8K_TRAIN,
+    MIB,
+    load_tokenizer,
+    machine_description,
+    markdown_table,
+    peak_rss_bytes,
+    quiet,
+    release_memory,
+    reset_peak_rss,
+    rss_bytes,
+    tiny_llama,
+)
+
+DEFAULT_ROWS = "256:64:8,160:160:8,64:256:8,256:64:16,160:160:16,64:256:16"
+MODES = {"unshared padded": {}, "unshared padding-free": {"padding_free": True},
+         "shared": {"shared_prompt": True}}
+
+
+def gsm8k_tokens(tokenizer, prompt_length: int, completion_length: int, group: int):
+    """One prompt of `prompt_length` tokens and `group` completions of `completion_length` tokens (real text)."""
+    with open(GSM8K_TRAIN, encoding="utf-8") as handle:
+        rows = [json.loads(line) for _, line in zip(range(400), handle)]
+    prompt = []
+    for row in rows:
+        prompt += tokenizer(row["question"], add_special_tokens=False).input_ids
+        if len(prompt) >= prompt_length:
+            break
+    completions = []
+    for row in rows[:group]:
+        ids = []
+        while len(ids) < completion_length:
+            ids += tokenizer(" " + row["answer"], add_special_tokens=False).input_ids
+        completions.append(ids[:completion_length])
+    return prompt[:prompt_length], completions
+
+
+def loss_backward(trainer, batch) -> None:
+    loss = trainer.compute_loss(trainer.model, trainer._prepare_inputs(dict(batch)), num_items_in_batch=None)
+    loss.backward()
+
+
+def update_step(trainer, batch) -> None:
+    loss_backward(trainer, batch)
+    trainer.optimizer.step()
+    trainer.optimizer.zero_grad(set_to_none=True)
+
+
+def measure(mode: str, prompt, completions, repeats: int, checkpointing: bool = False) -> dict:
+    import torch
+    from datasets import Dataset
+
+    from leantune import GRPOConfig, GRPOTrainer
+    from leantune.data.collators import prompt_completion_row
+    from leantune.metrics.memory_breakdown import StepMemoryMeter
+
+    group = len(completions)
+    tokenizer = load_tokenizer()
+    args = GRPOConfig(output_dir="/tmp/leantune-bench-shared-prompt", use_cpu=True, report_to=[], save_strategy="no",
+                      per_device_train_batch_size=group, num_generations=group, max_completion_length=len(completions[0]),
+                      beta=0.0, loss_type="dapo", gradient_checkpointing=checkpointing, memory_breakdown=False,
+                      disable_tqdm=True, seed=0, **MODES[mode])
+    trainer = GRPOTrainer(tiny_llama(0, len(tokenizer)), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                          args=args, train_dataset=Dataset.from_dict({"prompt": ["x"]}), processing_class=tokenizer)
+    if checkpointing:
+        from leantune.trainers.config_utils import checkpointing_setting, enable_model_checkpointing
+
+        enable_model_checkpointing(trainer.model, checkpointing_setting(trainer.args)[1])
+    trainer.create_optimizer()
+    trainer.model.train()
+    examples = []
+    for completion in completions:
+        examples.append(prompt_completion_row(prompt, completion))
+        examples[-1]["prompt_length"] = len(prompt)
+    batch = trainer.rounds.collate(examples)
+    batch["num_sequences"] = torch.tensor(group)
+    batch["advantages"] = torch.randn(group, generator=torch.Generator().manual_seed(0))
+    batch["loss_items"] = trainer.loss_items(batch)
+    update_step(trainer, batch)  # warm-up (AdamW's states made)
+    times, cpu_times = [], []
+    for _ in range(repeats):
+        start, cpu_start = time.perf_counter(), time.process_time()
+        update_step(trainer, batch)
+        times.append(time.perf_counter() - start)
+        cpu_times.append(time.process_time() - cpu_start)
+    release_memory()
+    meter = StepMemoryMeter("cpu")
+    before = rss_bytes()
+    reset_peak_rss()
+    meter.start(trainer.model, trainer.optimizer)
+    loss_backward(trainer, batch)
+    breakdown = meter.stop(1)
+    rss_peak = peak_rss_bytes() - before
+    trainer.optimizer.zero_grad(set_to_none=True)
+    held = sum(breakdown.parts.get(name, 0) for name in ("parameters", "buffers", "gradients", "optimizer_states"))
+    return {"mode": mode, "tokens": int(batch["input_ids"].numel()), "seconds": statistics.median(times),
+            "cpu_seconds": statistics.median(cpu_times),
+            "peak_mib": breakdown.peak_bytes / MIB, "activations_mib": (breakdown.peak_bytes - held) / MIB,
+            "rss_mib": rss_peak / MIB}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default=DEFAULT_ROWS, help="prompt:completion:G, comma-separated")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing on (leantune's default)")
+    options = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(options.threads)
+    quiet()
+    tokenizer = load_tokenizer()
+    results, table = [], []
+    for spec in options.rows.split(","):
+        prompt_length, completion_length, group = (int(v) for v in spec.split(":"))
+        prompt, completions = gsm8k_tokens(tokenizer, prompt_length, completion_length, group)
+        measured = {}
+        for mode in options.modes.split(","):
+            measured[mode] = measure(mode, prompt, completions, options.repeats, options.checkpointing)
+            release_memory()
+            print(json.dumps({"row": spec, **measured[mode]}), flush=True)
+        shared = measured.get("shared")
+        for mode, m in measured.items():
+            ratio = ""
+            if shared is not None and mode != "shared":
+                ratio = (f"{m['cpu_seconds'] / shared['cpu_seconds']:.2f}x / "
+                         f"{m['activations_mib'] / shared['activations_mib']:.2f}x / {m['peak_mib'] / shared['peak_mib']:.2f}x")
+            table.append([f"{prompt_length}:{completion_length}", group, mode, m["tokens"], f"{m['cpu_seconds']:.2f} ({m['seconds']:.2f})",
+                          f"{m['peak_mib']:.1f}", f"{m['activations_mib']:.1f}", f"{m['rss_mib']:.1f}", ratio])
+            results.append({"row": spec, **m})
+    print()
+    print(machine_description())
+    print(markdown_table(["prompt:completion", "G", "layout", "tokens", "update CPU s (wall s)", "fwd+bwd peak MiB (MemTracker)",
+                          "activations MiB", "peak RSS over start MiB", "shared's gain: CPU time / activations / peak"],
+                         table))
+    if options.json:
+        Path(options.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
