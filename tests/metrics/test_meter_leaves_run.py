@@ -12,8 +12,8 @@ import warnings
 import torch
 from datasets import Dataset
 
-from leantune import SFTConfig, SFTTrainer
 from devkit.allocator_meter import AllocatorMeter
+from leantune import SFTConfig, SFTTrainer
 from tests.fixtures.models import lora, tiny_model
 
 
