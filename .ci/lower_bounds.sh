@@ -52,24 +52,6 @@ EOF
     check
 fi
 
-# The subset: one file at a time on one process (no multi-process, DeepSpeed or TRL-script files).
-FILES=("$@")
-if [ ${#FILES[@]} -eq 0 ]; then
-    FILES=(tests/losses/test_sft_exactness.py tests/trainers/test_dpo.py tests/trainers/test_kto.py tests/data/test_packing.py
-           tests/losses/test_chunked_logprobs.py tests/memory/test_memory_engine.py tests/planning/test_plan.py tests/models/test_quantization.py
-           tests/losses/test_liger_cpu.py tests/memory/test_offloading.py tests/cli/test_cli.py tests/trainers/test_grpo.py)
-fi
-cd "$REPO"
-export PYTHONPATH=$REPO OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} 
-"$VENV/bin/python" -c "import torch, transformers, accelerate, peft, datasets; print('lower bounds:', 'torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'peft', peft.__version__, 'datasets', datasets.__version__)"
-STATUS=0
-for f in "${FILES[@]}"; do
-    echo "== $f" >&2
-    # Left out: test_grpo.py's two-process runs (the subset stays on one process).
-    K=()
-    case $(basename "$f") in
-        test_grpo.py) K=(-k "not two_processes") ;;
-    esac
-    "$VENV/bin/python" -m pytest -q -p no:cacheprovider -n 0 "${K[@]}" "$f" || STATUS=1
-done
-exit $STATUS
+# The subset (one file at a time on one process) is .ci/version_subset.sh's, run with this venv's Python.
+echo "lower bounds: $VENV" >&2
+exec bash "$REPO/.ci/version_subset.sh" "$VENV/bin/python" "$@"
