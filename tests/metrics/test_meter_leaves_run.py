@@ -48,5 +48,9 @@ def test_the_breakdown_leaves_a_lora_run_as_it_found_it(tokenizer, gsm8k_rows, t
     on_live, on_peak = lora_run(tokenizer, gsm8k_rows[:4], True, tmp_path)
     assert off_live == []
     assert on_live == off_live
-    # same data, same seed, same ops: the allocator's peak of the measured step is the same to the byte
-    assert on_peak == off_peak
+    # same data, same seed, same ops: the allocator's peak of the measured step is the same, up to the meter's own
+    # bookkeeping of a few small tensors (2,204 bytes seen once in the full suite). What the issue saw the meter add
+    # (0.6-1.0 MiB) and what a kept activation costs are far larger: one [tokens, hidden] fp32 row of this model is
+    # 96 x 64 x 4 = 24,576 bytes, so a difference under that bound can hold no activation or gradient.
+    one_activation_row = 96 * 64 * 4
+    assert abs(on_peak - off_peak) < one_activation_row, (on_peak, off_peak)
