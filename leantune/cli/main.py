@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import sys
 
 from ..methods import METHODS
@@ -26,7 +27,28 @@ COMMANDS = {**{method.command: method.help for method in METHODS.values()},
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    code = run_command(list(sys.argv[1:] if argv is None else argv))
+    if argv is None and code != 0:
+        leave_failed_process_now(code)
+    return code
+
+
+def leave_failed_process_now(code: int) -> None:
+    """A process of a multi-process run that failed (its one line already printed) exits at once.
+
+    Its gloo group's threads and store would otherwise be torn down by C++ destructors at interpreter exit while a
+    peer is failing too, which can abort the process ("terminate called without an active exception", SIGABRT)
+    and turn exit code 2 into -6. Only the `leantune` command does this: a caller of main() keeps its process."""
+    distributed = sys.modules.get("torch.distributed")
+    if distributed is None or not distributed.is_available() or not distributed.is_initialized():
+        return
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def run_command(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         _print_usage()
         return 0
