@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ...data.map_fingerprints import tokenizer_for_maps
 from ...data.streaming import check_own_stream_reads, is_stream, prepare_stream
 
 
@@ -49,6 +50,7 @@ class SplitPreparer:
 
     def prepare_split(self, dataset, split: str, tokenizer, args):
         """One split, prepared by the recipe (a stream: lazily, buffer by buffer) and remembered."""
+        tokenizer = tokenizer_for_maps(tokenizer)  # datasets hashes it into every map's fingerprint
         if getattr(dataset, "_format_type", None) == "custom" and not self.skips_preparation:
             raise ValueError(f"The {split} dataset has a Dataset.with_transform() / set_transform() transform, which "
                              "runs when rows are read, after preparation would have tokenised them. Apply it with "
