@@ -90,18 +90,22 @@ def fit_to_budget(trainer_class, model, args, train_dataset, processing_class=No
             logger.info("memory_budget %s: the run as configured plans %s, within it; nothing changed.",
                         _size(budget), _peak_words(planned.peak_bytes, planned.device_total_bytes))
             return args, fit
-        keep = _keeps_run(args, on_cuda)
-        search = SimpleNamespace(num_processes=1, engine="ddp", device=device, memory_budget=None)
+        keep, group = _keeps_run(args, on_cuda), micro_batch_group(args)
+
         def known(candidate):  # the run's own configuration is planned already
             same = all(candidate.fields[name] == current_value(args, name) for name in VARIED if name in candidate.fields)
             return planned if same else None
 
-        fit.recommendation = recommend(planned, budget, source, train_dataset, trainer_class, peft_config, search,
-                                       fields, processing_class, group=micro_batch_group(args), keep=keep,
-                                       known=known)
-        if fit.chosen is None:
-            _plan_most_frugal(fit, source, train_dataset, trainer_class, peft_config, fields, processing_class, keep,
-                              micro_batch_group(args))
+        frugal = _most_frugal(planned.method, source, fields, group, keep)
+        if frugal is not None and known(frugal) is not None:  # the run already saves all it can: nothing fits
+            frugal.peak_bytes, frugal.total_bytes = planned.peak_bytes, planned.device_total_bytes
+            fit.recommendation = Recommendation(budget, [frugal])
+        else:
+            search = SimpleNamespace(num_processes=1, engine="ddp", device=device, memory_budget=None)
+            fit.recommendation = recommend(planned, budget, source, train_dataset, trainer_class, peft_config,
+                                           search, fields, processing_class, group=group, keep=keep, known=known)
+            if fit.chosen is None and frugal is not None:
+                _plan_most_frugal(fit, frugal, source, train_dataset, trainer_class, peft_config, processing_class)
     if fit.chosen is None:
         raise ValueError(_nothing_fits(fit))
     sized, fit.changes = changed_config(args, fit.chosen.fields)
@@ -176,19 +180,25 @@ def changed_config(args, fields: dict):
     return sized, changes
 
 
-def _plan_most_frugal(fit, source, train_dataset, trainer_class, peft_config, fields, processing_class, keep, group):
-    """When no candidate the search planned fits, the one that saves the most (checkpointing, offloading, the
-    smallest micro-batch and chunk, no padding) is planned too, so the error names the least this run can need."""
-    from .planner import model_config_of, plan_memory
+def _most_frugal(method, source, fields, group, keep) -> Candidate | None:
+    """The candidate that saves the most (checkpointing, offloading, the smallest micro-batch and loss chunk, no
+    padding): if it does not fit, nothing does, and its peak is the least this run can need."""
+    from .planner import model_config_of
     from .recommend import candidates
 
     vocab_size = getattr(model_config_of(source).get_text_config(), "vocab_size", None)
-    kept = [c for c in candidates(fit.planned.method, fields, vocab_size, group) if keep(c)]
-    if not kept:
-        return
-    frugal = min(kept, key=lambda c: (not c.fields["gradient_checkpointing"], not c.fields["activation_offloading"],
-                                      c.fields["per_device_train_batch_size"], c.fields.get("loss_chunk_size") or 1 << 40,
-                                      not (c.fields.get("packing") or c.fields.get("padding_free"))))
+    kept = [c for c in candidates(method, fields, vocab_size, group) if keep(c)]
+    return min(kept, default=None, key=lambda c: (
+        not c.fields["gradient_checkpointing"], not c.fields["activation_offloading"],
+        c.fields["per_device_train_batch_size"], c.fields.get("loss_chunk_size") or 1 << 40,
+        not (c.fields.get("packing") or c.fields.get("padding_free"))))
+
+
+def _plan_most_frugal(fit, frugal, source, train_dataset, trainer_class, peft_config, processing_class):
+    """When no candidate the search planned fits, the most frugal is planned too (unless it was): the error names the
+    least this run can need, or it fits after all (slowest, but the search stopped at its limit before it)."""
+    from .planner import plan_memory
+
     if any(c.fields == frugal.fields for c in fit.recommendation.considered):
         return
     try:
@@ -208,12 +218,12 @@ def _nothing_fits(fit: BudgetFit) -> str:
     planned = [c for c in fit.recommendation.considered if c.total_bytes is not None]
     least = min(planned, key=lambda c: c.total_bytes, default=None)
     smallest = "" if least is None else (
-        f"; the smallest planned peak is {_size(least.total_bytes)} (" +
-        ", ".join(f"{k}={v}" for k, v in sorted(least.fields.items()) if k in VARIED) + ")")
-    return (f"`memory_budget` {_size(fit.budget)}: no configuration that learns the same thing fits (the run as "
-            f"configured plans {_size(fit.planned.device_total_bytes)}{smallest}); a shorter `max_length`, LoRA, "
-            f"4-bit QLoRA or more processes with a sharding engine is needed (`leantune plan --memory_budget` with "
-            f"this run's flags offers them).")
+        f"; the smallest planned peak is {_size(least.total_bytes)}, with " +
+        ", ".join(f"{k}={v}" for k, v in sorted(least.fields.items()) if k in VARIED))
+    return (f"`memory_budget` {_size(fit.budget)}: no configuration that learns the same thing fits{smallest} (the run "
+            f"as configured: {_size(fit.planned.device_total_bytes)}); a shorter `max_length`, LoRA, 4-bit QLoRA or "
+            f"more processes with a sharding engine is needed (`leantune plan --memory_budget` with this run's flags "
+            f"offers them).")
 
 
 def _change_lines(fit: BudgetFit) -> list[str]:

@@ -74,6 +74,12 @@ def validate_memory_options(args) -> None:
         from ..planning.devices import parse_budget
 
         parse_budget(args.memory_budget)  # a size or a GPU name, else a ValueError naming `memory_budget`
+    elif args.memory_budget is not None:
+        import torch
+
+        if args.use_cpu or not torch.cuda.is_available():  # planning/self_sizing.py reads CUDA's free memory
+            raise ValueError("`memory_budget`=auto reads a CUDA device's free memory, and this run has no CUDA "
+                             "device; give the memory to fit as a size, e.g. 2GiB or 1500MiB.")
     if args.activation_offloading_min_bytes < 0:
         raise ValueError("`activation_offloading_min_bytes` must be >= 0.")
     # TRL spells the Liger request use_liger_kernel (SFT; a TrainingArguments field) or use_liger_loss.

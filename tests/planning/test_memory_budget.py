@@ -70,10 +70,58 @@ def test_a_run_under_its_budget_sizes_itself_fits_and_learns_the_same(tokenizer,
     assert meter.peak_bytes - before <= budget, (meter.peak_bytes - before, budget)
 
     # (c) the chosen configuration set by hand, same seed: the same ops on the same rows in the same order, so the
-    # per-step losses are equal to the bit (no tolerance is needed: nothing differs between the runs)
+    # per-step losses are equal to the bit (no tolerance is needed: nothing differs between the runs). Under the same
+    # budget it fits as it is: said, and nothing changed.
     by_hand = {**fields, **{name: new for name, (_, new) in fit.changes.items()}}
-    reference, reference_losses, _ = _run(tmp_path, dataset, tokenizer, **by_hand)
-    assert reference.memory_budget_fit is None
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="leantune.plan"):
+        reference, reference_losses, _ = _run(tmp_path, dataset, tokenizer, memory_budget=f"{budget}B", **by_hand)
+    assert reference.memory_budget_fit.recommendation is None and reference.memory_budget_fit.changes == {}
+    assert [r.getMessage().endswith("within it; nothing changed.") for r in caplog.records
+            if r.getMessage().startswith("memory_budget ")] == [True]
+    for name, value in by_hand.items():
+        assert getattr(reference.args, name) == value, name
     assert len(losses) == 2 and losses == reference_losses
     for (name, a), b in zip(sized.model.named_parameters(), reference.model.parameters()):
         assert torch.equal(a, b), name
+
+
+def test_nothing_fits_is_one_line_naming_the_flag_and_the_least_the_run_needs(tokenizer, gsm8k_rows, tmp_path, capsys):
+    from leantune.cli.main import main
+
+    tiny_model("llama").save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    gsm8k_prompt_completion(gsm8k_rows, 1).to_json(tmp_path / "train.jsonl")  # one row: the plan traces one batch
+    # packing kept, micro-batch 1, the chunk given: two candidates (checkpointing off or on), the cheap search
+    argv = ["sft", "--model_name_or_path", str(tmp_path / "model"), "--dataset_name", str(tmp_path / "train.jsonl"),
+            "--packing", "true", "--max_length", "64", "--per_device_train_batch_size", "1", "--loss_chunk_size", "64",
+            "--memory_budget", "1MiB", "--use_cpu", "true", "--output_dir", str(tmp_path / "out"),
+            "--report_to", "none"]
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("leantune sft: error:")]
+    assert len(err) == 1 and "--memory_budget 1.0 MiB: no configuration that learns the same thing fits" in err[0]
+    # the run saves all it can already (checkpointing on, micro-batch 1, no candidate saves more): its own peak
+    assert "the smallest planned peak is" in err[0] and "gradient_checkpointing=True" in err[0]
+    assert not (tmp_path / "out").exists()  # nothing trained or written
+    auto = [*argv[:argv.index("--memory_budget")], "--memory_budget", "auto", "--use_cpu", "true"]
+    assert main(auto) == 2  # a CPU run: its config refuses `auto` (CUDA's free memory) before any data loads
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("leantune sft: error:")]
+    assert len(err) == 1 and "--memory_budget=auto" in err[0] and "give the memory to fit as a size" in err[0]
+
+
+def test_online_candidates_keep_whole_groups_and_the_same_round():
+    from leantune import GRPOConfig, OnlineDPOConfig, PPOConfig
+    from leantune.planning.recommend import candidates, micro_batch_group
+
+    grpo = GRPOConfig(output_dir="/tmp/x", per_device_train_batch_size=16, num_generations=4, steps_per_generation=2)
+    assert micro_batch_group(grpo) == 4  # GRPO's micro-batch counts completions: a group is num_generations of them
+    assert micro_batch_group(OnlineDPOConfig(output_dir="/tmp/x")) == 1  # Online DPO's counts prompts (pairs)
+    assert micro_batch_group(PPOConfig(output_dir="/tmp/x")) == 1  # no groups
+    found = candidates("grpo", dict(per_device_train_batch_size=16, steps_per_generation=2), group=4)
+    sizes = {c.fields["per_device_train_batch_size"] for c in found}
+    assert sizes == {16, 8, 4}  # 2 and 1 would split a group of 4
+    for candidate in found:
+        f = candidate.fields
+        assert f["per_device_train_batch_size"] * f["gradient_accumulation_steps"] == 16  # the same optimizer step
+        assert f["per_device_train_batch_size"] * f["steps_per_generation"] == 32  # the same generation round
