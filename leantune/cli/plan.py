@@ -170,9 +170,7 @@ def _run(argv: list[str], started: float) -> int:
         print(f"note: {assumed}")
     _quiet_progress_bars()  # the search prepares the same data again: its bars once are enough
     if budget is not None:
-        from ..planning.recommend import recommend
-
-        from ..planning.recommend import micro_batch_group
+        from ..planning.recommend import micro_batch_group, recommend
 
         recommendation = recommend(plan, budget, model_args.model_name_or_path, train, trainer_class,
                                    peft_config_from(model_args), plan_args, {**fields, **rewards}, tokenizer,
