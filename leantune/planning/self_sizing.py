@@ -78,11 +78,11 @@ def fit_to_budget(trainer_class, model, args, train_dataset, processing_class=No
                          "has none until it is read; pass a datasets.Dataset, or leave `memory_budget` unset.")
     on_cuda = not args.use_cpu and torch.cuda.is_available()
     budget, device = budget_of(args.memory_budget, on_cuda)
-    source, fields, peft_config = _planned_run(model, args, peft_config)
-    fields = {**fields, **{k: v for k, v in frozen_sources.items() if v is not None}}
     from .planner import plan_memory
 
-    with _global_state_kept():  # planning builds trainers: RNGs, accelerate's state and the log level put back
+    with _global_state_kept():  # planning builds configs and trainers: RNGs, accelerate's state, the log level kept
+        source, fields, peft_config = _planned_run(model, args, peft_config)
+        fields = {**fields, **{k: v for k, v in frozen_sources.items() if v is not None}}
         planned = plan_memory(source, train_dataset, trainer_class, processing_class=processing_class,
                               peft_config=peft_config, device=device, measured_step=False, **fields)
         fit = BudgetFit(budget, device, planned)
