@@ -116,9 +116,10 @@ def make_parser(prog: str, dataclass_types: tuple):
             hints = get_type_hints(dtype)
             groups: dict[str, argparse._ArgumentGroup] = {}
             inherited = []
+            taken = {action.dest for action in self._actions}
             for field in dataclasses.fields(dtype):
-                if not field.init:
-                    continue
+                if not field.init or field.name in taken:  # declared by an earlier class (leantune plan's
+                    continue  # --memory_budget): one flag, whose value each class that declares it receives
                 field.type = hints[field.name]
                 title = _group_title(_declaring_class(dtype, field.name), dtype)
                 if title == INHERITED_GROUP:
@@ -132,6 +133,21 @@ def make_parser(prog: str, dataclass_types: tuple):
 
         def error(self, message: str):
             raise UsageError(_explain_parse_error(message, self))
+
+        def parse_args_into_dataclasses(self, args=None, return_remaining_strings=False, **_):
+            """HfArgumentParser's, where a field two classes declare (leantune plan's --memory_budget and the
+            config's) is one flag whose value both receive (HfArgumentParser gives it to the first only)."""
+            namespace, remaining = self.parse_known_args(args=args)
+            values, used = vars(namespace), set()
+            outputs = []
+            for dtype in self.dataclass_types:
+                names = [f.name for f in dataclasses.fields(dtype) if f.init and f.name in values]
+                used.update(names)
+                outputs.append(dtype(**{name: values[name] for name in names}))
+            rest = {k: v for k, v in values.items() if k not in used}
+            if rest:
+                outputs.append(argparse.Namespace(**rest))
+            return (*outputs, remaining) if return_remaining_strings else tuple(outputs)
 
     parser = CommandParser(
         dataclass_types, prog=prog, allow_abbrev=False, formatter_class=_formatter,

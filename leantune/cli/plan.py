@@ -170,10 +170,11 @@ def _run(argv: list[str], started: float) -> int:
         print(f"note: {assumed}")
     _quiet_progress_bars()  # the search prepares the same data again: its bars once are enough
     if budget is not None:
-        from ..planning.recommend import recommend
+        from ..planning.recommend import micro_batch_group, recommend
 
         recommendation = recommend(plan, budget, model_args.model_name_or_path, train, trainer_class,
-                                   peft_config_from(model_args), plan_args, {**fields, **rewards}, tokenizer)
+                                   peft_config_from(model_args), plan_args, {**fields, **rewards}, tokenizer,
+                                   group=micro_batch_group(config))
         print("\n".join(recommendation.lines()))
         suggestion = _max_length_suggestion(recommendation, plan, budget, model_args, plan_args, train, trainer_class,
                                             config_class, fields, tokenizer)

@@ -28,18 +28,19 @@ class DeviceTerm:
 
 
 def parse_budget(text) -> int:
-    """Bytes of a budget: "24GiB", "80GB" (read as GiB, as GPU marketing means it), "1500MiB", or a GPU name."""
+    """Bytes of a budget: "24GiB", "80GB" (read as GiB, as GPU marketing means it), "1500MiB", "123456789B", or a
+    GPU name."""
     if isinstance(text, (int, float)):
         return int(text)
     value = str(text).strip().lower().replace(" ", "")
     if value in GPUS:
         return GPUS[value] * MIB
-    match = re.fullmatch(r"([0-9]*\.?[0-9]+)(gib|gb|g|mib|mb|m|tib|tb)?", value)
+    match = re.fullmatch(r"([0-9]*\.?[0-9]+)(gib|gb|g|mib|mb|m|tib|tb|b)?", value)
     if not match:
         raise ValueError(f"`memory_budget`: {text!r} is neither a size (24GiB, 1500MiB) nor a GPU of "
                          f"{', '.join(sorted(GPUS))}.")
     unit = (match.group(2) or "gib")[0]
-    return int(float(match.group(1)) * {"g": GIB, "m": MIB, "t": 1024 * GIB}[unit])
+    return int(float(match.group(1)) * {"g": GIB, "m": MIB, "t": 1024 * GIB, "b": 1}[unit])
 
 
 def device_terms(device, fields: dict, num_processes: int, engine: str) -> list[DeviceTerm]:

@@ -79,8 +79,8 @@ def _plan_of_trainer(trainer):
 # Fields of the run itself (where it writes, how it logs, on which device): the plan sets its own.
 RUN_ONLY_FIELDS = ("output_dir", "logging_dir", "run_name", "report_to", "save_strategy", "save_steps", "logging_steps",
                    "logging_strategy", "eval_strategy", "eval_steps", "max_steps", "num_train_epochs", "disable_tqdm",
-                   "push_to_hub", "hub_model_id", "memory_breakdown", "plan_check", "use_cpu", "resume_from_checkpoint",
-                   "local_rank", "model_init_kwargs", "peft_config")
+                   "push_to_hub", "hub_model_id", "memory_breakdown", "plan_check", "memory_budget", "use_cpu",
+                   "resume_from_checkpoint", "local_rank", "model_init_kwargs", "peft_config")
 
 
 def check_before_training(trainer):

@@ -177,7 +177,7 @@ def _dtype_of(fields: dict):
 
 PLANNING_FIELDS = dict(max_steps=2, save_strategy="no", report_to=[], disable_tqdm=True, memory_breakdown=True,
                        logging_steps=1, eval_strategy="no", push_to_hub=False, plan_check=False,
-                       nonfinite_policy="stop")
+                       memory_budget=None, nonfinite_policy="stop")
 
 
 def _planning_trainer_class(trainer_class, mode: WeightlessMode):

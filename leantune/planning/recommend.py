@@ -43,7 +43,7 @@ def _size(size: int) -> str:
 
 
 VARIED = ("gradient_checkpointing", "activation_offloading", "per_device_train_batch_size",
-          "gradient_accumulation_steps", "packing", "padding_free", "loss_chunk_size")
+          "gradient_accumulation_steps", "steps_per_generation", "packing", "padding_free", "loss_chunk_size")
 
 
 @dataclass
@@ -63,12 +63,25 @@ class Recommendation:
         return out
 
 
-def candidates(method: str, fields: dict, vocab_size: int | None = None) -> list[Candidate]:
+def micro_batch_group(args) -> int:
+    """Rows of `per_device_train_batch_size` that make one prompt group: an online method's micro-batch keeps whole
+    groups (GRPO, RLOO: `num_generations` completions; Online DPO counts prompts, PPO has no groups: 1)."""
+    plan = getattr(args, "generation_plan", None)
+    if plan is None:
+        return 1
+    completions, steps = plan(1)
+    per_row = completions // (args.per_device_train_batch_size * steps)  # Online DPO: 2 completions per prompt row
+    return max(1, args.num_generations // max(1, per_row))
+
+
+def candidates(method: str, fields: dict, vocab_size: int | None = None, group: int = 1) -> list[Candidate]:
     """Every same-result configuration, fastest first. With `vocab_size`, and the chunked loss on with its default
     chunk, a quarter of that chunk is a candidate too (its fp32 logits chunk, x3 while its gradient forms, is the
-    loss's temporary memory)."""
+    loss's temporary memory). `group` (`micro_batch_group`): a smaller micro-batch still holds whole prompt groups,
+    and an online round stays the same (an explicit `steps_per_generation` grows with the accumulation)."""
     batch = int(fields.get("per_device_train_batch_size", 8))
     accumulation = int(fields.get("gradient_accumulation_steps", 1))
+    per_round = fields.get("steps_per_generation")
     from ..methods import find
 
     layouts = [{}]
@@ -83,13 +96,14 @@ def candidates(method: str, fields: dict, vocab_size: int | None = None) -> list
         for checkpointing in (False, True):
             for offloading in (False, True):
                 split = 1
-                while batch // split >= 1 and batch % split == 0:
+                while batch // split >= 1 and batch % split == 0 and (split == 1 or (batch // split) % group == 0):
                     time = (PADDED_COST if padded else 1.0) * (CHECKPOINTING_COST if checkpointing else 1.0) * \
                         (OFFLOADING_COST if offloading else 1.0) * HALVING_COST ** (split.bit_length() - 1)
+                    rounds = {} if per_round is None else {"steps_per_generation": per_round * split}
                     found.append(Candidate({**fields, **layout, "gradient_checkpointing": checkpointing,
                                             "activation_offloading": offloading,
                                             "per_device_train_batch_size": batch // split,
-                                            "gradient_accumulation_steps": accumulation * split}, time))
+                                            "gradient_accumulation_steps": accumulation * split, **rounds}, time))
                     split *= 2
     chunked = fields.get("chunked_loss", True) and not (fields.get("use_liger_kernel") or fields.get("use_liger_loss"))
     if vocab_size and chunked and fields.get("loss_chunk_size") is None:
@@ -103,20 +117,24 @@ def candidates(method: str, fields: dict, vocab_size: int | None = None) -> list
 
 
 def recommend(plan, budget: int, model, train_dataset, trainer_class, peft_config, plan_args, fields: dict,
-              processing_class=None, limit: int = 8) -> Recommendation:
-    """Plan candidates fastest first until one fits (at most `limit` planned)."""
+              processing_class=None, limit: int = 8, group: int = 1, keep=None, known=None) -> Recommendation:
+    """Plan candidates fastest first until one fits (at most `limit` planned). `group`: see `candidates`; `keep`: a
+    test a candidate must pass to be planned (a run sizing itself keeps its own packing, planning/self_sizing.py);
+    `known`: candidate -> its plan when already made (the run's own configuration), else None."""
     from .planner import model_config_of, plan_memory
 
     result = Recommendation(budget)
     vocab_size = getattr(model_config_of(model).get_text_config(), "vocab_size", None)
-    for candidate in candidates(plan.method, fields, vocab_size)[:limit * 4]:
+    ranked = [c for c in candidates(plan.method, fields, vocab_size, group) if keep is None or keep(c)]
+    for candidate in ranked[:limit * 4]:
         if len(result.considered) >= limit:
             break
         try:
-            planned = plan_memory(model, train_dataset, trainer_class, peft_config=peft_config, processing_class=processing_class,
-                                  num_processes=plan_args.num_processes, engine=plan_args.engine,
-                                  device=plan_args.device or plan_args.memory_budget, measured_step=False,
-                                  **candidate.fields)
+            planned = known(candidate) if known is not None else None
+            planned = planned or plan_memory(
+                model, train_dataset, trainer_class, peft_config=peft_config, processing_class=processing_class,
+                num_processes=plan_args.num_processes, engine=plan_args.engine,
+                device=plan_args.device or plan_args.memory_budget, measured_step=False, **candidate.fields)
         except ValueError as error:
             candidate.error = str(error).splitlines()[0][:120]
             result.considered.append(candidate)
@@ -129,4 +147,4 @@ def recommend(plan, budget: int, model, train_dataset, trainer_class, peft_confi
     return result
 
 
-__all__ = ["Candidate", "Recommendation", "candidates", "recommend", "MIB"]
+__all__ = ["Candidate", "Recommendation", "candidates", "micro_batch_group", "recommend", "MIB"]

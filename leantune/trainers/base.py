@@ -65,6 +65,12 @@ class LeantuneTrainer(Trainer):
         method's recipe (`prepare_split`) -> the collator -> Trainer's set-up -> the parts -> the reference placed.
         Returns what `load_models` loaded."""
         args = self.default_args(model, args)
+        self.memory_budget_fit = None  # planning/self_sizing.py: what `memory_budget` planned and changed
+        if getattr(args, "memory_budget", None) is not None:  # before any weight loads: the run sized to its budget
+            from ..planning.self_sizing import fit_to_budget
+
+            args, self.memory_budget_fit = fit_to_budget(type(self), model, args, train_dataset, processing_class,
+                                                         peft_config, **self.frozen_model_sources())
         args, logprob_path = resolve_config(type(self).__name__, args, train_dataset, eval_dataset,
                                             self.scores_vocabulary)
         loaded = self.load_models(model, ref_model, processing_class, peft_config, args, quantization_config)
@@ -114,6 +120,10 @@ class LeantuneTrainer(Trainer):
 
     def make_collator(self, tokenizer, args, train_dataset):
         raise NotImplementedError
+
+    def frozen_model_sources(self) -> dict:
+        """The frozen models as given, before they load (reward functions, a teacher): what `memory_budget` plans."""
+        return {}
 
     def liger_notes(self, args) -> list[tuple[int, str]]:
         """(log level, text) of what the method's loss takes from Liger and what it does not, said once at start."""

@@ -79,6 +79,9 @@ class GKDTrainer(SFTTrainer):
             disable_dropout(loaded.model)
         return loaded
 
+    def frozen_model_sources(self) -> dict:
+        return {"teacher_model": self._teacher_source}
+
     @property
     def teacher_model(self) -> torch.nn.Module:
         """TRL's attribute: the teacher as placed for the engine."""

@@ -57,6 +57,12 @@ class MemoryOptions:
         metadata={"help": "Before training, plan the run's step peak (leantune plan, fake weights) and warn when it "
                   "exceeds the training device's free memory."},
     )
+    memory_budget: str | None = field(
+        default=None,
+        metadata={"help": "Size the run to this memory before its weights load: 24GiB, 1500MiB, a GPU name (h100, "
+                  "l4, ...) or auto (the CUDA device's free memory). The plan (leantune plan) picks the fastest "
+                  "configuration that fits and learns the same thing, and the log says what it changed."},
+    )
 
 
 def validate_memory_options(args) -> None:
@@ -64,6 +70,16 @@ def validate_memory_options(args) -> None:
 
     if args.loss_chunk_size is not None and args.loss_chunk_size <= 0:
         raise ValueError(f"`loss_chunk_size` must be a positive integer or None, got {args.loss_chunk_size!r}.")
+    if args.memory_budget is not None and str(args.memory_budget).strip().lower() != "auto":
+        from ..planning.devices import parse_budget
+
+        parse_budget(args.memory_budget)  # a size or a GPU name, else a ValueError naming `memory_budget`
+    elif args.memory_budget is not None:
+        import torch
+
+        if args.use_cpu or not torch.cuda.is_available():  # planning/self_sizing.py reads CUDA's free memory
+            raise ValueError("`memory_budget`=auto reads a CUDA device's free memory, and this run has no CUDA "
+                             "device; give the memory to fit as a size, e.g. 2GiB or 1500MiB.")
     if args.activation_offloading_min_bytes < 0:
         raise ValueError("`activation_offloading_min_bytes` must be >= 0.")
     # TRL spells the Liger request use_liger_kernel (SFT; a TrainingArguments field) or use_liger_loss.

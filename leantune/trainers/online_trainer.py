@@ -88,6 +88,9 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         self.rounds = RoundBuilder(self, self.generation, self.round_metrics, self.rewards, self.agent)
         self._buffer: list[dict] = []  # the current round's micro-batches not trained yet
 
+    def frozen_model_sources(self) -> dict:
+        return {"reward_funcs": self._reward_sources[0]}
+
     def reference_wanted(self, args) -> bool:
         return args.beta != 0.0
 

@@ -1,0 +1,249 @@
+"""`memory_budget`: a run that sizes itself to the memory it has, before its weights load.
+
+The run is planned as `leantune plan` plans it (planner.plan_memory: the method's own trainer on the real data, fake
+weights). When that plan exceeds the budget, the budget search of `leantune plan --memory_budget` (recommend.py)
+picks the fastest configuration that fits and learns the same thing, and the run trains with it. Only the fields
+that search varies change (layout, checkpointing, offloading, the loss chunk, micro-batch x accumulation for the same
+global batch, whole prompt groups kept); SFT keeps its own `packing`, since packed rows regroup the examples of each
+step. One log block names each change, old -> new, and the planned peak against the budget. When nothing fits, a
+ValueError names `memory_budget` and the smallest planned peak.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import torch
+
+from .devices import CUDA_CONTEXT_BYTES, GIB, GPUS, MIB, parse_budget
+from .recommend import VARIED, Candidate, Recommendation, micro_batch_group, recommend
+
+logger = logging.getLogger("leantune.plan")
+
+
+@dataclass
+class BudgetFit:
+    """What sizing a run found: the budget, the plan of the run as configured, the search (None when that plan fitted)
+    and the fields it changed, name -> (old, new)."""
+
+    budget: int
+    device: str  # the device whose terms the plans add ("cpu": none)
+    planned: object  # MemoryPlan of the run as configured
+    recommendation: Recommendation | None = None
+    changes: dict = field(default_factory=dict)
+
+    @property
+    def chosen(self) -> Candidate | None:
+        return self.recommendation.chosen if self.recommendation is not None else None
+
+
+def budget_of(value, on_cuda: bool) -> tuple[int, str]:
+    """(bytes the plan's device total must fit, the device whose terms the plan adds).
+
+    `auto` on CUDA: the device's free memory now. The CUDA context exists once that is read and lies outside it; the
+    plan counts the context as a term, so its bytes are added back (the need is then the traced peak + the
+    allocator's rounding + any vLLM pool, against the free memory). A size on a machine without CUDA is this
+    machine's memory: no device terms."""
+    text = str(value).strip().lower()
+    if text == "auto":
+        if not on_cuda:
+            raise ValueError("`memory_budget`=auto reads a CUDA device's free memory, and this run has no CUDA device; "
+                             "give the memory to fit as a size, e.g. 2GiB or 1500MiB.")
+        free, total = torch.cuda.mem_get_info()
+        return int(free) + CUDA_CONTEXT_BYTES, f"{int(total) // MIB}MiB"
+    budget = parse_budget(value)
+    if text in GPUS or on_cuda:
+        return budget, text
+    return budget, "cpu"
+
+
+def fit_to_budget(trainer_class, model, args, train_dataset, processing_class=None, peft_config=None,
+                  **frozen_sources):
+    """(the run's config, a changed copy when the budget asked for one; the BudgetFit). `frozen_sources`: the
+    method's frozen models as given (reward_funcs, teacher_model), which the plan builds fake."""
+    import datasets
+
+    from .plan_check import _global_state_kept
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError("`memory_budget` sizes a one-process run; for a launch of several processes run `leantune "
+                         "plan --num_processes N --engine ENGINE --memory_budget SIZE` with the run's flags and set "
+                         "the flags it recommends.")
+    if isinstance(train_dataset, datasets.IterableDataset):
+        raise ValueError("`memory_budget` plans the run on its train rows before training, and a streamed dataset "
+                         "has none until it is read; pass a datasets.Dataset, or leave `memory_budget` unset.")
+    on_cuda = not args.use_cpu and torch.cuda.is_available()
+    budget, device = budget_of(args.memory_budget, on_cuda)
+    from .planner import plan_memory
+
+    with _global_state_kept():  # planning builds configs and trainers: RNGs, accelerate's state, the log level kept
+        source, fields, peft_config = _planned_run(model, args, peft_config)
+        fields = {**fields, **{k: v for k, v in frozen_sources.items() if v is not None}}
+        planned = plan_memory(source, train_dataset, trainer_class, processing_class=processing_class,
+                              peft_config=peft_config, device=device, measured_step=False, **fields)
+        fit = BudgetFit(budget, device, planned)
+        if planned.device_total_bytes <= budget:
+            logger.info("memory_budget %s: the run as configured plans %s, within it; nothing changed.",
+                        _size(budget), _peak_words(planned.peak_bytes, planned.device_total_bytes))
+            return args, fit
+        keep, group = _keeps_run(args, on_cuda), micro_batch_group(args)
+
+        def known(candidate):  # the run's own configuration is planned already
+            same = all(candidate.fields[name] == current_value(args, name) for name in VARIED if name in candidate.fields)
+            return planned if same else None
+
+        frugal = _most_frugal(planned.method, source, fields, group, keep)
+        if frugal is not None and known(frugal) is not None:  # the run already saves all it can: nothing fits
+            frugal.peak_bytes, frugal.total_bytes = planned.peak_bytes, planned.device_total_bytes
+            fit.recommendation = Recommendation(budget, [frugal])
+        else:
+            search = SimpleNamespace(num_processes=1, engine="ddp", device=device, memory_budget=None)
+            fit.recommendation = recommend(planned, budget, source, train_dataset, trainer_class, peft_config,
+                                           search, fields, processing_class, group=group, keep=keep, known=known)
+            if fit.chosen is None and frugal is not None:
+                _plan_most_frugal(fit, frugal, source, train_dataset, trainer_class, peft_config, processing_class)
+    if fit.chosen is None:
+        raise ValueError(_nothing_fits(fit))
+    sized, fit.changes = changed_config(args, fit.chosen.fields)
+    logger.info("\n".join(_change_lines(fit)))
+    return sized, fit
+
+
+def _planned_run(model, args, peft_config):
+    """(the model as the planner takes it, the run's explicit fields, its adapters): a model given by id or folder is
+    planned from its config.json with the run's `model_init_kwargs`; a model object from its config, in its own dtype."""
+    from .plan_check import RUN_ONLY_FIELDS, _peft_config, _unwrapped
+    from .planner import _explicit_fields
+
+    fields = {name: getattr(args, name) for name in _explicit_fields(args)}
+    for name in (*RUN_ONLY_FIELDS, "activation_checkpointing", "activation_checkpointing_kwargs",
+                 "gradient_checkpointing_kwargs"):
+        if name != "model_init_kwargs" or not isinstance(model, str):
+            fields.pop(name, None)
+    fields["gradient_checkpointing"] = current_value(args, "gradient_checkpointing")
+    if isinstance(model, str):
+        return model, fields, peft_config
+    model = _unwrapped(model)
+    if getattr(model, "is_quantized", False) or getattr(getattr(model, "config", None), "quantization_config", None):
+        raise ValueError("`memory_budget`: a quantized (4/8-bit) model object is not planned yet; pass the model by "
+                         "id or folder with its quantization in `model_init_kwargs`, or leave `memory_budget` unset.")
+    dtype = next((p.dtype for p in model.parameters() if p.dtype.is_floating_point), torch.float32)
+    fields["model_init_kwargs"] = {"dtype": dtype}
+    wrapped = _peft_config(model)
+    if wrapped is not None:
+        return model.get_base_model().config, fields, wrapped
+    return model.config, fields, peft_config
+
+
+def _keeps_run(args, on_cuda: bool):
+    """Which candidates a run may take: its own packing (packed rows regroup a step's examples), and, off CUDA, its
+    own activation offloading (on CPU there is nothing to offload to: a slower step that saves nothing)."""
+    def keep(candidate: Candidate) -> bool:
+        chosen = candidate.fields
+        if "packing" in chosen and bool(chosen["packing"]) != bool(getattr(args, "packing", False)):
+            return False
+        return on_cuda or bool(chosen.get("activation_offloading")) == bool(args.activation_offloading)
+
+    return keep
+
+
+def current_value(args, name: str):
+    """A varied field's value in the run's config (checkpointing under whichever name transformers reads)."""
+    if name == "gradient_checkpointing":
+        from ..trainers.config_utils import checkpointing_setting
+
+        return checkpointing_setting(args)[0]
+    return getattr(args, name, None)
+
+
+def changed_config(args, fields: dict):
+    """(a copy of `args` with the search's varied fields set from `fields`, {name: (old, new)} of those that
+    differ). The user's config object is left as it was."""
+    from ..trainers.config_utils import checkpointing_field
+
+    sized, changes = copy.copy(args), {}
+    for name in VARIED:
+        if name not in fields or fields[name] == current_value(args, name):
+            continue
+        changes[name] = (current_value(args, name), fields[name])
+        if name == "gradient_checkpointing":  # as config_utils.resolve_checkpointing leaves an enabled one
+            declared = checkpointing_field(sized)
+            setattr(sized, declared, bool(fields[name]))
+            kwargs = getattr(sized, f"{declared}_kwargs", None)
+            setattr(sized, f"{declared}_kwargs", {"use_reentrant": False, **(kwargs or {})} if fields[name] else kwargs)
+        else:
+            setattr(sized, name, fields[name])
+    return sized, changes
+
+
+def _most_frugal(method, source, fields, group, keep) -> Candidate | None:
+    """The candidate that saves the most (checkpointing, offloading, the smallest micro-batch and loss chunk, no
+    padding): if it does not fit, nothing does, and its peak is the least this run can need."""
+    from .planner import model_config_of
+    from .recommend import candidates
+
+    vocab_size = getattr(model_config_of(source).get_text_config(), "vocab_size", None)
+    kept = [c for c in candidates(method, fields, vocab_size, group) if keep(c)]
+    return min(kept, default=None, key=lambda c: (
+        not c.fields["gradient_checkpointing"], not c.fields["activation_offloading"],
+        c.fields["per_device_train_batch_size"], c.fields.get("loss_chunk_size") or 1 << 40,
+        not (c.fields.get("packing") or c.fields.get("padding_free"))))
+
+
+def _plan_most_frugal(fit, frugal, source, train_dataset, trainer_class, peft_config, processing_class):
+    """When no candidate the search planned fits, the most frugal is planned too (unless it was): the error names the
+    least this run can need, or it fits after all (slowest, but the search stopped at its limit before it)."""
+    from .planner import plan_memory
+
+    if any(c.fields == frugal.fields for c in fit.recommendation.considered):
+        return
+    try:
+        planned = plan_memory(source, train_dataset, trainer_class, peft_config=peft_config,
+                              processing_class=processing_class, device=fit.device, measured_step=False,
+                              **frugal.fields)
+    except ValueError as error:
+        frugal.error = str(error).splitlines()[0][:120]
+    else:
+        frugal.peak_bytes, frugal.total_bytes = planned.peak_bytes, planned.device_total_bytes
+    fit.recommendation.considered.append(frugal)
+    if frugal.total_bytes is not None and frugal.total_bytes <= fit.budget:
+        fit.recommendation.chosen = frugal
+
+
+def _nothing_fits(fit: BudgetFit) -> str:
+    planned = [c for c in fit.recommendation.considered if c.total_bytes is not None]
+    least = min(planned, key=lambda c: c.total_bytes, default=None)
+    smallest = "" if least is None else (
+        f"; the smallest planned peak is {_size(least.total_bytes)}, with " +
+        ", ".join(f"{k}={v}" for k, v in sorted(least.fields.items()) if k in VARIED))
+    return (f"`memory_budget` {_size(fit.budget)}: no configuration that learns the same thing fits{smallest} (the run "
+            f"as configured: {_size(fit.planned.device_total_bytes)}); a shorter `max_length`, LoRA, 4-bit QLoRA or "
+            f"more processes with a sharding engine is needed (`leantune plan --memory_budget` with this run's flags "
+            f"offers them).")
+
+
+def _change_lines(fit: BudgetFit) -> list[str]:
+    chosen = fit.chosen
+    out = [f"memory_budget {_size(fit.budget)}: the run as configured plans "
+           f"{_peak_words(fit.planned.peak_bytes, fit.planned.device_total_bytes)}, over it; it trains with the "
+           f"fastest configuration that fits and learns the same thing, planned at "
+           f"{_peak_words(chosen.peak_bytes, chosen.total_bytes)} (expected step time x{chosen.relative_time:.2f} "
+           f"of the fastest candidate). Changed:"]
+    out += [f"  {name}: {old} -> {new}" for name, (old, new) in fit.changes.items()]
+    out.append("candidates planned, fastest first:")
+    out += [candidate.line() for candidate in fit.recommendation.considered]
+    return out
+
+
+def _peak_words(peak: int, total: int) -> str:
+    if total == peak:
+        return f"a step peak of {_size(peak)}"
+    return f"a step peak of {_size(peak)} ({_size(total)} on the device)"
+
+
+def _size(size: int) -> str:
+    return f"{size / GIB:.2f} GiB" if size >= GIB else f"{size / MIB:.1f} MiB"
