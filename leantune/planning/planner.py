@@ -49,10 +49,13 @@ class TracedStep:
     step: int | None = None  # the optimizer step (1-based) at which this batch arrives in the first epoch
     micro_batch: int | None = None  # its micro-batch within that step (0-based), with gradient accumulation
     any_order: bool = False  # the longest rows together (planning/any_order.py): no step, a bound of every order
+    backward_beside_gradients: dict[str, int] | None = None  # MemoryBreakdown's: ZeRO-2's backward (zero.py)
 
     @classmethod
     def of(cls, breakdown: MemoryBreakdown, batch: str, step=None, micro_batch=None) -> TracedStep:
-        return cls(breakdown.peak_bytes, dict(breakdown.parts), batch, step, micro_batch)
+        beside = breakdown.backward_beside_gradients
+        return cls(breakdown.peak_bytes, dict(breakdown.parts), batch, step, micro_batch,
+                   backward_beside_gradients=dict(beside) if beside is not None else None)
 
 
 @dataclass
@@ -495,7 +498,13 @@ def _extrapolate(runs, layers: int):
         if peak is None or any(value is None for value in parts.values()):
             return None
         first = group[0]
-        steps.append(TracedStep(peak, parts, first.batch, first.step, first.micro_batch, first.any_order))
+        beside = None
+        if all(step.backward_beside_gradients is not None for step in group):
+            names = set().union(*(step.backward_beside_gradients for step in group))
+            beside = {name: line([step.backward_beside_gradients.get(name, 0) for step in group]) for name in names}
+            if any(value is None for value in beside.values()):
+                return None
+        steps.append(TracedStep(peak, parts, first.batch, first.step, first.micro_batch, first.any_order, beside))
     if None in counts:
         return None
     second = steps.pop(0) if runs[0][2] is not None else None
