@@ -58,6 +58,15 @@ class TracedStep:
                    backward_beside_gradients=dict(beside) if beside is not None else None)
 
 
+def _step_dict(step: TracedStep | None) -> dict | None:
+    """A traced step in the plan's JSON (the backward moment used inside planning/zero.py stays internal)."""
+    if step is None:
+        return None
+    found = dataclasses.asdict(step)
+    found.pop("backward_beside_gradients", None)
+    return found
+
+
 @dataclass
 class MemoryPlan:
     method: str
@@ -87,9 +96,9 @@ class MemoryPlan:
         return {
             "method": self.method, "model": self.model, "num_parameters": self.num_parameters,
             "trainable_parameters": self.trainable_parameters, "num_processes": self.num_processes,
-            "engine": self.engine, "peak_bytes": self.peak_bytes, "worst": dataclasses.asdict(self.worst),
-            "measured_step": dataclasses.asdict(self.measured_step) if self.measured_step else None,
-            "any_order": dataclasses.asdict(self.any_order) if self.any_order else None,
+            "engine": self.engine, "peak_bytes": self.peak_bytes, "worst": _step_dict(self.worst),
+            "measured_step": _step_dict(self.measured_step),
+            "any_order": _step_dict(self.any_order),
             "terms": [dataclasses.asdict(term) for term in self.terms], "notes": self.notes,
             "device_total_bytes": self.device_total_bytes, "config": self.config, "seconds": self.seconds,
         }
