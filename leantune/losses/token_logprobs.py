@@ -115,6 +115,7 @@ def chunked_logprobs(
 
 # Per-target statistics of the logits (no gradient), from one [tokens, vocabulary] chunk L of them and its log-norm:
 # top1: whether the target is the argmax (TRL's mean_token_accuracy); log_sum_sq_probs: log sum_v p_v^2 (WPO).
+# The chunked head computes the same values in place on its chunk (`_chunk_scores`); these serve full logits.
 TOKEN_STATS = {
     "top1": lambda logits, log_norm, tokens: (logits.argmax(dim=-1) == tokens).float(),
     "log_sum_sq_probs": lambda logits, log_norm, tokens: torch.logsumexp(2 * logits, dim=-1) - 2 * log_norm,
@@ -145,9 +146,44 @@ def vocab_size_of(head: OutputHead) -> int:
     return int(weight.shape[0]) if weight is not None else 32768
 
 
-def _target_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    log_norm = torch.logsumexp(logits, dim=-1)
-    return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - log_norm, log_norm
+def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """sum_v a[:, v] * b[:, v] as a batched matmul: no [rows, vocabulary] product is formed."""
+    return (a.unsqueeze(-2) @ b.unsqueeze(-1)).reshape(a.shape[0])
+
+
+def _shift_by_row_max(logits: torch.Tensor) -> torch.Tensor:
+    """logits - max per row, in place (as torch.logsumexp: an infinite maximum shifts by 0); returns the maxima."""
+    top = logits.amax(dim=-1, keepdim=True)
+    top.masked_fill_(torch.isinf(top), 0.0)
+    logits.sub_(top)
+    return top
+
+
+def _chunk_scores(logits: torch.Tensor, tokens: torch.Tensor, with_entropy: bool, stats: tuple[str, ...]):
+    """(log-probs of `tokens`, entropies or None, the `stats` as TOKEN_STATS defines them) of one chunk's fp32
+    logits, which it overwrites.
+
+    Why not torch.logsumexp / torch.softmax: logsumexp allocates a [chunk, vocabulary] buffer inside the op and frees
+    it before returning, which no dispatch-level meter sees (neither the plan's trace nor MemTracker), and entropy
+    as softmax(L) * L forms two more. Here the chunk is shifted by its row maxima in place, so the only other
+    [chunk, vocabulary] buffer is its exponentials, and only when entropy is asked for (otherwise they overwrite it
+    too); row sums of products are batched matmuls. Same formula as torch.logsumexp: log sum exp(L - max) + max.
+    """
+    target = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    values = {}
+    if "top1" in stats:  # before the shift, which could round two logits into a tie
+        values["top1"] = TOKEN_STATS["top1"](logits, None, tokens)
+    top = _shift_by_row_max(logits).squeeze(-1)
+    exp = logits.exp() if with_entropy else logits.exp_()
+    total = exp.sum(-1)
+    log_total = total.log()
+    log_norm = log_total + top
+    if "log_sum_sq_probs" in stats:  # log sum_v p_v^2 = log sum_v exp(2 (L_v - max)) - 2 log sum_v exp(L_v - max)
+        values["log_sum_sq_probs"] = _row_dot(exp, exp).log() - 2 * log_total
+    entropy = None
+    if with_entropy:  # H = log_norm - sum_v p_v L_v = log total - sum_v exp(L_v - max) (L_v - max) / total
+        entropy = log_total - _row_dot(exp, logits) / total
+    return target - log_norm, entropy, [values[name] for name in stats]
 
 
 def _projection_gradient(raw: torch.Tensor, tokens: torch.Tensor, grad_logps: torch.Tensor, head: OutputHead,
@@ -160,19 +196,22 @@ def _projection_gradient(raw: torch.Tensor, tokens: torch.Tensor, grad_logps: to
     tanh = L * temperature / softcap.
     """
     logits = head.transform(raw)
-    log_norm = torch.logsumexp(logits, dim=-1, keepdim=True)
     capped = None
     if head.softcap is not None:
         capped = 1.0 - (logits * (head.temperature / head.softcap)).square()
     rows = torch.arange(logits.shape[0], device=logits.device)
+    _shift_by_row_max(logits)  # softmax in place (no torch.logsumexp: see _chunk_scores)
     if grad_entropy is None:
-        grad = logits.sub_(log_norm).exp_().neg_()  # -softmax, in place
+        grad = logits.exp_()
+        grad.div_(grad.sum(-1, keepdim=True)).neg_()  # -softmax
         grad[rows, tokens] += 1.0
         grad.mul_(grad_logps.float().unsqueeze(-1))
     else:
-        log_p = logits.sub_(log_norm)
-        p = log_p.exp()
-        entropy = -(p * log_p).sum(-1, keepdim=True)
+        p = logits.exp()
+        total = p.sum(-1, keepdim=True)
+        p.div_(total)
+        log_p = logits.sub_(total.log_())
+        entropy = -_row_dot(p, log_p).unsqueeze(-1)
         grad = log_p.add_(entropy).mul_(p).mul_(-grad_entropy.float().unsqueeze(-1))  # dH/dL, weighted
         grad.sub_(p.mul_(grad_logps.float().unsqueeze(-1)))  # - p of dlogp/dL, weighted
         grad[rows, tokens] += grad_logps.float()
@@ -192,11 +231,12 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk_size):
             end = start + chunk_size
             logits = head.logits(hidden[start:end])
-            logps[start:end], log_norm = _target_logprobs(logits, tokens[start:end])
+            logps[start:end], chunk_entropy, chunk_values = _chunk_scores(logits, tokens[start:end], with_entropy,
+                                                                           stats)
             if with_entropy:
-                entropy[start:end] = log_norm - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-            for i, name in enumerate(stats):
-                values[start:end, i] = TOKEN_STATS[name](logits, log_norm, tokens[start:end])
+                entropy[start:end] = chunk_entropy
+            for i, value in enumerate(chunk_values):
+                values[start:end, i] = value
             del logits
         ctx.save_for_backward(hidden, tokens)
         ctx.head, ctx.chunk_size, ctx.params = head, chunk_size, params

@@ -43,6 +43,9 @@ class MemoryBreakdown:
     parts: dict[str, int] = field(default_factory=dict)
     allocator_peak_bytes: int | None = None
     other_devices: dict[str, int] = field(default_factory=dict)  # e.g. pinned CPU memory holding offloaded tensors
+    # the parts at the backward moment where all but the accumulated gradients peaks (once one is accumulated): an
+    # engine that moves each gradient into a bucket of its own (ZeRO-2) peaks there, not at `peak_bytes`'s moment
+    backward_beside_gradients: dict[str, int] | None = None
 
     def as_metrics(self) -> dict[str, float]:
         metrics = {"memory_step_peak_mb": round(self.peak_bytes / MIB, 1)}
@@ -131,7 +134,12 @@ class StepMemoryMeter:
             torch.cuda.synchronize(self.device)
             allocator = int(torch.cuda.max_memory_allocated(self.device))
         others = {name: int(s.get("Total", 0)) for name, s in by_device.items() if name != main and s.get("Total")}
-        return MemoryBreakdown(step, main, int(stats.get("Total", sum(parts.values()))), parts, allocator, others)
+        beside = {str(device): snap for device, (_, snap) in tracker.backward_beside_gradients.items()}.get(main)
+        if beside is not None:
+            beside = {_TRACKER_NAMES.get(_kind_name(kind), "other"): int(size) for kind, size in beside.items()
+                      if _kind_name(kind) != "Total"}
+        return MemoryBreakdown(step, main, int(stats.get("Total", sum(parts.values()))), parts, allocator, others,
+                               beside)
 
 
 def frozen_model_tensors(models) -> list[torch.Tensor]:
@@ -179,6 +187,7 @@ def _tracker_class():
         def __init__(self):
             super().__init__()
             self._ref_class = (*_MemRefType, frozen)
+            self.backward_beside_gradients = {}  # device: (bytes but gradients, the snapshot), see MemoryBreakdown
             self.grad_hooks = GradHookLedger()
             modules = self._mod_tracker  # its hooks are looked up on the instance when it is entered
             modules._fw_pre_hook = self.grad_hooks.wrap(modules._fw_pre_hook, lambda module, args: args)
@@ -214,6 +223,16 @@ def _tracker_class():
             self._update_peak_stats(_ModState.PEAK_BW if self._mod_tracker.is_bw else _ModState.PEAK_FW)
             for key in (kind, "Total"):
                 snapshot[key] -= size
+
+        def _update_peak_stats(self, peak_state) -> None:
+            super()._update_peak_stats(peak_state)
+            if not self._mod_tracker.is_bw:
+                return
+            for device, snapshot in self._curr_mem_snap.items():
+                gradients = snapshot.get(_MemRefType.GRAD, 0)
+                beside = snapshot.get("Total", 0) - gradients
+                if gradients and beside > self.backward_beside_gradients.get(device, (-1, None))[0]:
+                    self.backward_beside_gradients[device] = (beside, dict(snapshot))
 
         def _pre_fw_hook(self, module, inputs):
             # A model called twice in one step (a reference pass with the adapter disabled, gradient accumulation)

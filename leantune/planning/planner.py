@@ -49,10 +49,22 @@ class TracedStep:
     step: int | None = None  # the optimizer step (1-based) at which this batch arrives in the first epoch
     micro_batch: int | None = None  # its micro-batch within that step (0-based), with gradient accumulation
     any_order: bool = False  # the longest rows together (planning/any_order.py): no step, a bound of every order
+    backward_beside_gradients: dict[str, int] | None = None  # MemoryBreakdown's: ZeRO-2's backward (zero.py)
 
     @classmethod
     def of(cls, breakdown: MemoryBreakdown, batch: str, step=None, micro_batch=None) -> TracedStep:
-        return cls(breakdown.peak_bytes, dict(breakdown.parts), batch, step, micro_batch)
+        beside = breakdown.backward_beside_gradients
+        return cls(breakdown.peak_bytes, dict(breakdown.parts), batch, step, micro_batch,
+                   backward_beside_gradients=dict(beside) if beside is not None else None)
+
+
+def _step_dict(step: TracedStep | None) -> dict | None:
+    """A traced step in the plan's JSON (the backward moment used inside planning/zero.py stays internal)."""
+    if step is None:
+        return None
+    found = dataclasses.asdict(step)
+    found.pop("backward_beside_gradients", None)
+    return found
 
 
 @dataclass
@@ -84,9 +96,9 @@ class MemoryPlan:
         return {
             "method": self.method, "model": self.model, "num_parameters": self.num_parameters,
             "trainable_parameters": self.trainable_parameters, "num_processes": self.num_processes,
-            "engine": self.engine, "peak_bytes": self.peak_bytes, "worst": dataclasses.asdict(self.worst),
-            "measured_step": dataclasses.asdict(self.measured_step) if self.measured_step else None,
-            "any_order": dataclasses.asdict(self.any_order) if self.any_order else None,
+            "engine": self.engine, "peak_bytes": self.peak_bytes, "worst": _step_dict(self.worst),
+            "measured_step": _step_dict(self.measured_step),
+            "any_order": _step_dict(self.any_order),
             "terms": [dataclasses.asdict(term) for term in self.terms], "notes": self.notes,
             "device_total_bytes": self.device_total_bytes, "config": self.config, "seconds": self.seconds,
         }
@@ -495,7 +507,13 @@ def _extrapolate(runs, layers: int):
         if peak is None or any(value is None for value in parts.values()):
             return None
         first = group[0]
-        steps.append(TracedStep(peak, parts, first.batch, first.step, first.micro_batch, first.any_order))
+        beside = None
+        if all(step.backward_beside_gradients is not None for step in group):
+            names = set().union(*(step.backward_beside_gradients for step in group))
+            beside = {name: line([step.backward_beside_gradients.get(name, 0) for step in group]) for name in names}
+            if any(value is None for value in beside.values()):
+                return None
+        steps.append(TracedStep(peak, parts, first.batch, first.step, first.micro_batch, first.any_order, beside))
     if None in counts:
         return None
     second = steps.pop(0) if runs[0][2] is not None else None

@@ -11,14 +11,15 @@ run would use. Each term is filed under the part leantune's measured breakdown f
 - optimizer states: an fp32 master copy of the trained partition plus the torch optimizer's states on it (fp32,
   as many per element as the traced optimizer keeps).
 - gradients: ZeRO-3 holds its gradient partitions and the `reduce_bucket_size` bucket from start-up; ZeRO-2
-  allocates the bucket for each backward.
+  allocates the bucket for each backward and moves each gradient into it once accumulated (contiguous gradients).
 - ZeRO-3 gathers a module's weights for its forward and backward (N > 1; at one process the partition is the
   weight): the head at the traced forward's peak, the input embedding at the end of backward.
 - Reducing the gradients at the end of backward flattens the last bucket (ZeRO-3 on gloo, CPU: copied once more).
 
-A step peaks at one of two moments: the traced one (the forward's or backward's activations, with the states above
-instead of the one-process ones), or the end of backward, when the last bucket is reduced (no activations left).
-The plan is the larger, with its parts.
+A step peaks at one of these moments: the traced one (the forward's or backward's activations, with the states above
+instead of the one-process ones), ZeRO-2's backward moment (where the trace holds most beside the gradients it has
+accumulated, which ZeRO-2 has moved into its bucket), or the end of backward, when the last bucket is reduced (no
+activations left). The plan is the largest, with its parts.
 """
 
 from __future__ import annotations
@@ -201,8 +202,46 @@ def traced_moment(parts: dict, terms: RankTerms, shapes: ParameterShapes, settin
             moment[part] = moment.get(part, 0) + _gathered(shapes.head, settings)
         return moment
     if grads:
-        moment["gradients"] = grads + terms.bucket  # the backward's bucket beside the gradients not yet reduced
+        moment.update(_zero2_backward_gradients(grads, terms, shapes, settings, moment.get("temporaries", 0)))
     return moment
+
+
+def _zero2_backward_gradients(grads: int, terms: RankTerms, shapes: ParameterShapes, settings: ZeroSettings,
+                              temporaries: int) -> dict:
+    """What ZeRO-2 holds in backward for the gradients the trace holds at its moment (`grads` bytes, those of the
+    first trained parameters in backward order, each accumulated whole).
+
+    With `contiguous_gradients` (the default), each gradient is copied into the bucket by the hook that runs once it
+    is accumulated, and its own storage freed (stage_1_and_2.py `reduce_independent_p_g_buckets_and_remove_grads`:
+    `grad.data` becomes a view of the bucket): the rank holds the bucket, not the gradients beside it. A gradient
+    larger than the bucket keeps its own storage until the next one reduces it; once a full bucket has been reduced,
+    the rank's slice of it is kept in a gradient partition (`copy_grads_in_partition`; the fp32 one the update reads
+    with bf16/fp16). A gradient being formed (not yet accumulated) is a temporary in the trace, as in the run.
+    Without contiguous gradients every gradient stays its own tensor until its bucket is reduced: the trace's."""
+    if not settings.contiguous_gradients:
+        return {"gradients": grads}
+    flushed, pending = _backward_prefix(shapes.backward_order, grads // settings.compute_bytes,
+                                        settings.reduce_bucket_size)
+    held = {"gradients": terms.bucket + pending * settings.compute_bytes}
+    if flushed:
+        n = settings.num_processes
+        held["temporaries"] = temporaries + _aligned(sum(shapes.backward_order), 2 * n) // n * MASTER_BYTES
+    return held
+
+
+def _backward_prefix(backward_order: list[int], accumulated: int, bucket_elements: int) -> tuple[bool, int]:
+    """For the first `accumulated` elements of gradients in backward order: whether a bucket was reduced, and the
+    elements of a gradient larger than the bucket still waiting to be (0 if none)."""
+    filled, done, flushed, pending = 0, 0, False, 0
+    for size in backward_order:
+        if done + size > accumulated:
+            break
+        done += size
+        if filled and filled + size > bucket_elements:
+            flushed, filled = True, 0
+        pending = size if size > bucket_elements else 0
+        filled += size
+    return flushed, pending
 
 
 def frozen_held(parts: dict, shapes: ParameterShapes, settings: ZeroSettings) -> int:
@@ -275,12 +314,17 @@ def _last_bucket(backward_order: list[int], bucket_elements: int, contiguous: bo
 
 
 def plan_parts(parts: dict, shapes: ParameterShapes, settings: ZeroSettings, trainable: int, traced_dtype,
-               rank: int = 0, on_gloo: bool = True) -> tuple[int, dict, str]:
-    """(peak, parts, moment) of a rank: the larger of the traced moment and the end of backward."""
+               rank: int = 0, on_gloo: bool = True, backward_beside_gradients: dict | None = None
+               ) -> tuple[int, dict, str]:
+    """(peak, parts, moment) of a rank: the largest of the traced moment, ZeRO-2's backward moment (where all but the
+    accumulated gradients peaks in the trace, as they sit in the bucket; the traced peak may be elsewhere because
+    one process holds them) and the end of backward."""
     terms = rank_terms(shapes, settings, states_per_element(parts, trainable, traced_dtype))
     moments = {"traced": traced_moment(parts, terms, shapes, settings),
                "end of backward": reduce_moment(terms, shapes, settings, rank, on_gloo,
                                                 frozen_held(parts, shapes, settings))}
+    if settings.stage == 2 and backward_beside_gradients:
+        moments["backward"] = traced_moment(backward_beside_gradients, terms, shapes, settings)
     name = max(moments, key=lambda key: sum(moments[key].values()))
     chosen = {k: int(v) for k, v in moments[name].items() if v}
     return sum(chosen.values()), chosen, name
@@ -339,7 +383,7 @@ def per_rank(config, trainer_class, peft_config, settings: ZeroSettings, trainab
         if step is None:
             return None
         peak, parts, moment = plan_parts(step.parts, shapes, settings, trainable, settings.compute_dtype, rank,
-                                         on_gloo)
+                                         on_gloo, step.backward_beside_gradients)
         # the traced peak may hold less than the sum of its parts' peaks only if the parts were read at other
         # moments; MemTracker reads them at the peak, so their sum is the peak
         return TracedStep(peak, parts, f"{step.batch}; peak at {moment}", step.step, step.micro_batch, step.any_order)

@@ -59,3 +59,31 @@ def test_plan_refuses_a_rank_outside_the_launch():
 
     with pytest.raises(ValueError, match="`rank`: 2 is not a process of 2"):
         plan_memory(CONFIG, [{"text": "a"}], "sft", num_processes=2, engine="zero3", rank=2)
+
+
+def test_zero2_backward_holds_the_bucket_not_the_gradients_beside_it():
+    from leantune.planning.zero import plan_parts
+
+    # 4 trained parameters met by backward as 6, 3, 2 and 1 elements (12 in all), 2 processes, fp32, SGD + momentum;
+    # a backward moment of the trace: 100 bytes of temporaries beside the first gradients (9 elements unless said)
+    shapes = ParameterShapes([1, 2, 3, 6], [True] * 4, head=6, embedding=1, backward_order=[6, 3, 2, 1])
+    parts = {"parameters": 12 * 4, "optimizer_states": 12 * 4, "activations": 10}
+    moment = {**parts, "temporaries": 100}
+
+    def backward(bucket, contiguous=True, accumulated=9):
+        zero = {"reduce_bucket_size": bucket, "contiguous_gradients": contiguous}
+        settings = zero_settings("zero2", {"deepspeed": {"zero_optimization": zero}}, 2, CONFIG, torch.float32)
+        at = {**moment, "gradients": accumulated * 4}
+        _, held, name = plan_parts(parts, shapes, settings, 12, torch.float32, 1, True, at)
+        assert name == "backward", name
+        return held.get("gradients"), held.get("temporaries")
+
+    # each gradient copied into the bucket once accumulated, its own storage freed: the bucket alone (stage_1_and_2.py)
+    assert backward(100) == (100 * 4, 100)
+    # 6 + 3 overflow a bucket of 8: the first one reduced, the rank's slice kept (12 / 2 elements in fp32)
+    assert backward(8) == (8 * 4, 100 + 6 * 4)
+    # a gradient larger than the bucket keeps its own storage until the next one reduces it
+    assert backward(5, accumulated=6) == (5 * 4 + 6 * 4, 100)
+    assert backward(5) == (5 * 4, 100 + 6 * 4)
+    # without contiguous gradients there is no bucket: each gradient is its own tensor until reduced
+    assert backward(100, contiguous=False) == (9 * 4, 100)
