@@ -1,6 +1,7 @@
-"""Context parallelism for SFT (accelerate's `parallelism_config_cp_size: 2` with FSDP2), launched for real as 2 CPU
-processes by `accelerate launch --config_file examples/accelerate/fsdp2_context_parallel.yaml`, against one process
-on the same data: padded rows, packing, padding-free, packing + padding-free.
+"""Context parallelism for SFT and DPO (accelerate's `parallelism_config_cp_size: 2` with FSDP2), launched for real as
+2 CPU processes by `accelerate launch --config_file examples/accelerate/fsdp2_context_parallel.yaml`, against one
+process on the same data: SFT's padded rows, packing, padding-free, packing + padding-free; DPO's padded and
+padding-free pairs (HH-RLHF, a frozen reference copy).
 
 Under cp_size=2 both processes take the same batch and each holds half of every sequence (torch's ring attention
 passes keys and values between them); the CPU-only part (the ring for the CPU SDPA kernel) is a helper in
@@ -14,6 +15,13 @@ Tolerances (SGD with momentum 0.9, no clipping, 2 steps, lr 1e-2; tests/scripts/
   relative (measured), 34 times the tolerance.
 - Final weights: |W_cp - W_1| <= 1e-5 |W_1 - W_0| + 2^-22 |W_1| per parameter: the update is linear in the step's
   gradient, which agrees to fp32 rounding; each of the 2 steps stores W + update rounded to fp32 (half an ulp).
+- DPO: each process holds part of every sequence, so its per-sequence log-prob sums are partial; they are summed over
+  the context-parallel group (a differentiable all-reduce) before the loss. Those fp32 sums (magnitude ~500, where
+  an ulp is 3e-5) are added in another order than one process's: about an ulp, times beta = 0.1 and the sigmoid's
+  slope 1/2, ~1.5e-6 absolute on a loss of 0.69 (measured: 2.1e-6 relative padded, 6.8e-7 padding-free, at step 2;
+  step 1 is log 2 exactly, policy = reference, so its gradient is checked through the weights). Negative control (`dpo_padding_free_unsummed`: each process's partial
+  sums read as whole sequences, no all-reduce): step 2's loss off by 4.8e-3 relative (480 times the tolerance) and
+  the weights off by 0.50 of their update (measured), so the comparison fails by far.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ import pytest
 import torch
 
 from ..fixtures.data import gsm8k_rows
-from ..fixtures.launched_runs import assert_same_losses, assert_same_weights
+from ..fixtures.launched_runs import LOSS_RTOL, assert_same_losses, assert_same_weights
 from ..fixtures.launchers import accelerate_launch, cpu_only, launch
 from ..fixtures.models import tiny_model
 from ..fixtures.paths import CPU_ENGINES, HH_PAIRS, REPO, SCRIPTS, require
@@ -36,7 +44,8 @@ from ..fixtures.paths import CPU_ENGINES, HH_PAIRS, REPO, SCRIPTS, require
 SCRIPT = SCRIPTS / "cp_run.py"
 HELPERS = CPU_ENGINES
 CONFIG = REPO / "examples" / "accelerate" / "fsdp2_context_parallel.yaml"
-CASES = ["sft", "sft_packed", "sft_padding_free", "sft_packed_padding_free"]
+CASES = ["sft", "sft_packed", "sft_padding_free", "sft_packed_padding_free", "dpo", "dpo_padding_free"]
+NEGATIVE_CONTROL = "dpo_padding_free_unsummed"  # run under context parallelism only, compared with dpo_padding_free
 
 
 # --- the layout, in one process -------------------------------------------------------------------------------
@@ -171,7 +180,7 @@ def test_sft_under_context_parallelism_matches_one_process(assets):
     from safetensors.torch import load_file
 
     one = run(assets, "one", CASES, context_parallel=False)
-    split = run(assets, "cp", CASES + ["refusals"], context_parallel=True)
+    split = run(assets, "cp", CASES + [NEGATIVE_CONTROL, "refusals"], context_parallel=True)
     initial = load_file(str(assets / "model" / "model.safetensors"))
     for case in CASES:
         first, second = ranks(split, case)
@@ -182,11 +191,16 @@ def test_sft_under_context_parallelism_matches_one_process(assets):
     # packing changes the batches (several documents per row), so its losses are not the padded ones: the packed
     # comparison is of documents kept apart, not of a layout that happens to hold one document per row
     assert ranks(one, "sft_packed")[0]["losses"] != ranks(one, "sft")[0]["losses"]
+    # DPO without the all-reduce of its per-sequence sums: far outside both tolerances (module docstring)
+    unsummed, summed = ranks(split, NEGATIVE_CONTROL)[0]["losses"][1], ranks(one, "dpo_padding_free")[0]["losses"][1]
+    assert abs(unsummed - summed) > 100 * LOSS_RTOL * abs(summed)
+    with pytest.raises(AssertionError):
+        assert_same_weights(weights(split, NEGATIVE_CONTROL), weights(one, "dpo_padding_free"), initial)
 
     refused = ranks(split, "refusals")[0]
     assert "sliding_attention" in refused["sliding_window"]
     assert "attn_implementation='sdpa'" in refused["eager"]
     assert "compute_loss_func" in refused["compute_loss_func"]
-    assert "supported by SFTTrainer only" in refused["dpo"]
+    assert "supported by SFTTrainer and DPOTrainer only; KTOTrainer" in refused["kto"]
     assert "must be a multiple of 2 x cp_size = 4" in refused["pad_to_multiple_of"]
     assert refused["pad_to_multiple_of_default"] == "4"
