@@ -90,6 +90,91 @@ def test_each_process_holds_a_balanced_share_of_every_document():
     assert sorted(shift[shift != -100].tolist()) == sorted(labels[0, 1:][labels[0, 1:] != -100].tolist())
 
 
+def test_each_process_part_of_every_sequence_sums_to_the_whole():
+    """DPO under context parallelism: each process scores only its part of every sequence. With each target's sequence
+    and rank carried through the layout and torch's split, the per-sequence sums of the processes' parts, summed over
+    the processes, are one process's sums: plain, LD-DPO's (ranks beyond the pair's shared length weighted) and WPO's
+    weights, in padded rows and in a padding-free row (the launch below checks the all-reduce and the training)."""
+    import threading
+
+    from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer
+
+    from leantune.losses.preference import pair_sequence_logps, wpo_weights
+    from leantune.losses.token_logprobs import TargetSequences, select_targets
+    from leantune.trainers.context_parallel import RANK_KEY, SEQUENCE_KEY, lay_out_documents, target_sequence_grids
+
+    cp, lengths, prompts = 2, [9, 7, 6, 11], [4, 3, 4, 3]  # chosen 0, chosen 1, rejected 0, rejected 1
+    generator = torch.Generator().manual_seed(0)
+
+    def labelled(ids, position_ids):  # prompt tokens and padding are no targets
+        labels = ids.clone()
+        labels[(position_ids < torch.tensor(prompts).repeat_interleave(torch.tensor(lengths)).view_as(ids))] = -100
+        return labels
+
+    flat_positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    flat_ids = torch.arange(100, 100 + sum(lengths)).unsqueeze(0)
+    offsets = torch.tensor([0, *lengths]).cumsum(0)
+    padding_free = {"input_ids": flat_ids, "position_ids": flat_positions, "cu_seq_lens_q": offsets}
+    padded_ids = torch.zeros(4, 12, dtype=torch.long)
+    padded_labels = torch.full((4, 12), -100)
+    for row, (n, p) in enumerate(zip(lengths, prompts)):
+        padded_ids[row, :n] = torch.arange(100, 100 + n)
+        padded_labels[row, p:n] = padded_ids[row, p:n]
+    layouts = [(padding_free, labelled(flat_ids, flat_positions)), ({"input_ids": padded_ids}, padded_labels)]
+    for batch, labels in layouts:
+        # each position's target log-prob and WPO statistic (float64: sums in any order agree to ~1e-16 relative)
+        values = torch.randn(labels.shape, dtype=torch.float64, generator=generator)
+        stats = torch.randn(labels.shape, dtype=torch.float64, generator=generator)
+        targets = select_targets(labels)
+        starts = offsets[:-1] if "cu_seq_lens_q" in batch else torch.arange(4) * 12
+        logps = values.reshape(-1)[targets.index]
+        expected = pair_sequence_logps(logps, targets, starts, 2, ld_alpha=0.5)
+        expected_weights = wpo_weights(logps, stats.reshape(-1)[targets.index], targets, starts, expected.lengths)
+
+        carried = {**target_sequence_grids(batch, labels), "value": values, "stat": stats}
+        if "cu_seq_lens_q" in batch:
+            laid = lay_out_documents(batch, labels, cp, 0, carried)
+        else:
+            from leantune.losses.causal_lm import shifted_targets
+
+            laid = {"shift_labels": shifted_targets(labels), **carried}
+        width = laid["shift_labels"].shape[1]
+        split = _HeadTailLoadBalancer(width, cp, "cpu")._generate_indices()[0].view(cp, -1)
+        partials, barrier, results = [None] * cp, threading.Barrier(cp), [None] * cp
+
+        def process(rank):  # one process of the group; `total` sums the group's partial sums, as the all-reduce
+            def total(partial):
+                partials[rank] = partial
+                barrier.wait()
+                whole = sum(partials)
+                barrier.wait()
+                return whole
+
+            local = {name: laid[name][:, split[rank]] for name in ("shift_labels", SEQUENCE_KEY, RANK_KEY, "value",
+                                                                   "stat")}
+            mine = select_targets(local["shift_labels"], shifted=True)
+            placed = TargetSequences(local[SEQUENCE_KEY].reshape(-1)[mine.index],
+                                     local[RANK_KEY].reshape(-1)[mine.index], total)
+            mine_logps = local["value"].reshape(-1)[mine.index]
+            got = pair_sequence_logps(mine_logps, mine, None, 2, ld_alpha=0.5, placed=placed)
+            weights = wpo_weights(mine_logps, local["stat"].reshape(-1)[mine.index], mine, None, got.lengths, placed)
+            results[rank] = (got, weights, len(mine))
+
+        threads = [threading.Thread(target=process, args=(rank,)) for rank in range(cp)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert sum(count for *_, count in results) == len(targets)
+        for got, weights, count in results:
+            assert 0 < count < len(targets)  # each process holds part of the targets, not all
+            assert torch.equal(got.lengths, expected.lengths)
+            for name in ("logps", "raw_logps"):
+                torch.testing.assert_close(getattr(got, name), getattr(expected, name), rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(weights, expected_weights, rtol=1e-12, atol=0)
+        assert not torch.equal(expected.logps, expected.raw_logps)  # LD-DPO's weighting did apply
+
+
 def test_pad_to_multiple_of_follows_cp_size(monkeypatch):
     """TRL's rule: under context parallelism rows are padded to a multiple of 2 x cp_size; an explicit value that is
     not one is refused (cp_size from the accelerate config file arrives as environment variables)."""
