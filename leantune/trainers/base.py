@@ -54,10 +54,10 @@ class LeantuneTrainer(Trainer):
     scores_at_temperature = False
     # Whether the trained model scores a vocabulary (a reward model scores sequences: nothing to chunk or fuse).
     scores_vocabulary = True
-    # Whether the trainer runs under context parallelism (SFT, DPO; the others' losses would read each process's
+    # Whether the trainer runs under context parallelism (SFT, DPO, KTO; the others' losses would read each process's
     # part of every sequence as the whole sequence).
     supports_context_parallelism = False
-    # Whether the loss reads per-sequence sums (DPO's): under context parallelism each target's sequence travels with
+    # Whether the loss reads per-sequence sums (DPO's, KTO's): under context parallelism each target's sequence travels with
     # it through the split, and those sums are made whole over the group (trainers/context_parallel.py).
     loss_over_sequence_sums = False
 

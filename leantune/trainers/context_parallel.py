@@ -26,6 +26,7 @@ import functools
 import os
 
 import torch
+import torch.nn.functional as F
 
 from ..data.collators import sequence_starts
 from ..losses.causal_lm import IGNORE_INDEX, shifted_targets
@@ -33,6 +34,10 @@ from ..losses.token_logprobs import TargetSequences, select_targets
 
 # The batch keys that carry each target's sequence and rank through the split (`target_sequence_grids`)
 SEQUENCE_KEY, RANK_KEY = "cp_target_sequence", "cp_target_rank"
+# The keys of one layout of a batch; KTO's batches hold a second one, of its mismatched sequences, under this prefix
+LAYOUT_KEYS = ("input_ids", "labels", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k",
+               "max_length_q", "max_length_k")
+KL_PREFIX = "kl_"
 
 
 def requested_cp_size(args) -> int:
@@ -121,14 +126,14 @@ def _segments(position_ids: torch.Tensor) -> list[list[int]]:
 
 
 def lay_out_documents(batch: dict, labels: torch.Tensor, cp: int, pad_token_id: int,
-                      carried: dict[str, torch.Tensor] | None = None) -> dict:
+                      carried: dict[str, torch.Tensor] | None = None, width: int = 0) -> dict:
     """A batch of segmented rows (packed or padding-free) laid out for context parallelism: every segment padded to a
     multiple of 2 x cp (padding continues its positions and has no target), the rows made one width, and the tokens
     of each row reordered so that torch's head-tail split gives each process chunks k and 2cp-1-k of every
     segment. Returns input_ids, shift_labels, position_ids (reordered, not yet split) and the per-process segment
     lengths (`local_lengths`) and the expected local position ids (`local_positions`, one row per process).
     `carried`: more per-position values aligned with the shifted targets (-1 where padding is added), laid out
-    with them and returned under their names."""
+    with them and returned under their names. `width`: the rows' width at least (a multiple of 2 x cp)."""
     multiple = 2 * cp
     device = batch["input_ids"].device
     input_ids, labels, positions = batch["input_ids"].cpu(), labels.cpu(), batch["position_ids"].cpu()
@@ -149,7 +154,7 @@ def lay_out_documents(batch: dict, labels: torch.Tensor, cp: int, pad_token_id: 
             start += n
         rows.append((torch.cat(ids), torch.cat(tgt), torch.cat(pos), {k: torch.cat(v) for k, v in more.items()},
                      padded))
-    width = max(sum(padded) for *_, padded in rows)
+    width = max(width, max(sum(padded) for *_, padded in rows))
     out_ids, out_tgt, out_pos, local_lengths, local_positions = [], [], [], [], [[] for _ in range(cp)]
     out_more = {name: [] for name in carried}
     for ids, tgt, pos, more, padded in rows:
@@ -187,6 +192,15 @@ def lay_out_documents(batch: dict, labels: torch.Tensor, cp: int, pad_token_id: 
         "local_positions": [torch.stack(p) for p in local_positions],
         **{name: torch.stack(values).to(device) for name, values in out_more.items()},
     }
+
+
+def laid_width(view: dict, cp: int) -> int:
+    """The width of a batch's rows once laid out: padded rows keep theirs, segmented rows pad every segment to a
+    multiple of 2 x cp."""
+    if "cu_seq_lens_q" not in view:
+        return int(view["input_ids"].shape[1])
+    multiple = 2 * cp
+    return max(sum(-(-n // multiple) * multiple for n in row) for row in _segments(view["position_ids"].cpu()))
 
 
 def target_sequence_grids(batch: dict, labels: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -229,7 +243,7 @@ class ContextParallelism:
         config = getattr(accelerator, "parallelism_config", None)
         self.size = int(config.cp_size) if config is not None and config.cp_enabled else 1
         self.batch_targets = None
-        self._local_positions = None
+        self._local_positions = None  # {layout prefix: this process's expected position ids} of segmented rows
 
     def check(self, trainer_name: str, supported: bool, model, compute_loss_func, args) -> None:
         """Refuse, when the trainer is built, what context parallelism cannot run exactly."""
@@ -237,7 +251,7 @@ class ContextParallelism:
         if cp <= 1:
             return
         if not supported:
-            raise ValueError(f"Context parallelism (`cp_size={cp}`) is supported by SFTTrainer and DPOTrainer only; "
+            raise ValueError(f"Context parallelism (`cp_size={cp}`) is supported by SFTTrainer, DPOTrainer and KTOTrainer only; "
                              f"{trainer_name}'s loss would read each process's part of every sequence as the whole "
                              f"sequence. Set `cp_size` to 1.")
         problem = attention_problem(self.accelerator.unwrap_model(model))
@@ -255,33 +269,45 @@ class ContextParallelism:
         """Lay the batch out for context parallelism (targets shifted before the split; packed and padding-free
         rows so that each document attends only to itself across the ring) and hand it to accelerate's
         `maybe_context_parallel`, which splits input_ids, shift_labels and position_ids along time. `per_sequence`
-        (a loss over per-sequence sums, DPO's): each target's sequence and rank travel with it through the split
-        (`target_sequence_grids`), for `placed_targets`."""
+        (a loss over per-sequence sums, DPO's and KTO's): each target's sequence and rank travel with it through the
+        split (`target_sequence_grids`), for `placed_targets`. KTO's mismatched sequences (`kl_*` keys) are a second
+        layout of the batch, laid out alike; torch splits every buffer with one load balancer, so both get one
+        width."""
         if self.size <= 1:
             return contextlib.nullcontext, inputs
         inputs = dict(inputs)
-        labels = inputs.pop("labels")
-        carried = target_sequence_grids(inputs, labels) if per_sequence else {}
-        if "cu_seq_lens_q" in inputs:  # packed or padding-free rows: per-document layout
-            self._lay_out_documents(inputs, labels, 0 if pad_token_id is None else pad_token_id, carried)
-        else:
-            self._lay_out_rows(inputs, labels)
-            inputs.update(carried)
-        inputs["input_ids"] = inputs["input_ids"].clone()
+        pad = 0 if pad_token_id is None else pad_token_id
+        prefixes = ("", KL_PREFIX) if KL_PREFIX + "input_ids" in inputs else ("",)
+        views = {prefix: {name: inputs.pop(prefix + name) for name in LAYOUT_KEYS if prefix + name in inputs}
+                 for prefix in prefixes}
+        width = max(laid_width(view, self.size) for view in views.values())
+        self._local_positions, buffers = {}, []
+        for prefix, view in views.items():
+            labels = view.pop("labels")
+            if "cu_seq_lens_q" in view:  # packed or padding-free rows: per-document layout
+                carried = target_sequence_grids(view, labels) if per_sequence else {}
+                self._lay_out_documents(view, labels, pad, carried, width, prefix)
+            else:
+                labels = self._lay_out_rows(view, labels, width, pad)
+                carried = target_sequence_grids(view, labels) if per_sequence else {}
+                view.update(carried)
+            view["input_ids"] = view["input_ids"].clone()
+            inputs.update({prefix + name: value for name, value in view.items()})
+            buffers += [view["input_ids"], view["shift_labels"], view["position_ids"], *(view[k] for k in carried)]
         self.batch_targets = (inputs["shift_labels"] != IGNORE_INDEX).sum()
-        buffers = [inputs["input_ids"], inputs["shift_labels"], inputs["position_ids"], *(inputs[k] for k in carried)]
         return functools.partial(self.accelerator.maybe_context_parallel, buffers=buffers,
                                  buffer_seq_dims=[1] * len(buffers), no_restore_buffers=set(buffers)), inputs
 
-    def _lay_out_documents(self, inputs: dict, labels: torch.Tensor, pad: int, carried: dict) -> None:
+    def _lay_out_documents(self, inputs: dict, labels: torch.Tensor, pad: int, carried: dict, width: int,
+                           prefix: str) -> None:
         cp = self.size
         rank = self.accelerator.torch_device_mesh["cp"].get_local_rank()
-        laid = lay_out_documents(inputs, labels, cp, pad, carried)
+        laid = lay_out_documents(inputs, labels, cp, pad, carried, width)
         offsets, longest = local_segment_offsets(laid["local_lengths"], labels.device)
         inputs.update(input_ids=laid["input_ids"], shift_labels=laid["shift_labels"],
                       position_ids=laid["position_ids"], cu_seq_lens_q=offsets, cu_seq_lens_k=offsets,
                       max_length_q=longest, max_length_k=longest, **{k: laid[k] for k in carried})
-        self._local_positions = laid["local_positions"][rank]
+        self._local_positions[prefix] = laid["local_positions"][rank]
 
     def placed_targets(self, inputs: dict, targets) -> TargetSequences | None:
         """This process's targets' sequences and ranks (None for a batch not laid out with `per_sequence`), with
@@ -307,7 +333,8 @@ class ContextParallelism:
         torch.distributed.all_reduce(whole, group=group)
         return whole
 
-    def _lay_out_rows(self, inputs: dict, labels: torch.Tensor) -> None:
+    def _lay_out_rows(self, inputs: dict, labels: torch.Tensor, width: int, pad: int) -> torch.Tensor:
+        """Right-padded rows as they are (padded further to `width`); returns the labels at that width."""
         cp = self.size
         mask = inputs.pop("attention_mask", None)
         if mask is not None:
@@ -317,20 +344,25 @@ class ContextParallelism:
             raise ValueError("These rows hold several sequences (their position_ids restart) but no "
                              "`cu_seq_lens_q` offsets: context parallelism would let each sequence attend to the "
                              "ones before it. Use leantune's collator with `packing` / `padding_free`.")
-        width = inputs["input_ids"].shape[1]
-        if width % (2 * cp):
-            raise ValueError(f"A batch of width {width} cannot be split into 2 x cp_size = {2 * cp} equal chunks; "
+        own = inputs["input_ids"].shape[1]
+        if own % (2 * cp):
+            raise ValueError(f"A batch of width {own} cannot be split into 2 x cp_size = {2 * cp} equal chunks; "
                              f"set `pad_to_multiple_of` to a multiple of {2 * cp}.")
-        inputs["shift_labels"] = shifted_targets(labels).contiguous()
         if positions is None:
-            positions = torch.arange(width, device=labels.device).expand(labels.shape[0], -1)
+            positions = torch.arange(own, device=labels.device).expand(labels.shape[0], -1)
+        if width > own:  # right padding up to the other layout's width (KTO's KL sequences): no targets
+            extra = width - own
+            inputs["input_ids"] = F.pad(inputs["input_ids"], (0, extra), value=pad)
+            labels = F.pad(labels, (0, extra), value=IGNORE_INDEX)
+            positions = torch.cat([positions, positions[:, -1:] + 1 + torch.arange(extra, device=labels.device)], 1)
+        inputs["shift_labels"] = shifted_targets(labels).contiguous()
         inputs["position_ids"] = positions.clone()
-        self._local_positions = None
+        return labels
 
-    def check_layout(self, inputs: dict) -> None:
+    def check_layout(self, inputs: dict, prefix: str = "") -> None:
         """Inside the split: this process holds the positions leantune's layout put there (a safety net should
-        torch's split ever change)."""
-        expected = self._local_positions
+        torch's split ever change). `prefix`: the layout's (KTO's `kl_`)."""
+        expected = (self._local_positions or {}).get(prefix)
         if expected is not None and not torch.equal(inputs["position_ids"].cpu(), expected):
             raise RuntimeError("torch's context-parallel split did not give this process the tokens leantune laid out "
                                "for it (its head-tail load balancing changed?); packed documents would mix.")

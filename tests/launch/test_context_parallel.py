@@ -1,7 +1,8 @@
-"""Context parallelism for SFT and DPO (accelerate's `parallelism_config_cp_size: 2` with FSDP2), launched for real as
-2 CPU processes by `accelerate launch --config_file examples/accelerate/fsdp2_context_parallel.yaml`, against one
-process on the same data: SFT's padded rows, packing, padding-free, packing + padding-free; DPO's padded and
-padding-free pairs (HH-RLHF, a frozen reference copy).
+"""Context parallelism for SFT, DPO and KTO (accelerate's `parallelism_config_cp_size: 2` with FSDP2), launched for
+real as 2 CPU processes by `accelerate launch --config_file examples/accelerate/fsdp2_context_parallel.yaml`, against
+one process on the same data: SFT's padded rows, packing, padding-free, packing + padding-free; DPO's and KTO's
+padded and padding-free batches (HH-RLHF pairs, a frozen reference copy; KTO's mismatched completions for its KL
+reference point are a second layout of the batch, split alike).
 
 Under cp_size=2 both processes take the same batch and each holds half of every sequence (torch's ring attention
 passes keys and values between them); the CPU-only part (the ring for the CPU SDPA kernel) is a helper in
@@ -19,7 +20,9 @@ Tolerances (SGD with momentum 0.9, no clipping, 2 steps, lr 1e-2; tests/scripts/
   the context-parallel group (a differentiable all-reduce) before the loss. Those fp32 sums (magnitude ~500, where
   an ulp is 3e-5) are added in another order than one process's: about an ulp, times beta = 0.1 and the sigmoid's
   slope 1/2, ~1.5e-6 absolute on a loss of 0.69 (measured: 2.1e-6 relative padded, 6.8e-7 padding-free, at step 2;
-  step 1 is log 2 exactly, policy = reference, so its gradient is checked through the weights). Negative control (`dpo_padding_free_unsummed`: each process's partial
+  step 1 is log 2 exactly, policy = reference, so its gradient is checked through the weights). KTO alike (its loss
+  0.5 at step 1; at step 2 its KL reference point, 0.038, is in the loss; measured 1.9e-6 padded, 1.2e-7
+  padding-free). Negative control (`dpo_padding_free_unsummed`: each process's partial
   sums read as whole sequences, no all-reduce): step 2's loss off by 4.8e-3 relative (480 times the tolerance) and
   the weights off by 0.50 of their update (measured), so the comparison fails by far.
 """
@@ -44,7 +47,8 @@ from ..fixtures.paths import CPU_ENGINES, HH_PAIRS, REPO, SCRIPTS, require
 SCRIPT = SCRIPTS / "cp_run.py"
 HELPERS = CPU_ENGINES
 CONFIG = REPO / "examples" / "accelerate" / "fsdp2_context_parallel.yaml"
-CASES = ["sft", "sft_packed", "sft_padding_free", "sft_packed_padding_free", "dpo", "dpo_padding_free"]
+CASES = ["sft", "sft_packed", "sft_padding_free", "sft_packed_padding_free", "dpo", "dpo_padding_free", "kto",
+         "kto_padding_free"]
 NEGATIVE_CONTROL = "dpo_padding_free_unsummed"  # run under context parallelism only, compared with dpo_padding_free
 
 
@@ -286,6 +290,6 @@ def test_sft_under_context_parallelism_matches_one_process(assets):
     assert "sliding_attention" in refused["sliding_window"]
     assert "attn_implementation='sdpa'" in refused["eager"]
     assert "compute_loss_func" in refused["compute_loss_func"]
-    assert "supported by SFTTrainer and DPOTrainer only; KTOTrainer" in refused["kto"]
+    assert "supported by SFTTrainer, DPOTrainer and KTOTrainer only; RewardTrainer" in refused["reward"]
     assert "must be a multiple of 2 x cp_size = 4" in refused["pad_to_multiple_of"]
     assert refused["pad_to_multiple_of_default"] == "4"

@@ -1,5 +1,5 @@
 """Run by tests/launch/test_context_parallel.py, alone or under `accelerate launch` with
-examples/accelerate/fsdp2_context_parallel.yaml (2 CPU processes, cp_size=2): two SGD steps of SFT or DPO per named
+examples/accelerate/fsdp2_context_parallel.yaml (2 CPU processes, cp_size=2): two SGD steps of SFT, DPO or KTO per named
 case, through the public API. Per case it saves the trained weights (FSDP2's full-state gather) to <out>/<case>/ and
 writes what every process saw to <out>/<case>/rank<k>.json. The case `refusals` builds trainers that context
 parallelism cannot run exactly and records each error. The case `dpo_padding_free_unsummed` is the negative control:
@@ -49,6 +49,9 @@ CASES = {
     "dpo_padding_free": dict(config_class=leantune.DPOConfig, max_length=128, max_prompt_length=48,
                              padding_free=True),
 }
+# KTO: the pairs unpaired (8 examples, 4 per step), each with its mismatched completion for the KL reference point
+CASES["kto"] = dict(CASES["dpo"], config_class=leantune.KTOConfig)
+CASES["kto_padding_free"] = dict(CASES["dpo_padding_free"], config_class=leantune.KTOConfig)
 CASES["dpo_padding_free_unsummed"] = CASES["dpo_padding_free"]
 
 
@@ -78,7 +81,7 @@ def refusals() -> dict[str, str]:
             train_dataset=data, processing_class=tokenizer)),
         "compute_loss_func": error(lambda: leantune.SFTTrainer(model_dir, args=config("r3"), train_dataset=data,
                                                                compute_loss_func=lambda *a, **k: 0)),
-        "kto": error(lambda: leantune.KTOTrainer(model_dir, args=leantune.KTOConfig(
+        "reward": error(lambda: leantune.RewardTrainer(model_dir, args=leantune.RewardConfig(
             output_dir=f"{out}/r4", report_to=[], max_length=96), train_dataset=pairs)),
         "pad_to_multiple_of": error(lambda: config("r5", pad_to_multiple_of=6)),
         "pad_to_multiple_of_default": str(config("r6").pad_to_multiple_of),
@@ -97,7 +100,9 @@ for case in cases:
             json.dump(record, handle)
         continue
     args = config(case, **CASES[case])
-    if isinstance(args, leantune.DPOConfig):
+    if isinstance(args, leantune.KTOConfig):
+        trainer = leantune.KTOTrainer(model_dir, args=args, train_dataset=pairs)
+    elif isinstance(args, leantune.DPOConfig):
         if case.endswith("_unsummed"):  # the negative control: partial sums read as whole sequences
             from leantune.trainers.context_parallel import ContextParallelism
 
