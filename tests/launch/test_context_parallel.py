@@ -99,13 +99,11 @@ def test_each_process_part_of_every_sequence_sums_to_the_whole():
     and rank carried through the layout and torch's split, the per-sequence sums of the processes' parts, summed over
     the processes, are one process's sums: plain, LD-DPO's (ranks beyond the pair's shared length weighted) and WPO's
     weights, in padded rows and in a padding-free row (the launch below checks the all-reduce and the training)."""
-    import threading
-
     from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer
 
     from leantune.losses.preference import pair_sequence_logps, wpo_weights
-    from leantune.losses.token_logprobs import TargetSequences, select_targets
-    from leantune.trainers.context_parallel import RANK_KEY, SEQUENCE_KEY, lay_out_documents, target_sequence_grids
+    from leantune.losses.token_logprobs import select_targets
+    from leantune.trainers.context_parallel import lay_out_documents, target_sequence_grids
 
     cp, lengths, prompts = 2, [9, 7, 6, 11], [4, 3, 4, 3]  # chosen 0, chosen 1, rejected 0, rejected 1
     generator = torch.Generator().manual_seed(0)
@@ -144,31 +142,7 @@ def test_each_process_part_of_every_sequence_sums_to_the_whole():
             laid = {"shift_labels": shifted_targets(labels), **carried}
         width = laid["shift_labels"].shape[1]
         split = _HeadTailLoadBalancer(width, cp, "cpu")._generate_indices()[0].view(cp, -1)
-        partials, barrier, results = [None] * cp, threading.Barrier(cp), [None] * cp
-
-        def process(rank):  # one process of the group; `total` sums the group's partial sums, as the all-reduce
-            def total(partial):
-                partials[rank] = partial
-                barrier.wait()
-                whole = sum(partials)
-                barrier.wait()
-                return whole
-
-            local = {name: laid[name][:, split[rank]] for name in ("shift_labels", SEQUENCE_KEY, RANK_KEY, "value",
-                                                                   "stat")}
-            mine = select_targets(local["shift_labels"], shifted=True)
-            placed = TargetSequences(local[SEQUENCE_KEY].reshape(-1)[mine.index],
-                                     local[RANK_KEY].reshape(-1)[mine.index], total)
-            mine_logps = local["value"].reshape(-1)[mine.index]
-            got = pair_sequence_logps(mine_logps, mine, None, 2, ld_alpha=0.5, placed=placed)
-            weights = wpo_weights(mine_logps, local["stat"].reshape(-1)[mine.index], mine, None, got.lengths, placed)
-            results[rank] = (got, weights, len(mine))
-
-        threads = [threading.Thread(target=process, args=(rank,)) for rank in range(cp)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        results = sums_on_each_process(laid, split)
         assert sum(count for *_, count in results) == len(targets)
         for got, weights, count in results:
             assert 0 < count < len(targets)  # each process holds part of the targets, not all
@@ -177,6 +151,43 @@ def test_each_process_part_of_every_sequence_sums_to_the_whole():
                 torch.testing.assert_close(getattr(got, name), getattr(expected, name), rtol=1e-12, atol=1e-12)
             torch.testing.assert_close(weights, expected_weights, rtol=1e-12, atol=0)
         assert not torch.equal(expected.logps, expected.raw_logps)  # LD-DPO's weighting did apply
+
+
+def sums_on_each_process(laid: dict, split: torch.Tensor) -> list:
+    """Each process's (pair sums, WPO weights, target count) from its part `split[rank]` of the laid-out batch, the
+    processes run as threads whose `total` sums the group's partial sums, as the all-reduce does."""
+    import threading
+
+    from leantune.losses.preference import pair_sequence_logps, wpo_weights
+    from leantune.losses.token_logprobs import TargetSequences, select_targets
+    from leantune.trainers.context_parallel import RANK_KEY, SEQUENCE_KEY
+
+    cp = split.shape[0]
+    partials, barrier, results = [None] * cp, threading.Barrier(cp), [None] * cp
+
+    def process(rank):
+        def total(partial):
+            partials[rank] = partial
+            barrier.wait()
+            whole = sum(partials)
+            barrier.wait()
+            return whole
+
+        local = {name: laid[name][:, split[rank]] for name in ("shift_labels", SEQUENCE_KEY, RANK_KEY, "value", "stat")}
+        mine = select_targets(local["shift_labels"], shifted=True)
+        placed = TargetSequences(local[SEQUENCE_KEY].reshape(-1)[mine.index], local[RANK_KEY].reshape(-1)[mine.index],
+                                 total)
+        logps = local["value"].reshape(-1)[mine.index]
+        got = pair_sequence_logps(logps, mine, None, 2, ld_alpha=0.5, placed=placed)
+        weights = wpo_weights(logps, local["stat"].reshape(-1)[mine.index], mine, None, got.lengths, placed)
+        results[rank] = (got, weights, len(mine))
+
+    threads = [threading.Thread(target=process, args=(rank,)) for rank in range(cp)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
 
 
 def test_pad_to_multiple_of_follows_cp_size(monkeypatch):
