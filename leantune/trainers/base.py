@@ -57,8 +57,8 @@ class LeantuneTrainer(Trainer):
     # Whether the trainer runs under context parallelism (SFT, DPO, KTO; the others' losses would read each process's
     # part of every sequence as the whole sequence).
     supports_context_parallelism = False
-    # Whether the loss reads per-sequence sums (DPO's, KTO's): under context parallelism each target's sequence travels with
-    # it through the split, and those sums are made whole over the group (trainers/context_parallel.py).
+    # Whether the loss reads per-sequence sums (DPO's, KTO's): under context parallelism each target's sequence
+    # travels with it through the split, and those sums are made whole over the group (trainers/context_parallel.py).
     loss_over_sequence_sums = False
 
     # --- construction: one sequence for every trainer -----------------------------------------------------------

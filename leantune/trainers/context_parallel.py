@@ -251,9 +251,9 @@ class ContextParallelism:
         if cp <= 1:
             return
         if not supported:
-            raise ValueError(f"Context parallelism (`cp_size={cp}`) is supported by SFTTrainer, DPOTrainer and KTOTrainer only; "
-                             f"{trainer_name}'s loss would read each process's part of every sequence as the whole "
-                             f"sequence. Set `cp_size` to 1.")
+            raise ValueError(f"Context parallelism (`cp_size={cp}`) is supported by SFTTrainer, DPOTrainer and "
+                             f"KTOTrainer only; {trainer_name}'s loss would read each process's part of every sequence "
+                             f"as the whole sequence. Set `cp_size` to 1.")
         problem = attention_problem(self.accelerator.unwrap_model(model))
         if problem is not None:
             raise ValueError(f"Context parallelism (`cp_size={cp}`) cannot run this model exactly: {problem}.")
