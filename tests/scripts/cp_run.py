@@ -44,7 +44,7 @@ CASES = {
     "sft_padding_free": dict(padding_free=True),
     "sft_packed_padding_free": dict(packing=True, padding_free=True),
     # DPO (a frozen reference copy, sharded like the policy): 4 pairs = 8 sequences per step, prompts cut to 48
-    # tokens so every sequence keeps completion targets on both processes' chunks
+    # tokens so that completions (the targets) keep most of the 128
     "dpo": dict(config_class=leantune.DPOConfig, max_length=128, max_prompt_length=48),
     "dpo_padding_free": dict(config_class=leantune.DPOConfig, max_length=128, max_prompt_length=48,
                              padding_free=True),
