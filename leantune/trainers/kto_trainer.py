@@ -152,7 +152,9 @@ class KTOTrainer(ReferenceModelMixin, LeantuneTrainer):
             summary["rewards/margins"] = summary["rewards/chosen"] - summary["rewards/rejected"]
         summary["kl"] = sum(store["kl"]) / len(store["kl"])
         summary = {name: round(value, 6) for name, value in summary.items() if value is not None}
-        summary.update({"count/desirable": sum(good), "count/undesirable": len(good) - sum(good)})
+        # under context parallelism every process of a group recorded the same examples (the means are unchanged)
+        copies = self.context_parallel.size
+        summary.update({"count/desirable": sum(good) // copies, "count/undesirable": (len(good) - sum(good)) // copies})
         return summary
 
     # --- precomputed reference ------------------------------------------------------------------------------------
