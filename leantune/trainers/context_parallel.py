@@ -51,6 +51,12 @@ def requested_cp_size(args) -> int:
     return 1
 
 
+def cp_size_of(accelerator) -> int:
+    """The context-parallel size the accelerator runs with (1 without context parallelism)."""
+    config = getattr(accelerator, "parallelism_config", None)
+    return int(config.cp_size) if config is not None and config.cp_enabled else 1
+
+
 def resolve_pad_to_multiple_of(args) -> None:
     """Under context parallelism rows must split into 2 x cp_size equal chunks (torch's load balancing): the default
     becomes 2 x cp_size, and an explicit value that is not a multiple of it is refused."""
@@ -240,8 +246,7 @@ class ContextParallelism:
 
     def __init__(self, accelerator):
         self.accelerator = accelerator
-        config = getattr(accelerator, "parallelism_config", None)
-        self.size = int(config.cp_size) if config is not None and config.cp_enabled else 1
+        self.size = cp_size_of(accelerator)
         self.batch_targets = None
         self._local_positions = None  # {layout prefix: this process's expected position ids} of segmented rows
 

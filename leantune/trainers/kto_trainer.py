@@ -119,9 +119,7 @@ class KTOTrainer(ReferenceModelMixin, LeantuneTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         batch = dict(inputs)
         self.run_metrics.count_tokens(model, batch)
-        kl_real = batch.pop("kl_num_real_tokens", None)
-        if model.training and kl_real is not None:
-            self.run_metrics.throughput.add(int(kl_real), int(batch["kl_input_ids"].numel()))
+        self.run_metrics.count_tokens(model, batch, prefix=KL_PREFIX)
         count = int(batch["num_examples"])
         ref_logps, ref_kl_logps = self.reference_logps(batch)
         kl = self.kl_reference_point(model, batch, ref_kl_logps)
