@@ -2,8 +2,9 @@
 examples/accelerate/fsdp2_context_parallel.yaml (2 CPU processes, cp_size=2): two SGD steps of SFT, DPO or KTO per named
 case, through the public API. Per case it saves the trained weights (FSDP2's full-state gather) to <out>/<case>/ and
 writes what every process saw to <out>/<case>/rank<k>.json. The case `refusals` builds trainers that context
-parallelism cannot run exactly and records each error. The case `dpo_padding_free_unsummed` is the negative control:
-padding-free DPO with each process's partial per-sequence sums taken as whole (no all-reduce over the group).
+parallelism cannot run exactly and records each error. The case `dpo_padding_free_unsummed` is the negative control
+(measured once, not run by the test; the last case of a launch, as it patches the all-reduce out): padding-free DPO
+with each process's partial per-sequence sums taken as whole (no all-reduce over the group).
 
 usage: cp_run.py OUT ASSETS_DIR CASE [CASE ...]     (ASSETS_DIR holds model/, sft.jsonl and pairs.jsonl)"""
 
