@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .token_logprobs import Targets, per_sequence_sum, target_sequences
+from .token_logprobs import Targets, TargetSequences
 
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
                   "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")
@@ -35,35 +35,36 @@ class PairSequenceLogps:
 
 
 def pair_sequence_logps(logps: torch.Tensor, targets: Targets, starts: torch.Tensor, num_pairs: int,
-                        ld_alpha: float | None = None) -> PairSequenceLogps:
+                        ld_alpha: float | None = None, placed: TargetSequences | None = None) -> PairSequenceLogps:
     """Sum the per-target log-probs of chosen and rejected sequences, and count their targets.
 
     LD-DPO (`ld_alpha`): a pair's first min(chosen length, rejected length) targets of each completion count fully,
-    the targets beyond that shared length are weighted by `ld_alpha`. Targets are in flat order, so those of one
-    sequence are contiguous and in sequence order in every layout (padded rows, padding-free segments).
+    the targets beyond that shared length are weighted by `ld_alpha`. `placed`: each target's sequence and rank
+    (default: from `starts`, targets of one sequence contiguous and in order, as in every one-process layout); under
+    context parallelism its `total` makes each process's partial sums and lengths whole before they are used.
     """
     num_sequences = 2 * num_pairs
-    sequence = target_sequences(targets, starts)
-    lengths = torch.bincount(sequence, minlength=num_sequences)[:num_sequences]
-    raw = logps.new_zeros(num_sequences).index_add(0, sequence, logps)
+    placed = TargetSequences.contiguous(targets, starts) if placed is None else placed
+    lengths = placed.lengths(num_sequences)
+    raw = placed.sums(logps, num_sequences)
     if ld_alpha is None:
         return PairSequenceLogps(raw, raw, lengths)
     shared = torch.minimum(lengths[:num_pairs], lengths[num_pairs:]).repeat(2)
-    first = torch.cumsum(lengths, 0) - lengths  # index of each sequence's first target among all targets
-    rank = torch.arange(sequence.numel(), device=sequence.device) - first[sequence]  # 0-based within the sequence
-    weights = torch.where(rank < shared[sequence], 1.0, float(ld_alpha)).to(logps.dtype)
-    weighted = logps.new_zeros(num_sequences).index_add(0, sequence, logps * weights)
+    weights = torch.where(placed.rank < shared[placed.sequence], 1.0, float(ld_alpha)).to(logps.dtype)
+    weighted = placed.sums(logps * weights, num_sequences)
     return PairSequenceLogps(weighted, raw, lengths)
 
 
 @torch.no_grad()
 def wpo_weights(logps: torch.Tensor, log_sum_sq_probs: torch.Tensor, targets: Targets, starts: torch.Tensor,
-                lengths: torch.Tensor) -> torch.Tensor:
+                lengths: torch.Tensor, placed: TargetSequences | None = None) -> torch.Tensor:
     """WPO (arXiv 2406.11827, eq. 2), per sequence: exp(mean over its completion tokens of
     log p(y_t) - log sum_v p(v)^2), i.e. the token probabilities normalised by the distribution's own sharpness.
-    A pair's loss is weighted by its chosen weight times its rejected weight; no gradient flows through them."""
+    A pair's loss is weighted by its chosen weight times its rejected weight; no gradient flows through them.
+    `placed` as in `pair_sequence_logps`."""
     aligned = logps.detach() - log_sum_sq_probs
-    sums = per_sequence_sum(aligned, target_sequences(targets, starts), lengths.numel())
+    placed = TargetSequences.contiguous(targets, starts) if placed is None else placed
+    sums = placed.sums(aligned, lengths.numel())
     return torch.exp(sums / lengths.clamp(min=1).to(sums.dtype))
 
 

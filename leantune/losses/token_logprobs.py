@@ -58,6 +58,37 @@ def target_sequences(targets: Targets, starts: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(starts.to(targets.index.device), targets.index, right=True) - 1
 
 
+@dataclass
+class TargetSequences:
+    """Which sequence each target belongs to and its 0-based rank among that sequence's targets, and `total`, which
+    turns per-sequence partial sums into whole-sequence sums. A process holding whole sequences needs no `total`;
+    under context parallelism each process holds part of every sequence, so its sums are partial and `total` sums
+    them over the context-parallel group (trainers/context_parallel.py), before any loss reads them."""
+
+    sequence: torch.Tensor
+    rank: torch.Tensor
+    total: object = None  # (per-sequence partial sums) -> whole-sequence sums; None: they are whole already
+
+    @classmethod
+    def contiguous(cls, targets: Targets, starts: torch.Tensor) -> TargetSequences:
+        """From the sequences' flat start offsets: the targets of one sequence are contiguous and in order."""
+        sequence = target_sequences(targets, starts)
+        lengths = torch.bincount(sequence) if sequence.numel() else sequence.new_zeros(0)
+        first = torch.cumsum(lengths, 0) - lengths  # index of each sequence's first target among all targets
+        rank = torch.arange(sequence.numel(), device=sequence.device) - first[sequence]
+        return cls(sequence, rank)
+
+    def sums(self, values: torch.Tensor, num_sequences: int) -> torch.Tensor:
+        """Per-target values summed per whole sequence."""
+        partial = per_sequence_sum(values, self.sequence, num_sequences)
+        return partial if self.total is None else self.total(partial)
+
+    def lengths(self, num_sequences: int) -> torch.Tensor:
+        """The number of targets of each whole sequence."""
+        partial = torch.bincount(self.sequence, minlength=num_sequences)[:num_sequences]
+        return partial if self.total is None else self.total(partial)
+
+
 def per_sequence_sum(values: torch.Tensor, sequence: torch.Tensor, num_sequences: int) -> torch.Tensor:
     """Per-target values summed per sequence (`sequence`: each target's sequence, e.g. from `target_sequences`)."""
     return values.new_zeros(num_sequences).index_add(0, sequence, values)

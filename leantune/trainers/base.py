@@ -54,8 +54,12 @@ class LeantuneTrainer(Trainer):
     scores_at_temperature = False
     # Whether the trained model scores a vocabulary (a reward model scores sequences: nothing to chunk or fuse).
     scores_vocabulary = True
-    # Whether the trainer runs under context parallelism (SFT only: the others shift targets per sequence part).
+    # Whether the trainer runs under context parallelism (SFT, DPO, KTO; the others' losses would read each process's
+    # part of every sequence as the whole sequence).
     supports_context_parallelism = False
+    # Whether the loss reads per-sequence sums (DPO's, KTO's): under context parallelism each target's sequence
+    # travels with it through the split, and those sums are made whole over the group (trainers/context_parallel.py).
+    loss_over_sequence_sums = False
 
     # --- construction: one sequence for every trainer -----------------------------------------------------------
 
@@ -220,13 +224,16 @@ class LeantuneTrainer(Trainer):
     def _get_num_items_in_batch(self, batch_samples: list, device):
         return self.step_loss.count(batch_samples, device)
 
-    def normalise(self, loss_sum: torch.Tensor, local_count, num_items_in_batch) -> torch.Tensor:
-        """The micro-batch's loss: its summed loss over the step's item count, plus the router loss (parts/step_loss)."""
+    def normalise(self, loss_sum: torch.Tensor, local_count, num_items_in_batch,
+                  whole_sequences: bool = False) -> torch.Tensor:
+        """The micro-batch's loss: its summed loss over the step's item count, plus the router loss (parts/step_loss;
+        `whole_sequences`: a loss over sequence sums made whole across the context-parallel group)."""
         return self.step_loss.normalise(self.model, loss_sum, local_count, num_items_in_batch,
-                                        getattr(self, "current_gradient_accumulation_steps", 1))
+                                        getattr(self, "current_gradient_accumulation_steps", 1), whole_sequences)
 
     def _prepare_context_parallel_inputs(self, model, inputs):
-        return self.context_parallel.lay_out(inputs, getattr(self.data_collator, "pad_token_id", None))
+        return self.context_parallel.lay_out(inputs, getattr(self.data_collator, "pad_token_id", None),
+                                             per_sequence=self.loss_over_sequence_sums)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         return self.nonfinite.training_step(super().training_step, model, inputs, num_items_in_batch)

@@ -26,8 +26,18 @@ import functools
 import os
 
 import torch
+import torch.nn.functional as F
 
+from ..data.collators import sequence_starts
 from ..losses.causal_lm import IGNORE_INDEX, shifted_targets
+from ..losses.token_logprobs import TargetSequences, select_targets
+
+# The batch keys that carry each target's sequence and rank through the split (`target_sequence_grids`)
+SEQUENCE_KEY, RANK_KEY = "cp_target_sequence", "cp_target_rank"
+# The keys of one layout of a batch; KTO's batches hold a second one, of its mismatched sequences, under this prefix
+LAYOUT_KEYS = ("input_ids", "labels", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k",
+               "max_length_q", "max_length_k")
+KL_PREFIX = "kl_"
 
 
 def requested_cp_size(args) -> int:
@@ -39,6 +49,12 @@ def requested_cp_size(args) -> int:
     if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true":
         return int(os.environ.get("PARALLELISM_CONFIG_CP_SIZE", "1") or 1)
     return 1
+
+
+def cp_size_of(accelerator) -> int:
+    """The context-parallel size the accelerator runs with (1 without context parallelism)."""
+    config = getattr(accelerator, "parallelism_config", None)
+    return int(config.cp_size) if config is not None and config.cp_enabled else 1
 
 
 def resolve_pad_to_multiple_of(args) -> None:
@@ -79,6 +95,21 @@ def attention_problem(model) -> str | None:
     return None
 
 
+def prepare_frozen_for_ring(accelerator, model: torch.nn.Module, role: str) -> None:
+    """A frozen model run beside the policy under context parallelism (DPO's reference copy) gets what accelerate
+    gives the trained model only: its attention modules' hooks that drop the mask for the ring's plain causal
+    attention. A model the ring cannot run exactly is refused, as the policy is."""
+    config = getattr(accelerator, "parallelism_config", None)
+    if config is None or not config.cp_enabled:
+        return
+    problem = attention_problem(accelerator.unwrap_model(model))
+    if problem is not None:
+        raise ValueError(f"Context parallelism (`cp_size={config.cp_size}`) cannot run the {role} exactly: {problem}.")
+    from accelerate.big_modeling import _attach_context_parallel_hooks  # what Accelerator.prepare runs for the policy
+
+    _attach_context_parallel_hooks(model)
+
+
 def _head_tail(length: int, cp: int) -> torch.Tensor:
     """torch's default load balancing (head-tail): process r holds chunks r and 2cp-1-r of 2cp equal chunks."""
     chunk = length // (2 * cp)
@@ -100,36 +131,45 @@ def _segments(position_ids: torch.Tensor) -> list[list[int]]:
     return rows
 
 
-def lay_out_documents(batch: dict, labels: torch.Tensor, cp: int, pad_token_id: int) -> dict:
+def lay_out_documents(batch: dict, labels: torch.Tensor, cp: int, pad_token_id: int,
+                      carried: dict[str, torch.Tensor] | None = None, width: int = 0) -> dict:
     """A batch of segmented rows (packed or padding-free) laid out for context parallelism: every segment padded to a
     multiple of 2 x cp (padding continues its positions and has no target), the rows made one width, and the tokens
     of each row reordered so that torch's head-tail split gives each process chunks k and 2cp-1-k of every
     segment. Returns input_ids, shift_labels, position_ids (reordered, not yet split) and the per-process segment
-    lengths (`local_lengths`) and the expected local position ids (`local_positions`, one row per process)."""
+    lengths (`local_lengths`) and the expected local position ids (`local_positions`, one row per process).
+    `carried`: more per-position values aligned with the shifted targets (-1 where padding is added), laid out
+    with them and returned under their names. `width`: the rows' width at least (a multiple of 2 x cp)."""
     multiple = 2 * cp
     device = batch["input_ids"].device
     input_ids, labels, positions = batch["input_ids"].cpu(), labels.cpu(), batch["position_ids"].cpu()
     shift = shifted_targets(labels)  # before any reordering: the next token of each position in its own row
+    carried = {name: values.cpu() for name, values in (carried or {}).items()}
     rows = []
     for r, lengths in enumerate(_segments(positions)):
-        ids, tgt, pos, padded, start = [], [], [], [], 0
+        ids, tgt, pos, padded, more, start = [], [], [], [], {name: [] for name in carried}, 0
         for n in lengths:
             m = -(-n // multiple) * multiple
             ids.append(torch.cat([input_ids[r, start:start + n], input_ids.new_full((m - n,), pad_token_id)]))
             tgt.append(torch.cat([shift[r, start:start + n], shift.new_full((m - n,), IGNORE_INDEX)]))
             pos.append(torch.cat([positions[r, start:start + n],
                                   positions[r, start + n - 1] + 1 + torch.arange(m - n, dtype=positions.dtype)]))
+            for name, values in carried.items():
+                more[name].append(torch.cat([values[r, start:start + n], values.new_full((m - n,), -1)]))
             padded.append(m)
             start += n
-        rows.append((torch.cat(ids), torch.cat(tgt), torch.cat(pos), padded))
-    width = max(sum(padded) for *_, padded in rows)
+        rows.append((torch.cat(ids), torch.cat(tgt), torch.cat(pos), {k: torch.cat(v) for k, v in more.items()},
+                     padded))
+    width = max(width, max(sum(padded) for *_, padded in rows))
     out_ids, out_tgt, out_pos, local_lengths, local_positions = [], [], [], [], [[] for _ in range(cp)]
-    for ids, tgt, pos, padded in rows:
+    out_more = {name: [] for name in carried}
+    for ids, tgt, pos, more, padded in rows:
         extra = width - sum(padded)
         if extra:  # a padding segment of its own, so the rows have one width
             ids = torch.cat([ids, ids.new_full((extra,), pad_token_id)])
             tgt = torch.cat([tgt, tgt.new_full((extra,), IGNORE_INDEX)])
             pos = torch.cat([pos, torch.arange(extra, dtype=pos.dtype)])
+            more = {name: torch.cat([values, values.new_full((extra,), -1)]) for name, values in more.items()}
             padded = padded + [extra]
         # what each process must hold: for every segment, its chunks k and 2cp-1-k (k = the process's rank)
         starts = torch.tensor([0] + padded[:-1]).cumsum(0).tolist()
@@ -145,6 +185,8 @@ def lay_out_documents(batch: dict, labels: torch.Tensor, cp: int, pad_token_id: 
         out_ids.append(ids[order])
         out_tgt.append(tgt[order])
         out_pos.append(pos[order])
+        for name, values in more.items():
+            out_more[name].append(values[order])
         local_lengths.append([m // cp for m in padded])
         for rank, block in enumerate(pos[wanted].view(cp, -1)):
             local_positions[rank].append(block)
@@ -154,7 +196,27 @@ def lay_out_documents(batch: dict, labels: torch.Tensor, cp: int, pad_token_id: 
         "position_ids": torch.stack(out_pos).to(device),
         "local_lengths": local_lengths,
         "local_positions": [torch.stack(p) for p in local_positions],
+        **{name: torch.stack(values).to(device) for name, values in out_more.items()},
     }
+
+
+def laid_width(view: dict, cp: int) -> int:
+    """The width of a batch's rows once laid out: padded rows keep theirs, segmented rows pad every segment to a
+    multiple of 2 x cp."""
+    if "cu_seq_lens_q" not in view:
+        return int(view["input_ids"].shape[1])
+    multiple = 2 * cp
+    return max(sum(-(-n // multiple) * multiple for n in row) for row in _segments(view["position_ids"].cpu()))
+
+
+def target_sequence_grids(batch: dict, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per position of the batch's [rows, width] grid, the sequence of the target that position predicts and that
+    target's 0-based rank among its sequence's targets (-1 where the position predicts nothing). Computed before the
+    batch is laid out and split, so that after the split each process still knows which sequence, and where in it,
+    each of its targets is: its per-sequence sums are partial, and these say which partial sum each target joins."""
+    targets = select_targets(labels)
+    placed = TargetSequences.contiguous(targets, sequence_starts(batch).to(labels.device))
+    return {SEQUENCE_KEY: targets.scatter(placed.sequence, fill=-1), RANK_KEY: targets.scatter(placed.rank, fill=-1)}
 
 
 def local_segment_offsets(local_lengths: list[list[int]], device) -> tuple[torch.Tensor, int]:
@@ -184,10 +246,9 @@ class ContextParallelism:
 
     def __init__(self, accelerator):
         self.accelerator = accelerator
-        config = getattr(accelerator, "parallelism_config", None)
-        self.size = int(config.cp_size) if config is not None and config.cp_enabled else 1
+        self.size = cp_size_of(accelerator)
         self.batch_targets = None
-        self._local_positions = None
+        self._local_positions = None  # {layout prefix: this process's expected position ids} of segmented rows
 
     def check(self, trainer_name: str, supported: bool, model, compute_loss_func, args) -> None:
         """Refuse, when the trainer is built, what context parallelism cannot run exactly."""
@@ -195,8 +256,9 @@ class ContextParallelism:
         if cp <= 1:
             return
         if not supported:
-            raise ValueError(f"Context parallelism (`cp_size={cp}`) is supported by SFTTrainer only; {trainer_name} "
-                             f"would shift its targets inside each process's part of the sequence. Set `cp_size` to 1.")
+            raise ValueError(f"Context parallelism (`cp_size={cp}`) is supported by SFTTrainer, DPOTrainer and "
+                             f"KTOTrainer only; {trainer_name}'s loss would read each process's part of every sequence "
+                             f"as the whole sequence. Set `cp_size` to 1.")
         problem = attention_problem(self.accelerator.unwrap_model(model))
         if problem is not None:
             raise ValueError(f"Context parallelism (`cp_size={cp}`) cannot run this model exactly: {problem}.")
@@ -208,35 +270,76 @@ class ContextParallelism:
             raise ValueError(f"`pad_to_multiple_of` must be a multiple of 2 x cp_size = {2 * cp} under context "
                              f"parallelism, got {multiple!r}; leave it unset for {2 * cp}.")
 
-    def lay_out(self, inputs, pad_token_id):
+    def lay_out(self, inputs, pad_token_id, per_sequence: bool = False):
         """Lay the batch out for context parallelism (targets shifted before the split; packed and padding-free
         rows so that each document attends only to itself across the ring) and hand it to accelerate's
-        `maybe_context_parallel`, which splits input_ids, shift_labels and position_ids along time."""
+        `maybe_context_parallel`, which splits input_ids, shift_labels and position_ids along time. `per_sequence`
+        (a loss over per-sequence sums, DPO's and KTO's): each target's sequence and rank travel with it through the
+        split (`target_sequence_grids`), for `placed_targets`. KTO's mismatched sequences (`kl_*` keys) are a second
+        layout of the batch, laid out alike; torch splits every buffer with one load balancer, so both get one
+        width."""
         if self.size <= 1:
             return contextlib.nullcontext, inputs
         inputs = dict(inputs)
-        labels = inputs.pop("labels")
-        if "cu_seq_lens_q" in inputs:  # packed or padding-free rows: per-document layout
-            self._lay_out_documents(inputs, labels, 0 if pad_token_id is None else pad_token_id)
-        else:
-            self._lay_out_rows(inputs, labels)
-        inputs["input_ids"] = inputs["input_ids"].clone()
+        pad = 0 if pad_token_id is None else pad_token_id
+        prefixes = ("", KL_PREFIX) if KL_PREFIX + "input_ids" in inputs else ("",)
+        views = {prefix: {name: inputs.pop(prefix + name) for name in LAYOUT_KEYS if prefix + name in inputs}
+                 for prefix in prefixes}
+        width = max(laid_width(view, self.size) for view in views.values())
+        self._local_positions, buffers = {}, []
+        for prefix, view in views.items():
+            labels = view.pop("labels")
+            if "cu_seq_lens_q" in view:  # packed or padding-free rows: per-document layout
+                carried = target_sequence_grids(view, labels) if per_sequence else {}
+                self._lay_out_documents(view, labels, pad, carried, width, prefix)
+            else:
+                labels = self._lay_out_rows(view, labels, width, pad)
+                carried = target_sequence_grids(view, labels) if per_sequence else {}
+                view.update(carried)
+            view["input_ids"] = view["input_ids"].clone()
+            inputs.update({prefix + name: value for name, value in view.items()})
+            buffers += [view["input_ids"], view["shift_labels"], view["position_ids"], *(view[k] for k in carried)]
         self.batch_targets = (inputs["shift_labels"] != IGNORE_INDEX).sum()
-        buffers = [inputs["input_ids"], inputs["shift_labels"], inputs["position_ids"]]
-        return functools.partial(self.accelerator.maybe_context_parallel, buffers=buffers, buffer_seq_dims=[1, 1, 1],
-                                 no_restore_buffers=set(buffers)), inputs
+        return functools.partial(self.accelerator.maybe_context_parallel, buffers=buffers,
+                                 buffer_seq_dims=[1] * len(buffers), no_restore_buffers=set(buffers)), inputs
 
-    def _lay_out_documents(self, inputs: dict, labels: torch.Tensor, pad: int) -> None:
+    def _lay_out_documents(self, inputs: dict, labels: torch.Tensor, pad: int, carried: dict, width: int,
+                           prefix: str) -> None:
         cp = self.size
         rank = self.accelerator.torch_device_mesh["cp"].get_local_rank()
-        laid = lay_out_documents(inputs, labels, cp, pad)
+        laid = lay_out_documents(inputs, labels, cp, pad, carried, width)
         offsets, longest = local_segment_offsets(laid["local_lengths"], labels.device)
         inputs.update(input_ids=laid["input_ids"], shift_labels=laid["shift_labels"],
                       position_ids=laid["position_ids"], cu_seq_lens_q=offsets, cu_seq_lens_k=offsets,
-                      max_length_q=longest, max_length_k=longest)
-        self._local_positions = laid["local_positions"][rank]
+                      max_length_q=longest, max_length_k=longest, **{k: laid[k] for k in carried})
+        self._local_positions[prefix] = laid["local_positions"][rank]
 
-    def _lay_out_rows(self, inputs: dict, labels: torch.Tensor) -> None:
+    def placed_targets(self, inputs: dict, targets) -> TargetSequences | None:
+        """This process's targets' sequences and ranks (None for a batch not laid out with `per_sequence`), with
+        `total` summing per-sequence values over the context-parallel group: every process of it holds part of
+        every sequence, so a sequence's sum is the sum of its processes' partial sums."""
+        if SEQUENCE_KEY not in inputs:
+            return None
+        sequence = inputs[SEQUENCE_KEY].reshape(-1).index_select(0, targets.index)
+        rank = inputs[RANK_KEY].reshape(-1).index_select(0, targets.index)
+        return TargetSequences(sequence, rank, self.total)
+
+    def total(self, partial: torch.Tensor) -> torch.Tensor:
+        """Per-sequence partial sums -> whole-sequence sums on every process of the context-parallel group; the
+        sum's gradient flows back to every process's part (torch.distributed.nn's differentiable all-reduce). A loss
+        formed from these sums is then the same on every process of the group, so the step's loss normaliser divides
+        it by cp_size (parts/step_loss.py: the all-reduce's backward sums the group's cp_size copies)."""
+        group = self.accelerator.torch_device_mesh["cp"].get_group()
+        if partial.requires_grad:
+            from torch.distributed.nn.functional import all_reduce
+
+            return all_reduce(partial, group=group)
+        whole = partial.clone()
+        torch.distributed.all_reduce(whole, group=group)
+        return whole
+
+    def _lay_out_rows(self, inputs: dict, labels: torch.Tensor, width: int, pad: int) -> torch.Tensor:
+        """Right-padded rows as they are (padded further to `width`); returns the labels at that width."""
         cp = self.size
         mask = inputs.pop("attention_mask", None)
         if mask is not None:
@@ -246,20 +349,25 @@ class ContextParallelism:
             raise ValueError("These rows hold several sequences (their position_ids restart) but no "
                              "`cu_seq_lens_q` offsets: context parallelism would let each sequence attend to the "
                              "ones before it. Use leantune's collator with `packing` / `padding_free`.")
-        width = inputs["input_ids"].shape[1]
-        if width % (2 * cp):
-            raise ValueError(f"A batch of width {width} cannot be split into 2 x cp_size = {2 * cp} equal chunks; "
+        own = inputs["input_ids"].shape[1]
+        if own % (2 * cp):
+            raise ValueError(f"A batch of width {own} cannot be split into 2 x cp_size = {2 * cp} equal chunks; "
                              f"set `pad_to_multiple_of` to a multiple of {2 * cp}.")
-        inputs["shift_labels"] = shifted_targets(labels).contiguous()
         if positions is None:
-            positions = torch.arange(width, device=labels.device).expand(labels.shape[0], -1)
+            positions = torch.arange(own, device=labels.device).expand(labels.shape[0], -1)
+        if width > own:  # right padding up to the other layout's width (KTO's KL sequences): no targets
+            extra = width - own
+            inputs["input_ids"] = F.pad(inputs["input_ids"], (0, extra), value=pad)
+            labels = F.pad(labels, (0, extra), value=IGNORE_INDEX)
+            positions = torch.cat([positions, positions[:, -1:] + 1 + torch.arange(extra, device=labels.device)], 1)
+        inputs["shift_labels"] = shifted_targets(labels).contiguous()
         inputs["position_ids"] = positions.clone()
-        self._local_positions = None
+        return labels
 
-    def check_layout(self, inputs: dict) -> None:
+    def check_layout(self, inputs: dict, prefix: str = "") -> None:
         """Inside the split: this process holds the positions leantune's layout put there (a safety net should
-        torch's split ever change)."""
-        expected = self._local_positions
+        torch's split ever change). `prefix`: the layout's (KTO's `kl_`)."""
+        expected = (self._local_positions or {}).get(prefix)
         if expected is not None and not torch.equal(inputs["position_ids"].cpu(), expected):
             raise RuntimeError("torch's context-parallel split did not give this process the tokens leantune laid out "
                                "for it (its head-tail load balancing changed?); packed documents would mix.")

@@ -23,6 +23,9 @@ class DPOTrainer(ReferenceModelMixin, LeantuneTrainer):
     dataset_columns = ("prompt_ids", "chosen_ids", "rejected_ids", *REFERENCE_COLUMNS)
     prepared_columns = ("prompt_ids", "chosen_ids", "rejected_ids")
     method = "dpo"  # its entry in leantune/methods.py
+    # under context parallelism every per-sequence sum is made whole over the group before the loss reads it
+    supports_context_parallelism = True
+    loss_over_sequence_sums = True
 
     def __init__(
         self,
@@ -77,13 +80,18 @@ class DPOTrainer(ReferenceModelMixin, LeantuneTrainer):
         for `wpo`, each sequence's WPO weight from the same forward pass)."""
         inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
         starts = sequence_starts(batch)
-        scores = self.logprobs.target_logprobs(model, inputs, batch["labels"],
-                                               stats=("log_sum_sq_probs",) if wpo else ())
+        # under context parallelism the targets arrive shifted and split, each with its sequence and rank
+        shifted = "shift_labels" in batch
+        if shifted:
+            self.context_parallel.check_layout(inputs)
+        scores = self.logprobs.target_logprobs(model, inputs, batch["shift_labels" if shifted else "labels"],
+                                               stats=("log_sum_sq_probs",) if wpo else (), shifted=shifted)
         logps, targets = scores.logps, scores.targets
-        sequences = pair_sequence_logps(logps, targets, starts, int(batch["num_pairs"]), self.args.ld_alpha)
+        placed = self.context_parallel.placed_targets(batch, targets)
+        sequences = pair_sequence_logps(logps, targets, starts, int(batch["num_pairs"]), self.args.ld_alpha, placed)
         if wpo:
             sequences.weights = wpo_weights(logps, scores.stats["log_sum_sq_probs"], targets, starts,
-                                            sequences.lengths)
+                                            sequences.lengths, placed)
         return sequences
 
     @torch.no_grad()
@@ -121,7 +129,7 @@ class DPOTrainer(ReferenceModelMixin, LeantuneTrainer):
         )
         if args.use_weighting:  # WPO: each pair's loss times its chosen and rejected weights
             losses = losses * (sequences.weights[:pairs] * sequences.weights[pairs:]).to(losses.dtype)
-        loss = self.normalise(losses.sum(), pairs, num_items_in_batch)
+        loss = self.normalise(losses.sum(), pairs, num_items_in_batch, whole_sequences="shift_labels" in batch)
         self.run_metrics.record(model, **{
             "rewards/chosen": chosen_rewards, "rewards/rejected": rejected_rewards,
             "rewards/accuracies": (chosen_rewards > rejected_rewards).float(),

@@ -15,6 +15,7 @@ import torch
 from accelerate.utils import DistributedType
 
 from ..models.output_head import text_config_of
+from .context_parallel import prepare_frozen_for_ring
 
 
 def zero3_enabled() -> bool:
@@ -30,7 +31,9 @@ def prepare_frozen_model(accelerator, model: torch.nn.Module | None, args) -> to
     if model is None:
         return None
     if accelerator.distributed_type != DistributedType.DEEPSPEED:
-        return accelerator.prepare_model(model, evaluation_mode=True)
+        model = accelerator.prepare_model(model, evaluation_mode=True)
+        prepare_frozen_for_ring(accelerator, model, "frozen model")  # context parallelism: the policy's hooks
+        return model
     import deepspeed
 
     config = inference_config(accelerator.state.deepspeed_plugin.deepspeed_config, args, accelerator.num_processes,

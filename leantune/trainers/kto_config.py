@@ -8,6 +8,7 @@ from transformers import TrainingArguments
 
 from ..losses.kto import KTO_LOSS_TYPES
 from .config_utils import resolve_shared_settings, validate_shared_options
+from .context_parallel import resolve_pad_to_multiple_of
 from .memory_options import MemoryOptions
 from .preference_options import (
     PreferenceOptions,
@@ -58,6 +59,7 @@ class KTOConfig(MemoryOptions, CausalLMOptions, ReferenceSyncOptions, ReferenceO
             self.loss_type = self.loss_type[0]
         resolve_shared_settings(self)
         validate_kto_config(self)
+        resolve_pad_to_multiple_of(self)  # context parallelism: 2 x cp_size, as SFT's
         super().__post_init__()
 
     @property

@@ -16,6 +16,7 @@ from ..data.kto_preparation import KL_COLUMN, REFERENCE_COLUMNS, KTOCollator, kl
 from ..losses.kto import kl_estimate, kto_loss
 from ..losses.token_logprobs import per_sequence_sum, target_sequences
 from .base import LeantuneTrainer
+from .context_parallel import KL_PREFIX
 from .kto_config import KTOConfig
 from .reference import ReferenceModelMixin
 
@@ -27,6 +28,9 @@ class KTOTrainer(ReferenceModelMixin, LeantuneTrainer):
 
     dataset_columns = ("prompt_ids", "completion_ids", "label", KL_COLUMN, *REFERENCE_COLUMNS)
     method = "kto"  # its entry in leantune/methods.py
+    # under context parallelism every per-sequence sum (the KL term's too) is made whole over the group before use
+    supports_context_parallelism = True
+    loss_over_sequence_sums = True
 
     def __init__(
         self,
@@ -77,7 +81,15 @@ class KTOTrainer(ReferenceModelMixin, LeantuneTrainer):
         """Summed completion log-probs of every sequence of the batch (kl=True: of its mismatched sequences)."""
         view = kl_view(batch) if kl else batch
         inputs = {k: view[k] for k in MODEL_INPUTS if k in view}
-        scores = self.logprobs.target_logprobs(model, inputs, view["labels"])
+        # under context parallelism the targets arrive shifted and split, each with its sequence
+        shifted = "shift_labels" in view
+        if shifted:
+            self.context_parallel.check_layout(inputs, KL_PREFIX if kl else "")
+        scores = self.logprobs.target_logprobs(model, inputs, view["shift_labels" if shifted else "labels"],
+                                               shifted=shifted)
+        placed = self.context_parallel.placed_targets(view, scores.targets)
+        if placed is not None:
+            return placed.sums(scores.logps, int(batch["num_examples"]))
         sequence = target_sequences(scores.targets, sequence_starts(view))
         return per_sequence_sum(scores.logps, sequence, int(batch["num_examples"]))
 
@@ -107,9 +119,7 @@ class KTOTrainer(ReferenceModelMixin, LeantuneTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         batch = dict(inputs)
         self.run_metrics.count_tokens(model, batch)
-        kl_real = batch.pop("kl_num_real_tokens", None)
-        if model.training and kl_real is not None:
-            self.run_metrics.throughput.add(int(kl_real), int(batch["kl_input_ids"].numel()))
+        self.run_metrics.count_tokens(model, batch, prefix=KL_PREFIX)
         count = int(batch["num_examples"])
         ref_logps, ref_kl_logps = self.reference_logps(batch)
         kl = self.kl_reference_point(model, batch, ref_kl_logps)
@@ -118,7 +128,7 @@ class KTOTrainer(ReferenceModelMixin, LeantuneTrainer):
         args = self.args
         losses, rewards = kto_loss(policy, ref_logps.to(policy.device), desirable, kl, args.beta,
                                    args.desirable_weight, args.undesirable_weight, args.loss_type)
-        loss = self.normalise(losses.sum(), count, num_items_in_batch)
+        loss = self.normalise(losses.sum(), count, num_items_in_batch, whole_sequences="shift_labels" in batch)
         self._record(model, policy.detach(), rewards, desirable, kl)
         return (loss, {"logps": policy.detach()}) if return_outputs else loss
 
@@ -140,7 +150,9 @@ class KTOTrainer(ReferenceModelMixin, LeantuneTrainer):
             summary["rewards/margins"] = summary["rewards/chosen"] - summary["rewards/rejected"]
         summary["kl"] = sum(store["kl"]) / len(store["kl"])
         summary = {name: round(value, 6) for name, value in summary.items() if value is not None}
-        summary.update({"count/desirable": sum(good), "count/undesirable": len(good) - sum(good)})
+        # under context parallelism every process of a group recorded the same examples (the means are unchanged)
+        copies = self.context_parallel.size
+        summary.update({"count/desirable": sum(good) // copies, "count/undesirable": (len(good) - sum(good)) // copies})
         return summary
 
     # --- precomputed reference ------------------------------------------------------------------------------------

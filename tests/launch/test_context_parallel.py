@@ -1,6 +1,8 @@
-"""Context parallelism for SFT (accelerate's `parallelism_config_cp_size: 2` with FSDP2), launched for real as 2 CPU
-processes by `accelerate launch --config_file examples/accelerate/fsdp2_context_parallel.yaml`, against one process
-on the same data: padded rows, packing, padding-free, packing + padding-free.
+"""Context parallelism for SFT, DPO and KTO (accelerate's `parallelism_config_cp_size: 2` with FSDP2), launched for
+real as 2 CPU processes by `accelerate launch --config_file examples/accelerate/fsdp2_context_parallel.yaml`, against
+one process on the same data: SFT's padded rows, packing, padding-free, packing + padding-free; DPO's and KTO's
+padded and padding-free batches (HH-RLHF pairs, a frozen reference copy; KTO's mismatched completions for its KL
+reference point are a second layout of the batch, split alike).
 
 Under cp_size=2 both processes take the same batch and each holds half of every sequence (torch's ring attention
 passes keys and values between them); the CPU-only part (the ring for the CPU SDPA kernel) is a helper in
@@ -14,6 +16,15 @@ Tolerances (SGD with momentum 0.9, no clipping, 2 steps, lr 1e-2; tests/scripts/
   relative (measured), 34 times the tolerance.
 - Final weights: |W_cp - W_1| <= 1e-5 |W_1 - W_0| + 2^-22 |W_1| per parameter: the update is linear in the step's
   gradient, which agrees to fp32 rounding; each of the 2 steps stores W + update rounded to fp32 (half an ulp).
+- DPO: each process holds part of every sequence, so its per-sequence log-prob sums are partial; they are summed over
+  the context-parallel group (a differentiable all-reduce) before the loss. Those fp32 sums (magnitude ~500, where
+  an ulp is 3e-5) are added in another order than one process's: about an ulp, times beta = 0.1 and the sigmoid's
+  slope 1/2, ~1.5e-6 absolute on a loss of 0.69 (measured: 2.1e-6 relative padded, 6.8e-7 padding-free, at step 2;
+  step 1 is log 2 exactly, policy = reference, so its gradient is checked through the weights). KTO alike (its loss
+  0.5 at step 1; at step 2 its KL reference point, 0.038, is in the loss; measured 1.9e-6 padded, 1.2e-7
+  padding-free). Negative control, measured once (tests/scripts/cp_run.py's case `dpo_padding_free_unsummed`,
+  launched as here beside `dpo_padding_free`: each process's partial sums read as whole sequences, no all-reduce):
+  step 2's loss off by 4.8e-3 relative (480 times the tolerance), the weights off by 0.50 of their update.
 """
 
 from __future__ import annotations
@@ -36,7 +47,8 @@ from ..fixtures.paths import CPU_ENGINES, HH_PAIRS, REPO, SCRIPTS, require
 SCRIPT = SCRIPTS / "cp_run.py"
 HELPERS = CPU_ENGINES
 CONFIG = REPO / "examples" / "accelerate" / "fsdp2_context_parallel.yaml"
-CASES = ["sft", "sft_packed", "sft_padding_free", "sft_packed_padding_free"]
+CASES = ["sft", "sft_packed", "sft_padding_free", "sft_packed_padding_free", "dpo", "dpo_padding_free", "kto",
+         "kto_padding_free"]
 
 
 # --- the layout, in one process -------------------------------------------------------------------------------
@@ -79,6 +91,102 @@ def test_each_process_holds_a_balanced_share_of_every_document():
     # every target of the original row is kept once, as the token its position predicts
     shift = laid["shift_labels"][0]
     assert sorted(shift[shift != -100].tolist()) == sorted(labels[0, 1:][labels[0, 1:] != -100].tolist())
+
+
+def test_each_process_part_of_every_sequence_sums_to_the_whole():
+    """DPO under context parallelism: each process scores only its part of every sequence. With each target's sequence
+    and rank carried through the layout and torch's split, the per-sequence sums of the processes' parts, summed over
+    the processes, are one process's sums: plain, LD-DPO's (ranks beyond the pair's shared length weighted) and WPO's
+    weights, in padded rows and in a padding-free row (the launch below checks the all-reduce and the training)."""
+    from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer
+
+    from leantune.losses.preference import pair_sequence_logps, wpo_weights
+    from leantune.losses.token_logprobs import select_targets
+    from leantune.trainers.context_parallel import lay_out_documents, target_sequence_grids
+
+    cp, lengths, prompts = 2, [9, 7, 6, 11], [4, 3, 4, 3]  # chosen 0, chosen 1, rejected 0, rejected 1
+    generator = torch.Generator().manual_seed(0)
+
+    def labelled(ids, position_ids):  # prompt tokens and padding are no targets
+        labels = ids.clone()
+        labels[(position_ids < torch.tensor(prompts).repeat_interleave(torch.tensor(lengths)).view_as(ids))] = -100
+        return labels
+
+    flat_positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    flat_ids = torch.arange(100, 100 + sum(lengths)).unsqueeze(0)
+    offsets = torch.tensor([0, *lengths]).cumsum(0)
+    padding_free = {"input_ids": flat_ids, "position_ids": flat_positions, "cu_seq_lens_q": offsets}
+    padded_ids = torch.zeros(4, 12, dtype=torch.long)
+    padded_labels = torch.full((4, 12), -100)
+    for row, (n, p) in enumerate(zip(lengths, prompts)):
+        padded_ids[row, :n] = torch.arange(100, 100 + n)
+        padded_labels[row, p:n] = padded_ids[row, p:n]
+    layouts = [(padding_free, labelled(flat_ids, flat_positions)), ({"input_ids": padded_ids}, padded_labels)]
+    for batch, labels in layouts:
+        # each position's target log-prob and WPO statistic (float64: sums in any order agree to ~1e-16 relative)
+        values = torch.randn(labels.shape, dtype=torch.float64, generator=generator)
+        stats = torch.randn(labels.shape, dtype=torch.float64, generator=generator)
+        targets = select_targets(labels)
+        starts = offsets[:-1] if "cu_seq_lens_q" in batch else torch.arange(4) * 12
+        logps = values.reshape(-1)[targets.index]
+        expected = pair_sequence_logps(logps, targets, starts, 2, ld_alpha=0.5)
+        expected_weights = wpo_weights(logps, stats.reshape(-1)[targets.index], targets, starts, expected.lengths)
+
+        carried = {**target_sequence_grids(batch, labels), "value": values, "stat": stats}
+        if "cu_seq_lens_q" in batch:
+            laid = lay_out_documents(batch, labels, cp, 0, carried)
+        else:
+            from leantune.losses.causal_lm import shifted_targets
+
+            laid = {"shift_labels": shifted_targets(labels), **carried}
+        width = laid["shift_labels"].shape[1]
+        split = _HeadTailLoadBalancer(width, cp, "cpu")._generate_indices()[0].view(cp, -1)
+        results = sums_on_each_process(laid, split)
+        assert sum(count for *_, count in results) == len(targets)
+        for got, weights, count in results:
+            assert 0 < count < len(targets)  # each process holds part of the targets, not all
+            assert torch.equal(got.lengths, expected.lengths)
+            for name in ("logps", "raw_logps"):
+                torch.testing.assert_close(getattr(got, name), getattr(expected, name), rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(weights, expected_weights, rtol=1e-12, atol=0)
+        assert not torch.equal(expected.logps, expected.raw_logps)  # LD-DPO's weighting did apply
+
+
+def sums_on_each_process(laid: dict, split: torch.Tensor) -> list:
+    """Each process's (pair sums, WPO weights, target count) from its part `split[rank]` of the laid-out batch, the
+    processes run as threads whose `total` sums the group's partial sums, as the all-reduce does."""
+    import threading
+
+    from leantune.losses.preference import pair_sequence_logps, wpo_weights
+    from leantune.losses.token_logprobs import TargetSequences, select_targets
+    from leantune.trainers.context_parallel import RANK_KEY, SEQUENCE_KEY
+
+    cp = split.shape[0]
+    partials, barrier, results = [None] * cp, threading.Barrier(cp), [None] * cp
+
+    def process(rank):
+        def total(partial):
+            partials[rank] = partial
+            barrier.wait()
+            whole = sum(partials)
+            barrier.wait()
+            return whole
+
+        local = {name: laid[name][:, split[rank]] for name in ("shift_labels", SEQUENCE_KEY, RANK_KEY, "value", "stat")}
+        mine = select_targets(local["shift_labels"], shifted=True)
+        placed = TargetSequences(local[SEQUENCE_KEY].reshape(-1)[mine.index], local[RANK_KEY].reshape(-1)[mine.index],
+                                 total)
+        logps = local["value"].reshape(-1)[mine.index]
+        got = pair_sequence_logps(logps, mine, None, 2, ld_alpha=0.5, placed=placed)
+        weights = wpo_weights(logps, local["stat"].reshape(-1)[mine.index], mine, None, got.lengths, placed)
+        results[rank] = (got, weights, len(mine))
+
+    threads = [threading.Thread(target=process, args=(rank,)) for rank in range(cp)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
 
 
 def test_pad_to_multiple_of_follows_cp_size(monkeypatch):
@@ -187,6 +295,6 @@ def test_sft_under_context_parallelism_matches_one_process(assets):
     assert "sliding_attention" in refused["sliding_window"]
     assert "attn_implementation='sdpa'" in refused["eager"]
     assert "compute_loss_func" in refused["compute_loss_func"]
-    assert "supported by SFTTrainer only" in refused["dpo"]
+    assert "supported by SFTTrainer, DPOTrainer and KTOTrainer only; RewardTrainer" in refused["reward"]
     assert "must be a multiple of 2 x cp_size = 4" in refused["pad_to_multiple_of"]
     assert refused["pad_to_multiple_of_default"] == "4"

@@ -1,10 +1,12 @@
 """Run by tests/launch/test_context_parallel.py, alone or under `accelerate launch` with
-examples/accelerate/fsdp2_context_parallel.yaml (2 CPU processes, cp_size=2): two SGD steps of SFT per named case,
-through the public API. Per case it saves the trained weights (FSDP2's full-state gather) to <out>/<case>/ and writes
-what every process saw to <out>/<case>/rank<k>.json. The case `refusals` builds trainers that context parallelism
-cannot run exactly and records each error.
+examples/accelerate/fsdp2_context_parallel.yaml (2 CPU processes, cp_size=2): two SGD steps of SFT, DPO or KTO per named
+case, through the public API. Per case it saves the trained weights (FSDP2's full-state gather) to <out>/<case>/ and
+writes what every process saw to <out>/<case>/rank<k>.json. The case `refusals` builds trainers that context
+parallelism cannot run exactly and records each error. The case `dpo_padding_free_unsummed` is the negative control
+(measured once, not run by the test; the last case of a launch, as it patches the all-reduce out): padding-free DPO
+with each process's partial per-sequence sums taken as whole (no all-reduce over the group).
 
-usage: cp_run.py OUT ASSETS_DIR CASE [CASE ...]     (ASSETS_DIR holds model/ and sft.jsonl)"""
+usage: cp_run.py OUT ASSETS_DIR CASE [CASE ...]     (ASSETS_DIR holds model/, sft.jsonl and pairs.jsonl)"""
 
 from __future__ import annotations
 
@@ -23,14 +25,18 @@ model_dir = f"{assets}/model"
 data = load_dataset("json", data_files=f"{assets}/sft.jsonl")["train"]
 
 
-def config(case, **fields):
+pairs = load_dataset("json", data_files=f"{assets}/pairs.jsonl")["train"] if os.path.exists(
+    f"{assets}/pairs.jsonl") else None
+
+
+def config(case, config_class=leantune.SFTConfig, **fields):
     # as tests/scripts/engine_run.py: SGD with momentum, no clipping (the update is linear in the step's gradient)
     settings = dict(output_dir=f"{out}/{case}", report_to=[], save_strategy="no", disable_tqdm=True,
                     per_device_train_batch_size=4, max_steps=2, logging_steps=1, learning_rate=1e-2, optim="sgd",
                     optim_args="momentum=0.9", max_grad_norm=0.0, seed=0, data_seed=0, memory_breakdown=False,
                     max_length=96)
     settings.update(fields)
-    return leantune.SFTConfig(**settings)
+    return config_class(**settings)
 
 
 CASES = {
@@ -38,7 +44,16 @@ CASES = {
     "sft_packed": dict(packing=True),
     "sft_padding_free": dict(padding_free=True),
     "sft_packed_padding_free": dict(packing=True, padding_free=True),
+    # DPO (a frozen reference copy, sharded like the policy): 4 pairs = 8 sequences per step, prompts cut to 48
+    # tokens so that completions (the targets) keep most of the 128
+    "dpo": dict(config_class=leantune.DPOConfig, max_length=128, max_prompt_length=48),
+    "dpo_padding_free": dict(config_class=leantune.DPOConfig, max_length=128, max_prompt_length=48,
+                             padding_free=True),
 }
+# KTO: the pairs unpaired (8 examples, 4 per step), each with its mismatched completion for the KL reference point
+CASES["kto"] = dict(CASES["dpo"], config_class=leantune.KTOConfig)
+CASES["kto_padding_free"] = dict(CASES["dpo_padding_free"], config_class=leantune.KTOConfig)
+CASES["dpo_padding_free_unsummed"] = CASES["dpo_padding_free"]
 
 
 def refusals() -> dict[str, str]:
@@ -59,8 +74,6 @@ def refusals() -> dict[str, str]:
                      num_attention_heads=4, num_key_value_heads=2, sliding_window=16, attn_implementation="sdpa")
         return MistralForCausalLM(MistralConfig(**small))
 
-    pairs = load_dataset("json", data_files=f"{assets}/pairs.jsonl")["train"] if os.path.exists(
-        f"{assets}/pairs.jsonl") else None
     return {
         "sliding_window": error(lambda: leantune.SFTTrainer(sliding(), args=config("r1"), train_dataset=data,
                                                                       processing_class=tokenizer)),
@@ -69,7 +82,7 @@ def refusals() -> dict[str, str]:
             train_dataset=data, processing_class=tokenizer)),
         "compute_loss_func": error(lambda: leantune.SFTTrainer(model_dir, args=config("r3"), train_dataset=data,
                                                                compute_loss_func=lambda *a, **k: 0)),
-        "dpo": error(lambda: leantune.DPOTrainer(model_dir, args=leantune.DPOConfig(
+        "reward": error(lambda: leantune.RewardTrainer(model_dir, args=leantune.RewardConfig(
             output_dir=f"{out}/r4", report_to=[], max_length=96), train_dataset=pairs)),
         "pad_to_multiple_of": error(lambda: config("r5", pad_to_multiple_of=6)),
         "pad_to_multiple_of_default": str(config("r6").pad_to_multiple_of),
@@ -87,7 +100,17 @@ for case in cases:
         with open(f"{out}/{case}/rank{state.process_index}.json", "w") as handle:
             json.dump(record, handle)
         continue
-    trainer = leantune.SFTTrainer(model_dir, args=config(case, **CASES[case]), train_dataset=data)
+    args = config(case, **CASES[case])
+    if isinstance(args, leantune.KTOConfig):
+        trainer = leantune.KTOTrainer(model_dir, args=args, train_dataset=pairs)
+    elif isinstance(args, leantune.DPOConfig):
+        if case.endswith("_unsummed"):  # the negative control: partial sums read as whole sequences
+            from leantune.trainers.context_parallel import ContextParallelism
+
+            ContextParallelism.total = lambda self, partial: partial
+        trainer = leantune.DPOTrainer(model_dir, args=args, train_dataset=pairs)
+    else:
+        trainer = leantune.SFTTrainer(model_dir, args=args, train_dataset=data)
     trainer.train()
     trainer.save_model()  # every process takes part: FSDP2 gathers the full weights for process 0 to write
     state = trainer.accelerator

@@ -15,6 +15,7 @@ import torch
 from ...metrics.memory import memory_kind, peak_memory_bytes
 from ...metrics.memory_breakdown import MemoryBreakdown
 from ...metrics.throughput import TokenThroughput
+from ..context_parallel import cp_size_of
 
 MIB = 1024 * 1024
 
@@ -24,6 +25,7 @@ class RunMetrics:
 
     def __init__(self, accelerator, device, summarise: Callable[[dict], dict]):
         self.accelerator = accelerator
+        self.cp_size = cp_size_of(accelerator)
         self.device = device
         self.summarise = summarise
         self.throughput = TokenThroughput()
@@ -31,11 +33,13 @@ class RunMetrics:
         # Per-example values of the method's own metrics, gathered across processes, averaged at each log.
         self.values: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
 
-    def count_tokens(self, model, inputs: dict) -> None:
-        """Real and padded tokens of a training batch (its collator's `num_real_tokens`, taken out of the inputs)."""
-        real = inputs.pop("num_real_tokens", None)
+    def count_tokens(self, model, inputs: dict, prefix: str = "") -> None:
+        """Real and padded tokens of a training batch (its collator's `num_real_tokens`, taken out of the inputs;
+        `prefix`: of a second layout, KTO's `kl_`). Under context parallelism the count is of the whole batch and
+        this process holds 1/cp_size of its laid-out slots."""
+        real = inputs.pop(prefix + "num_real_tokens", None)
         if model.training and real is not None:
-            self.throughput.add(int(real), int(inputs["input_ids"].numel()))
+            self.throughput.add(int(real), int(inputs[prefix + "input_ids"].numel()) * self.cp_size)
 
     def record(self, model, **values: torch.Tensor) -> None:
         """Keep per-example values (1-D tensors of equal length) of this step, gathered across processes."""

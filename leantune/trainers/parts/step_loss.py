@@ -46,11 +46,24 @@ class StepLoss:
             self._router_loss = aux if self._router_loss is None else self._router_loss + aux
 
     def normalise(self, model, loss_sum: torch.Tensor, local_count, num_items_in_batch,
-                  accumulation_steps: int = 1) -> torch.Tensor:
+                  accumulation_steps: int = 1, whole_sequences: bool = False) -> torch.Tensor:
         """Divide a summed loss by the optimizer step's item count (the batch's own count outside training), and add
-        the router loss of this micro-batch's policy forwards (every trainer's loss ends here)."""
+        the router loss of this micro-batch's policy forwards (every trainer's loss ends here).
+
+        `whole_sequences`: under context parallelism, a loss formed from per-sequence sums made whole over the
+        context-parallel group (ContextParallelism.total), so the same value on each of its processes, and
+        `local_count` the whole batch's. The sums' all-reduce sums the gradients of those cp_size copies in its
+        backward, so in training each copy is divided by cp_size (where the gradient all-reduce then averages over
+        every process, data x context, as for any loss); in evaluation the processes' equal losses average to it."""
         local_count = torch.as_tensor(local_count, device=loss_sum.device)
         cp = self.context_parallel.size
+        if whole_sequences and cp > 1:
+            if num_items_in_batch is None or not model.training:
+                return self._plus_router_loss(model, loss_sum / local_count.clamp(min=1), accumulation_steps)
+            loss = loss_sum / torch.as_tensor(num_items_in_batch, device=loss_sum.device).clamp(min=1)
+            if self.args.average_tokens_across_devices:  # the count is the step's over every data-parallel group
+                loss = loss * self.args.world_size / cp
+            return self._plus_router_loss(model, loss, accumulation_steps)
         if (num_items_in_batch is None or not model.training) and cp > 1:
             # this process holds part of the batch: its share of the batch's mean, so that the mean over the
             # context-parallel group (evaluation averages the processes' losses) is the batch's mean
