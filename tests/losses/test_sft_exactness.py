@@ -20,17 +20,18 @@ from leantune.losses.causal_lm import count_targets
 from ..fixtures.comparisons import GradientRecorder, rel_diff, token_nll
 from ..fixtures.data import gsm8k_prompt_completion
 from ..fixtures.models import tiny_model
-from ..fixtures.sft_layouts import make_trainer, model_inputs, sequence_losses, whole_dataset_batch
+from ..fixtures.sft_layouts import losses_by_sequence, make_trainer, model_inputs, sequence_losses, whole_dataset_batch
 
 RTOL = 1e-5
 
 
-def step_gradients(model, batch) -> dict[str, torch.Tensor]:
+def losses_and_gradients(model, batch) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Each sequence's per-token losses and the batch's gradients, from one forward (its logits are the cost here)."""
     model.zero_grad()
-    inputs = model_inputs(batch)
-    loss = token_nll(model(**inputs).logits, batch["labels"]).sum() / count_targets(batch["labels"])
-    loss.backward()
-    return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+    nll = token_nll(model(**model_inputs(batch)).logits, batch["labels"])
+    (nll.sum() / count_targets(batch["labels"])).backward()
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+    return losses_by_sequence(batch, nll), grads
 
 
 LAYOUTS = {
@@ -45,16 +46,16 @@ LAYOUTS = {
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_padded_padding_free_and_packed_agree_per_token_and_in_gradients(arch, attn, tokenizer, gsm8k_rows, tmp_path):
-    dataset = gsm8k_prompt_completion(gsm8k_rows, 24)
+    dataset = gsm8k_prompt_completion(gsm8k_rows, 12)  # 12 rows pack into fewer (asserted below)
     model = tiny_model(arch, attn_implementation=attn)
     model.config.use_cache = False
     results = {}
     for name, overrides in LAYOUTS.items():
         trainer = make_trainer(model, tokenizer, dataset, tmp_path / name, **overrides)
         batch = whole_dataset_batch(trainer)
-        results[name] = (sequence_losses(model, batch), step_gradients(model, batch), count_targets(batch["labels"]))
+        results[name] = (*losses_and_gradients(model, batch), count_targets(batch["labels"]))
     padded_losses, padded_grads, padded_count = results["padded"]
-    assert len(padded_losses) == 24
+    assert len(padded_losses) == 12
     for name in ("padding_free", "packed_bfd", "packed_padding_free"):
         losses, grads, count = results[name]
         assert int(count) == int(padded_count), f"{name}: different number of loss tokens"
