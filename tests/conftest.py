@@ -27,7 +27,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "liger_interpreter: runs with TRITON_INTERPRET=1 (Liger's kernels on CPU)")
 
 
-def pytest_collection_modifyitems(config, items):
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the node ids: after it, a
+def pytest_collection_modifyitems(config, items):  # group marked here was ignored and its fixtures ran on each worker
     """`--dist loadgroup` (pyproject.toml) spreads the tests one by one over the workers, except the tests of a file
     with module- or session-scoped fixtures of its own (multi-process runs, TRL's scripts, a served model) or with
     Liger's interpreter: those stay together on one worker, so their fixtures are computed once. xdist hands out the
