@@ -7,7 +7,9 @@ one prompt). Modes, each a GRPOTrainer built the same way on the same model (fp3
 gradient checkpointing off so activation memory shows as it is, `--checkpointing` for leantune's default):
 - unshared padded: G rows of prompt + completion (leantune's default layout);
 - unshared padding-free: one row of the G sequences (segment attention);
-- shared: one row [prompt, completion_1, ..., completion_G] (`shared_prompt=True`).
+- shared: one row [prompt, completion_1, ..., completion_G] (`shared_prompt=True`);
+- TRL 1.16 (unshared padded): TRL's GRPOTrainer with the same settings, its own `compute_loss` on the same group (it
+  has no shared-prompt or padding-free layout; its head computes full [tokens, vocabulary] logits of the completions).
 The update step is the trainer's own `compute_loss` (the chunked head, the GRPO loss) + backward + AdamW step on
 that micro-batch: median process CPU time (one torch thread: the measure least moved by other jobs on a shared
 machine) and wall time of `--repeats` steps after a warm-up; then the loss's forward and backward once
@@ -45,7 +47,8 @@ from bench.common import (  # noqa: E402
 
 DEFAULT_ROWS = "256:64:8,160:160:8,64:256:8,256:64:16,160:160:16,64:256:16"
 MODES = {"unshared padded": {}, "unshared padding-free": {"padding_free": True},
-         "shared": {"shared_prompt": True}}
+         "shared": {"shared_prompt": True}, "TRL 1.16 (unshared padded)": None}
+TRL = "TRL 1.16 (unshared padded)"
 
 
 def gsm8k_tokens(tokenizer, prompt_length: int, completion_length: int, group: int):
@@ -67,7 +70,9 @@ def gsm8k_tokens(tokenizer, prompt_length: int, completion_length: int, group: i
 
 
 def loss_backward(trainer, batch) -> None:
-    loss = trainer.compute_loss(trainer.model, trainer._prepare_inputs(dict(batch)), num_items_in_batch=None)
+    # TRL's `_prepare_inputs` generates a round; its batch is already what its loss reads
+    inputs = trainer._prepare_inputs(dict(batch)) if "prompt_ids" not in batch else dict(batch)
+    loss = trainer.compute_loss(trainer.model, inputs, num_items_in_batch=None)
     loss.backward()
 
 
@@ -77,14 +82,43 @@ def update_step(trainer, batch) -> None:
     trainer.optimizer.zero_grad(set_to_none=True)
 
 
+def trl_trainer_and_batch(prompt, completions, checkpointing: bool):
+    """TRL's GRPOTrainer with the same model, group and settings, and the inputs its own update step reads (one
+    prompt repeated G times, left of G completions; no padding: every sequence has the same length)."""
+    import torch
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    group = len(completions)
+    tokenizer = load_tokenizer()
+    args = GRPOConfig(output_dir="/tmp/leantune-bench-shared-prompt-trl", use_cpu=True, report_to=[],
+                      save_strategy="no", per_device_train_batch_size=group, num_generations=group,
+                      max_completion_length=len(completions[0]), beta=0.0, loss_type="dapo",
+                      gradient_checkpointing=checkpointing, disable_tqdm=True, seed=0)
+    trainer = GRPOTrainer(tiny_llama(0, len(tokenizer)), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                          args=args, train_dataset=Dataset.from_dict({"prompt": ["x"]}), processing_class=tokenizer)
+    prompt_ids = torch.tensor([prompt] * group)
+    completion_ids = torch.tensor(completions)
+    batch = {"prompt_ids": prompt_ids, "prompt_mask": torch.ones_like(prompt_ids),
+             "completion_ids": completion_ids, "completion_mask": torch.ones_like(completion_ids),
+             "advantages": torch.randn(group, generator=torch.Generator().manual_seed(0)),
+             "num_items_in_batch": torch.tensor(float(completion_ids.numel()))}
+    return trainer, batch
+
+
 def measure(mode: str, prompt, completions, repeats: int, checkpointing: bool = False) -> dict:
     import torch
     from datasets import Dataset
 
     from leantune import GRPOConfig, GRPOTrainer
     from leantune.data.collators import prompt_completion_row
-    from leantune.metrics.memory_breakdown import StepMemoryMeter
 
+    if mode == TRL:
+        trainer, batch = trl_trainer_and_batch(prompt, completions, checkpointing)
+        trainer.current_gradient_accumulation_steps = 1  # what Trainer's loop sets before a step
+        trainer.create_optimizer()
+        trainer.model.train()
+        return timed_and_metered(mode, trainer, batch, repeats)
     group = len(completions)
     tokenizer = load_tokenizer()
     args = GRPOConfig(output_dir="/tmp/leantune-bench-shared-prompt", use_cpu=True, report_to=[], save_strategy="no",
@@ -107,6 +141,15 @@ def measure(mode: str, prompt, completions, repeats: int, checkpointing: bool = 
     batch["num_sequences"] = torch.tensor(group)
     batch["advantages"] = torch.randn(group, generator=torch.Generator().manual_seed(0))
     batch["loss_items"] = trainer.loss_items(batch)
+    return timed_and_metered(mode, trainer, batch, repeats)
+
+
+def timed_and_metered(mode: str, trainer, batch, repeats: int) -> dict:
+    """The update step timed (after a warm-up that makes AdamW's states), then its forward and backward metered."""
+    import torch
+
+    from leantune.metrics.memory_breakdown import StepMemoryMeter
+
     update_step(trainer, batch)  # warm-up (AdamW's states made)
     times, cpu_times = [], []
     for _ in range(repeats):
@@ -124,7 +167,8 @@ def measure(mode: str, prompt, completions, repeats: int, checkpointing: bool = 
     rss_peak = peak_rss_bytes() - before
     trainer.optimizer.zero_grad(set_to_none=True)
     held = sum(breakdown.parts.get(name, 0) for name in ("parameters", "buffers", "gradients", "optimizer_states"))
-    return {"mode": mode, "tokens": int(batch["input_ids"].numel()), "seconds": statistics.median(times),
+    tokens = batch["input_ids"] if "input_ids" in batch else torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    return {"mode": mode, "tokens": int(tokens.numel()), "seconds": statistics.median(times),
             "cpu_seconds": statistics.median(cpu_times),
             "peak_mib": breakdown.peak_bytes / MIB, "activations_mib": (breakdown.peak_bytes - held) / MIB,
             "rss_mib": rss_peak / MIB}
