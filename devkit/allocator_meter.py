@@ -35,12 +35,17 @@ class AllocatorMeter:
 
     @staticmethod
     def live_storage_bytes() -> int:
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        # Garbage first: an earlier job's tensors in reference cycles (a planner's trace in the same process) would
+        # count here and then be collected in the middle of the run, two runs then differing by their size.
+        gc.collect()
         seen, total = set(), 0
         with warnings.catch_warnings():  # isinstance() on every object touches deprecated module attributes
             warnings.simplefilter("ignore")
             tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
         for obj in tensors:
-            if obj.device.type != "cpu":
+            if obj.device.type != "cpu" or isinstance(obj, FakeTensor):  # a fake tensor holds no memory
                 continue
             try:
                 storage = obj.untyped_storage()
