@@ -61,7 +61,9 @@ SHARDED = SHARDED + ["online_dpo"]  # (and GKD, from OFFLINE: its frozen teacher
 SHARDED = SHARDED + list(SHARED_PROMPT)  # the shared prompt's K/V gradients summed over branches, then sharded
 ENGINE_CASES = {
     "ddp": OFFLINE + list(RESUMED) + ONLINE,
-    "fsdp2": SHARDED,
+    # GRPO's unshared path runs here as "grpo_reward_model" (GRPO plus a sharded reward model), its shared one as
+    # "grpo_shared": plain "grpo" is left to DDP and ZeRO-3 (where sharded generation is compared with it)
+    "fsdp2": [c for c in SHARDED if c != "grpo"],
     # ZeRO-2 shards only gradients and optimizer states, the same way for every trainer: one of each kind
     "zero2": ["sft", "sft_lora", "dpo", "kto", "reward", "sft_resumed", "grpo"] + ["gkd"],
     # precompute_ref_log_probs without a ref_model is refused under ZeRO-3 (docs/scale_out.md)
