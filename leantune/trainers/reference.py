@@ -73,13 +73,14 @@ def load_policy_and_reference(model, ref_model, processing_class, peft_config, a
     elif ref_model is not None:
         ref_model = load_causal_lm(ref_model, getattr(args, "ref_model_init_kwargs", None),
                                    trust_remote_code=args.trust_remote_code)
+    elif not adapter_reference and not precompute:
+        ref_model = initial_policy_copy(model, model_source, args)
+    if ref_model is not None:
+        # a given reference, or the policy's copy loaded again under ZeRO-3, reads the same rows as the policy
         if args.padding_free or shared_prompt:
             use_segment_attention(ref_model)
         if shared_prompt:
             require_shared_prompt_attention(ref_model)
-    elif not adapter_reference and not precompute:
-        ref_model = initial_policy_copy(model, model_source, args)
-    if ref_model is not None:
         ref_model.requires_grad_(False).eval()
     if args.disable_dropout:
         for module in (model, ref_model):

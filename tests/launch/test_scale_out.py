@@ -48,14 +48,22 @@ OFFLINE = OFFLINE + ["gkd"]  # GKD off-policy (lmbda=0): SFT's paths, its frozen
 ONLINE = ["grpo", "rloo", "grpo_reward_model", "ppo", "online_dpo"]
 ONLINE = ONLINE + ["gkd_on_policy"]  # GKD with lmbda=1: both steps on the student's own samples, generated per process
 RESUMED = {"sft_resumed": "sft"}  # stopped after step 1 and resumed from the engine's (ZeRO-3: sharded) checkpoint
+# GRPO with shared_prompt=True: each group's prompt scored once; the unshared "grpo" case's completions, losses and
+# weights (under DDP) are its reference under every engine
+SHARED_PROMPT = {"grpo_shared": "grpo"}
+ONLINE = ONLINE + list(SHARED_PROMPT)
+SAME_AS = {**RESUMED, **SHARED_PROMPT}  # a case whose reference is another case's run
 # Under the sharding engines, a case that takes the same code path as another one there is left to DDP (padded DPO,
 # as padding-free DPO; RLOO, as GRPO), which keeps the suite's time in bounds.
 SHARDED = [c for c in OFFLINE if c != "dpo"] + list(RESUMED) + ["grpo", "grpo_reward_model"]
 SHARDED = SHARDED + ["ppo"]  # PPO's value head is sharded with the policy: gathered to save it
 SHARDED = SHARDED + ["online_dpo"]  # (and GKD, from OFFLINE: its frozen teacher sharded too, its head gathered)
+SHARDED = SHARDED + list(SHARED_PROMPT)  # the shared prompt's K/V gradients summed over branches, then sharded
 ENGINE_CASES = {
     "ddp": OFFLINE + list(RESUMED) + ONLINE,
-    "fsdp2": SHARDED,
+    # GRPO's unshared path runs here as "grpo_reward_model" (GRPO plus a sharded reward model), its shared one as
+    # "grpo_shared": plain "grpo" is left to DDP and ZeRO-3 (where sharded generation is compared with it)
+    "fsdp2": [c for c in SHARDED if c != "grpo"],
     # ZeRO-2 shards only gradients and optimizer states, the same way for every trainer: one of each kind
     "zero2": ["sft", "sft_lora", "dpo", "kto", "reward", "sft_resumed", "grpo"] + ["gkd"],
     # precompute_ref_log_probs without a ref_model is refused under ZeRO-3 (docs/scale_out.md)
@@ -193,12 +201,12 @@ def test_every_trainer_matches_one_process_under_each_engine(engine, assets, ini
         assert first["local_fraction"] == pytest.approx(held), (case, first["local_fraction"])
         assert first["losses"] == second["losses"]
         reference = ddp if case in ONLINE else one_process
-        expected = ranks(reference, RESUMED.get(case, case))[0]
+        expected = ranks(reference, SAME_AS.get(case, case))[0]
         assert_same_losses(first["losses"], expected["losses"])
         if case in ONLINE:
             assert first["completions"] == expected["completions"] and first["completions"]
         start = tied_initial(assets) if case == "sft_tied" else initial
-        assert_same_weights(saved_weights(out, case), saved_weights(reference, RESUMED.get(case, case)), start)
+        assert_same_weights(saved_weights(out, case), saved_weights(reference, SAME_AS.get(case, case)), start)
     for case in {"gkd": 0, "gkd_on_policy": 2}.keys() & set(cases):  # every step's source, on both processes
         assert [r["on_policy_steps"] for r in ranks(out, case)] == [{"gkd": 0, "gkd_on_policy": 2}[case]] * 2
     if "ppo" in cases:  # PPO's value head trains with the policy, saved beside it (gathered from the shards)

@@ -19,21 +19,9 @@ from leantune.trainers.parts.logprob_engine import LogProbPath
 from ..fixtures.online_rounds import one_round
 from ..fixtures.paths import CHAT_TEMPLATES, TOKENIZER_DIR
 from ..fixtures.tokenizers import load_tokenizer
+from ..fixtures.tool_calls import Script, call, multiply, tiny_policy, tool_calling
 
 IGNORE = -100
-
-# A Qwen-style template (written here): tool schemas in a system turn, calls as <tool_call> JSON, results as a `tool` turn
-TOOL_TEMPLATE = (
-    "{%- if tools %}<|im_start|>system\nYou can call these tools:\n{%- for tool in tools %}\n{{ tool | tojson }}"
-    "{%- endfor %}\nCall one as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>.<|im_end|>\n{% endif %}"
-    "{%- for message in messages %}"
-    "{%- if message.role == 'assistant' %}<|im_start|>assistant\n{{ message.content }}"
-    "{%- for call in message.tool_calls or [] %}<tool_call>\n{\"name\": \"{{ call.function.name }}\", "
-    "\"arguments\": {{ call.function.arguments | tojson }}}\n</tool_call>{%- endfor %}<|im_end|>\n"
-    "{% else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 
 @pytest.fixture(scope="module")
@@ -41,22 +29,7 @@ def tool_tokenizer():
 
     if not TOKENIZER_DIR.exists():
         pytest.skip(f"shared tokenizer not found at {TOKENIZER_DIR}")
-    tokenizer = load_tokenizer(TOKENIZER_DIR)
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    tokenizer.add_tokens(["<tool_call>", "</tool_call>"])
-    tokenizer.eos_token = "<|im_end|>"
-    tokenizer.chat_template = TOOL_TEMPLATE
-    return tokenizer
-
-
-def tiny_policy(tokenizer, seed: int = 0):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    return Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=1024, pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id))
+    return tool_calling(load_tokenizer(TOKENIZER_DIR))
 
 
 def config(**overrides) -> GRPOConfig:
@@ -71,41 +44,6 @@ def config(**overrides) -> GRPOConfig:
 def questions(n: int = 3, **columns) -> Dataset:
     return Dataset.from_dict({"prompt": [[{"role": "user", "content": f"What is {i} times 4?"}] for i in range(n)],
                               **columns})
-
-
-def multiply(a: int, b: int) -> int:
-    """
-    Multiplies two integers.
-
-    Args:
-        a: The first integer.
-        b: The second integer.
-    """
-    return a * b
-
-
-def call(name: str, **arguments) -> str:
-    import json
-
-    return f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(arguments)}}}\n</tool_call>'
-
-
-class Script:
-    """Stands in for the policy's `generate`: each call returns the next scripted turn (texts, one per row, ended by
-    the end-of-turn token and right-padded, as generate pads); records the rows it was asked for."""
-
-    def __init__(self, tokenizer, *turns):
-        self.tokenizer, self.turns, self.calls = tokenizer, list(turns), []
-
-    def __call__(self, input_ids, attention_mask=None, **kwargs):
-        self.calls.append([self.tokenizer.decode(row[mask.bool()]) for row, mask in zip(input_ids, attention_mask)])
-        texts = self.turns.pop(0) if len(self.turns) > 1 else self.turns[0]
-        texts = texts(input_ids.shape[0]) if callable(texts) else texts
-        assert len(texts) == input_ids.shape[0], (texts, input_ids.shape)
-        rows = [self.tokenizer(t, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id] for t in texts]
-        width = max(map(len, rows))
-        rows = [r + [self.tokenizer.pad_token_id] * (width - len(r)) for r in rows]
-        return torch.cat([input_ids, torch.tensor(rows, device=input_ids.device)], dim=-1)
 
 
 def message_count(completions, **kwargs):

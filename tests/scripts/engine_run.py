@@ -140,6 +140,8 @@ CASES = {
     "reward": lambda case: leantune.RewardTrainer(model_dir, args=leantune.RewardConfig(**common(case, max_length=96)),
                                                   train_dataset=data("pairs")),
     "grpo": lambda case: online(leantune.GRPOConfig, leantune.GRPOTrainer, case, beta=0.04),
+    # each group's prompt scored once (one row per group, segment attention): the "grpo" case's results
+    "grpo_shared": lambda case: online(leantune.GRPOConfig, leantune.GRPOTrainer, case, beta=0.04, shared_prompt=True),
     "rloo": lambda case: online(leantune.RLOOConfig, leantune.RLOOTrainer, case),
     "grpo_reward_model": lambda case: online(leantune.GRPOConfig, leantune.GRPOTrainer, case, beta=0.04,
                                              reward=[f"{assets}/reward_model", length_reward]),
