@@ -54,8 +54,8 @@ class LeantuneTrainer(Trainer):
     scores_at_temperature = False
     # Whether the trained model scores a vocabulary (a reward model scores sequences: nothing to chunk or fuse).
     scores_vocabulary = True
-    # Whether the trainer runs under context parallelism (SFT, DPO, KTO; the others' losses would read each process's
-    # part of every sequence as the whole sequence).
+    # Whether the trainer runs under context parallelism (SFT, DPO, KTO, GRPO, RLOO, Online DPO; the others' losses
+    # would read each process's part of every sequence as the whole sequence).
     supports_context_parallelism = False
     # Whether the loss reads per-sequence sums (DPO's, KTO's): under context parallelism each target's sequence
     # travels with it through the split, and those sums are made whole over the group (trainers/context_parallel.py).
@@ -96,7 +96,7 @@ class LeantuneTrainer(Trainer):
         self.run_metrics = RunMetrics(self.accelerator, args.device, lambda store: self.summarise_metrics(store))
         self.context_parallel = ContextParallelism(self.accelerator)
         self.context_parallel.check(type(self).__name__, self.supports_context_parallelism, self.model,
-                                    self.compute_loss_func, args)
+                                    self.compute_loss_func, args, self.context_parallel_problem(args))
         self.step_loss = StepLoss(args, self.accelerator, self.context_parallel, self.model, self.items_in,
                                   self.run_metrics.record)
         # the temperature the trainer's log-probs are of: the sampling one (GRPO, RLOO, PPO), else 1
@@ -128,6 +128,10 @@ class LeantuneTrainer(Trainer):
     def frozen_model_sources(self) -> dict:
         """The frozen models as given, before they load (reward functions, a teacher): what `memory_budget` plans."""
         return {}
+
+    def context_parallel_problem(self, args) -> str | None:
+        """An option of the method's that context parallelism cannot run exactly, said as "<option> (why)"."""
+        return None
 
     def liger_notes(self, args) -> list[tuple[int, str]]:
         """(log level, text) of what the method's loss takes from Liger and what it does not, said once at start."""

@@ -12,15 +12,17 @@ from __future__ import annotations
 import torch
 
 from ..losses.preference import chosen_and_rejected, dpo_loss, preferred_in_pairs
-from ..losses.token_logprobs import per_sequence_sum
 from .online.round_builder import eos_penalised
-from .online_trainer import OnlineTrainer
+from .online_trainer import OnlineTrainer, sequence_sums
 
 
 class OnlineDPOTrainer(OnlineTrainer):
     method = "online_dpo"  # its entry in leantune/methods.py
     scores_at_temperature = False  # the DPO loss reads the model's own probabilities, not the sampling ones
     cuts_prompts_to_max_length = True  # prompt + completion scored within max_length (TRL's left truncation)
+    # under context parallelism each completion's log-prob sums are made whole over the group before the loss
+    supports_context_parallelism = True
+    loss_over_sequence_sums = True
 
     def __init__(self, model, ref_model=None, reward_funcs=None, args=None, data_collator=None, train_dataset=None,
                  eval_dataset=None, processing_class=None, reward_processing_classes=None, peft_config=None,
@@ -71,8 +73,8 @@ class OnlineDPOTrainer(OnlineTrainer):
 
     def policy_loss(self, logps: torch.Tensor, sequence: torch.Tensor, batch: dict):
         count = int(batch["num_sequences"])
-        policy = per_sequence_sum(logps, sequence, count)
-        reference = per_sequence_sum(batch["ref_logps"].to(logps.dtype), sequence, count)
+        policy = sequence_sums(logps, sequence, count, batch)
+        reference = sequence_sums(batch["ref_logps"].to(logps.dtype), sequence, count, batch)
         chosen = batch["chosen"].to(logps.device)
         policy_chosen, policy_rejected = chosen_and_rejected(policy, chosen)
         ref_chosen, ref_rejected = chosen_and_rejected(reference, chosen)

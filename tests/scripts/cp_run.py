@@ -27,6 +27,7 @@ data = load_dataset("json", data_files=f"{assets}/sft.jsonl")["train"]
 
 pairs = load_dataset("json", data_files=f"{assets}/pairs.jsonl")["train"] if os.path.exists(
     f"{assets}/pairs.jsonl") else None
+prompts = data.select_columns(["prompt"])  # the SFT examples' prompts, for the online methods
 
 
 def config(case, config_class=leantune.SFTConfig, **fields):
@@ -36,7 +37,7 @@ def config(case, config_class=leantune.SFTConfig, **fields):
                     optim_args="momentum=0.9", max_grad_norm=0.0, seed=0, data_seed=0, memory_breakdown=False,
                     max_length=96)
     settings.update(fields)
-    return config_class(**settings)
+    return config_class(**{name: value for name, value in settings.items() if value is not None})
 
 
 CASES = {
@@ -54,6 +55,22 @@ CASES = {
 CASES["kto"] = dict(CASES["dpo"], config_class=leantune.KTOConfig)
 CASES["kto_padding_free"] = dict(CASES["dpo_padding_free"], config_class=leantune.KTOConfig)
 CASES["dpo_padding_free_unsummed"] = CASES["dpo_padding_free"]
+# The online methods: each process of the group generates the round (same prompts, same seed) and scores its part of
+# every sequence. 4 prompts' completions per step, 16 tokens at most, reference beta > 0. GRPO padded: one round of
+# 2 micro-batches (steps_per_generation=2), so step 2 is off-policy (old log-probs, ratios != 1); padding-free: a round
+# per step (generated after the update) with loss_type="grpo" (per-sequence means over whole token counts).
+ONLINE = dict(num_generations=2, max_completion_length=16, temperature=1.0, max_length=None)
+CASES["grpo"] = dict(ONLINE, config_class=leantune.GRPOConfig, beta=0.04, steps_per_generation=2)
+CASES["grpo_padding_free"] = dict(ONLINE, config_class=leantune.GRPOConfig, beta=0.04, loss_type="grpo",
+                                  padding_free=True)
+# RLOO and Online DPO read whole-completion sums (made whole over the group, as DPO's), padding-free
+CASES["rloo_padding_free"] = dict(ONLINE, config_class=leantune.RLOOConfig, beta=0.04, padding_free=True)
+CASES["online_dpo_padding_free"] = dict(ONLINE, config_class=leantune.OnlineDPOConfig, max_completion_length=None,
+                                        max_new_tokens=16, padding_free=True)
+
+
+def length_reward(completions, **kwargs):
+    return [float(len(c)) / 10 for c in completions]
 
 
 def refusals() -> dict[str, str]:
@@ -101,7 +118,11 @@ for case in cases:
             json.dump(record, handle)
         continue
     args = config(case, **CASES[case])
-    if isinstance(args, leantune.KTOConfig):
+    if isinstance(args, (leantune.GRPOConfig, leantune.RLOOConfig, leantune.OnlineDPOConfig)):
+        trainer_class = {leantune.GRPOConfig: leantune.GRPOTrainer, leantune.RLOOConfig: leantune.RLOOTrainer,
+                         leantune.OnlineDPOConfig: leantune.OnlineDPOTrainer}[type(args)]
+        trainer = trainer_class(model_dir, reward_funcs=length_reward, args=args, train_dataset=prompts)
+    elif isinstance(args, leantune.KTOConfig):
         trainer = leantune.KTOTrainer(model_dir, args=args, train_dataset=pairs)
     elif isinstance(args, leantune.DPOConfig):
         if case.endswith("_unsummed"):  # the negative control: partial sums read as whole sequences
