@@ -1,10 +1,11 @@
 """Run by tests/launch/test_context_parallel.py, alone or under `accelerate launch` with
-examples/accelerate/fsdp2_context_parallel.yaml (2 CPU processes, cp_size=2): two SGD steps of SFT, DPO or KTO per named
-case, through the public API. Per case it saves the trained weights (FSDP2's full-state gather) to <out>/<case>/ and
-writes what every process saw to <out>/<case>/rank<k>.json. The case `refusals` builds trainers that context
-parallelism cannot run exactly and records each error. The case `dpo_padding_free_unsummed` is the negative control
-(measured once, not run by the test; the last case of a launch, as it patches the all-reduce out): padding-free DPO
-with each process's partial per-sequence sums taken as whole (no all-reduce over the group).
+examples/accelerate/fsdp2_context_parallel.yaml (2 CPU processes, cp_size=2): two SGD steps of SFT, DPO, KTO, GRPO,
+RLOO or Online DPO per named case, through the public API. Per case it saves the trained weights (FSDP2's full-state
+gather) to <out>/<case>/ and writes what every process saw to <out>/<case>/rank<k>.json. The case `refusals` builds
+trainers that context parallelism cannot run exactly and records each error. The cases `*_unsummed` are the negative
+controls (measured once, not run by the test; the last case of a launch, as they patch the all-reduce out):
+padding-free DPO with each process's partial per-sequence sums taken as whole, padding-free GRPO (loss_type="grpo")
+with each process's partial token counts taken as each completion's length.
 
 usage: cp_run.py OUT ASSETS_DIR CASE [CASE ...]     (ASSETS_DIR holds model/, sft.jsonl and pairs.jsonl)"""
 
@@ -54,7 +55,6 @@ CASES = {
 # KTO: the pairs unpaired (8 examples, 4 per step), each with its mismatched completion for the KL reference point
 CASES["kto"] = dict(CASES["dpo"], config_class=leantune.KTOConfig)
 CASES["kto_padding_free"] = dict(CASES["dpo_padding_free"], config_class=leantune.KTOConfig)
-CASES["dpo_padding_free_unsummed"] = CASES["dpo_padding_free"]
 # The online methods: each process of the group generates the round (same prompts, same seed) and scores its part of
 # every sequence. 4 prompts' completions per step, 16 tokens at most, reference beta > 0. GRPO padded: one round of
 # 2 micro-batches (steps_per_generation=2), so step 2 is off-policy (old log-probs, ratios != 1); padding-free: a round
@@ -67,6 +67,10 @@ CASES["grpo_padding_free"] = dict(ONLINE, config_class=leantune.GRPOConfig, beta
 CASES["rloo_padding_free"] = dict(ONLINE, config_class=leantune.RLOOConfig, beta=0.04, padding_free=True)
 CASES["online_dpo_padding_free"] = dict(ONLINE, config_class=leantune.OnlineDPOConfig, max_completion_length=None,
                                         max_new_tokens=16, padding_free=True)
+
+
+CASES["dpo_padding_free_unsummed"] = CASES["dpo_padding_free"]
+CASES["grpo_padding_free_unsummed"] = CASES["grpo_padding_free"]
 
 
 def length_reward(completions, **kwargs):
@@ -101,6 +105,9 @@ def refusals() -> dict[str, str]:
                                                                compute_loss_func=lambda *a, **k: 0)),
         "reward": error(lambda: leantune.RewardTrainer(model_dir, args=leantune.RewardConfig(
             output_dir=f"{out}/r4", report_to=[], max_length=96), train_dataset=pairs)),
+        "grpo_sequence_level": error(lambda: leantune.GRPOTrainer(
+            model_dir, reward_funcs=length_reward, train_dataset=prompts,
+            args=config("r7", **dict(CASES["grpo"], importance_sampling_level="sequence")))),
         "pad_to_multiple_of": error(lambda: config("r5", pad_to_multiple_of=6)),
         "pad_to_multiple_of_default": str(config("r6").pad_to_multiple_of),
     }
@@ -118,6 +125,10 @@ for case in cases:
             json.dump(record, handle)
         continue
     args = config(case, **CASES[case])
+    if case.endswith("_unsummed"):  # the negative controls: partial sums (and counts) read as whole sequences
+        from leantune.trainers.context_parallel import ContextParallelism
+
+        ContextParallelism.total = lambda self, partial: partial
     if isinstance(args, (leantune.GRPOConfig, leantune.RLOOConfig, leantune.OnlineDPOConfig)):
         trainer_class = {leantune.GRPOConfig: leantune.GRPOTrainer, leantune.RLOOConfig: leantune.RLOOTrainer,
                          leantune.OnlineDPOConfig: leantune.OnlineDPOTrainer}[type(args)]
@@ -125,10 +136,6 @@ for case in cases:
     elif isinstance(args, leantune.KTOConfig):
         trainer = leantune.KTOTrainer(model_dir, args=args, train_dataset=pairs)
     elif isinstance(args, leantune.DPOConfig):
-        if case.endswith("_unsummed"):  # the negative control: partial sums read as whole sequences
-            from leantune.trainers.context_parallel import ContextParallelism
-
-            ContextParallelism.total = lambda self, partial: partial
         trainer = leantune.DPOTrainer(model_dir, args=args, train_dataset=pairs)
     else:
         trainer = leantune.SFTTrainer(model_dir, args=args, train_dataset=data)
