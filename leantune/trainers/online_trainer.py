@@ -21,17 +21,17 @@ import torch
 from ..data.collators import MODEL_INPUTS
 from ..data.prompt_preparation import PROMPT_IDS, context_limit_of, prepare_prompt_dataset
 from ..generation.backend import check_backend_requirements
+from ..losses.token_logprobs import per_sequence_sum
 from ..rewards import RewardFunctions
 from ..rollouts import AgentRollouts
 from .base import LeantuneTrainer
+from .context_parallel import data_parallel_place
 from .frozen_models import prepare_frozen_model
 from .online.evaluation import evaluate_rounds
 from .online.generation_session import GenerationSession
 from .online.prompt_rounds import RoundLoader, RoundSampler, StreamRounds, as_rows, round_loader
 from .online.round_builder import RoundBuilder
 from .online.round_metrics import RoundMetrics
-from ..losses.token_logprobs import per_sequence_sum
-from .context_parallel import data_parallel_place
 from .online.shared_prompt import batch_target_sequences, batch_targets
 from .reference import ReferenceModelMixin
 
