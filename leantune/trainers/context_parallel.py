@@ -39,7 +39,8 @@ SEQUENCE_KEY, RANK_KEY, ORDINAL_KEY = "cp_target_sequence", "cp_target_rank", "c
 LAYOUT_KEYS = ("input_ids", "labels", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k",
                "max_length_q", "max_length_k")
 KL_PREFIX = "kl_"
-SUPPORTED_TRAINERS = "SFTTrainer, DPOTrainer, KTOTrainer, GRPOTrainer, RLOOTrainer and OnlineDPOTrainer"
+SUPPORTED_TRAINERS = (
+    "SFTTrainer, DPOTrainer, KTOTrainer, RewardTrainer, GKDTrainer, GRPOTrainer, RLOOTrainer and OnlineDPOTrainer")
 
 
 def requested_cp_size(args) -> int:
@@ -332,14 +333,16 @@ class ContextParallelism:
             raise ValueError(f"`pad_to_multiple_of` must be a multiple of 2 x cp_size = {2 * cp} under context "
                              f"parallelism, got {multiple!r}; leave it unset for {2 * cp}.")
 
-    def lay_out(self, inputs, pad_token_id, per_sequence: bool = False):
+    def lay_out(self, inputs, pad_token_id, per_sequence: bool = False, position_grids=None):
         """Lay the batch out for context parallelism (targets shifted before the split; packed and padding-free
         rows so that each document attends only to itself across the ring) and hand it to accelerate's
         `maybe_context_parallel`, which splits input_ids, shift_labels and position_ids along time. `per_sequence`
         (a loss over per-sequence sums, DPO's and KTO's): each target's sequence and rank travel with it through the
-        split (`target_sequence_grids`), for `placed_targets`. KTO's mismatched sequences (`kl_*` keys) are a second
-        layout of the batch, laid out alike; torch splits every buffer with one load balancer, so both get one
-        width."""
+        split (`target_sequence_grids`), for `placed_targets`. `position_grids` (view -> {name: [rows, width]
+        values, -1 where none}): more per-position values, read from the batch as collated and carried through the
+        split (the reward model's: which sequence's reward each position holds). KTO's mismatched sequences (`kl_*`
+        keys) are a second layout of the batch, laid out alike; torch splits every buffer with one load balancer,
+        so both get one width."""
         if self.size <= 1:
             return contextlib.nullcontext, inputs
         inputs = dict(inputs)
@@ -351,12 +354,15 @@ class ContextParallelism:
         self._local_positions, buffers = {}, []
         for prefix, view in views.items():
             labels = view.pop("labels")
+            grids = position_grids(view) if position_grids is not None else {}
             if "cu_seq_lens_q" in view:  # packed or padding-free rows: per-document layout
-                carried = target_sequence_grids(view, labels) if per_sequence else {}
+                carried = {**(target_sequence_grids(view, labels) if per_sequence else {}), **grids}
                 self._lay_out_documents(view, labels, pad, carried, width, prefix)
             else:
                 labels = self._lay_out_rows(view, labels, width, pad)
-                carried = target_sequence_grids(view, labels) if per_sequence else {}
+                carried = {**(target_sequence_grids(view, labels) if per_sequence else {}),
+                           **{name: F.pad(grid, (0, labels.shape[1] - grid.shape[1]), value=-1)
+                              for name, grid in grids.items()}}
                 view.update(carried)
             view["input_ids"] = view["input_ids"].clone()
             inputs.update({prefix + name: value for name, value in view.items()})

@@ -4,7 +4,8 @@ examples/accelerate/fsdp2_context_parallel.yaml`, against one process on the sam
 padding-free, packing + padding-free; DPO's and KTO's padded and padding-free batches (HH-RLHF pairs, a frozen
 reference copy; KTO's mismatched completions for its KL reference point are a second layout of the batch, split
 alike); GRPO padded (one round of two micro-batches: step 2 off-policy, old log-probs) and padding-free (a round per
-step, loss_type="grpo"), RLOO and Online DPO padding-free, all with a frozen reference (GSM8K prompts).
+step, loss_type="grpo"), RLOO and Online DPO padding-free, all with a frozen reference (GSM8K prompts); a reward
+model padded and padding-free (HH-RLHF pairs); GKD off-policy, padding-free, with a frozen teacher (another tiny model).
 
 Under cp_size=2 both processes take the same batch and each holds half of every sequence (torch's ring attention
 passes keys and values between them); the CPU-only part (the ring for the CPU SDPA kernel) is a helper in
@@ -38,6 +39,13 @@ Tolerances (SGD with momentum 0.9, no clipping, 2 steps, lr 1e-2; tests/scripts/
   case `grpo_padding_free_unsummed`, launched alone: each process's partial token counts taken as the completions'
   lengths): the weights off by 1.47 of their update (the loss, a cancellation, moves by 2.4e-7 only: the weights
   carry this check).
+- Reward: each sequence's reward is read at its last token, on whichever process that token lands; the position
+  travels through the split and the rewards are made whole over the group (one process holds each, the other adds
+  0). Measured: losses identical to the last bit, weights within 5.0e-5 of their update (8% of the bound). Negative
+  control, measured once (`reward_padding_free_unsummed`: each process's held rewards taken as all): step 1's loss
+  off by 5.0e-3 relative, the weights by 0.50 of their update. GKD: the JSD summed per token as SFT's NLL (each
+  process's part adds up), the teacher scoring each process's part inside the ring; measured: losses within 1.5e-7
+  relative, weights within the bound (its update, lr 1, is ~1e-4: fp32 storage rounding is most of the difference).
 """
 
 from __future__ import annotations
@@ -61,7 +69,8 @@ SCRIPT = SCRIPTS / "cp_run.py"
 HELPERS = CPU_ENGINES
 CONFIG = REPO / "examples" / "accelerate" / "fsdp2_context_parallel.yaml"
 CASES = ["sft", "sft_packed", "sft_padding_free", "sft_packed_padding_free", "dpo", "dpo_padding_free", "kto",
-         "kto_padding_free", "grpo", "grpo_padding_free", "rloo_padding_free", "online_dpo_padding_free"]
+         "kto_padding_free", "grpo", "grpo_padding_free", "rloo_padding_free", "online_dpo_padding_free", "reward",
+         "reward_padding_free", "gkd_padding_free"]
 # GRPO's and RLOO's losses are sums of terms of magnitude |advantage| ~ 1 (advantages normalised by their group's
 # std) that cancel to ~1e-7 (a group's advantages sum to 0): their values are compared to 1e-5 of those terms, absolute
 CANCELLING = {"grpo", "grpo_padding_free", "rloo_padding_free"}
@@ -258,6 +267,7 @@ def assets(tmp_path_factory, tokenizer_dir):
     root = tmp_path_factory.mktemp("context_parallel")
     tiny_model().save_pretrained(root / "model")
     AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(root / "model")
+    tiny_model(seed=1).save_pretrained(root / "teacher")  # GKD's teacher
     rows = gsm8k_rows(64)
     # short examples of varied lengths (none a multiple of 4 by design), so packed rows of 96 tokens hold several
     with open(root / "sft.jsonl", "w", encoding="utf-8") as handle:
@@ -319,7 +329,8 @@ def test_sft_under_context_parallelism_matches_one_process(assets):
     assert "sliding_attention" in refused["sliding_window"]
     assert "attn_implementation='sdpa'" in refused["eager"]
     assert "compute_loss_func" in refused["compute_loss_func"]
-    assert "OnlineDPOTrainer only; RewardTrainer" in refused["reward"]
+    assert "OnlineDPOTrainer only; PPOTrainer" in refused["ppo"]
+    assert "`cp_size=2`" in refused["gkd_on_policy"] and "`lmbda=0.5`" in refused["gkd_on_policy"]
     assert "must be a multiple of 2 x cp_size = 4" in refused["pad_to_multiple_of"]
     assert "`cp_size=2`" in refused["grpo_sequence_level"]
     assert "importance_sampling_level='sequence'" in refused["grpo_sequence_level"]

@@ -1,13 +1,14 @@
 """Run by tests/launch/test_context_parallel.py, alone or under `accelerate launch` with
 examples/accelerate/fsdp2_context_parallel.yaml (2 CPU processes, cp_size=2): two SGD steps of SFT, DPO, KTO, GRPO,
-RLOO or Online DPO per named case, through the public API. Per case it saves the trained weights (FSDP2's full-state
+RLOO, Online DPO, reward or GKD per named case, through the public API. Per case it saves the trained weights (FSDP2's full-state
 gather) to <out>/<case>/ and writes what every process saw to <out>/<case>/rank<k>.json. The case `refusals` builds
 trainers that context parallelism cannot run exactly and records each error. The cases `*_unsummed` are the negative
 controls (measured once, not run by the test; the last case of a launch, as they patch the all-reduce out):
 padding-free DPO with each process's partial per-sequence sums taken as whole, padding-free GRPO (loss_type="grpo")
-with each process's partial token counts taken as each completion's length.
+with each process's partial token counts taken as each completion's length, padding-free reward with the rewards
+this process holds taken as all (0 for those on the other process).
 
-usage: cp_run.py OUT ASSETS_DIR CASE [CASE ...]     (ASSETS_DIR holds model/, sft.jsonl and pairs.jsonl)"""
+usage: cp_run.py OUT ASSETS_DIR CASE [CASE ...]  (ASSETS_DIR holds model/, teacher/, sft.jsonl and pairs.jsonl)"""
 
 from __future__ import annotations
 
@@ -69,8 +70,15 @@ CASES["online_dpo_padding_free"] = dict(ONLINE, config_class=leantune.OnlineDPOC
                                         max_new_tokens=16, padding_free=True)
 
 
+# Reward: each sequence's reward is read at its last token, which lands on either process; GKD: off-policy (the
+# dataset's completions), the teacher (another tiny model, teacher/) scoring each process's part inside the ring
+# (two random tiny models are both near uniform: their JSD is ~6e-3, so lr 1 for an update well above fp32 rounding)
+CASES["reward"] = dict(config_class=leantune.RewardConfig, max_length=128)
+CASES["reward_padding_free"] = dict(CASES["reward"], padding_free=True)
+CASES["gkd_padding_free"] = dict(config_class=leantune.GKDConfig, lmbda=0.0, padding_free=True, learning_rate=1.0)
 CASES["dpo_padding_free_unsummed"] = CASES["dpo_padding_free"]
 CASES["grpo_padding_free_unsummed"] = CASES["grpo_padding_free"]
+CASES["reward_padding_free_unsummed"] = CASES["reward_padding_free"]
 
 
 def length_reward(completions, **kwargs):
@@ -103,8 +111,11 @@ def refusals() -> dict[str, str]:
             train_dataset=data, processing_class=tokenizer)),
         "compute_loss_func": error(lambda: leantune.SFTTrainer(model_dir, args=config("r3"), train_dataset=data,
                                                                compute_loss_func=lambda *a, **k: 0)),
-        "reward": error(lambda: leantune.RewardTrainer(model_dir, args=leantune.RewardConfig(
-            output_dir=f"{out}/r4", report_to=[], max_length=96), train_dataset=pairs)),
+        "ppo": error(lambda: leantune.PPOTrainer(args=config("r4", config_class=leantune.PPOConfig, max_length=None),
+                                                 model=model_dir, reward_funcs=length_reward, train_dataset=prompts)),
+        "gkd_on_policy": error(lambda: leantune.GKDTrainer(model_dir, teacher_model=f"{assets}/teacher",
+                                                           args=config("r8", config_class=leantune.GKDConfig, lmbda=0.5),
+                                                           train_dataset=data)),
         "grpo_sequence_level": error(lambda: leantune.GRPOTrainer(
             model_dir, reward_funcs=length_reward, train_dataset=prompts,
             args=config("r7", **dict(CASES["grpo"], importance_sampling_level="sequence")))),
@@ -133,6 +144,11 @@ for case in cases:
         trainer_class = {leantune.GRPOConfig: leantune.GRPOTrainer, leantune.RLOOConfig: leantune.RLOOTrainer,
                          leantune.OnlineDPOConfig: leantune.OnlineDPOTrainer}[type(args)]
         trainer = trainer_class(model_dir, reward_funcs=length_reward, args=args, train_dataset=prompts)
+    elif isinstance(args, leantune.RewardConfig):
+        torch.manual_seed(args.seed)  # the new score head's initial weights, the same in every run
+        trainer = leantune.RewardTrainer(model_dir, args=args, train_dataset=pairs)
+    elif isinstance(args, leantune.GKDConfig):
+        trainer = leantune.GKDTrainer(model_dir, teacher_model=f"{assets}/teacher", args=args, train_dataset=data)
     elif isinstance(args, leantune.KTOConfig):
         trainer = leantune.KTOTrainer(model_dir, args=args, train_dataset=pairs)
     elif isinstance(args, leantune.DPOConfig):
