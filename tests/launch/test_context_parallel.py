@@ -38,7 +38,9 @@ Tolerances (SGD with momentum 0.9, no clipping, 2 steps, lr 1e-2; tests/scripts/
   losses (cancelling terms, see CANCELLING) within 2.4e-7 absolute. Negative control, measured once (cp_run.py's
   case `grpo_padding_free_unsummed`, launched alone: each process's partial token counts taken as the completions'
   lengths): the weights off by 1.47 of their update (the loss, a cancellation, moves by 2.4e-7 only: the weights
-  carry this check). With a data-parallel group over 1, measured once (4 CPU processes, dp_shard 2 x cp 2, cp_run.py's
+  carry this check). Generating under accelerate's ring hooks (`grpo_padding_free_masks_dropped`: the left-padded
+  prompts' masks dropped), measured once: other completions, the weights off by 0.39 of their update. With a
+  data-parallel group over 1, measured once (4 CPU processes, dp_shard 2 x cp 2, cp_run.py's
   grpo_padding_free and rloo_padding_free against a 2-process FSDP2 launch, whose rounds use the same per-process
   seeds and slices): weights within 2.1e-5 (GRPO) and 5.7e-6 (RLOO) of their update, 3% and 5% of the bound.
 - Reward: each sequence's reward is read at its last token, on whichever process that token lands; the position

@@ -6,7 +6,8 @@ trainers that context parallelism cannot run exactly and records each error. The
 controls (measured once, not run by the test; the last case of a launch, as they patch the all-reduce out):
 padding-free DPO with each process's partial per-sequence sums taken as whole, padding-free GRPO (loss_type="grpo")
 with each process's partial token counts taken as each completion's length, padding-free reward with the rewards
-this process holds taken as all (0 for those on the other process).
+this process holds taken as all (0 for those on the other process); `grpo_padding_free_masks_dropped` generates with
+accelerate's ring hooks on (the left-padded prompts' masks dropped).
 
 usage: cp_run.py OUT ASSETS_DIR CASE [CASE ...]  (ASSETS_DIR holds model/, teacher/, sft.jsonl and pairs.jsonl)"""
 
@@ -79,6 +80,7 @@ CASES["gkd_padding_free"] = dict(config_class=leantune.GKDConfig, lmbda=0.0, pad
 CASES["dpo_padding_free_unsummed"] = CASES["dpo_padding_free"]
 CASES["grpo_padding_free_unsummed"] = CASES["grpo_padding_free"]
 CASES["reward_padding_free_unsummed"] = CASES["reward_padding_free"]
+CASES["grpo_padding_free_masks_dropped"] = CASES["grpo_padding_free"]
 
 
 def length_reward(completions, **kwargs):
@@ -140,6 +142,12 @@ for case in cases:
         from leantune.trainers.context_parallel import ContextParallelism
 
         ContextParallelism.total = lambda self, partial: partial
+    if case.endswith("_masks_dropped"):  # negative control: generation under the ring's hooks (prompt masks dropped)
+        import contextlib
+
+        from leantune.trainers.online import generation_session
+
+        generation_session.ring_hooks_suspended = lambda model: contextlib.nullcontext()
     if isinstance(args, (leantune.GRPOConfig, leantune.RLOOConfig, leantune.OnlineDPOConfig)):
         trainer_class = {leantune.GRPOConfig: leantune.GRPOTrainer, leantune.RLOOConfig: leantune.RLOOTrainer,
                          leantune.OnlineDPOConfig: leantune.OnlineDPOTrainer}[type(args)]
