@@ -36,8 +36,6 @@ class GKDTrainer(SFTTrainer):
     """Distil a teacher into the trained model on prompt-completion or conversational data."""
 
     method = "gkd"  # its entry in leantune/methods.py
-    # under context parallelism (off-policy steps only): the teacher scores each process's part too, inside the ring
-    supports_context_parallelism = True
 
     def __init__(self, model=None, teacher_model=None, args: GKDConfig | None = None, data_collator=None,
                  train_dataset=None, eval_dataset=None, processing_class=None, compute_metrics=None, callbacks=None,

@@ -42,7 +42,6 @@ from .online_trainer import PLACED_TARGETS, OnlineTrainer
 
 class GRPOTrainer(OnlineTrainer):
     method = "grpo"  # its entry in leantune/methods.py
-    supports_context_parallelism = True  # token losses summed per process, sequence lengths made whole
 
     def __init__(self, model, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),

@@ -20,9 +20,6 @@ class OnlineDPOTrainer(OnlineTrainer):
     method = "online_dpo"  # its entry in leantune/methods.py
     scores_at_temperature = False  # the DPO loss reads the model's own probabilities, not the sampling ones
     cuts_prompts_to_max_length = True  # prompt + completion scored within max_length (TRL's left truncation)
-    # under context parallelism each completion's log-prob sums are made whole over the group before the loss
-    supports_context_parallelism = True
-    loss_over_sequence_sums = True
 
     def __init__(self, model, ref_model=None, reward_funcs=None, args=None, data_collator=None, train_dataset=None,
                  eval_dataset=None, processing_class=None, reward_processing_classes=None, peft_config=None,

@@ -18,6 +18,7 @@ import logging
 
 import torch
 
+from .. import methods
 from ..data.collators import MODEL_INPUTS
 from ..data.prompt_preparation import PROMPT_IDS, context_limit_of, prepare_prompt_dataset
 from ..generation.backend import check_backend_requirements
@@ -223,7 +224,7 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         loss_sum, metrics = self.policy_loss(logps, sequence, batch)
         metrics["entropy"] = entropy.detach().mean()  # NaN when nothing is scored (left out of the logged mean)
         loss = self.normalise(loss_sum, batch["loss_items"], num_items_in_batch,
-                              whole_sequences=split and self.loss_over_sequence_sums)
+                              whole_sequences=split and self.context_parallel_loss == methods.SEQUENCE_SUMS)
         if self.entropy_bonus is not None:  # over the tokens the policy term acts on (top_entropy_quantile's mask)
             mask = batch.get("entropy_token_mask")
             steps = getattr(self, "current_gradient_accumulation_steps", 1) if model.training else 1

@@ -48,9 +48,6 @@ class RewardTrainer(LeantuneTrainer):
 
     method = "reward"  # its entry in leantune/methods.py
     scores_vocabulary = False  # one score per sequence: no logits to chunk or fuse (a Liger flag chooses nothing)
-    # under context parallelism each sequence's reward position travels through the split and the rewards are made
-    # whole over the group (one process holds each, the others add zeros) before the loss
-    supports_context_parallelism = True
     dataset_columns = ("chosen_ids", "rejected_ids", "margin")
     # No prepared_columns: TRL's tokenised input has the prepared columns' names, so only a dataset this trainer
     # prepared (its fingerprint) skips preparation; preparing prepared data again changes nothing.

@@ -20,9 +20,6 @@ from .online_trainer import OnlineTrainer, sequence_sums
 
 class RLOOTrainer(OnlineTrainer):
     method = "rloo"  # its entry in leantune/methods.py
-    # under context parallelism each completion's log-prob sums are made whole over the group before the loss
-    supports_context_parallelism = True
-    loss_over_sequence_sums = True
 
     @property
     def kl_in_reward(self) -> bool:

@@ -1,9 +1,10 @@
 """Run by tests/launch/test_context_parallel.py, alone or under `accelerate launch` with
 examples/accelerate/fsdp2_context_parallel.yaml (2 CPU processes, cp_size=2): two SGD steps of SFT, DPO, KTO, GRPO,
-RLOO, Online DPO, reward or GKD per named case, through the public API. Per case it saves the trained weights (FSDP2's full-state
-gather) to <out>/<case>/ and writes what every process saw to <out>/<case>/rank<k>.json. The case `refusals` builds
-trainers that context parallelism cannot run exactly and records each error. The cases `*_unsummed` are the negative
-controls (measured once, not run by the test; the last case of a launch, as they patch the all-reduce out):
+RLOO, Online DPO, reward or GKD per named case, through the public API. Per case it saves the trained weights
+(FSDP2's full-state gather) to <out>/<case>/ and writes what every process saw to <out>/<case>/rank<k>.json. The
+case `refusals` builds trainers that context parallelism cannot run exactly and records each error. The cases
+`*_unsummed` and `*_masks_dropped` are the negative controls (measured once, not run by the test; the last case of
+a launch, as they patch leantune):
 padding-free DPO with each process's partial per-sequence sums taken as whole, padding-free GRPO (loss_type="grpo")
 with each process's partial token counts taken as each completion's length, padding-free reward with the rewards
 this process holds taken as all (0 for those on the other process); `grpo_padding_free_masks_dropped` generates with
@@ -115,9 +116,9 @@ def refusals() -> dict[str, str]:
                                                                compute_loss_func=lambda *a, **k: 0)),
         "ppo": error(lambda: leantune.PPOTrainer(args=config("r4", config_class=leantune.PPOConfig, max_length=None),
                                                  model=model_dir, reward_funcs=length_reward, train_dataset=prompts)),
-        "gkd_on_policy": error(lambda: leantune.GKDTrainer(model_dir, teacher_model=f"{assets}/teacher",
-                                                           args=config("r8", config_class=leantune.GKDConfig, lmbda=0.5),
-                                                           train_dataset=data)),
+        "gkd_on_policy": error(lambda: leantune.GKDTrainer(
+            model_dir, teacher_model=f"{assets}/teacher", train_dataset=data,
+            args=config("r8", config_class=leantune.GKDConfig, lmbda=0.5))),
         "grpo_sequence_level": error(lambda: leantune.GRPOTrainer(
             model_dir, reward_funcs=length_reward, train_dataset=prompts,
             args=config("r7", **dict(CASES["grpo"], importance_sampling_level="sequence")))),

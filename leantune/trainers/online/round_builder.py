@@ -211,7 +211,8 @@ class RoundBuilder:
         inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
         temperature = self.trainer.scoring_temperature
         if "shift_labels" not in batch:
-            return self.trainer.logprobs.target_logprobs(model, inputs, batch_targets(batch), temperature).logps.detach()
+            scores = self.trainer.logprobs.target_logprobs(model, inputs, batch_targets(batch), temperature)
+            return scores.logps.detach()
         ring = self.trainer.context_parallel
         ring.check_layout(inputs)
         scores = self.trainer.logprobs.target_logprobs(model, inputs, batch["shift_labels"], temperature, shifted=True)
