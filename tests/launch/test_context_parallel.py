@@ -5,7 +5,8 @@ padding-free, packing + padding-free; DPO's and KTO's padded and padding-free ba
 reference copy; KTO's mismatched completions for its KL reference point are a second layout of the batch, split
 alike); GRPO padded (one round of two micro-batches: step 2 off-policy, old log-probs) and padding-free (a round per
 step, loss_type="grpo"), RLOO and Online DPO padding-free, all with a frozen reference (GSM8K prompts); a reward
-model padded and padding-free (HH-RLHF pairs); GKD off-policy, padding-free, with a frozen teacher (another tiny model).
+model padding-free (HH-RLHF pairs; padded, cp_run.py's `reward`, measured once); GKD off-policy, padding-free, with a
+frozen teacher (another tiny model).
 
 Under cp_size=2 both processes take the same batch and each holds half of every sequence (torch's ring attention
 passes keys and values between them); the CPU-only part (the ring for the CPU SDPA kernel) is a helper in
@@ -45,7 +46,8 @@ Tolerances (SGD with momentum 0.9, no clipping, 2 steps, lr 1e-2; tests/scripts/
   seeds and slices): weights within 2.1e-5 (GRPO) and 5.7e-6 (RLOO) of their update, 3% and 5% of the bound.
 - Reward: each sequence's reward is read at its last token, on whichever process that token lands; the position
   travels through the split and the rewards are made whole over the group (one process holds each, the other adds
-  0). Measured: losses identical to the last bit, weights within 5.0e-5 of their update (8% of the bound). Negative
+  0). Measured, padded (once) and padding-free: losses identical to the last bit, weights within 5.0e-5 of their
+  update (8% of the bound). Negative
   control, measured once (`reward_padding_free_unsummed`: each process's held rewards taken as all): step 1's loss
   off by 5.0e-3 relative, the weights by 0.50 of their update. GKD: the JSD summed per token as SFT's NLL (each
   process's part adds up), the teacher scoring each process's part inside the ring; measured: losses within 1.5e-7
@@ -73,7 +75,7 @@ SCRIPT = SCRIPTS / "cp_run.py"
 HELPERS = CPU_ENGINES
 CONFIG = REPO / "examples" / "accelerate" / "fsdp2_context_parallel.yaml"
 CASES = ["sft", "sft_packed", "sft_padding_free", "sft_packed_padding_free", "dpo", "dpo_padding_free", "kto",
-         "kto_padding_free", "grpo", "grpo_padding_free", "rloo_padding_free", "online_dpo_padding_free", "reward",
+         "kto_padding_free", "grpo", "grpo_padding_free", "rloo_padding_free", "online_dpo_padding_free",
          "reward_padding_free", "gkd_padding_free"]
 # GRPO's and RLOO's losses are sums of terms of magnitude |advantage| ~ 1 (advantages normalised by their group's
 # std) that cancel to ~1e-7 (a group's advantages sum to 0): their values are compared to 1e-5 of those terms, absolute
