@@ -85,7 +85,7 @@ TRAINER_KEYWORDS = [
 # (config or "*", field): why leantune's default or meaning differs from TRL's on purpose.
 DIFFERS = {
     ("*", "pad_to_multiple_of"): "None instead of TRL's 'auto', which means None except on AWS Neuron devices "
-                                 "(128), which leantune does not target; SFT under context parallelism: 2 x cp_size",
+                                 "(128), which leantune does not target; under context parallelism: 2 x cp_size",
     ("*", "bf16"): "same default (None), resolved differently: on only with a bf16-capable GPU (TRL: whenever fp16 "
                    "is off, CPU included), so CPU runs stay in float32",
     ("KTOConfig", "train_sampling_strategy"): "'random' instead of 'sequential': the KL term's mismatched completions "

@@ -20,6 +20,12 @@ PROMPT_DATA = "prompt"  # prompts only: completions are generated during trainin
 TEACHER = "teacher"  # GKD's teacher_model / teacher_model_name_or_path
 REWARD_MODELS = "reward_models"  # reward models among the online methods' reward_funcs
 
+# How a method's loss runs under context parallelism (trainers/context_parallel.py), each process holding part of
+# every sequence: a sum over tokens, each process's part of it (the parts add up over the group); or a loss over
+# per-sequence sums, made whole over the group first (the loss is then the same on each process of it).
+TOKEN_SUMS = "token_sums"
+SEQUENCE_SUMS = "sequence_sums"
+
 
 @dataclass(frozen=True)
 class Method:
@@ -42,6 +48,8 @@ class Method:
     # The rows of `leantune profile`'s JSON the planner can build this method's data from: "sequences" (SFT data),
     # "pairs" (prompt, chosen, rejected) or "whole_pairs" (chosen and rejected with their prompt); None: not planned so.
     profile_rows: str | None = None
+    # TOKEN_SUMS or SEQUENCE_SUMS: how the loss runs under context parallelism; None: refused there
+    context_parallel: str | None = None
 
     @property
     def config_class(self) -> type:
@@ -78,27 +86,30 @@ def _entry(name: str, class_stem: str, **fields) -> Method:
 
 ONLINE_CLI = "leantune.cli.online_runs"  # the online methods share their demo and summary
 ONLINE = {"data": PROMPT_DATA, "cli": ONLINE_CLI, "online": True, "frozen_models": (REWARD_MODELS,)}
+ONLINE_PAIRS = {**ONLINE, "context_parallel": SEQUENCE_SUMS}  # RLOO, Online DPO: whole-completion sums
 
 METHODS: dict[str, Method] = {method.name: method for method in (
     _entry("sft", "SFT", data=SFT_DATA, cli="leantune.cli.sft", layouts="packing", profile_rows="sequences",
+           context_parallel=TOKEN_SUMS,
            help="Supervised fine-tuning (no arguments: a built-in demo run on bundled data)."),
     _entry("dpo", "DPO", data=PREFERENCE_DATA, cli="leantune.cli.dpo", profile_rows="pairs",
+           context_parallel=SEQUENCE_SUMS,
            help="Direct Preference Optimization (no arguments: a built-in demo run on bundled pairs)."),
-    _entry("kto", "KTO", data=KTO_DATA, cli="leantune.cli.kto",
+    _entry("kto", "KTO", data=KTO_DATA, cli="leantune.cli.kto", context_parallel=SEQUENCE_SUMS,
            help="Kahneman-Tversky Optimization (no arguments: a built-in demo run on bundled data)."),
     _entry("reward", "Reward", data=PREFERENCE_DATA, cli="leantune.cli.reward", trl_tag="reward-trainer",
-           sequence_classifier=True, profile_rows="whole_pairs",
+           sequence_classifier=True, profile_rows="whole_pairs", context_parallel=SEQUENCE_SUMS,
            help="Reward modelling (no arguments: a built-in demo run on bundled pairs)."),
-    _entry("grpo", "GRPO", **ONLINE,
+    _entry("grpo", "GRPO", **ONLINE, context_parallel=TOKEN_SUMS,
            help="GRPO, online RL from rewards (no arguments: a built-in demo with a checked answer)."),
-    _entry("rloo", "RLOO", **ONLINE,
+    _entry("rloo", "RLOO", **ONLINE_PAIRS,
            help="RLOO, online RL from rewards (no arguments: a built-in demo with a checked answer)."),
-    _entry("online_dpo", "OnlineDPO", **ONLINE,
+    _entry("online_dpo", "OnlineDPO", **ONLINE_PAIRS,
            help="Online DPO, pairs of sampled completions judged by rewards (no arguments: a built-in demo with a "
                 "checked answer)."),
     _entry("ppo", "PPO", **ONLINE,
            help="PPO with a value function, online RL from rewards (no arguments: a built-in demo)."),
-    _entry("gkd", "GKD", data=SFT_DATA, cli="leantune.cli.gkd", frozen_models=(TEACHER,),
+    _entry("gkd", "GKD", data=SFT_DATA, cli="leantune.cli.gkd", frozen_models=(TEACHER,), context_parallel=TOKEN_SUMS,
            help="Knowledge distillation from a teacher, GKD (no arguments: a built-in demo run)."),
 )}
 

@@ -79,15 +79,20 @@ def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
 
 
 def grpo_loss_sum(token_loss: torch.Tensor, sequence: torch.Tensor, num_sequences: int, loss_type: str,
-                  max_completion_length: int) -> torch.Tensor:
-    """The micro-batch's share of the GRPO loss (before division by the step's `loss_items`, see above)."""
+                  max_completion_length: int, total=None, num_tokens: int | None = None) -> torch.Tensor:
+    """The micro-batch's share of the GRPO loss (before division by the step's `loss_items`, see above).
+
+    Under context parallelism `token_loss` holds this process's part of every sequence's tokens and the result is
+    its part of the micro-batch's sum (the parts add up over the group): `total` makes each sequence's token count
+    whole, `num_tokens` is the micro-batch's (bnpo)."""
     if loss_type in ("grpo", "sapo"):
-        tokens = per_sequence_sum(torch.ones_like(token_loss), sequence, num_sequences).clamp(min=1)
+        tokens = per_sequence_sum(torch.ones_like(token_loss), sequence, num_sequences)
+        tokens = (tokens if total is None else total(tokens)).clamp(min=1)
         return (per_sequence_sum(token_loss, sequence, num_sequences) / tokens).sum()
     if loss_type in ("dapo", "dr_grpo", "cispo", "vespo", "luspo"):
         return token_loss.sum()
     if loss_type == "bnpo":
-        return token_loss.sum() / max(int(token_loss.numel()), 1)
+        return token_loss.sum() / max(int(token_loss.numel()) if num_tokens is None else num_tokens, 1)
     raise ValueError(f"Unknown GRPO loss_type {loss_type!r}; choose from {GRPO_LOSS_TYPES}.")
 
 

@@ -54,12 +54,6 @@ class LeantuneTrainer(Trainer):
     scores_at_temperature = False
     # Whether the trained model scores a vocabulary (a reward model scores sequences: nothing to chunk or fuse).
     scores_vocabulary = True
-    # Whether the trainer runs under context parallelism (SFT, DPO, KTO; the others' losses would read each process's
-    # part of every sequence as the whole sequence).
-    supports_context_parallelism = False
-    # Whether the loss reads per-sequence sums (DPO's, KTO's): under context parallelism each target's sequence
-    # travels with it through the split, and those sums are made whole over the group (trainers/context_parallel.py).
-    loss_over_sequence_sums = False
 
     # --- construction: one sequence for every trainer -----------------------------------------------------------
 
@@ -95,8 +89,8 @@ class LeantuneTrainer(Trainer):
         tag_model(self)  # the Hub tags of TRL's trainer of the method (parts/saving.py)
         self.run_metrics = RunMetrics(self.accelerator, args.device, lambda store: self.summarise_metrics(store))
         self.context_parallel = ContextParallelism(self.accelerator)
-        self.context_parallel.check(type(self).__name__, self.supports_context_parallelism, self.model,
-                                    self.compute_loss_func, args)
+        self.context_parallel.check(type(self).__name__, self.context_parallel_loss is not None, self.model,
+                                    self.compute_loss_func, args, self.context_parallel_problem(args))
         self.step_loss = StepLoss(args, self.accelerator, self.context_parallel, self.model, self.items_in,
                                   self.run_metrics.record)
         # the temperature the trainer's log-probs are of: the sampling one (GRPO, RLOO, PPO), else 1
@@ -128,6 +122,10 @@ class LeantuneTrainer(Trainer):
     def frozen_model_sources(self) -> dict:
         """The frozen models as given, before they load (reward functions, a teacher): what `memory_budget` plans."""
         return {}
+
+    def context_parallel_problem(self, args) -> str | None:
+        """An option of the method's that context parallelism cannot run exactly, said as "<option> (why)"."""
+        return None
 
     def liger_notes(self, args) -> list[tuple[int, str]]:
         """(log level, text) of what the method's loss takes from Liger and what it does not, said once at start."""
@@ -231,9 +229,17 @@ class LeantuneTrainer(Trainer):
         return self.step_loss.normalise(self.model, loss_sum, local_count, num_items_in_batch,
                                         getattr(self, "current_gradient_accumulation_steps", 1), whole_sequences)
 
+    @property
+    def context_parallel_loss(self) -> str | None:
+        """How the method's loss runs under context parallelism (its entry in leantune/methods.py; None: refused).
+        With per-sequence sums each target's sequence travels with it through the split and those sums are made
+        whole over the group (trainers/context_parallel.py)."""
+        method = methods.METHODS.get(self.method)
+        return method.context_parallel if method is not None else None
+
     def _prepare_context_parallel_inputs(self, model, inputs):
         return self.context_parallel.lay_out(inputs, getattr(self.data_collator, "pad_token_id", None),
-                                             per_sequence=self.loss_over_sequence_sums)
+                                             per_sequence=self.context_parallel_loss == methods.SEQUENCE_SUMS)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         return self.nonfinite.training_step(super().training_step, model, inputs, num_items_in_batch)

@@ -32,12 +32,15 @@ from ..data.collators import sequence_starts
 from ..losses.causal_lm import IGNORE_INDEX, shifted_targets
 from ..losses.token_logprobs import TargetSequences, select_targets
 
-# The batch keys that carry each target's sequence and rank through the split (`target_sequence_grids`)
-SEQUENCE_KEY, RANK_KEY = "cp_target_sequence", "cp_target_rank"
+# The batch keys that carry each target's sequence, rank and place in the whole batch's flat target order through the
+# split (`target_sequence_grids`)
+SEQUENCE_KEY, RANK_KEY, ORDINAL_KEY = "cp_target_sequence", "cp_target_rank", "cp_target_ordinal"
 # The keys of one layout of a batch; KTO's batches hold a second one, of its mismatched sequences, under this prefix
 LAYOUT_KEYS = ("input_ids", "labels", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k",
                "max_length_q", "max_length_k")
 KL_PREFIX = "kl_"
+SUPPORTED_TRAINERS = (
+    "SFTTrainer, DPOTrainer, KTOTrainer, RewardTrainer, GKDTrainer, GRPOTrainer, RLOOTrainer and OnlineDPOTrainer")
 
 
 def requested_cp_size(args) -> int:
@@ -55,6 +58,57 @@ def cp_size_of(accelerator) -> int:
     """The context-parallel size the accelerator runs with (1 without context parallelism)."""
     config = getattr(accelerator, "parallelism_config", None)
     return int(config.cp_size) if config is not None and config.cp_enabled else 1
+
+
+def data_parallel_place(accelerator) -> tuple[int, int]:
+    """(this process's data-parallel rank, the data-parallel size): the processes of a context-parallel group hold the
+    same data. accelerate's mesh nests cp inside the data-parallel dimensions (its data loader gives a process the
+    batch of process_index // cp_size), so the online rounds split their prompts the same way."""
+    cp = cp_size_of(accelerator)
+    return accelerator.process_index // cp, accelerator.num_processes // cp
+
+
+def gather_once_per_group(accelerator, tensor: torch.Tensor) -> torch.Tensor:
+    """`accelerator.gather` with each context-parallel group's copy kept once (its first process's): a round's
+    rewards and lengths, in round order, as data parallelism alone would gather them."""
+    gathered = accelerator.gather(tensor)
+    cp = cp_size_of(accelerator)
+    if cp == 1:
+        return gathered
+    return gathered.view(-1, cp, *tensor.shape)[:, 0].reshape(-1, *tensor.shape[1:])
+
+
+def from_group_first(accelerator, value):
+    """`value` as the first process of this context-parallel group has it (a picklable object), on every process
+    of the group: what a group generates must be one round, token for token, whatever a sampler's last bit does."""
+    if cp_size_of(accelerator) <= 1:
+        return value
+    group = accelerator.torch_device_mesh["cp"].get_group()
+    box = [value]
+    torch.distributed.broadcast_object_list(box, src=torch.distributed.get_global_rank(group, 0), group=group)
+    return box[0]
+
+
+RING_HOOK_NAME = "_self_attn_pre_forward_hook"  # accelerate's (big_modeling._attach_context_parallel_hooks)
+
+
+@contextlib.contextmanager
+def ring_hooks_suspended(model: torch.nn.Module):
+    """Inside: the model's attention modules without accelerate's ring hooks, which drop every attention mask for
+    the ring's plain causal attention. Generation runs outside the ring on left-padded prompts, whose mask must hold.
+    The hooks are put back first in their modules' order, as accelerate placed them."""
+    removed = []
+    for module in model.modules():
+        for key, hook in list(module._forward_pre_hooks.items()):
+            if getattr(hook, "__name__", "") == RING_HOOK_NAME:
+                removed.append((module, key, hook))
+                del module._forward_pre_hooks[key]
+    try:
+        yield model
+    finally:
+        for module, key, hook in removed:
+            module._forward_pre_hooks[key] = hook
+            module._forward_pre_hooks.move_to_end(key, last=False)
 
 
 def resolve_pad_to_multiple_of(args) -> None:
@@ -210,13 +264,17 @@ def laid_width(view: dict, cp: int) -> int:
 
 
 def target_sequence_grids(batch: dict, labels: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Per position of the batch's [rows, width] grid, the sequence of the target that position predicts and that
-    target's 0-based rank among its sequence's targets (-1 where the position predicts nothing). Computed before the
-    batch is laid out and split, so that after the split each process still knows which sequence, and where in it,
-    each of its targets is: its per-sequence sums are partial, and these say which partial sum each target joins."""
+    """Per position of the batch's [rows, width] grid, the sequence of the target that position predicts, that
+    target's 0-based rank among its sequence's targets and its place in the batch's flat target order (-1 where the
+    position predicts nothing). Computed before the batch is laid out and split, so that after the split each process
+    still knows which sequence, and where in it, each of its targets is: its per-sequence sums are partial, and these
+    say which partial sum each target joins; per-target inputs of the whole batch (the online methods' old and
+    reference log-probs) are read at the ordinals."""
     targets = select_targets(labels)
     placed = TargetSequences.contiguous(targets, sequence_starts(batch).to(labels.device))
-    return {SEQUENCE_KEY: targets.scatter(placed.sequence, fill=-1), RANK_KEY: targets.scatter(placed.rank, fill=-1)}
+    ordinal = torch.arange(len(targets), device=labels.device)
+    return {SEQUENCE_KEY: targets.scatter(placed.sequence, fill=-1), RANK_KEY: targets.scatter(placed.rank, fill=-1),
+            ORDINAL_KEY: targets.scatter(ordinal, fill=-1)}
 
 
 def local_segment_offsets(local_lengths: list[list[int]], device) -> tuple[torch.Tensor, int]:
@@ -250,15 +308,20 @@ class ContextParallelism:
         self.batch_targets = None
         self._local_positions = None  # {layout prefix: this process's expected position ids} of segmented rows
 
-    def check(self, trainer_name: str, supported: bool, model, compute_loss_func, args) -> None:
-        """Refuse, when the trainer is built, what context parallelism cannot run exactly."""
+    def check(self, trainer_name: str, supported: bool, model, compute_loss_func, args,
+              option_problem: str | None = None) -> None:
+        """Refuse, when the trainer is built, what context parallelism cannot run exactly (`option_problem`: an
+        option of the method's that it cannot, said by the trainer)."""
         cp = self.size
         if cp <= 1:
             return
         if not supported:
-            raise ValueError(f"Context parallelism (`cp_size={cp}`) is supported by SFTTrainer, DPOTrainer and "
-                             f"KTOTrainer only; {trainer_name}'s loss would read each process's part of every sequence "
-                             f"as the whole sequence. Set `cp_size` to 1.")
+            raise ValueError(f"Context parallelism (`cp_size={cp}`) is supported by {SUPPORTED_TRAINERS} only; "
+                             f"{trainer_name}'s loss would read each process's part of every sequence as the whole "
+                             f"sequence. Set `cp_size` to 1.")
+        if option_problem is not None:
+            raise ValueError(f"Context parallelism (`cp_size={cp}`) cannot run {trainer_name} with {option_problem}; "
+                             f"set `cp_size` to 1 or change that option.")
         problem = attention_problem(self.accelerator.unwrap_model(model))
         if problem is not None:
             raise ValueError(f"Context parallelism (`cp_size={cp}`) cannot run this model exactly: {problem}.")
@@ -270,14 +333,16 @@ class ContextParallelism:
             raise ValueError(f"`pad_to_multiple_of` must be a multiple of 2 x cp_size = {2 * cp} under context "
                              f"parallelism, got {multiple!r}; leave it unset for {2 * cp}.")
 
-    def lay_out(self, inputs, pad_token_id, per_sequence: bool = False):
+    def lay_out(self, inputs, pad_token_id, per_sequence: bool = False, position_grids=None):
         """Lay the batch out for context parallelism (targets shifted before the split; packed and padding-free
         rows so that each document attends only to itself across the ring) and hand it to accelerate's
         `maybe_context_parallel`, which splits input_ids, shift_labels and position_ids along time. `per_sequence`
         (a loss over per-sequence sums, DPO's and KTO's): each target's sequence and rank travel with it through the
-        split (`target_sequence_grids`), for `placed_targets`. KTO's mismatched sequences (`kl_*` keys) are a second
-        layout of the batch, laid out alike; torch splits every buffer with one load balancer, so both get one
-        width."""
+        split (`target_sequence_grids`), for `placed_targets`. `position_grids` (view -> {name: [rows, width]
+        values, -1 where none}): more per-position values, read from the batch as collated and carried through the
+        split (the reward model's: which sequence's reward each position holds). KTO's mismatched sequences (`kl_*`
+        keys) are a second layout of the batch, laid out alike; torch splits every buffer with one load balancer,
+        so both get one width."""
         if self.size <= 1:
             return contextlib.nullcontext, inputs
         inputs = dict(inputs)
@@ -289,12 +354,15 @@ class ContextParallelism:
         self._local_positions, buffers = {}, []
         for prefix, view in views.items():
             labels = view.pop("labels")
+            grids = position_grids(view) if position_grids is not None else {}
             if "cu_seq_lens_q" in view:  # packed or padding-free rows: per-document layout
-                carried = target_sequence_grids(view, labels) if per_sequence else {}
+                carried = {**(target_sequence_grids(view, labels) if per_sequence else {}), **grids}
                 self._lay_out_documents(view, labels, pad, carried, width, prefix)
             else:
                 labels = self._lay_out_rows(view, labels, width, pad)
-                carried = target_sequence_grids(view, labels) if per_sequence else {}
+                carried = {**(target_sequence_grids(view, labels) if per_sequence else {}),
+                           **{name: F.pad(grid, (0, labels.shape[1] - grid.shape[1]), value=-1)
+                              for name, grid in grids.items()}}
                 view.update(carried)
             view["input_ids"] = view["input_ids"].clone()
             inputs.update({prefix + name: value for name, value in view.items()})
@@ -323,6 +391,19 @@ class ContextParallelism:
         sequence = inputs[SEQUENCE_KEY].reshape(-1).index_select(0, targets.index)
         rank = inputs[RANK_KEY].reshape(-1).index_select(0, targets.index)
         return TargetSequences(sequence, rank, self.total)
+
+    @staticmethod
+    def target_ordinals(inputs: dict, targets) -> torch.Tensor:
+        """Where each of this process's targets is in the whole batch's flat target order (a batch laid out with
+        `per_sequence`): per-target values of the whole batch are read there."""
+        return inputs[ORDINAL_KEY].reshape(-1).index_select(0, targets.index)
+
+    def whole_order(self, local: torch.Tensor, ordinals: torch.Tensor, count: int) -> torch.Tensor:
+        """This process's per-target values -> the whole batch's, in its flat target order, on every process of the
+        group (no gradient): each target is held by one process, the others add zeros, so the sum is exact."""
+        whole = local.new_zeros(count).index_copy(0, ordinals.to(local.device), local.detach())
+        torch.distributed.all_reduce(whole, group=self.accelerator.torch_device_mesh["cp"].get_group())
+        return whole
 
     def total(self, partial: torch.Tensor) -> torch.Tensor:
         """Per-sequence partial sums -> whole-sequence sums on every process of the context-parallel group; the

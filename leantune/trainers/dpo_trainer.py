@@ -23,9 +23,6 @@ class DPOTrainer(ReferenceModelMixin, LeantuneTrainer):
     dataset_columns = ("prompt_ids", "chosen_ids", "rejected_ids", *REFERENCE_COLUMNS)
     prepared_columns = ("prompt_ids", "chosen_ids", "rejected_ids")
     method = "dpo"  # its entry in leantune/methods.py
-    # under context parallelism every per-sequence sum is made whole over the group before the loss reads it
-    supports_context_parallelism = True
-    loss_over_sequence_sums = True
 
     def __init__(
         self,

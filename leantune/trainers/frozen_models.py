@@ -27,12 +27,16 @@ def zero3_enabled() -> bool:
     return bool(is_deepspeed_zero3_enabled())
 
 
-def prepare_frozen_model(accelerator, model: torch.nn.Module | None, args) -> torch.nn.Module | None:
+def prepare_frozen_model(accelerator, model: torch.nn.Module | None, args,
+                         in_ring: bool = True) -> torch.nn.Module | None:
+    """`in_ring`: the model scores the policy's sequences beside it, split under context parallelism (a reference,
+    a teacher); a reward model scores whole texts outside the ring."""
     if model is None:
         return None
     if accelerator.distributed_type != DistributedType.DEEPSPEED:
         model = accelerator.prepare_model(model, evaluation_mode=True)
-        prepare_frozen_for_ring(accelerator, model, "frozen model")  # context parallelism: the policy's hooks
+        if in_ring:
+            prepare_frozen_for_ring(accelerator, model, "frozen model")  # context parallelism: the policy's hooks
         return model
     import deepspeed
 

@@ -19,7 +19,7 @@ from ..data.collators import CausalLMCollator, prompt_completion_row, sequence_p
 from ..data.formats import last_message_as_completion
 from ..generation.sampling import SamplingSettings, eos_token_ids
 from ..generation.transformers_backend import TransformersBackend
-from ..losses.causal_lm import count_targets
+from ..losses.causal_lm import IGNORE_INDEX, count_targets
 from ..losses.distillation import chunked_jsd_sum, jsd_from_logits
 from ..losses.liger import liger_jsd_problem, liger_jsd_sum
 from ..losses.token_logprobs import select_targets
@@ -36,7 +36,6 @@ class GKDTrainer(SFTTrainer):
     """Distil a teacher into the trained model on prompt-completion or conversational data."""
 
     method = "gkd"  # its entry in leantune/methods.py
-    supports_context_parallelism = False
 
     def __init__(self, model=None, teacher_model=None, args: GKDConfig | None = None, data_collator=None,
                  train_dataset=None, eval_dataset=None, processing_class=None, compute_metrics=None, callbacks=None,
@@ -146,9 +145,14 @@ class GKDTrainer(SFTTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """Generalised JSD(student, teacher) summed over the completion tokens, over the step's target count."""
         inputs = dict(inputs)
-        labels = inputs.pop("labels")
+        # under context parallelism the targets arrive shifted and split; the JSD is summed per token, so each
+        # process's part of the sum adds up over the group as SFT's NLL does
+        shifted = inputs.pop("shift_labels", None)
+        labels = inputs.pop("labels") if shifted is None else shifted
+        if shifted is not None:
+            self.context_parallel.check_layout(inputs)
         self.run_metrics.count_tokens(model, inputs)
-        targets = select_targets(labels)
+        targets = select_targets(labels, shifted=shifted is not None)
         beta = self.args.beta
         if self.logprobs.needs_full_logits(model):
             outputs, _ = self.logprobs.forward(model, inputs)
@@ -162,5 +166,12 @@ class GKDTrainer(SFTTrainer):
             else:
                 loss_sum = chunked_jsd_sum(hidden, head, teacher_hidden, teacher_head, targets, beta,
                                            self.args.loss_chunk_size)
-        loss = self.normalise(loss_sum, count_targets(labels), num_items_in_batch)
+        local_count = (labels != IGNORE_INDEX).sum() if shifted is not None else count_targets(labels)
+        loss = self.normalise(loss_sum, local_count, num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
+
+    def context_parallel_problem(self, args) -> str | None:
+        if args.lmbda > 0 or args.seq_kd:
+            return (f"generated completions (`lmbda={args.lmbda}`, `seq_kd={args.seq_kd}`: sampled outside the "
+                    f"ring; `lmbda=0` and `seq_kd=False` train on the dataset's)")
+        return None

@@ -37,7 +37,7 @@ from ..losses.policy_gradient import (
 from ..models.output_head import compute_head_in_fp32
 from ..rollouts import AgentRollouts
 from .online.shared_prompt import count_batch_targets
-from .online_trainer import OnlineTrainer
+from .online_trainer import PLACED_TARGETS, OnlineTrainer
 
 
 class GRPOTrainer(OnlineTrainer):
@@ -132,8 +132,29 @@ class GRPOTrainer(OnlineTrainer):
             ref_logps=batch.get("ref_logps"), sampling_weights=sampling_weights, token_mask=token_mask,
             sequence_mask=sequence_mask)
         metrics.update(loss_metrics)
-        loss_sum = grpo_loss_sum(token_loss, sequence, count, args.loss_type, args.max_completion_length)
+        placed = batch.get(PLACED_TARGETS)  # context parallelism: this process's part of every sequence's tokens
+        if placed is None:
+            loss_sum = grpo_loss_sum(token_loss, sequence, count, args.loss_type, args.max_completion_length)
+        else:
+            loss_sum = grpo_loss_sum(token_loss, sequence, count, args.loss_type, args.max_completion_length,
+                                     placed.total, int(self.context_parallel.batch_targets))
         return loss_sum, metrics
+
+    def context_parallel_problem(self, args) -> str | None:
+        """Under context parallelism GRPO's loss is summed token by token over each process's part (per-sequence
+        token counts made whole); the options below read per-sequence or pooled values of the loss's own log-probs
+        or entropies, which this does not make whole."""
+        problem = super().context_parallel_problem(args)
+        if problem is not None:
+            return problem
+        for refused, option in ((args.importance_sampling_level == "sequence", "importance_sampling_level='sequence'"),
+                                (args.loss_type == "vespo", "loss_type='vespo'"),
+                                (args.off_policy_mask_threshold is not None, "off_policy_mask_threshold"),
+                                (args.top_entropy_quantile < 1.0, "top_entropy_quantile < 1"),
+                                (self.entropies_in_loss, "an entropy bonus (entropy_coef / use_adaptive_entropy)")):
+            if refused:
+                return f"`{option}` (it reads whole-sequence or pooled values of the loss's own terms)"
+        return None
 
     @property
     def entropy_coef(self) -> float | None:

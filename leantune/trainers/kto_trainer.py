@@ -28,9 +28,6 @@ class KTOTrainer(ReferenceModelMixin, LeantuneTrainer):
 
     dataset_columns = ("prompt_ids", "completion_ids", "label", KL_COLUMN, *REFERENCE_COLUMNS)
     method = "kto"  # its entry in leantune/methods.py
-    # under context parallelism every per-sequence sum (the KL term's too) is made whole over the group before use
-    supports_context_parallelism = True
-    loss_over_sequence_sums = True
 
     def __init__(
         self,

@@ -13,6 +13,7 @@ from transformers import TrainingArguments
 
 from ..generation.backend import TRANSFORMERS, generation_engine
 from .config_utils import non_default, positive_or_none, resolve_shared_settings, validate_shared_options
+from .context_parallel import requested_cp_size, resolve_pad_to_multiple_of
 from .memory_options import MemoryOptions
 from .trl_options import CausalLMOptions, ReferenceSyncOptions
 
@@ -164,6 +165,7 @@ class OnlineConfig(MemoryOptions, CausalLMOptions, ReferenceSyncOptions, Trainin
                 setattr(self, name, json.loads(value))
         super().__post_init__()
         validate_online_config(self)
+        resolve_pad_to_multiple_of(self)  # context parallelism: 2 x cp_size, as SFT's
 
     @property
     def upper_epsilon(self) -> float:
@@ -218,7 +220,7 @@ def validate_online_config(args: OnlineConfig) -> None:
         raise ValueError(f"`generation_batch_size` ({args.generation_batch_size}) must be a multiple of "
                          f"`num_generations` ({args.num_generations}).")
     # Rounds over all processes (TRL checks the same at construction): every group must be whole.
-    round_size, _ = args.generation_plan(args.world_size)
+    round_size, _ = args.generation_plan(args.world_size // requested_cp_size(args))  # a cp group: one share
     if round_size % args.num_generations:
         raise ValueError(f"Completions per generation round ({round_size} = `per_device_train_batch_size` x "
                          f"{args.world_size} processes x `steps_per_generation`, default `gradient_accumulation_steps`)"
@@ -236,8 +238,6 @@ def validate_shared_prompt(args: OnlineConfig) -> None:
     if getattr(args, "min_num_generations", 2) < 2:
         raise ValueError("`shared_prompt=True` is for methods that sample groups of completions per prompt (GRPO, "
                          "RLOO, Online DPO); set `shared_prompt=False`.")
-    from .context_parallel import requested_cp_size
-
     cp_size = requested_cp_size(args)
     if cp_size > 1:
         raise ValueError(f"`shared_prompt=True` does not run with context parallelism (cp_size={cp_size}) yet: its "

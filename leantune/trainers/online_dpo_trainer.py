@@ -12,9 +12,8 @@ from __future__ import annotations
 import torch
 
 from ..losses.preference import chosen_and_rejected, dpo_loss, preferred_in_pairs
-from ..losses.token_logprobs import per_sequence_sum
 from .online.round_builder import eos_penalised
-from .online_trainer import OnlineTrainer
+from .online_trainer import OnlineTrainer, sequence_sums
 
 
 class OnlineDPOTrainer(OnlineTrainer):
@@ -71,8 +70,8 @@ class OnlineDPOTrainer(OnlineTrainer):
 
     def policy_loss(self, logps: torch.Tensor, sequence: torch.Tensor, batch: dict):
         count = int(batch["num_sequences"])
-        policy = per_sequence_sum(logps, sequence, count)
-        reference = per_sequence_sum(batch["ref_logps"].to(logps.dtype), sequence, count)
+        policy = sequence_sums(logps, sequence, count, batch)
+        reference = sequence_sums(batch["ref_logps"].to(logps.dtype), sequence, count, batch)
         chosen = batch["chosen"].to(logps.device)
         policy_chosen, policy_rejected = chosen_and_rejected(policy, chosen)
         ref_chosen, ref_rejected = chosen_and_rejected(reference, chosen)

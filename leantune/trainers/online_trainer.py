@@ -18,12 +18,15 @@ import logging
 
 import torch
 
+from .. import methods
 from ..data.collators import MODEL_INPUTS
 from ..data.prompt_preparation import PROMPT_IDS, context_limit_of, prepare_prompt_dataset
 from ..generation.backend import check_backend_requirements
+from ..losses.token_logprobs import per_sequence_sum
 from ..rewards import RewardFunctions
 from ..rollouts import AgentRollouts
 from .base import LeantuneTrainer
+from .context_parallel import data_parallel_place
 from .frozen_models import prepare_frozen_model
 from .online.evaluation import evaluate_rounds
 from .online.generation_session import GenerationSession
@@ -36,6 +39,17 @@ from .reference import ReferenceModelMixin
 logger = logging.getLogger("leantune.online")
 
 __all__ = ["OnlineTrainer", "RoundLoader", "RoundSampler", "StreamRounds"]
+
+# The round's inputs of the loss given per target of a micro-batch (its flat target order)
+PER_TARGET_INPUTS = ("old_logps", "ref_logps", "sampling_logps")
+PLACED_TARGETS = "placed_targets"  # under context parallelism: this process's targets' sequences (`sequence_sums`)
+
+
+def sequence_sums(values: torch.Tensor, sequence: torch.Tensor, count: int, batch: dict) -> torch.Tensor:
+    """Per-target values summed per sequence of the micro-batch: whole sums, under context parallelism too (each
+    process's partial sums summed over its group, with their gradient)."""
+    placed = batch.get(PLACED_TARGETS)
+    return per_sequence_sum(values, sequence, count) if placed is None else placed.sums(values, count)
 
 
 class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
@@ -70,8 +84,9 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
                        ref_model=ref_model)
         args, tokenizer = self.args, self.processing_class
         self.rewards.to(self.accelerator.device).prepare_models(
-            lambda reward_model: prepare_frozen_model(self.accelerator, reward_model, args))
-        self.round_size, self.steps_per_generation = args.generation_plan(self.accelerator.num_processes)
+            lambda reward_model: prepare_frozen_model(self.accelerator, reward_model, args, in_ring=False))
+        # the round's prompts over the data-parallel processes (a context-parallel group's share one micro-batch)
+        self.round_size, self.steps_per_generation = args.generation_plan(data_parallel_place(self.accelerator)[1])
         if self.round_size % args.num_generations:
             raise ValueError(f"Completions per generation round ({self.round_size} = per_device_train_batch_size x "
                              f"processes x steps_per_generation) must be a multiple of num_generations "
@@ -188,20 +203,28 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         temperature = self.scoring_temperature
         # Entropies for the metric come with the chunked head at no extra pass; Liger's kernel computes none
         with_entropy = self.entropies_in_loss or not self.logprobs.liger_head_runs(model, temperature)
-        scores = self.logprobs.target_logprobs(model, model_inputs, batch_targets(batch), temperature,
+        split = "shift_labels" in batch  # under context parallelism: this process's part of every sequence
+        if split:
+            self.context_parallel.check_layout(model_inputs)
+        scores = self.logprobs.target_logprobs(model, model_inputs,
+                                               batch["shift_labels"] if split else batch_targets(batch), temperature,
                                                with_entropy=with_entropy,
                                                entropy_grad=with_entropy and self.entropy_bonus is not None,
-                                               with_hidden=self.reads_hidden_states)
+                                               with_hidden=self.reads_hidden_states, shifted=split)
         if self.reads_hidden_states:
             batch["target_hidden"] = scores.hidden  # [targets, hidden], with its gradient (PPO's value head)
         logps, entropy = scores.logps, scores.entropy
         if entropy is None:
             entropy = torch.full_like(logps.detach(), float("nan"))  # NaN: left out of the logged mean
-        sequence = batch_target_sequences(batch, scores.targets)
+        if split:
+            sequence = self.own_part_of_batch(batch, scores.targets)
+        else:
+            sequence = batch_target_sequences(batch, scores.targets)
         batch["token_entropy"] = entropy.detach()  # per target (GRPO's top_entropy_quantile reads it)
         loss_sum, metrics = self.policy_loss(logps, sequence, batch)
         metrics["entropy"] = entropy.detach().mean()  # NaN when nothing is scored (left out of the logged mean)
-        loss = self.normalise(loss_sum, batch["loss_items"], num_items_in_batch)
+        loss = self.normalise(loss_sum, batch["loss_items"], num_items_in_batch,
+                              whole_sequences=split and self.context_parallel_loss == methods.SEQUENCE_SUMS)
         if self.entropy_bonus is not None:  # over the tokens the policy term acts on (top_entropy_quantile's mask)
             mask = batch.get("entropy_token_mask")
             steps = getattr(self, "current_gradient_accumulation_steps", 1) if model.training else 1
@@ -211,6 +234,39 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
             metrics.update(bonus_metrics)
         self.run_metrics.record(model, **{name: value.reshape(1) for name, value in metrics.items()})
         return (loss, {}) if return_outputs else loss
+
+    # --- context parallelism: each process scores its part of every sequence --------------------------------------
+
+    def _prepare_context_parallel_inputs(self, model, inputs):
+        """Every online batch carries its targets' sequences and ordinals through the split (the per-target inputs
+        of the round are read at the ordinals, per-sequence sums made whole over the group)."""
+        return self.context_parallel.lay_out(inputs, self.processing_class.pad_token_id, per_sequence=True)
+
+    def own_part_of_batch(self, batch: dict, targets) -> torch.Tensor:
+        """Under context parallelism: the round's per-target inputs (whole batch, flat target order) cut to this
+        process's targets, `placed` (sequence sums made whole over the group: `sequence_sums`) put in the batch;
+        returns each target's sequence."""
+        placed = self.context_parallel.placed_targets(batch, targets)
+        ordinals = self.context_parallel.target_ordinals(batch, targets)
+        for key in PER_TARGET_INPUTS:
+            if key in batch:
+                batch[key] = batch[key].to(ordinals.device).index_select(0, ordinals)
+        batch[PLACED_TARGETS] = placed
+        return placed.sequence
+
+    def context_parallel_problem(self, args) -> str | None:
+        """The options context parallelism cannot run exactly for an online method (None: it can): generation
+        with vLLM or agents, shared-prompt rows, evaluation rounds."""
+        if getattr(args, "use_vllm", False):
+            return "`use_vllm=True` (its engine generates apart from the ring's groups); generate with transformers"
+        if self.agent is not None:
+            return "tools, environments or a rollout function (each process of a group would run them)"
+        if getattr(args, "shared_prompt", False):
+            return "`shared_prompt=True` (its rows are not split per document)"
+        strategy = str(getattr(args.eval_strategy, "value", args.eval_strategy))
+        if strategy != "no":
+            return f"evaluation (`eval_strategy={strategy!r}`: its rounds are scored outside the ring)"
+        return None
 
     def liger_notes(self, args) -> list[tuple[int, str]]:
         if self.entropies_in_loss:

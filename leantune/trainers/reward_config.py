@@ -9,6 +9,7 @@ from typing import Any
 from transformers import TrainingArguments
 
 from .config_utils import resolve_shared_settings, validate_shared_options
+from .context_parallel import resolve_pad_to_multiple_of
 from .memory_options import MemoryOptions
 from .preference_options import (
     TRUNCATION_MODES,  # noqa: F401  (importable from here, as before)
@@ -72,6 +73,7 @@ class RewardConfig(MemoryOptions, ModelLoadingOptions, TrainingArguments):
     def __post_init__(self):
         resolve_shared_settings(self)
         validate_reward_config(self)
+        resolve_pad_to_multiple_of(self)  # context parallelism: 2 x cp_size, as SFT's
         super().__post_init__()
 
 

@@ -23,6 +23,7 @@ from ..data.preference_collator import PreferenceCollator
 from ..data.preference_preparation import prepare_preference_dataset
 from ..data.report import NothingLeft
 from ..losses.reward import bradley_terry_loss
+from ..losses.token_logprobs import per_sequence_sum
 from ..models.loading import (
     apply_peft,
     ensure_pad_token,
@@ -39,6 +40,7 @@ from .reward_config import RewardConfig
 
 logger = logging.getLogger("leantune.reward")
 SCORE_HEAD = "score"  # the per-token reward head of decoder *ForSequenceClassification models (Llama, Qwen2, GPT-2...)
+REWARD_SEQUENCE_KEY = "cp_reward_sequence"  # context parallelism: per position, the sequence whose reward it holds
 
 
 class RewardTrainer(LeantuneTrainer):
@@ -130,8 +132,35 @@ class RewardTrainer(LeantuneTrainer):
         scores = captured["output"]
         if scores.shape[-1] != 1:
             raise ValueError(f"A reward model has one output per token (num_labels=1), got {scores.shape[-1]}.")
+        if REWARD_SEQUENCE_KEY in batch:  # context parallelism: the rewards this process holds, made whole
+            self.context_parallel.check_layout(inputs)
+            sequence = batch[REWARD_SEQUENCE_KEY].reshape(-1)
+            held = (sequence >= 0).nonzero().squeeze(-1)
+            partial = per_sequence_sum(scores.reshape(-1).index_select(0, held).float(), sequence.index_select(0, held),
+                                       2 * int(batch["num_pairs"]))
+            return self.context_parallel.total(partial)
         index = reward_positions(batch, 2 * int(batch["num_pairs"]), self.processing_class.pad_token_id)
         return scores.reshape(-1).index_select(0, index).float()
+
+    # --- context parallelism: each sequence's reward is read where its last token lands --------------------------
+
+    def _prepare_context_parallel_inputs(self, model, inputs):
+        sequences, pad = 2 * int(inputs["num_pairs"]), self.processing_class.pad_token_id
+
+        def reward_grid(view: dict) -> dict:
+            """Which sequence's reward each position holds (-1: none), read before the split."""
+            index = reward_positions(view, sequences, pad)
+            grid = torch.full((view["input_ids"].numel(),), -1, dtype=torch.long, device=index.device)
+            grid[index] = torch.arange(sequences, device=index.device)
+            return {REWARD_SEQUENCE_KEY: grid.view(view["input_ids"].shape)}
+
+        return self.context_parallel.lay_out(inputs, pad, position_grids=reward_grid)
+
+    def context_parallel_problem(self, args) -> str | None:
+        if getattr(unwrap_model(self.model), SCORE_HEAD, None) is None:
+            return (f"a reward model without a per-token `{SCORE_HEAD}` head (its own pooling would read one "
+                    f"process's part of each sequence)")
+        return None
 
     # --- the loss -------------------------------------------------------------------------------------------------
 
@@ -142,7 +171,8 @@ class RewardTrainer(LeantuneTrainer):
         rewards = self.sequence_rewards(model, batch)
         chosen, rejected = rewards[:pairs], rewards[pairs:]
         losses = bradley_terry_loss(chosen, rejected, batch.get("margin"), self.args.center_rewards_coefficient)
-        loss = self.normalise(losses.sum(), pairs, num_items_in_batch)
+        loss = self.normalise(losses.sum(), pairs, num_items_in_batch,
+                              whole_sequences=REWARD_SEQUENCE_KEY in batch)  # the same on every process of a group
         self.run_metrics.record(model, **{"accuracy": (chosen > rejected).float(), "margin": chosen - rejected,
                                       "rewards/chosen": chosen, "rewards/rejected": rejected})
         if return_outputs:

@@ -13,8 +13,9 @@ import torch
 from ..losses.advantages import leave_one_out_advantages
 from ..losses.policy_gradient import clipped_surrogate
 from ..losses.token_logprobs import per_sequence_sum
+from .context_parallel import gather_once_per_group
 from .online.shared_prompt import batch_target_sequences, batch_targets
-from .online_trainer import OnlineTrainer
+from .online_trainer import OnlineTrainer, sequence_sums
 
 
 class RLOOTrainer(OnlineTrainer):
@@ -35,7 +36,7 @@ class RLOOTrainer(OnlineTrainer):
             rewards = rewards.clamp(*args.reward_clip_range)
         if self.kl_in_reward:
             kl = torch.cat([self._sequence_kl(batch) for batch in batches])
-            kl = self.accelerator.gather(kl.to(self.accelerator.device)).cpu()
+            kl = gather_once_per_group(self.accelerator, kl.to(self.accelerator.device)).cpu()
             scored["store"]["kl"].append(kl.mean().item())
             rewards = rewards - args.beta * kl
         advantages, _ = leave_one_out_advantages(rewards, group, args.normalize_advantages)
@@ -54,9 +55,9 @@ class RLOOTrainer(OnlineTrainer):
     def policy_loss(self, logps: torch.Tensor, sequence: torch.Tensor, batch: dict):
         args = self.args
         count = int(batch["num_sequences"])
-        sequence_logps = per_sequence_sum(logps, sequence, count)
+        sequence_logps = sequence_sums(logps, sequence, count, batch)
         if "old_logps" in batch:
-            old = per_sequence_sum(batch["old_logps"].to(logps.dtype), sequence, count)
+            old = sequence_sums(batch["old_logps"].to(logps.dtype), sequence, count, batch)
         else:
             old = sequence_logps.detach()
         advantages = batch["advantages"].to(logps.device, logps.dtype)

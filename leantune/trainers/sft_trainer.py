@@ -32,7 +32,6 @@ class SFTTrainer(LeantuneTrainer):
 
     dataset_columns = ("input_ids", "labels", "completion_mask", "assistant_masks", "seq_lengths")
     method = "sft"  # its entry in leantune/methods.py
-    supports_context_parallelism = True  # packed and padding-free rows included (trainers/context_parallel.py)
 
     def __init__(
         self,

@@ -1,8 +1,12 @@
-"""Context parallelism for SFT, DPO and KTO (accelerate's `parallelism_config_cp_size: 2` with FSDP2), launched for
-real as 2 CPU processes by `accelerate launch --config_file examples/accelerate/fsdp2_context_parallel.yaml`, against
-one process on the same data: SFT's padded rows, packing, padding-free, packing + padding-free; DPO's and KTO's
-padded and padding-free batches (HH-RLHF pairs, a frozen reference copy; KTO's mismatched completions for its KL
-reference point are a second layout of the batch, split alike).
+"""Context parallelism for SFT, DPO, KTO, GRPO, RLOO and Online DPO (accelerate's `parallelism_config_cp_size: 2` with
+FSDP2), launched for real as 2 CPU processes by `accelerate launch --config_file
+examples/accelerate/fsdp2_context_parallel.yaml`, against one process on the same data: SFT's padded rows, packing,
+padding-free, packing + padding-free; DPO's and KTO's padded and padding-free batches (HH-RLHF pairs, a frozen
+reference copy; KTO's mismatched completions for its KL reference point are a second layout of the batch, split
+alike); GRPO padded (one round of two micro-batches: step 2 off-policy, old log-probs) and padding-free (a round per
+step, loss_type="grpo"), RLOO and Online DPO padding-free, all with a frozen reference (GSM8K prompts); a reward
+model padding-free (HH-RLHF pairs; padded, cp_run.py's `reward`, measured once); GKD off-policy, padding-free, with a
+frozen teacher (another tiny model).
 
 Under cp_size=2 both processes take the same batch and each holds half of every sequence (torch's ring attention
 passes keys and values between them); the CPU-only part (the ring for the CPU SDPA kernel) is a helper in
@@ -25,6 +29,29 @@ Tolerances (SGD with momentum 0.9, no clipping, 2 steps, lr 1e-2; tests/scripts/
   padding-free). Negative control, measured once (tests/scripts/cp_run.py's case `dpo_padding_free_unsummed`,
   launched as here beside `dpo_padding_free`: each process's partial sums read as whole sequences, no all-reduce):
   step 2's loss off by 4.8e-3 relative (480 times the tolerance), the weights off by 0.50 of their update.
+- GRPO, RLOO, Online DPO: each process of the group generates the same round (the same prompts and seed; the
+  first process's completions taken by all), and scores its part of every sequence; the round's old and reference
+  log-probs are scored inside the ring too and put together in the batch's target order (exact: each target comes
+  from one process, the others add zeros). GRPO sums its token losses per process (the parts add up over the
+  group) with each completion's token count made whole; RLOO and Online DPO make each completion's log-prob sums
+  whole, as DPO. Measured: weights within 3.1e-5 (GRPO padded), 6.4e-6 (padding-free), 4.2e-6 (RLOO), 4.1e-5
+  (Online DPO) of their update, 3% to 6% of the bound; Online DPO's loss within 5.6e-7 relative; GRPO's and RLOO's
+  losses (cancelling terms, see CANCELLING) within 2.4e-7 absolute. Negative control, measured once (cp_run.py's
+  case `grpo_padding_free_unsummed`, launched alone: each process's partial token counts taken as the completions'
+  lengths): the weights off by 1.47 of their update (the loss, a cancellation, moves by 2.4e-7 only: the weights
+  carry this check). Generating under accelerate's ring hooks (`grpo_padding_free_masks_dropped`: the left-padded
+  prompts' masks dropped), measured once: other completions, the weights off by 0.39 of their update. With a
+  data-parallel group over 1, measured once (4 CPU processes, dp_shard 2 x cp 2, cp_run.py's
+  grpo_padding_free and rloo_padding_free against a 2-process FSDP2 launch, whose rounds use the same per-process
+  seeds and slices): weights within 2.1e-5 (GRPO) and 5.7e-6 (RLOO) of their update, 3% and 5% of the bound.
+- Reward: each sequence's reward is read at its last token, on whichever process that token lands; the position
+  travels through the split and the rewards are made whole over the group (one process holds each, the other adds
+  0). Measured, padded (once) and padding-free: losses identical to the last bit, weights within 5.0e-5 of their
+  update (8% of the bound). Negative
+  control, measured once (`reward_padding_free_unsummed`: each process's held rewards taken as all): step 1's loss
+  off by 5.0e-3 relative, the weights by 0.50 of their update. GKD: the JSD summed per token as SFT's NLL (each
+  process's part adds up), the teacher scoring each process's part inside the ring; measured: losses within 1.5e-7
+  relative, weights within the bound (its update, lr 1, is ~1e-4: fp32 storage rounding is most of the difference).
 """
 
 from __future__ import annotations
@@ -48,7 +75,11 @@ SCRIPT = SCRIPTS / "cp_run.py"
 HELPERS = CPU_ENGINES
 CONFIG = REPO / "examples" / "accelerate" / "fsdp2_context_parallel.yaml"
 CASES = ["sft", "sft_packed", "sft_padding_free", "sft_packed_padding_free", "dpo", "dpo_padding_free", "kto",
-         "kto_padding_free"]
+         "kto_padding_free", "grpo", "grpo_padding_free", "rloo_padding_free", "online_dpo_padding_free",
+         "reward_padding_free", "gkd_padding_free"]
+# GRPO's and RLOO's losses are sums of terms of magnitude |advantage| ~ 1 (advantages normalised by their group's
+# std) that cancel to ~1e-7 (a group's advantages sum to 0): their values are compared to 1e-5 of those terms, absolute
+CANCELLING = {"grpo", "grpo_padding_free", "rloo_padding_free"}
 
 
 # --- the layout, in one process -------------------------------------------------------------------------------
@@ -141,7 +172,7 @@ def test_each_process_part_of_every_sequence_sums_to_the_whole():
             laid = {"shift_labels": shifted_targets(labels), **carried}
         width = laid["shift_labels"].shape[1]
         split = _HeadTailLoadBalancer(width, cp, "cpu")._generate_indices()[0].view(cp, -1)
-        results = sums_on_each_process(laid, split)
+        results = sums_on_each_process(laid, split, logps)
         assert sum(count for *_, count in results) == len(targets)
         for got, weights, count in results:
             assert 0 < count < len(targets)  # each process holds part of the targets, not all
@@ -152,14 +183,15 @@ def test_each_process_part_of_every_sequence_sums_to_the_whole():
         assert not torch.equal(expected.logps, expected.raw_logps)  # LD-DPO's weighting did apply
 
 
-def sums_on_each_process(laid: dict, split: torch.Tensor) -> list:
+def sums_on_each_process(laid: dict, split: torch.Tensor, whole_values: torch.Tensor) -> list:
     """Each process's (pair sums, WPO weights, target count) from its part `split[rank]` of the laid-out batch, the
-    processes run as threads whose `total` sums the group's partial sums, as the all-reduce does."""
+    processes run as threads whose `total` sums the group's partial sums, as the all-reduce does (`whole_values`:
+    the per-target values in the whole batch's flat target order)."""
     import threading
 
     from leantune.losses.preference import pair_sequence_logps, wpo_weights
     from leantune.losses.token_logprobs import TargetSequences, select_targets
-    from leantune.trainers.context_parallel import RANK_KEY, SEQUENCE_KEY
+    from leantune.trainers.context_parallel import ORDINAL_KEY, RANK_KEY, SEQUENCE_KEY
 
     cp = split.shape[0]
     partials, barrier, results = [None] * cp, threading.Barrier(cp), [None] * cp
@@ -172,8 +204,12 @@ def sums_on_each_process(laid: dict, split: torch.Tensor) -> list:
             barrier.wait()
             return whole
 
-        local = {name: laid[name][:, split[rank]] for name in ("shift_labels", SEQUENCE_KEY, RANK_KEY, "value", "stat")}
+        local = {name: laid[name][:, split[rank]]
+                 for name in ("shift_labels", SEQUENCE_KEY, RANK_KEY, ORDINAL_KEY, "value", "stat")}
         mine = select_targets(local["shift_labels"], shifted=True)
+        # each target's ordinal finds it in the whole batch's flat target order (the online methods' round inputs)
+        ordinal = local[ORDINAL_KEY].reshape(-1)[mine.index]
+        assert torch.equal(whole_values[ordinal], local["value"].reshape(-1)[mine.index])
         placed = TargetSequences(local[SEQUENCE_KEY].reshape(-1)[mine.index], local[RANK_KEY].reshape(-1)[mine.index],
                                  total)
         logps = local["value"].reshape(-1)[mine.index]
@@ -237,6 +273,7 @@ def assets(tmp_path_factory, tokenizer_dir):
     root = tmp_path_factory.mktemp("context_parallel")
     tiny_model().save_pretrained(root / "model")
     AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(root / "model")
+    tiny_model(seed=1).save_pretrained(root / "teacher")  # GKD's teacher
     rows = gsm8k_rows(64)
     # short examples of varied lengths (none a multiple of 4 by design), so packed rows of 96 tokens hold several
     with open(root / "sft.jsonl", "w", encoding="utf-8") as handle:
@@ -285,7 +322,10 @@ def test_sft_under_context_parallelism_matches_one_process(assets):
         first, second = ranks(split, case)
         assert (first["world"], first["engine"], first["cp_size"], first["pad_to_multiple_of"]) == (2, "FSDP", 2, 4)
         assert first["losses"] == second["losses"]
-        assert_same_losses(first["losses"], ranks(one, case)[0]["losses"])
+        if case in CANCELLING:
+            assert all(abs(g - e) <= 1e-5 for g, e in zip(first["losses"], ranks(one, case)[0]["losses"]))
+        else:
+            assert_same_losses(first["losses"], ranks(one, case)[0]["losses"])
         assert_same_weights(weights(split, case), weights(one, case), initial)
     # packing changes the batches (several documents per row), so its losses are not the padded ones: the packed
     # comparison is of documents kept apart, not of a layout that happens to hold one document per row
@@ -295,6 +335,9 @@ def test_sft_under_context_parallelism_matches_one_process(assets):
     assert "sliding_attention" in refused["sliding_window"]
     assert "attn_implementation='sdpa'" in refused["eager"]
     assert "compute_loss_func" in refused["compute_loss_func"]
-    assert "supported by SFTTrainer, DPOTrainer and KTOTrainer only; RewardTrainer" in refused["reward"]
+    assert "OnlineDPOTrainer only; PPOTrainer" in refused["ppo"]
+    assert "`cp_size=2`" in refused["gkd_on_policy"] and "`lmbda=0.5`" in refused["gkd_on_policy"]
     assert "must be a multiple of 2 x cp_size = 4" in refused["pad_to_multiple_of"]
+    assert "`cp_size=2`" in refused["grpo_sequence_level"]
+    assert "importance_sampling_level='sequence'" in refused["grpo_sequence_level"]
     assert refused["pad_to_multiple_of_default"] == "4"

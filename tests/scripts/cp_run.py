@@ -1,12 +1,16 @@
 """Run by tests/launch/test_context_parallel.py, alone or under `accelerate launch` with
-examples/accelerate/fsdp2_context_parallel.yaml (2 CPU processes, cp_size=2): two SGD steps of SFT, DPO or KTO per named
-case, through the public API. Per case it saves the trained weights (FSDP2's full-state gather) to <out>/<case>/ and
-writes what every process saw to <out>/<case>/rank<k>.json. The case `refusals` builds trainers that context
-parallelism cannot run exactly and records each error. The case `dpo_padding_free_unsummed` is the negative control
-(measured once, not run by the test; the last case of a launch, as it patches the all-reduce out): padding-free DPO
-with each process's partial per-sequence sums taken as whole (no all-reduce over the group).
+examples/accelerate/fsdp2_context_parallel.yaml (2 CPU processes, cp_size=2): two SGD steps of SFT, DPO, KTO, GRPO,
+RLOO, Online DPO, reward or GKD per named case, through the public API. Per case it saves the trained weights
+(FSDP2's full-state gather) to <out>/<case>/ and writes what every process saw to <out>/<case>/rank<k>.json. The
+case `refusals` builds trainers that context parallelism cannot run exactly and records each error. The cases
+`*_unsummed` and `*_masks_dropped` are the negative controls (measured once, not run by the test; the last case of
+a launch, as they patch leantune):
+padding-free DPO with each process's partial per-sequence sums taken as whole, padding-free GRPO (loss_type="grpo")
+with each process's partial token counts taken as each completion's length, padding-free reward with the rewards
+this process holds taken as all (0 for those on the other process); `grpo_padding_free_masks_dropped` generates with
+accelerate's ring hooks on (the left-padded prompts' masks dropped).
 
-usage: cp_run.py OUT ASSETS_DIR CASE [CASE ...]     (ASSETS_DIR holds model/, sft.jsonl and pairs.jsonl)"""
+usage: cp_run.py OUT ASSETS_DIR CASE [CASE ...]  (ASSETS_DIR holds model/, teacher/, sft.jsonl and pairs.jsonl)"""
 
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ data = load_dataset("json", data_files=f"{assets}/sft.jsonl")["train"]
 
 pairs = load_dataset("json", data_files=f"{assets}/pairs.jsonl")["train"] if os.path.exists(
     f"{assets}/pairs.jsonl") else None
+prompts = data.select_columns(["prompt"])  # the SFT examples' prompts, for the online methods
 
 
 def config(case, config_class=leantune.SFTConfig, **fields):
@@ -36,7 +41,7 @@ def config(case, config_class=leantune.SFTConfig, **fields):
                     optim_args="momentum=0.9", max_grad_norm=0.0, seed=0, data_seed=0, memory_breakdown=False,
                     max_length=96)
     settings.update(fields)
-    return config_class(**settings)
+    return config_class(**{name: value for name, value in settings.items() if value is not None})
 
 
 CASES = {
@@ -53,7 +58,34 @@ CASES = {
 # KTO: the pairs unpaired (8 examples, 4 per step), each with its mismatched completion for the KL reference point
 CASES["kto"] = dict(CASES["dpo"], config_class=leantune.KTOConfig)
 CASES["kto_padding_free"] = dict(CASES["dpo_padding_free"], config_class=leantune.KTOConfig)
+# The online methods: each process of the group generates the round (same prompts, same seed) and scores its part of
+# every sequence. 4 prompts' completions per step, 16 tokens at most, reference beta > 0. GRPO padded: one round of
+# 2 micro-batches (steps_per_generation=2), so step 2 is off-policy (old log-probs, ratios != 1); padding-free: a round
+# per step (generated after the update) with loss_type="grpo" (per-sequence means over whole token counts).
+ONLINE = dict(num_generations=2, max_completion_length=16, temperature=1.0, max_length=None)
+CASES["grpo"] = dict(ONLINE, config_class=leantune.GRPOConfig, beta=0.04, steps_per_generation=2)
+CASES["grpo_padding_free"] = dict(ONLINE, config_class=leantune.GRPOConfig, beta=0.04, loss_type="grpo",
+                                  padding_free=True)
+# RLOO and Online DPO read whole-completion sums (made whole over the group, as DPO's), padding-free
+CASES["rloo_padding_free"] = dict(ONLINE, config_class=leantune.RLOOConfig, beta=0.04, padding_free=True)
+CASES["online_dpo_padding_free"] = dict(ONLINE, config_class=leantune.OnlineDPOConfig, max_completion_length=None,
+                                        max_new_tokens=16, padding_free=True)
+
+
+# Reward: each sequence's reward is read at its last token, which lands on either process; GKD: off-policy (the
+# dataset's completions), the teacher (another tiny model, teacher/) scoring each process's part inside the ring
+# (two random tiny models are both near uniform: their JSD is ~6e-3, so lr 1 for an update well above fp32 rounding)
+CASES["reward"] = dict(config_class=leantune.RewardConfig, max_length=128)
+CASES["reward_padding_free"] = dict(CASES["reward"], padding_free=True)
+CASES["gkd_padding_free"] = dict(config_class=leantune.GKDConfig, lmbda=0.0, padding_free=True, learning_rate=1.0)
 CASES["dpo_padding_free_unsummed"] = CASES["dpo_padding_free"]
+CASES["grpo_padding_free_unsummed"] = CASES["grpo_padding_free"]
+CASES["reward_padding_free_unsummed"] = CASES["reward_padding_free"]
+CASES["grpo_padding_free_masks_dropped"] = CASES["grpo_padding_free"]
+
+
+def length_reward(completions, **kwargs):
+    return [float(len(c)) / 10 for c in completions]
 
 
 def refusals() -> dict[str, str]:
@@ -82,8 +114,14 @@ def refusals() -> dict[str, str]:
             train_dataset=data, processing_class=tokenizer)),
         "compute_loss_func": error(lambda: leantune.SFTTrainer(model_dir, args=config("r3"), train_dataset=data,
                                                                compute_loss_func=lambda *a, **k: 0)),
-        "reward": error(lambda: leantune.RewardTrainer(model_dir, args=leantune.RewardConfig(
-            output_dir=f"{out}/r4", report_to=[], max_length=96), train_dataset=pairs)),
+        "ppo": error(lambda: leantune.PPOTrainer(args=config("r4", config_class=leantune.PPOConfig, max_length=None),
+                                                 model=model_dir, reward_funcs=length_reward, train_dataset=prompts)),
+        "gkd_on_policy": error(lambda: leantune.GKDTrainer(
+            model_dir, teacher_model=f"{assets}/teacher", train_dataset=data,
+            args=config("r8", config_class=leantune.GKDConfig, lmbda=0.5))),
+        "grpo_sequence_level": error(lambda: leantune.GRPOTrainer(
+            model_dir, reward_funcs=length_reward, train_dataset=prompts,
+            args=config("r7", **dict(CASES["grpo"], importance_sampling_level="sequence")))),
         "pad_to_multiple_of": error(lambda: config("r5", pad_to_multiple_of=6)),
         "pad_to_multiple_of_default": str(config("r6").pad_to_multiple_of),
     }
@@ -101,13 +139,28 @@ for case in cases:
             json.dump(record, handle)
         continue
     args = config(case, **CASES[case])
-    if isinstance(args, leantune.KTOConfig):
+    if case.endswith("_unsummed"):  # the negative controls: partial sums (and counts) read as whole sequences
+        from leantune.trainers.context_parallel import ContextParallelism
+
+        ContextParallelism.total = lambda self, partial: partial
+    if case.endswith("_masks_dropped"):  # negative control: generation under the ring's hooks (prompt masks dropped)
+        import contextlib
+
+        from leantune.trainers.online import generation_session
+
+        generation_session.ring_hooks_suspended = lambda model: contextlib.nullcontext()
+    if isinstance(args, (leantune.GRPOConfig, leantune.RLOOConfig, leantune.OnlineDPOConfig)):
+        trainer_class = {leantune.GRPOConfig: leantune.GRPOTrainer, leantune.RLOOConfig: leantune.RLOOTrainer,
+                         leantune.OnlineDPOConfig: leantune.OnlineDPOTrainer}[type(args)]
+        trainer = trainer_class(model_dir, reward_funcs=length_reward, args=args, train_dataset=prompts)
+    elif isinstance(args, leantune.RewardConfig):
+        torch.manual_seed(args.seed)  # the new score head's initial weights, the same in every run
+        trainer = leantune.RewardTrainer(model_dir, args=args, train_dataset=pairs)
+    elif isinstance(args, leantune.GKDConfig):
+        trainer = leantune.GKDTrainer(model_dir, teacher_model=f"{assets}/teacher", args=args, train_dataset=data)
+    elif isinstance(args, leantune.KTOConfig):
         trainer = leantune.KTOTrainer(model_dir, args=args, train_dataset=pairs)
     elif isinstance(args, leantune.DPOConfig):
-        if case.endswith("_unsummed"):  # the negative control: partial sums read as whole sequences
-            from leantune.trainers.context_parallel import ContextParallelism
-
-            ContextParallelism.total = lambda self, partial: partial
         trainer = leantune.DPOTrainer(model_dir, args=args, train_dataset=pairs)
     else:
         trainer = leantune.SFTTrainer(model_dir, args=args, train_dataset=data)

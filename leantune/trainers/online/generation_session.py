@@ -1,6 +1,9 @@
 """The generation side of the online rounds: one backend for the run (transformers, vLLM colocated or a vLLM server,
 chosen once from the config), the policy's weights synced to it once per optimizer step, sleep mode around each
-call, and a seed per round and process, so no two processes or rounds draw the same samples."""
+call, and a seed per round and data-parallel process, so no two rounds or data-parallel processes draw the same
+samples. Under context parallelism the processes of a group generate one round together: the same prompts, the
+same seed, the masks of their left-padded prompts kept (the ring's hooks suspended), and its first process's
+completions taken by all."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import torch
 
 from ...generation import Completions, SamplingSettings, make_backend
 from ...generation.backend import TRANSFORMERS, generation_engine
+from ..context_parallel import data_parallel_place, from_group_first, ring_hooks_suspended
 
 logger = logging.getLogger("leantune.online")
 
@@ -53,10 +57,11 @@ class GenerationSession:
             backend.sync_weights(self.policy())
             self.synced_step = step
         self.rounds_generated += 1
-        seed = self.args.seed + 1_000_003 * self.rounds_generated + 65_537 * self.accelerator.process_index
-        completions = backend.generate(prompt_ids, dataclasses.replace(sampling, seed=seed))
+        seed = self.args.seed + 1_000_003 * self.rounds_generated + 65_537 * data_parallel_place(self.accelerator)[0]
+        with ring_hooks_suspended(self.policy()):
+            completions = backend.generate(prompt_ids, dataclasses.replace(sampling, seed=seed))
         backend.sleep()
-        return completions
+        return from_group_first(self.accelerator, completions)
 
     def generate_turn(self, prompt_ids: list[list[int]], max_new_tokens: int) -> Completions:
         """One turn of the agent's rollouts, through the same backend as single turns."""

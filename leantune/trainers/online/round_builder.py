@@ -15,6 +15,7 @@ from ...data.collators import MODEL_INPUTS, CausalLMCollator, prompt_completion_
 from ...data.prompt_preparation import PROMPT_IDS
 from ...generation import Completions
 from ...rewards import RewardScores
+from ..context_parallel import data_parallel_place, gather_once_per_group
 from .shared_prompt import batch_targets, count_batch_targets, shared_prompt_batch
 
 
@@ -27,10 +28,15 @@ class RoundBuilder:
         self.environments = None  # the environment instance of each rollout of the last round (TRL's attribute)
 
     def local_slice(self, total: int) -> slice:
-        """This process's share of a round's completions (in round order, all processes)."""
-        share = total // self.accelerator.num_processes
-        start = self.accelerator.process_index * share
-        return slice(start, start + share)
+        """This process's share of a round's completions (in round order, all processes; the processes of a
+        context-parallel group share one)."""
+        rank, size = data_parallel_place(self.accelerator)
+        share = total // size
+        return slice(rank * share, (rank + 1) * share)
+
+    def gather(self, values: torch.Tensor) -> torch.Tensor:
+        """A round's per-completion values of every process, in round order (each context-parallel group's once)."""
+        return gather_once_per_group(self.accelerator, values.to(self.accelerator.device)).cpu()
 
     def own_rows(self, prompt_rows: list[dict], group: int) -> list[dict]:
         """Each prompt repeated `group` times; this process keeps its slice."""
@@ -85,14 +91,13 @@ class RoundBuilder:
         self.metrics.count_reward_gaps(scores, rows, texts)
         eos = set(self.session.sampling.eos_token_ids)
         terminated = [bool(ids) and ids[-1] in eos for ids in completion_ids]
-        device = self.accelerator.device
-        per_function = self.accelerator.gather(scores.per_function.to(device)).float().cpu()
+        per_function = self.gather(scores.per_function).float()
         own = [len(ids) for ids in completion_ids] if rollout is None or rollout.policy_mask is None \
             else [sum(mask) for mask in rollout.policy_mask]  # lengths count the policy's tokens, as in TRL
-        lengths = self.accelerator.gather(torch.tensor(own, device=device)).cpu()
+        lengths = self.gather(torch.tensor(own))
         if rollout is not None and self.agent.tools:
             self.metrics.record_tools(rollout, len(rows), training)
-        ended = self.accelerator.gather(torch.tensor(terminated, device=device)).cpu()
+        ended = self.gather(torch.tensor(terminated))
         rewards = RewardScores(per_function, scores.names, scores.missing, scores.nan).combined(self.rewards.weights)
         self.metrics.record_round(self.rewards.names, per_function, rewards, lengths, ended, training)
         if self.args.log_completions and self.trainer.is_world_process_zero():
@@ -188,19 +193,30 @@ class RoundBuilder:
         model.eval()  # no dropout while scoring: the same log-probs the loss would see without it
         try:
             for batch in batches:
-                on_device = trainer._prepare_inputs(batch)
-                if policy_too:
-                    trainer.attach_policy_scores(batch, model, on_device)
-                if reference:
-                    with trainer.reference.scope(trainer.model) as reference_model:
-                        batch["ref_logps"] = self.scored_logps(reference_model, on_device)
+                # under context parallelism each process scores its part of every sequence, inside the ring
+                ring, laid = trainer._prepare_context_parallel_inputs(model, batch)
+                with ring():
+                    on_device = trainer._prepare_inputs(laid)
+                    if policy_too:
+                        trainer.attach_policy_scores(batch, model, on_device)
+                    if reference:
+                        with trainer.reference.scope(trainer.model) as reference_model:
+                            batch["ref_logps"] = self.scored_logps(reference_model, on_device)
         finally:
             model.train(was_training)
 
     def scored_logps(self, model, batch: dict) -> torch.Tensor:
+        """Per-target log-probs of the micro-batch, in its flat target order (a batch laid out for context
+        parallelism: this process's targets scored, the whole batch's put together over the group)."""
         inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
-        return self.trainer.logprobs.target_logprobs(model, inputs, batch_targets(batch),
-                                            self.trainer.scoring_temperature).logps.detach()
+        temperature = self.trainer.scoring_temperature
+        if "shift_labels" not in batch:
+            scores = self.trainer.logprobs.target_logprobs(model, inputs, batch_targets(batch), temperature)
+            return scores.logps.detach()
+        ring = self.trainer.context_parallel
+        ring.check_layout(inputs)
+        scores = self.trainer.logprobs.target_logprobs(model, inputs, batch["shift_labels"], temperature, shifted=True)
+        return ring.whole_order(scores.logps, ring.target_ordinals(batch, scores.targets), int(ring.batch_targets))
 
 
 def eos_penalised(scored: dict, penalty: float | None) -> torch.Tensor:
