@@ -31,6 +31,7 @@ class GenerationRound:
     decode_logits_bytes: int
     held_bytes: int
     host_copy_bytes: int = 0  # vLLM sleep mode: the weights kept in CPU memory
+    prompt_length: int = 0  # the longest prepared prompt (the rest of `length` is max_completion_length)
 
     @property
     def peak_bytes(self) -> int:
@@ -86,9 +87,9 @@ def generation_round(config, shape: dict, dtype: torch.dtype, held_bytes: int, n
     batch, length = shape["batch"], shape["prompt_length"] + shape["max_completion_length"]
     if shape["use_vllm"]:
         host = num_parameters * _bytes_of(dtype) if shape["sleep_mode"] else 0
-        return GenerationRound("vllm", batch, length, 0, 0, held_bytes, host)
+        return GenerationRound("vllm", batch, length, 0, 0, held_bytes, host, shape["prompt_length"])
     return GenerationRound("transformers", batch, length, kv_cache_bytes(config, batch, length, dtype),
-                           decode_logits_bytes(config, batch, dtype), held_bytes)
+                           decode_logits_bytes(config, batch, dtype), held_bytes, 0, shape["prompt_length"])
 
 
 def held_between_steps(parts: dict) -> int:

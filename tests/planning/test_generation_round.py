@@ -50,3 +50,23 @@ def test_plan_peak_is_the_larger_of_round_and_update_step():
     assert plan.peak_bytes == step.peak_bytes  # a round smaller than the step leaves the step's peak
     sleeping = generation_round(config, {**shape, "use_vllm": True, "sleep_mode": True}, torch.bfloat16, held, 10**6)
     assert sleeping.kv_cache_bytes == 0 and sleeping.host_copy_bytes == 2 * 10**6  # vLLM's pool: a device term
+
+
+def test_largest_completion_length_within_a_budget():
+    """The bisection over the round's real figure (a length's device total grows with it): the answer fits and one
+    token more does not, in about log2(limit) plans."""
+    from leantune.planning.completion_length import solve_max_completion_length
+
+    config = LlamaConfig(vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    shape = {"batch": 16, "prompt_length": 100, "use_vllm": False, "sleep_mode": False}
+
+    def total(length):
+        return generation_round(config, {**shape, "max_completion_length": length}, torch.float32, 2**20, 1).peak_bytes
+
+    budget = total(700) + 1
+    solved = solve_max_completion_length(total, budget, limit=2048 - 100, start=512, start_total=total(512))
+    assert solved.length == 700 and solved.fitting_total <= budget < solved.next_total == total(701)
+    assert solved.plans <= 13 and "largest max_completion_length" in solved.lines()[0]
+    assert solve_max_completion_length(total, total(1) - 1, limit=1948).length is None
+    assert solve_max_completion_length(total, total(1948), limit=1948).length == 1948
