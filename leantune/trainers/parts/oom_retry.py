@@ -132,10 +132,15 @@ class OutOfMemoryRetry:
         settings = (f"set per_device_train_batch_size={max(batch // 2, 1)} and gradient_accumulation_steps="
                     f"{accumulation * 2} (the same global batch), or let `memory_budget` size the run")
         if self.online:
-            group = getattr(self.args, "num_generations", None)
-            whole = f", keeping whole groups of num_generations={group}" if group else ""
+            from ...planning.recommend import micro_batch_group
+
+            group = micro_batch_group(self.args)
+            if batch // 2 < group or (batch // 2) % group:
+                return (f"Out of memory in an online update step whose micro-batch ({batch}) cannot halve into whole "
+                        f"prompt groups of {group}: lower max_completion_length (`leantune plan --memory_budget SIZE "
+                        f"--solve max_completion_length` finds the longest that fits) or the prompts' length.")
             return (f"Out of memory in an online update step: its micro-batches come from the generation round and "
-                    f"are not retried; {settings}{whole}.")
+                    f"are not retried; {settings} (whole prompt groups of {group}).")
         engine = str(getattr(self.accelerator, "distributed_type", "")).rsplit(".", 1)[-1]
         if engine in ("DEEPSPEED", "FSDP"):
             return (f"Out of memory under {engine}: its gradients and sharded state live in the engine, where a step "
