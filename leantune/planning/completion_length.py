@@ -5,8 +5,8 @@ since both only grow with it, a bisection finds the largest length whose device 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 MIB = 1024 * 1024
 
@@ -25,7 +25,7 @@ class CompletionLengthSolve:
             return [f"max_completion_length: none fits {self.budget / MIB:.1f} MiB (one token is planned at "
                     f"{self.next_total / MIB:.1f} MiB); lower the generation batch or the prompts' length"]
         beyond = (f"; {self.length + 1} plans {self.next_total / MIB:.1f} MiB" if self.next_total is not None
-                  else f"; the model's context leaves no more beside the longest prompt")
+                  else "; the model's context leaves no more beside the longest prompt")
         return [f"largest max_completion_length within {self.budget / MIB:.1f} MiB: {self.length} (planned "
                 f"{self.fitting_total / MIB:.1f} MiB{beyond}); prompt groups, micro-batch and global batch as "
                 f"configured ({self.plans} lengths planned)"]

@@ -11,7 +11,6 @@ import resource
 
 import pytest
 import torch
-
 from datasets import Dataset
 
 from leantune import SFTConfig, SFTTrainer
