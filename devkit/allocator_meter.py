@@ -97,3 +97,17 @@ class AllocatorMeter:
             self.peak_ops = [e.name() for e in sorted(covering, key=lambda e: e.start_ns())]
 
         return watching()
+
+
+@contextlib.contextmanager
+def block_peak(result: dict):
+    """The most bytes the CPU allocator held at once during the block beyond what it held at its start (every
+    allocation and free, from torch.profiler's memory events), put in `result["peak_bytes"]` when it ends."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        yield result
+    live = peak = 0
+    for event in sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns()):
+        if event.name() == "[memory]" and str(event.device_type()) == "DeviceType.CPU":
+            live += event.nbytes()
+            peak = max(peak, live)
+    result["peak_bytes"] = peak

@@ -36,6 +36,9 @@ class PlanArguments:
     plan_json: str | None = field(default=None, metadata={"help": "Also write the plan as JSON to this file."})
     lengths: str | None = field(
         default=None, metadata={"help": "leantune profile's JSON: plan rows of its lengths instead of --dataset_name."})
+    solve: str | None = field(
+        default=None, metadata={"help": "max_completion_length (online methods, with --memory_budget): the largest "
+                                "that fits the budget, the prompt groups and global batch kept."})
 
 
 class _EachLineOnce(logging.Filter):
@@ -118,6 +121,8 @@ def _run(argv: list[str], started: float) -> int:
                          "a data file), or --lengths (leantune profile's JSON).")
     if plan_args.lengths and script_args.dataset_name is not None:
         raise UsageError("--lengths and --dataset_name: give one (the profile's row lengths, or the data).")
+    if plan_args.solve is not None:
+        _check_solve(plan_args, method)
     from ..planning.devices import parse_budget
     from .runner import load_splits
 
@@ -158,16 +163,23 @@ def _run(argv: list[str], started: float) -> int:
         except (OSError, ValueError) as error:
             raise UsageError(f"--tokenizer {plan_args.tokenizer}: {str(error).splitlines()[0]}") from error
 
-    try:
-        plan = plan_memory(model_args.model_name_or_path, train, trainer_class,
-                           processing_class=tokenizer, peft_config=peft_config_from(model_args),
-                           num_processes=plan_args.num_processes, engine=plan_args.engine, rank=plan_args.rank,
-                           device=device, **rewards, **fields)
-    except ValueError as error:
-        raise UsageError(str(error)) from error
+    def planned(plan_fields):
+        try:
+            return plan_memory(model_args.model_name_or_path, train, trainer_class,
+                               processing_class=tokenizer, peft_config=peft_config_from(model_args),
+                               num_processes=plan_args.num_processes, engine=plan_args.engine, rank=plan_args.rank,
+                               device=device, **rewards, **plan_fields)
+        except ValueError as error:
+            raise UsageError(str(error)) from error
+
+    plan = planned(fields)
     print("\n".join(plan.lines(timing=False)))
     if assumed:
         print(f"note: {assumed}")
+    if plan_args.solve is not None:
+        _quiet_progress_bars()
+        print("\n".join(_solved_completion_length(plan, budget, config, fields, planned,
+                                                   model_args.model_name_or_path).lines()))
     _quiet_progress_bars()  # the search prepares the same data again: its bars once are enough
     if budget is not None:
         from ..planning.recommend import micro_batch_group, recommend
@@ -190,6 +202,34 @@ def _run(argv: list[str], started: float) -> int:
         print(f"written: {plan_args.plan_json}", file=sys.stderr)
     print(f"planned in {time.perf_counter() - started:.1f} s")
     return 0
+
+
+SOLVABLE = ("max_completion_length",)
+
+
+def _check_solve(plan_args, method) -> None:
+    if plan_args.solve not in SOLVABLE:
+        raise UsageError(f"--solve {plan_args.solve}: not solvable; choose one of {', '.join(SOLVABLE)}.")
+    if not method.online:
+        raise UsageError(f"--solve {plan_args.solve}: only for the online methods (grpo, rloo, online_dpo, ppo), "
+                         f"which generate completions.")
+    if plan_args.memory_budget is None:
+        raise UsageError(f"--solve {plan_args.solve} needs --memory_budget (the size or GPU to fit).")
+
+
+def _solved_completion_length(plan, budget, config, fields, planned, model):
+    """The largest max_completion_length within the budget (planning/completion_length.py): each length planned
+    whole, up to what the model's context leaves beside the longest prompt."""
+    from ..planning.completion_length import solve_max_completion_length
+    from ..planning.planner import model_config_of
+
+    context = getattr(model_config_of(model), "max_position_embeddings", None)
+    if context is None or plan.generation is None:
+        raise UsageError("--solve max_completion_length: the model's config names no max_position_embeddings.")
+    limit = int(context) - plan.generation.prompt_length
+    return solve_max_completion_length(
+        lambda length: planned({**fields, "max_completion_length": length}).device_total_bytes, budget, limit,
+        int(config.max_completion_length), plan.device_total_bytes)
 
 
 def _quiet_progress_bars() -> None:

@@ -23,6 +23,13 @@ class TokenThroughput:
         self.batch_tokens += total
         self._window_real += real
 
+    def counts(self) -> tuple[int, int, int]:
+        return self.real_tokens, self.batch_tokens, self._window_real
+
+    def set_counts(self, counts: tuple[int, int, int]) -> None:
+        """The counts as `counts()` read them (the tokens of a discarded attempt taken back)."""
+        self.real_tokens, self.batch_tokens, self._window_real = counts
+
     @property
     def padding_fraction(self) -> float:
         return 1.0 - self.real_tokens / self.batch_tokens if self.batch_tokens else 0.0

@@ -34,6 +34,7 @@ from .fake_step import (
     triton_launches_skipped_on_fake,
 )
 from .frozen import fake_frozen_sources
+from .generation_round import GenerationRound, generation_round, held_between_steps, round_shape_of
 
 logger = logging.getLogger("leantune.plan")
 GIB = 1024 * MIB
@@ -82,11 +83,14 @@ class MemoryPlan:
     notes: list[str] = field(default_factory=list)
     config: dict = field(default_factory=dict)  # the fields set for this plan
     seconds: float = 0.0
+    generation: GenerationRound | None = None  # an online method's round (planning/generation_round.py)
 
     @property
     def peak_bytes(self) -> int:
-        """What the run must fit: the worst of the first epoch, or of any order where that bound was traced."""
-        return max(self.worst.peak_bytes, self.any_order.peak_bytes if self.any_order else 0)
+        """What the run must fit: the worst of the first epoch, or of any order where that bound was traced, or an
+        online method's generation round where it is larger (the two do not overlap)."""
+        return max(self.worst.peak_bytes, self.any_order.peak_bytes if self.any_order else 0,
+                   self.generation.peak_bytes if self.generation else 0)
 
     @property
     def device_total_bytes(self) -> int:
@@ -101,6 +105,7 @@ class MemoryPlan:
             "any_order": _step_dict(self.any_order),
             "terms": [dataclasses.asdict(term) for term in self.terms], "notes": self.notes,
             "device_total_bytes": self.device_total_bytes, "config": self.config, "seconds": self.seconds,
+            "generation": dataclasses.asdict(self.generation) if self.generation else None,
         }
 
     def lines(self, timing: bool = True) -> list[str]:
@@ -121,6 +126,8 @@ class MemoryPlan:
         if self.measured_step is not None:
             out.append(f"predicted peak of step 2 (the step memory_breakdown measures; batch: "
                        f"{self.measured_step.batch}): {_mib(self.measured_step.peak_bytes)}")
+        if self.generation is not None:
+            out += self.generation.lines()
         if self.terms:
             out.append("on the device, beyond the traced tensors (docs/plan.md):")
             out += [f"  {term.name:<30} {_mib(term.bytes)}  ({term.source})" for term in self.terms]
@@ -399,7 +406,7 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
         launch.close()
         logging.getLogger("leantune").setLevel(logging_level)
         engine_context.close()
-    num_parameters, trainable, second, traced = result
+    num_parameters, trainable, second, traced, round_shape = result
     if zero is not None:
         second, traced = zero_plan.per_rank(config, trainer_class, peft_config, zero, trainable, second, traced,
                                             rank, device)
@@ -413,6 +420,9 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
                       bound[0] if bound else None, device_terms(device, fields, num_processes, engine),
                       per_rank_notes(engine, num_processes) + notes,
                       {k: v for k, v in fields.items()}, 0.0)
+    if round_shape is not None:  # an online method: its generation round beside the update step
+        plan.generation = generation_round(config, round_shape, _dtype_of(fields), held_between_steps(worst.parts),
+                                           num_parameters)
     plan.seconds = time.perf_counter() - started
     return plan
 
@@ -422,7 +432,8 @@ LAYERS_TRACED = (2, 3, 4)  # a 1-layer model peaks elsewhere in the step (measur
 
 def _trace(config, trainer_class, config_class, train_dataset, fields, trainer_kwargs, measured_step, max_batches,
            shard=None, quantization=None):
-    """(parameters, trainable parameters, the trainer's own second step or None, [traced worst candidates])."""
+    """(parameters, trainable parameters, the trainer's own second step or None, [traced worst candidates], an online
+    method's round shape or None)."""
     # PEFT resolves "all-linear" in the config it is given to this model's module names: each trace gets a copy
     trainer_kwargs = {**trainer_kwargs, "peft_config": copy.deepcopy(trainer_kwargs.get("peft_config"))}
     with planning_session() as mode:
@@ -467,7 +478,8 @@ def _trace(config, trainer_class, config_class, train_dataset, fields, trainer_k
             processes = shard[0] if shard is not None else 1  # each step of N processes takes N loader batches
             traced.append(TracedStep.of(trainer.memory_breakdown, words, index // (accumulation * processes) + 1,
                                         index // processes % accumulation))
-    return num_parameters, trainable, second, traced
+        round_shape = round_shape_of(trainer) if trainer.generates_rounds else None
+    return num_parameters, trainable, second, traced, round_shape
 
 
 def _layer_count(config):
@@ -517,7 +529,7 @@ def _extrapolate(runs, layers: int):
     if None in counts:
         return None
     second = steps.pop(0) if runs[0][2] is not None else None
-    return counts[0], counts[1], second, steps
+    return counts[0], counts[1], second, steps, runs[0][4]
 
 
 def _explicit_fields(args) -> set[str]:

@@ -25,6 +25,7 @@ from .context_parallel import ContextParallelism
 from .distributed import leave_process_group_at_exit, named_collective_timeouts
 from .nonfinite import ROW_INDEX, NonFiniteGuard
 from .parts.logprob_engine import LogProbEngine
+from .parts.oom_retry import OutOfMemoryRetry
 from .parts.resolved_config import resolve_config
 from .parts.run_metrics import RunMetrics, mean_of_values
 from .parts.saving import StagedCheckpoint, agreed_resume_checkpoint, save_with_card, tag_model, write_hub_card
@@ -54,6 +55,8 @@ class LeantuneTrainer(Trainer):
     scores_at_temperature = False
     # Whether the trained model scores a vocabulary (a reward model scores sequences: nothing to chunk or fuse).
     scores_vocabulary = True
+    # Whether the micro-batches come from generation rounds (the online trainers), not from the train loader.
+    generates_rounds = False
 
     # --- construction: one sequence for every trainer -----------------------------------------------------------
 
@@ -103,6 +106,8 @@ class LeantuneTrainer(Trainer):
             self.add_callback(MemoryBreakdownCallback(args.device, self.run_metrics.keep_memory_breakdown,
                                                       frozen_models=self.frozen_models))
         self.reference = Reference(loaded, args, self.accelerator)  # placed for the engine (frozen_models.py)
+        self.oom_retry = OutOfMemoryRetry(args, self.accelerator, self.is_world_process_zero, self.step_state,
+                                          online=self.generates_rounds)
         return loaded
 
     def default_args(self, model, args):
@@ -211,7 +216,8 @@ class LeantuneTrainer(Trainer):
             self._signature_columns = [*self.dataset_columns, ROW_INDEX]  # ROW_INDEX: for the NaN/inf checks
 
     def get_train_dataloader(self):
-        return self.nonfinite.train_loader(self, super().get_train_dataloader)
+        build = super().get_train_dataloader
+        return self.nonfinite.train_loader(self, lambda: self.oom_retry.train_loader(self, build))
 
     # --- the step: its items counted by the loss normaliser, batches laid out for context parallelism ------------
 
@@ -226,8 +232,9 @@ class LeantuneTrainer(Trainer):
                   whole_sequences: bool = False) -> torch.Tensor:
         """The micro-batch's loss: its summed loss over the step's item count, plus the router loss (parts/step_loss;
         `whole_sequences`: a loss over sequence sums made whole across the context-parallel group)."""
-        return self.step_loss.normalise(self.model, loss_sum, local_count, num_items_in_batch,
-                                        getattr(self, "current_gradient_accumulation_steps", 1), whole_sequences)
+        accumulation = getattr(self, "current_gradient_accumulation_steps", 1) * self.oom_retry.parts
+        return self.step_loss.normalise(self.model, loss_sum, local_count, num_items_in_batch, accumulation,
+                                        whole_sequences)
 
     @property
     def context_parallel_loss(self) -> str | None:
@@ -242,7 +249,14 @@ class LeantuneTrainer(Trainer):
                                              per_sequence=self.context_parallel_loss == methods.SEQUENCE_SUMS)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        return self.nonfinite.training_step(super().training_step, model, inputs, num_items_in_batch)
+        step = super().training_step
+        return self.oom_retry.training_step(  # parts/oom_retry.py: out of memory -> half the micro-batch
+            lambda *arguments: self.nonfinite.training_step(step, *arguments), model, inputs, num_items_in_batch)
+
+    def step_state(self):
+        """A callable that puts the parts' records of the step so far back (an attempt that ran out of memory)."""
+        back = [self.run_metrics.mark(), self.nonfinite.mark(), self.step_loss.mark()]
+        return lambda: [restore() for restore in back]
 
     def _get_grad_norm(self, model, grad_norm=None):
         return self.nonfinite.check_step(model, super()._get_grad_norm(model, grad_norm=grad_norm))

@@ -137,6 +137,15 @@ class NonFiniteGuard:
         self.step_rows.append((rows, bad))
         return loss
 
+    def mark(self):
+        """A callable that puts the step's flags back as they are now (a discarded attempt)."""
+        loss_bad, rows = self.loss_bad, len(self.step_rows)
+
+        def restore() -> None:
+            self.loss_bad = loss_bad
+            del self.step_rows[rows:]
+        return restore
+
     def check_step(self, model, grad_norm):
         """Before the optimizer step: [processes with a non-finite loss, with a non-finite gradient norm], reduced
         over the processes so that all of them take the same decision. Returns the gradient norm."""

@@ -65,6 +65,11 @@ def test_70b_plans_from_config_only_in_seconds(tmp_path, tokenizer, gsm8k_rows):
     (["plan", "--dataset_name", "x.jsonl"], "--model_name_or_path"),
     (["plan", "--model_name_or_path", "/nonexistent/model", "--dataset_name", "/nonexistent.jsonl",
       "--memory_budget", "lots"], "--memory_budget"),
+    *[(["plan", "--method", method, "--model_name_or_path", "/nonexistent/model", "--dataset_name",
+        "/nonexistent.jsonl", "--solve", solve, *budget], "--solve") for method, solve, budget in (
+        ("sft", "max_completion_length", ["--memory_budget", "1GiB"]),  # only online methods generate
+        ("grpo", "max_length", ["--memory_budget", "1GiB"]),  # not solvable
+        ("grpo", "max_completion_length", []))],  # no budget to fit
 ])
 def test_plan_command_mistakes_are_one_line(capsys, argv, flag):
     assert main(argv) == 2

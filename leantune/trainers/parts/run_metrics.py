@@ -50,6 +50,20 @@ class RunMetrics:
         for name, column in zip(names, gathered.T):
             store[name].extend(column.tolist())
 
+    def mark(self):
+        """A callable that puts the training values and token counts back as they are now (a discarded attempt)."""
+        store, counts = self.values["train"], self.throughput.counts()
+        lengths = {name: len(column) for name, column in store.items()}
+
+        def restore() -> None:
+            for name in list(store):
+                if name in lengths:
+                    del store[name][lengths[name]:]
+                else:
+                    del store[name]
+            self.throughput.set_counts(counts)
+        return restore
+
     def add_method_values(self, logs: dict, prefix: str) -> None:
         """A log's method metrics: the values since the last log (then emptied), `<prefix>_` before eval names."""
         mode = "train" if "loss" in logs or "train_loss" in logs else "eval"

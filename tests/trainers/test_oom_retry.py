@@ -1,0 +1,103 @@
+"""An out-of-memory error at runtime, retried at the step boundary (trainers/parts/oom_retry.py), under a real cap:
+the process's address space limited (RLIMIT_AS, soft limit only, restored after) below what the configured
+micro-batch needs, so the CPU allocator itself refuses; the run then trains as a run configured with the micro-batch
+it settled on does."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import resource
+
+import pytest
+import torch
+from datasets import Dataset
+
+from leantune import SFTConfig, SFTTrainer
+
+from ..fixtures.launched_runs import assert_same_losses, assert_same_weights
+from ..fixtures.models import tiny_model
+
+MIB = 1024 * 1024
+# Full logits (chunked_loss=False) make the step's memory grow with the micro-batch (8 rows x 64 tokens x 32k fp32:
+# 65 MiB a copy). Measured growth of the address space over the first steps (VmPeak, threads started before; OMP 1
+# and 4): 346 MiB at micro-batch 8, 317-348 at 4, 185-220 at 2, 124 at 1. 240 MiB of room lies halfway between the
+# configured run's need and one row's: the default is refused and the run settles at 2 or 1.
+ROOM = 240 * MIB
+
+
+def _address_space() -> int:
+    with open("/proc/self/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmSize in /proc/self/status")
+
+
+@contextlib.contextmanager
+def address_space_room(room: int):
+    """The process may map `room` bytes more than it has now (the soft limit; the hard one, and so the way back, is
+    kept)."""
+    torch.ones(256, 256) @ torch.ones(256, 256)  # the intra-op threads exist (and their arenas) before the cap
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (_address_space() + room, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def sft_run(dataset, tokenizer, tmp_path, batch: int, accumulation: int, max_length: int = 64):
+    args = SFTConfig(output_dir=str(tmp_path), report_to=[], save_strategy="no", use_cpu=True, max_steps=2,
+                     per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation, seed=0,
+                     optim="sgd", optim_args="momentum=0.9", learning_rate=1e-2, max_grad_norm=0.0, logging_steps=1,
+                     max_length=max_length, chunked_loss=False, gradient_checkpointing=False, memory_breakdown=False,
+                     disable_tqdm=True)
+    return SFTTrainer(model=tiny_model(), args=args, train_dataset=dataset, processing_class=tokenizer)
+
+
+def gsm8k_text(rows, n: int) -> Dataset:
+    """Language-modelling rows, each longer than max_length: every micro-batch is rows x 64 tokens."""
+    return Dataset.from_list([{"text": row["question"] + " " + row["answer"]} for row in rows[:n]])
+
+
+def losses(trainer) -> list[float]:
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def test_out_of_memory_step_retried_with_half_the_micro_batch_trains_as_that_configuration(
+        tokenizer, gsm8k_rows, tmp_path, caplog):
+    dataset = gsm8k_text(gsm8k_rows, 16)
+    capped = sft_run(dataset, tokenizer, tmp_path / "capped", batch=8, accumulation=1)
+    initial = {name: weight.detach().clone() for name, weight in capped.model.named_parameters()}
+    with caplog.at_level(logging.WARNING, logger="leantune.trainer"), address_space_room(ROOM):
+        capped.train()
+    retry = capped.oom_retry
+    assert retry.retries and retry.retries[0][:2] == (8, 4), retry.retries  # the allocator refused the default
+    assert all("can't allocate memory" in why for _, _, why in retry.retries)
+    warnings = [r.getMessage() for r in caplog.records if "Out of memory in a training step" in r.getMessage()]
+    assert len(warnings) == len(retry.retries) and "micro-batch 8 -> 4" in warnings[0]
+    assert "gradient accumulation 1 -> 2" in warnings[0]
+
+    # the reference: configured from the start with the micro-batch and accumulation the capped run settled on
+    reference = sft_run(dataset, tokenizer, tmp_path / "reference", batch=retry.micro_batch,
+                        accumulation=retry.accumulation)
+    reference.train()
+    # The same examples in the same micro-batches, accumulated in the same order: the gradients are the same sums;
+    # what may differ is the logged loss's order of addition (the parts' losses added before the step's total,
+    # one fp32 rounding of a ~10 loss), within assert_same_losses' 1e-5 relative, and the weights within
+    # assert_same_weights' bound (1e-5 of each update's norm plus fp32 storage rounding).
+    assert_same_losses(losses(capped), losses(reference))
+    assert_same_weights(dict(capped.model.named_parameters()), dict(reference.model.named_parameters()), initial)
+
+
+def test_out_of_memory_at_one_example_is_one_clear_error(tokenizer, gsm8k_rows, tmp_path):
+    # two rows of four GSM8K examples each (~600 tokens): one row's fp32 logits (~75 MiB) are above glibc's largest
+    # mmap threshold (32 MiB), so they are always a new mapping, which 4 MiB of room refuses whatever the heap holds
+    rows = [{"question": " ".join(r["question"] + " " + r["answer"] for r in gsm8k_rows[i:i + 4]), "answer": ""}
+            for i in (0, 4)]
+    trainer = sft_run(gsm8k_text(rows, 2), tokenizer, tmp_path, batch=1, accumulation=2, max_length=1024)
+    with address_space_room(4 * MIB), pytest.raises(RuntimeError) as raised:
+        trainer.train()
+    assert "micro-batch of one example: nothing left to halve" in str(raised.value)
+    assert "can't allocate memory" in str(raised.value) and not trainer.oom_retry.retries
