@@ -79,8 +79,9 @@ class OutOfMemoryRetry:
 
     def train_loader(self, trainer, build):
         """`build()` (the train loader) with a collator whose batches keep their examples (the offline trainers';
-        the online trainers' micro-batches come from their rounds)."""
-        if self.online:
+        the online trainers' micro-batches come from their rounds). Only where a step can be retried: one process
+        (accelerate's dispatcher broadcasts a batch's tensors to the others and refuses any other object)."""
+        if self.online or self.args.world_size > 1:
             return build()
         collator = self.collate = trainer.data_collator
         trainer.data_collator = ExampleKeepingCollator(collator)
