@@ -89,6 +89,14 @@ def from_group_first(accelerator, value):
     return box[0]
 
 
+def generate_in_group(accelerator, model, generate):
+    """`generate()` as a context-parallel group runs it: outside the ring (its hooks suspended), the group's first
+    process's completions kept by all (see `ring_hooks_suspended`, `from_group_first`)."""
+    with ring_hooks_suspended(model):
+        completions = generate()
+    return from_group_first(accelerator, completions)
+
+
 RING_HOOK_NAME = "_self_attn_pre_forward_hook"  # accelerate's (big_modeling._attach_context_parallel_hooks)
 
 
@@ -334,6 +342,12 @@ class ContextParallelism:
                              f"parallelism, got {multiple!r}; leave it unset for {2 * cp}.")
 
     def lay_out(self, inputs, pad_token_id, per_sequence: bool = False, position_grids=None):
+        """(accelerate's context manager, the batch): see `_lay_out_for_the_ring`; without a ring, as it is."""
+        if self.size <= 1:
+            return contextlib.nullcontext, inputs
+        return self._lay_out_for_the_ring(inputs, pad_token_id, per_sequence, position_grids)
+
+    def _lay_out_for_the_ring(self, inputs, pad_token_id, per_sequence: bool, position_grids):
         """Lay the batch out for context parallelism (targets shifted before the split; packed and padding-free
         rows so that each document attends only to itself across the ring) and hand it to accelerate's
         `maybe_context_parallel`, which splits input_ids, shift_labels and position_ids along time. `per_sequence`
@@ -343,8 +357,6 @@ class ContextParallelism:
         split (the reward model's: which sequence's reward each position holds). KTO's mismatched sequences (`kl_*`
         keys) are a second layout of the batch, laid out alike; torch splits every buffer with one load balancer,
         so both get one width."""
-        if self.size <= 1:
-            return contextlib.nullcontext, inputs
         inputs = dict(inputs)
         pad = 0 if pad_token_id is None else pad_token_id
         prefixes = ("", KL_PREFIX) if KL_PREFIX + "input_ids" in inputs else ("",)

@@ -6,8 +6,12 @@ it settled on does."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import os
 import resource
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -17,6 +21,7 @@ from leantune import SFTConfig, SFTTrainer
 
 from ..fixtures.launched_runs import assert_same_losses, assert_same_weights
 from ..fixtures.models import tiny_model
+from ..fixtures.paths import REPO
 
 MIB = 1024 * 1024
 # Full logits (chunked_loss=False) make the step's memory grow with the micro-batch (8 rows x 64 tokens x 32k fp32:
@@ -65,30 +70,61 @@ def losses(trainer) -> list[float]:
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
-def test_out_of_memory_step_retried_with_half_the_micro_batch_trains_as_that_configuration(
-        tokenizer, gsm8k_rows, tmp_path, caplog):
-    dataset = gsm8k_text(gsm8k_rows, 16)
-    capped = sft_run(dataset, tokenizer, tmp_path / "capped", batch=8, accumulation=1)
-    initial = {name: weight.detach().clone() for name, weight in capped.model.named_parameters()}
-    with caplog.at_level(logging.WARNING, logger="leantune.trainer"), address_space_room(ROOM):
+def capped_run(out: str) -> None:
+    """The capped run, in a process of its own (the test's subprocess): a long-lived process (a pytest worker after
+    other tests) serves much of a step from heap it already maps, which no address-space cap sees; a fresh one
+    needs the growth measured above."""
+    from safetensors.torch import save_file
+
+    from ..fixtures.data import gsm8k_rows
+    from ..fixtures.paths import TOKENIZER_DIR
+    from ..fixtures.tokenizers import load_tokenizer
+
+    capped = sft_run(gsm8k_text(gsm8k_rows(16), 16), load_tokenizer(TOKENIZER_DIR), f"{out}/run", batch=8,
+                     accumulation=1)
+    save_file({name: w.detach().clone() for name, w in capped.model.named_parameters()}, f"{out}/initial.safetensors")
+    warnings = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("leantune.trainer").addHandler(handler)
+    with address_space_room(ROOM):
         capped.train()
+    save_file({name: w.detach().contiguous() for name, w in capped.model.named_parameters()},
+              f"{out}/trained.safetensors")
     retry = capped.oom_retry
-    assert retry.retries and retry.retries[0][:2] == (8, 4), retry.retries  # the allocator refused the default
-    assert all("can't allocate memory" in why for _, _, why in retry.retries)
-    warnings = [r.getMessage() for r in caplog.records if "Out of memory in a training step" in r.getMessage()]
-    assert len(warnings) == len(retry.retries) and "micro-batch 8 -> 4" in warnings[0]
-    assert "gradient accumulation 1 -> 2" in warnings[0]
+    with open(f"{out}/run.json", "w", encoding="utf-8") as handle:
+        json.dump({"losses": losses(capped), "retries": retry.retries, "micro_batch": retry.micro_batch,
+                   "accumulation": retry.accumulation, "warnings": [w for w in warnings if "Out of memory" in w]},
+                  handle)
+
+
+def test_out_of_memory_step_retried_with_half_the_micro_batch_trains_as_that_configuration(
+        tokenizer, gsm8k_rows, tmp_path):
+    from safetensors.torch import load_file
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", "import sys; from tests.trainers.test_oom_retry import capped_run; "
+                           "capped_run(sys.argv[1])", str(tmp_path)], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = json.loads((tmp_path / "run.json").read_text())
+    retries = run["retries"]
+    assert retries and tuple(retries[0][:2]) == (8, 4), retries  # the allocator refused the default
+    assert all("can't allocate memory" in why for _, _, why in retries)
+    assert len(run["warnings"]) == len(retries) and "micro-batch 8 -> 4" in run["warnings"][0]
+    assert "gradient accumulation 1 -> 2" in run["warnings"][0]
 
     # the reference: configured from the start with the micro-batch and accumulation the capped run settled on
-    reference = sft_run(dataset, tokenizer, tmp_path / "reference", batch=retry.micro_batch,
-                        accumulation=retry.accumulation)
+    reference = sft_run(gsm8k_text(gsm8k_rows, 16), tokenizer, tmp_path / "reference", batch=run["micro_batch"],
+                        accumulation=run["accumulation"])
     reference.train()
     # The same examples in the same micro-batches, accumulated in the same order: the gradients are the same sums;
     # what may differ is the logged loss's order of addition (the parts' losses added before the step's total,
     # one fp32 rounding of a ~10 loss), within assert_same_losses' 1e-5 relative, and the weights within
     # assert_same_weights' bound (1e-5 of each update's norm plus fp32 storage rounding).
-    assert_same_losses(losses(capped), losses(reference))
-    assert_same_weights(dict(capped.model.named_parameters()), dict(reference.model.named_parameters()), initial)
+    assert_same_losses(run["losses"], losses(reference))
+    assert_same_weights(load_file(str(tmp_path / "trained.safetensors")), dict(reference.model.named_parameters()),
+                        load_file(str(tmp_path / "initial.safetensors")))
 
 
 def test_out_of_memory_at_one_example_is_one_clear_error(tokenizer, gsm8k_rows, tmp_path):

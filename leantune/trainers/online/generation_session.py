@@ -14,7 +14,7 @@ import torch
 
 from ...generation import Completions, SamplingSettings, make_backend
 from ...generation.backend import TRANSFORMERS, generation_engine
-from ..context_parallel import data_parallel_place, from_group_first, ring_hooks_suspended
+from ..context_parallel import cp_size_of, data_parallel_place, generate_in_group
 
 logger = logging.getLogger("leantune.online")
 
@@ -58,10 +58,14 @@ class GenerationSession:
             self.synced_step = step
         self.rounds_generated += 1
         seed = self.args.seed + 1_000_003 * self.rounds_generated + 65_537 * data_parallel_place(self.accelerator)[0]
-        with ring_hooks_suspended(self.policy()):
-            completions = backend.generate(prompt_ids, dataclasses.replace(sampling, seed=seed))
+        sampling = dataclasses.replace(sampling, seed=seed)
+        if cp_size_of(self.accelerator) > 1:  # one round per context-parallel group
+            completions = generate_in_group(self.accelerator, self.policy(), lambda: backend.generate(prompt_ids,
+                                                                                                        sampling))
+        else:
+            completions = backend.generate(prompt_ids, sampling)
         backend.sleep()
-        return from_group_first(self.accelerator, completions)
+        return completions
 
     def generate_turn(self, prompt_ids: list[list[int]], max_new_tokens: int) -> Completions:
         """One turn of the agent's rollouts, through the same backend as single turns."""

@@ -94,7 +94,16 @@ class OutOfMemoryRetry:
         """`step` (the trainer's training step) on the micro-batch, in parts of the current micro-batch; an
         out-of-memory error before any gradient of the optimizer step retried with half of it."""
         kept = inputs.pop(EXAMPLES, None) if isinstance(inputs, dict) else None
-        examples = kept.examples if kept is not None else None
+        if kept is None:  # nothing to collate again (online rounds, several processes): an error is only explained
+            try:
+                return step(model, inputs, num_items_in_batch)
+            except Exception as error:  # noqa: BLE001 -- only the allocator's refusal is explained; others as they are
+                if not is_out_of_memory(error):
+                    raise
+                raise type(error)(f"{_first_line(error)}\n{self._why_not_retried(None, False)}") from error
+        return self._retried_step(step, model, inputs, kept.examples, num_items_in_batch)
+
+    def _retried_step(self, step, model, inputs, examples, num_items_in_batch):
         first_of_step = not any(p.grad is not None for p in model.parameters())
         restore = self.step_state()
         while True:
