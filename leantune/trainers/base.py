@@ -55,8 +55,6 @@ class LeantuneTrainer(Trainer):
     scores_at_temperature = False
     # Whether the trained model scores a vocabulary (a reward model scores sequences: nothing to chunk or fuse).
     scores_vocabulary = True
-    # Whether the micro-batches come from generation rounds (the online trainers), not from the train loader.
-    generates_rounds = False
 
     # --- construction: one sequence for every trainer -----------------------------------------------------------
 
@@ -235,6 +233,12 @@ class LeantuneTrainer(Trainer):
         accumulation = getattr(self, "current_gradient_accumulation_steps", 1) * self.oom_retry.parts
         return self.step_loss.normalise(self.model, loss_sum, local_count, num_items_in_batch, accumulation,
                                         whole_sequences)
+
+    @property
+    def generates_rounds(self) -> bool:
+        """Whether the micro-batches come from generation rounds (the online methods), not from the train loader."""
+        method = methods.METHODS.get(self.method)
+        return method is not None and method.online
 
     @property
     def context_parallel_loss(self) -> str | None:

@@ -55,7 +55,6 @@ def sequence_sums(values: torch.Tensor, sequence: torch.Tensor, count: int, batc
 class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
     """Config -> parts (generation session, round builder, round metrics) -> the method's loss."""
 
-    generates_rounds = True  # micro-batches from the generation rounds (parts/oom_retry.py does not split them)
     keeps_eval_dataset_as_given = True  # as TRL's online trainers: prompts are prepared aside, for evaluate()
     # What the method declares:
     scores_at_temperature = True  # log-probs of the logits divided by args.temperature, as sampled (Online DPO: 1)
