@@ -94,7 +94,9 @@ def main(argv=None) -> int:
     if unknown:
         print(f"error: --rows: unknown {sorted(unknown)}; choose from {ROW_NAMES}", file=sys.stderr)
         return 2
-    results = [{"name": name, "status": "not_run", "note": "not started yet"} for name in ROW_NAMES if name in wanted]
+    # --rows keeps its order and repeats: a row named twice measures what the first run's warm-up cost.
+    results = [{"name": name, "status": "not_run", "note": "not started yet"}
+               for name in (wanted if opts.rows else ROW_NAMES)]
     write_results(settings, header, results)
     import tempfile
 
