@@ -89,7 +89,8 @@ DIFFERS = {
     ("*", "bf16"): "same default (None), resolved differently: on only with a bf16-capable GPU (TRL: whenever fp16 "
                    "is off, CPU included), so CPU runs stay in float32",
     ("KTOConfig", "train_sampling_strategy"): "'random' instead of 'sequential': the KL term's mismatched completions "
-                                              "are fixed per example in data preparation, not by batch position",
+                                              "are fixed per example in data preparation, not by batch position "
+                                              "(kl_pairing='batch' with 'sequential' pairs them as TRL does)",
     ("GRPOConfig", "remove_unused_columns"): "True (transformers' default) instead of False: leantune's online "
                                              "trainers build their own data loaders, so no column is removed either "
                                              "way (the reward functions get them all)",

@@ -343,9 +343,13 @@ def dpo(ctx: Context, row: dict) -> None:
 def kto(ctx: Context, row: dict) -> None:
     settings, shape = ctx.settings, "qwen2.5-1.5b"
     length, batch = settings.seq_len(shape), settings.batch(shape)
+    # The same batches and KL partners for both: TRL draws batches in order and pairs each prompt with its batch
+    # neighbour's completion; leantune's default (shuffled batches, a seeded permutation) is another sample of the
+    # same estimate, equal only at step 1 (loss 0.5 for any batch). tests/trainers/test_kto.py checks this on CPU.
     fields = {**settings.common_fields(str(ctx.scratch / row["name"])), "max_length": length, "beta": 0.1,
-              "per_device_train_batch_size": batch}
-    run_pair(ctx, row, "KTO", shape, unpaired_rows(settings.steps() * batch, length), fields, reference=True)
+              "per_device_train_batch_size": batch, "train_sampling_strategy": "sequential"}
+    run_pair(ctx, row, "KTO", shape, unpaired_rows(settings.steps() * batch, length), fields,
+             leantune_only={"kl_pairing": "batch"}, reference=True)
 
 
 def length_reward(completions, **kwargs):

@@ -49,6 +49,7 @@ logger = logging.getLogger("leantune.data")
 UNPAIRED_COLUMNS = ("prompt", "completion", "label")
 TOKENIZED_UNPAIRED_COLUMNS = ("prompt_ids", "completion_ids", "label")
 KL_COLUMN = "KL_completion_ids"
+KL_PAIRINGS = ("permutation", "batch")
 REFERENCE_COLUMNS = ("ref_logps", "ref_kl_logps")
 ACCEPTED_KTO_FORMATS = (
     "unpaired {'prompt': str, 'completion': str, 'label': bool} or the same with message lists; pre-tokenised "
@@ -91,7 +92,7 @@ class KTOReport(PreparationReport):
                            self.num_prompt_truncated, self.num_completion_truncated, self.tokens_dropped)
         if self.num_kl_partner_same_prompt:
             logger.warning("%s: %d example(s) have a KL completion written for the same prompt (too few distinct "
-                           "prompts to mismatch them all).", self.split, self.num_kl_partner_same_prompt)
+                           "prompts to mismatch them all, or a batch of one).", self.split, self.num_kl_partner_same_prompt)
         self.log_summary()
 
 
@@ -125,7 +126,10 @@ def prepare_kto_dataset(dataset, tokenizer, args, split: str = "train"):
         report.log()
         raise NothingLeft(f"No {split} example is left after preparation: {report.dropped()}.", report)
     if args.uses_kl:
-        dataset = add_kl_completions(dataset, args.max_length, args.seed, report, num_proc)
+        block = None
+        if args.kl_pairing == "batch":
+            block = args.per_device_train_batch_size if split == "train" else args.per_device_eval_batch_size
+        dataset = add_kl_completions(dataset, args.max_length, args.seed, report, num_proc, block)
     report.log()
     check_label_balance(report, args)
     return dataset, report
@@ -372,15 +376,28 @@ def kl_partners(prompt_keys: np.ndarray, seed: int, tries: int = 8) -> tuple[np.
     return partner, int(same.sum())
 
 
-def add_kl_completions(dataset, max_length, seed: int, report: KTOReport, num_proc):
-    """Add KL_completion_ids (unless given): a partner's completion, cut (keeping its start) to fit max_length
-    after the example's own prompt."""
+def kl_partners_in_blocks(prompt_keys: np.ndarray, block: int) -> tuple[np.ndarray, int]:
+    """TRL's pairing (kl_pairing="batch"): in each block of `block` consecutive examples (a batch, when batches are
+    drawn in order) the completions rotate by one, so example i takes i-1's and the block's first its last. Returns
+    (partners, examples left with a same-prompt partner: a block of one, or neighbours sharing a prompt)."""
+    index = np.arange(len(prompt_keys))
+    start = index - index % block
+    size = np.minimum(block, len(prompt_keys) - start)
+    partner = start + (index - start - 1) % size
+    return partner, int((prompt_keys[partner] == prompt_keys).sum())
+
+
+def add_kl_completions(dataset, max_length, seed: int, report: KTOReport, num_proc, block: int | None = None):
+    """Add KL_completion_ids (unless given): a partner's completion (kl_partners, or kl_partners_in_blocks of
+    `block`), cut (keeping its start) to fit max_length after the example's own prompt."""
     from datasets import concatenate_datasets
 
     if KL_COLUMN not in dataset.column_names:
         keys = dataset.map(lambda b: {"__key__": [hash(tuple(p)) for p in b["prompt_ids"]]}, batched=True,
                            remove_columns=dataset.column_names, num_proc=num_proc, desc="Hashing prompts")["__key__"]
-        partner, report.num_kl_partner_same_prompt = kl_partners(np.asarray(keys, dtype=np.int64), seed)
+        keys = np.asarray(keys, dtype=np.int64)
+        partner, report.num_kl_partner_same_prompt = (kl_partners(keys, seed) if block is None else
+                                                      kl_partners_in_blocks(keys, block))
         partners = dataset.select(partner).select_columns(["completion_ids"]).rename_column(
             "completion_ids", KL_COLUMN)
         dataset = concatenate_datasets([dataset.flatten_indices(), partners.flatten_indices()], axis=1)

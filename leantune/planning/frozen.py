@@ -31,7 +31,7 @@ def fake_frozen_sources(trainer_class, fields: dict, trainer_kwargs: dict, mode:
             "teacher_model_name_or_path", None)
     if teacher is not None:
         init_kwargs = fields.pop("teacher_model_init_kwargs", None)  # applied here: the trainer gets an object
-        kwargs["teacher_model"] = _fake(teacher, mode, None, _dtype_in(init_kwargs, torch.float32))
+        kwargs["teacher_model"] = _fake(teacher, mode, None, _teacher_dtype(teacher, init_kwargs))
     funcs = kwargs.get("reward_funcs") if REWARD_MODELS in takes else None
     if isinstance(funcs, (list, tuple)) or _is_model_source(funcs):
         funcs = list(funcs) if isinstance(funcs, (list, tuple)) else [funcs]
@@ -87,9 +87,9 @@ def _reward_tokenizer(source, tokenizer):
     return tokenizer
 
 
-def _dtype_in(init_kwargs, default):
-    dtype = (init_kwargs or {}).get("dtype", (init_kwargs or {}).get("torch_dtype")) if isinstance(
-        init_kwargs, dict) else None
-    if dtype in (None, "auto"):
-        return default
-    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+def _teacher_dtype(teacher, init_kwargs):
+    """As the planner's policy (planner._dtype_of): an object's own dtype; a name in float32 unless
+    teacher_model_init_kwargs gives one ("auto": its checkpoint's)."""
+    from .planner import _dtype_of
+
+    return _dtype_of({"model_init_kwargs": init_kwargs if isinstance(init_kwargs, (dict, str)) else None}, teacher)

@@ -184,11 +184,19 @@ def model_config_of(model):
                     f"{type(model).__name__}.")
 
 
-def _dtype_of(fields: dict):
-    kwargs = fields.get("model_init_kwargs") or {}
+def _dtype_of(fields: dict, model=None):
+    """The dtype the weights train in, as the trainers get them: an instantiated model's own; a name loads in float32
+    unless model_init_kwargs gives a dtype ("auto": the checkpoint's, from its config)."""
+    if isinstance(model, torch.nn.Module):
+        return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    from ..models.loading import parse_kwargs
+
+    kwargs = parse_kwargs(fields.get("model_init_kwargs"))
     dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
+    if dtype == "auto" and model is not None:
+        dtype = getattr(model_config_of(model), "dtype", None)
     if dtype in (None, "auto"):
-        return torch.float32  # leantune loads a model given by name in float32 unless model_init_kwargs says
+        return torch.float32
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
@@ -364,11 +372,12 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
     quantization = quantization_from_fields(fields)  # 4/8-bit (QLoRA): planning/quantized.py
     quantized = {"quantization": quantization} if quantization is not None else {}
     config = model_config_of(model)
+    dtype = _dtype_of(fields, model)
     zero = None
     if engine in ("zero2", "zero3"):  # the one-process trace in DeepSpeed's dtype, a rank's states put in (zero.py)
         from . import zero as zero_plan
 
-        zero = zero_plan.zero_settings(engine, fields, num_processes, config, _dtype_of(fields))
+        zero = zero_plan.zero_settings(engine, fields, num_processes, config, dtype)
         fields = zero_plan.traced_fields(fields, zero)
     # ZeRO is not traced as a launch: a rank's micro-batches are every N-th of the one-process loader
     shard = (num_processes, rank) if num_processes > 1 and zero is not None else None
@@ -389,19 +398,19 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
         layers = _layer_count(config)
         if layers is not None and layers > LAYERS_TRACED[-1]:
             runs = [_trace(_with_layers(config, count), trainer_class, config_class, train_dataset, fields,
-                           trainer_kwargs, measured_step, max_batches, shard, **quantized) for count in LAYERS_TRACED]
+                           trainer_kwargs, measured_step, max_batches, shard, dtype, **quantized) for count in LAYERS_TRACED]
             extrapolated = _extrapolate(runs, layers)
             if extrapolated is None:
                 notes.append(f"per-layer growth not exactly linear over {LAYERS_TRACED} layers: all {layers} traced")
                 result = _trace(config, trainer_class, config_class, train_dataset, fields, trainer_kwargs,
-                                measured_step, max_batches, shard, **quantized)
+                                measured_step, max_batches, shard, dtype, **quantized)
             else:
                 result = extrapolated
                 notes.append(f"traced with {', '.join(map(str, LAYERS_TRACED))} of the {layers} layers; every part "
                              "grew by the same bytes per layer (exact), extrapolated to all layers")
         else:
             result = _trace(config, trainer_class, config_class, train_dataset, fields, trainer_kwargs,
-                            measured_step, max_batches, shard, **quantized)
+                            measured_step, max_batches, shard, dtype, **quantized)
     finally:
         launch.close()
         logging.getLogger("leantune").setLevel(logging_level)
@@ -421,7 +430,7 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
                       per_rank_notes(engine, num_processes) + notes,
                       {k: v for k, v in fields.items()}, 0.0)
     if round_shape is not None:  # an online method: its generation round beside the update step
-        plan.generation = generation_round(config, round_shape, _dtype_of(fields), held_between_steps(worst.parts),
+        plan.generation = generation_round(config, round_shape, dtype, held_between_steps(worst.parts),
                                            num_parameters)
     plan.seconds = time.perf_counter() - started
     return plan
@@ -431,19 +440,19 @@ LAYERS_TRACED = (2, 3, 4)  # a 1-layer model peaks elsewhere in the step (measur
 
 
 def _trace(config, trainer_class, config_class, train_dataset, fields, trainer_kwargs, measured_step, max_batches,
-           shard=None, quantization=None):
+           shard=None, dtype=torch.float32, quantization=None):
     """(parameters, trainable parameters, the trainer's own second step or None, [traced worst candidates], an online
     method's round shape or None)."""
     # PEFT resolves "all-linear" in the config it is given to this model's module names: each trace gets a copy
     trainer_kwargs = {**trainer_kwargs, "peft_config": copy.deepcopy(trainer_kwargs.get("peft_config"))}
     with planning_session() as mode:
-        fake = fake_model_from_config(config, mode, _model_class(trainer_class), _dtype_of(fields))
+        fake = fake_model_from_config(config, mode, _model_class(trainer_class), dtype)
         if quantization is not None:
             from .quantized import quantize_fake_model
 
             fake = quantize_fake_model(fake, quantization, mode)
         fields, trainer_kwargs = fake_frozen_sources(trainer_class, fields, trainer_kwargs, mode,
-                                                     trainer_kwargs.get("processing_class"), _dtype_of(fields))
+                                                     trainer_kwargs.get("processing_class"), dtype)
         run_args = config_class(**{"output_dir": "/tmp/leantune-plan", "use_cpu": True, **fields,
                                    **PLANNING_FIELDS})
         accumulation = run_args.gradient_accumulation_steps

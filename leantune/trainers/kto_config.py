@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
+from ..data.kto_preparation import KL_PAIRINGS
 from ..losses.kto import KTO_LOSS_TYPES
 from .config_utils import resolve_shared_settings, validate_shared_options
 from .context_parallel import resolve_pad_to_multiple_of
@@ -25,7 +26,8 @@ class KTOConfig(MemoryOptions, CausalLMOptions, ReferenceSyncOptions, ReferenceO
     """Kahneman-Tversky Optimization: desirable / undesirable completions, each judged on its own.
 
     Defaults match TRL's, except: batches are sampled at random (TRL: sequential), because the mismatched
-    completions of the KL term are fixed per example in data preparation rather than by batch position; and the
+    completions of the KL term are fixed per example in data preparation rather than by batch position
+    (`kl_pairing="batch"` with `train_sampling_strategy="sequential"` pairs them as TRL does); and the
     truncation fields of DPOConfig (max_prompt_length, max_completion_length, truncation_mode) and padding_free
     are accepted with DPO's meanings.
     """
@@ -45,6 +47,13 @@ class KTOConfig(MemoryOptions, CausalLMOptions, ReferenceSyncOptions, ReferenceO
         default="kto", metadata={"help": "kto (KTO paper, eq. 7) or apo_zero_unpaired (APO-zero, no KL term)."}
     )
     beta: float = field(default=0.1, metadata={"help": "Strength of the pull towards the reference."})
+    kl_pairing: str = field(
+        default="permutation",
+        metadata={"help": "Whose completion each prompt's KL sequence takes. permutation: the next example's in a "
+                          "seeded permutation of the dataset (batches may then be shuffled); batch: the previous "
+                          "example's within each block of per_device_train_batch_size examples, as TRL (needs "
+                          "train_sampling_strategy='sequential', so that a block is a batch)."},
+    )
     desirable_weight: float = field(
         default=1.0, metadata={"help": "Weight of desirable examples' losses (balances unequal counts)."}
     )
@@ -76,6 +85,12 @@ def validate_kto_config(args: KTOConfig) -> None:
         raise ValueError(f"`loss_type` must be one of {KTO_LOSS_TYPES}, got {args.loss_type!r}.")
     if args.beta <= 0:
         raise ValueError(f"`beta` must be positive, got {args.beta}.")
+    if args.kl_pairing not in KL_PAIRINGS:
+        raise ValueError(f"`kl_pairing` must be one of {KL_PAIRINGS}, got {args.kl_pairing!r}.")
+    if args.kl_pairing == "batch" and args.uses_kl and args.train_sampling_strategy != "sequential":
+        raise ValueError("`kl_pairing='batch'` pairs each prompt with a neighbour of its batch, which holds only if "
+                         f"batches are drawn in order: set `train_sampling_strategy='sequential'` (got "
+                         f"{args.train_sampling_strategy!r}), or keep `kl_pairing='permutation'`.")
     for name in ("desirable_weight", "undesirable_weight"):
         if getattr(args, name) < 0:
             raise ValueError(f"`{name}` must be >= 0, got {getattr(args, name)}.")

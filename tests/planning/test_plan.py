@@ -83,3 +83,19 @@ def test_budgets_read_sizes_and_gpu_names():
     assert parse_budget("H100") == 81559 * 1024 ** 2
     with pytest.raises(ValueError, match="memory_budget"):
         parse_budget("big")
+
+
+def test_plan_trains_the_weights_in_the_dtype_the_trainer_would(tmp_path, tokenizer, gsm8k_rows):
+    """A checkpoint saved in bf16: a name loads in float32 unless model_init_kwargs says (as TRL), "auto" takes the
+    checkpoint's dtype, and a model object trains in its own; the plan's parameters are 4 or 2 bytes each."""
+    import torch
+
+    model = tiny_model("llama").to(torch.bfloat16)
+    model.save_pretrained(tmp_path)
+    dataset = gsm8k_prompt_completion(gsm8k_rows, 4)
+    fields = dict(per_device_train_batch_size=2, max_length=64, measured_step=False, max_batches=1)
+    for source, init_kwargs, size in ((str(tmp_path), None, 4), (str(tmp_path), {"dtype": "auto"}, 2),
+                                      (model, None, 2)):
+        plan = plan_memory(source, dataset, "sft", processing_class=tokenizer, model_init_kwargs=init_kwargs,
+                           **fields)
+        assert plan.worst.parts["parameters"] == size * plan.num_parameters, (source, init_kwargs)

@@ -22,7 +22,7 @@ from leantune.losses.kto import kl_estimate, kto_loss
 from leantune.trainers.config_utils import checkpointing_setting
 
 from ..fixtures.comparisons import GradientRecorder, rel_diff
-from ..fixtures.models import lora, tiny_model
+from ..fixtures.models import char_model, lora, tiny_model
 from ..fixtures.preference import adapter_and_copy_references, batch_of, preference_trainer
 
 RTOL = 1e-5
@@ -239,6 +239,40 @@ def test_kl_partners_are_other_prompts_from_a_seeded_permutation():
     assert kl_partners(np.array([1]), seed=0)[0].tolist() == [0] and kl_partners(np.array([1]), seed=0)[1] == 1
 
 
+def test_batch_pairing_trains_step_for_step_as_trl(char_tokenizer, gsm8k_rows, tmp_path):
+    """kl_pairing="batch" with sequential batches is TRL 1.16's KTO: the same batches and KL partners, so the same
+    KL term and losses at every step. With the default pairing (a seeded permutation) on the same batches the KL term
+    is another one. (The GPU kit compared the default with TRL: different batches, apart from step 2 on; step 1's loss
+    is 0.5 for any batch, the policy being its reference.)"""
+    trl = pytest.importorskip("trl")
+    rows = [{"prompt": row["question"][:60], "completion": " " + row["answer"][:60], "label": i % 2 == 0}
+            for i, row in enumerate(gsm8k_rows[:16])]
+    fields = dict(per_device_train_batch_size=4, max_steps=4, learning_rate=1e-3, lr_scheduler_type="constant",
+                  seed=0, beta=0.1, report_to=[], save_strategy="no", use_cpu=True, logging_steps=1,
+                  gradient_checkpointing=False, disable_tqdm=True, train_sampling_strategy="sequential")
+
+    def run(trainer_class, config_class, **extra):
+        trainer = trainer_class(model=char_model(char_tokenizer), ref_model=char_model(char_tokenizer),
+                                processing_class=char_tokenizer, train_dataset=Dataset.from_list(rows),
+                                args=config_class(output_dir=str(tmp_path / config_class.__module__), **fields,
+                                                  **extra))
+        trainer.train()
+        logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+        return [entry["loss"] for entry in logged], [entry["kl"] for entry in logged]
+
+    trl_losses, trl_kl = run(trl.KTOTrainer, trl.KTOConfig)
+    losses, kl = run(KTOTrainer, KTOConfig, kl_pairing="batch")
+    permuted_losses, permuted_kl = run(KTOTrainer, KTOConfig)
+    assert max(trl_kl) > 1  # the mismatched pairs weigh in (a KL term clamped at 0 would not tell the pairings apart)
+    # The first step's gradients of the two libraries agree to 2e-7 on a batch (their log-probs to the last fp32
+    # bit), but inside TRL's training loop its gradient is 0.3% off its own compute_loss gradient (measured; leantune's
+    # is not). Three Adam steps of lr 1e-3 carry that into the policy: KL (a difference of sums of ~100 log-probs)
+    # stays within 5% and the loss within 2e-3 (measured 1.4% and 7e-4, the same at OMP_NUM_THREADS 1 and 4); the
+    # permutation's partners give a KL term 56% away.
+    assert rel_diff(kl, trl_kl) < 0.05 and rel_diff(losses, trl_losses) < 2e-3, (kl, trl_kl, losses, trl_losses)
+    assert rel_diff(permuted_kl, trl_kl) > 0.3, (permuted_kl, trl_kl)
+
+
 def test_unpaired_text_and_conversational_data(tokenizer, tmp_path):
     rows = [{"prompt": f"Q{i}:", "completion": f" answer {i}", "label": i % 3 != 0} for i in range(6)]
     trainer = make_trainer(tokenizer, Dataset.from_list(rows), tmp_path / "t")
@@ -315,7 +349,8 @@ def test_config_is_validated():
     for bad, match in ((dict(loss_type="sigmoid"), "loss_type"), (dict(beta=0), "beta"),
                        (dict(desirable_weight=-1.0), "desirable_weight"),
                        (dict(desirable_weight=0.0, undesirable_weight=0.0), "both 0"),
-                       (dict(truncation_mode="middle"), "truncation_mode"), (dict(max_length=0), "max_length")):
+                       (dict(truncation_mode="middle"), "truncation_mode"), (dict(max_length=0), "max_length"),
+                       (dict(kl_pairing="nearby"), "kl_pairing"), (dict(kl_pairing="batch"), "sequential")):
         with pytest.raises(ValueError, match=match):
             KTOConfig(output_dir="x", use_cpu=True, **bad)
     config = KTOConfig(output_dir="x", use_cpu=True)
