@@ -287,19 +287,26 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
         if not ctx.entropy_grad:
             grad_entropy = None
         grad_hidden = torch.zeros_like(hidden) if want_hidden else None
-        param_grads = [None] * len(wanted)
         device_type, autocast_on, autocast_dtype = ctx.autocast
+        # a plain linear head's weight gradient is added in place (OutputHead.plain_weight); autograd gives the rest
+        weight = ctx.head.plain_weight(autocast_dtype if autocast_on else hidden.dtype) if wanted else None
+        in_place = weight is not None and any(p is weight for p in wanted)
+        by_autograd = [p for p in wanted if not (in_place and p is weight)]
+        param_grads = [None] * len(by_autograd)
+        weight_grad = torch.zeros_like(weight) if in_place else None
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             end = start + ctx.chunk_size
             piece = hidden[start:end].detach().requires_grad_(want_hidden)
-            inputs = ([piece] if want_hidden else []) + wanted
-            if not inputs:
+            inputs = ([piece] if want_hidden else []) + by_autograd
+            if not inputs and not in_place:
                 break
             with torch.enable_grad(), torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_on):
                 raw = ctx.head.project(piece)
             grad_raw = _projection_gradient(raw.detach(), tokens[start:end], grad_logps[start:end], ctx.head,
                                             None if grad_entropy is None else grad_entropy[start:end])
-            grads = torch.autograd.grad(raw, inputs, grad_raw)
+            if in_place:
+                weight_grad.addmm_(grad_raw.t(), piece.detach().to(weight.dtype))
+            grads = torch.autograd.grad(raw, inputs, grad_raw) if inputs else ()
             del raw, grad_raw
             if want_hidden:
                 grad_hidden[start:end] = grads[0]
@@ -307,7 +314,8 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
             param_grads = [g if acc is None else acc.add_(g) for acc, g in zip(param_grads, grads)]
         # No targets here (no chunk ran): a zero gradient, not none, for an engine that waits for every parameter
         # it saw in the forward (DDP, `capture_hidden_states(head_follows=True)`).
-        param_grads = [torch.zeros_like(p) if g is None else g for p, g in zip(wanted, param_grads)]
+        by_autograd = iter(torch.zeros_like(p) if g is None else g for p, g in zip(by_autograd, param_grads))
+        param_grads = [weight_grad if in_place and p is weight else next(by_autograd) for p in wanted]
         grads_in = iter(param_grads)
         per_param = [next(grads_in) if need else None for need in ctx.needs_input_grad[7:]]
         return (grad_hidden, None, None, None, None, None, None, *per_param)
