@@ -6,7 +6,8 @@ bounded it, landing inside torch's C++ dispatch, aborted the whole process (`pyb
 134). Here a row submits its plan and goes on; the figures are merged into the rows as they arrive; a plan still
 running when the kit stops is reported as not finished, and its process is killed (it holds nothing the kit needs).
 The workers are started with "spawn" and never see the GPU (CUDA_VISIBLE_DEVICES is emptied before torch is
-imported there), at a low priority, with one thread: they must not take memory or cores from the measurements."""
+imported there), on the GPU machine at a low priority, with one thread: they must not take memory or cores from the
+measurements."""
 
 from __future__ import annotations
 
@@ -126,10 +127,11 @@ def merge_plan(row: dict, figures: dict) -> None:
 def serve(settings, jobs, done) -> None:
     """A worker: plans jobs until it reads None (or is killed)."""
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before this process first imports torch: no CUDA context at all
-    try:
-        os.nice(10)
-    except OSError:
-        pass
+    if not settings.dry:  # dry (CPU) timings are not compared: there a niced worker on busy cores only stalls rows
+        try:
+            os.nice(10)
+        except OSError:
+            pass
     import torch
 
     torch.set_num_threads(1)
