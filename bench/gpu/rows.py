@@ -125,19 +125,19 @@ def run_pair(ctx: Context, row: dict, method: str, shape: str, train_rows: list[
         errors.append(f"leantune (warm rerun): {rerun['error']}")
     if errors:
         raise RuntimeError("; ".join(errors))
+    same = compare_losses(settings, rerun["losses"], lt["losses"]) if rerun is not None else None
+    if same is not None:
+        lt["warm_rerun"]["loss_max_rel_diff"] = same["loss_max_rel_diff"]
     if compare:
         row.update(compare_losses(settings, lt["losses"], results["trl"]["losses"]))
         if not row["losses_match"]:
             raise AssertionError(f"per-step losses differ by {row['loss_max_rel_diff']:.3g} relative "
                                  f"(tolerance {row['loss_rtol']:.3g}): leantune {lt['losses']}, "
                                  f"TRL {results['trl']['losses']}")
-    if rerun is not None:
-        same = compare_losses(settings, rerun["losses"], lt["losses"])
-        lt["warm_rerun"]["loss_max_rel_diff"] = same["loss_max_rel_diff"]
-        if not same["losses_match"]:
-            raise AssertionError(f"leantune's warm rerun (same seed) differs from its first run by "
-                                 f"{same['loss_max_rel_diff']} relative (tolerance {same['loss_rtol']:.3g}): "
-                                 f"{rerun['losses']} vs {lt['losses']}")
+    if same is not None and not same["losses_match"]:
+        raise AssertionError(f"leantune's warm rerun (same seed) differs from its first run by "
+                             f"{same['loss_max_rel_diff']} relative (tolerance {same['loss_rtol']:.3g}): "
+                             f"{rerun['losses']} vs {lt['losses']}")
 
 
 def run_library(library: str, ctx: Context, row: dict, method: str, shape: str, train_rows: list[dict],
