@@ -6,7 +6,8 @@
 
 Rows run in order of value, each with its own time budget (a SIGALRM timer) and its own try/except: a failing row
 records its error and traceback tail and the kit goes on; results.json and results.md are rewritten after every row;
-a total time guard stops before the call's limit and marks the rows it did not start "not_run".
+a total time guard stops before the call's limit and marks the rows it did not start "not_run". The planner runs
+beside the rows in processes of its own (plan_worker.py); its figures join the rows as they arrive.
 """
 
 from __future__ import annotations
