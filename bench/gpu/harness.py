@@ -3,7 +3,6 @@ guards and the results files. The rows themselves are in bench/gpu/rows.py."""
 
 from __future__ import annotations
 
-import gc
 import json
 import math
 import os
@@ -41,6 +40,10 @@ class Settings:
         # bf16 on the GPU (the issue's setting). On CPU, fp32: Liger runs under Triton's interpreter there, which
         # computes with numpy (no bf16), and bf16 matmuls on CPU are slow enough to break the 2-minute dry budget.
         return torch.float32 if self.dry else torch.bfloat16
+
+    @property
+    def dtype_name(self) -> str:
+        return "float32" if self.dry else "bfloat16"
 
     def remaining(self) -> float:
         return self.total_s - (time.monotonic() - self.started)
@@ -112,10 +115,6 @@ def time_limit(seconds: float, error=RowTimeout):
 
 class ProbeTimeout(Exception):
     """One longest-context probe ran past its library's share of the row's time."""
-
-
-class PlanTimeout(Exception):
-    """The planner ran past the time a row gives it (the row's own numbers stand)."""
 
 
 # --- data ---------------------------------------------------------------------------------------------------------
@@ -222,7 +221,12 @@ def lora_config():
 
 
 def free_memory() -> None:
-    gc.collect()
+    """One garbage collection (bench.common.release_memory's, which also trims the heap), then CUDA's cache. A
+    collection scans every live object: with torch, transformers and TRL loaded, ~0.35 s on the dev VM, most of a
+    tiny --dry row's CPU time, hence one collection here (not two) and kit.py's gc.freeze() after its imports."""
+    from bench.common import release_memory
+
+    release_memory()
     try:
         import torch
 
@@ -231,9 +235,6 @@ def free_memory() -> None:
             torch.cuda.empty_cache()
     except Exception:  # noqa: BLE001 - freeing must never fail a row
         pass
-    from bench.common import release_memory
-
-    release_memory()
 
 
 def is_oom(error: BaseException) -> bool:
@@ -338,7 +339,10 @@ def train_measured(settings: Settings, trainer, model) -> dict:
 
 def plan_peak(settings: Settings, shape: str, tok, train_rows, method: str, fields: dict, peft_config=None,
               quantized: bool = False, reward_funcs=None) -> dict:
-    """The planner's step peak for the same run (leantune.plan_memory on the config: no weights)."""
+    """The planner's step peak for the same run (leantune.plan_memory on the config: no weights). The kit builds its
+    models in `settings.dtype`; the planner, like the trainers, reads a model given as a config in float32 unless
+    `model_init_kwargs` names the dtype (without it a bf16 row's plan was the fp32 figure: 24.7 GiB planned against
+    12.5 measured on the H100)."""
     from leantune import plan_memory
 
     from .shapes import model_config
@@ -346,6 +350,8 @@ def plan_peak(settings: Settings, shape: str, tok, train_rows, method: str, fiel
     fields = {k: v for k, v in fields.items() if k not in ("use_cpu",)}
     if quantized:
         fields["model_init_kwargs"] = {"quantization_config": dict(QUANT_FIELDS), "dtype": "bfloat16"}
+    else:
+        fields["model_init_kwargs"] = {"dtype": settings.dtype_name}
     started = time.perf_counter()
     plan = plan_memory(model_config(shape, tok, settings.dry), dataset(train_rows), method, processing_class=tok,
                        peft_config=peft_config, reward_funcs=reward_funcs, max_batches=1, **fields)
@@ -400,24 +406,41 @@ def _gib(value) -> str:
     return f"{value:.2f}" if finite(value) else "n/a"
 
 
+def tokens_per_s_cell(result: dict) -> str:
+    """leantune's warm figure when it had its rerun (rows.run_pair), else marked cold when a rerun was skipped."""
+    tps = result.get("tokens_per_s")
+    if not finite(tps):
+        return "n/a"
+    cold = "tokens_per_s_cold" in result and not isinstance(result.get("warm_rerun"), dict)
+    return f"{tps:,.0f}" + (" (cold)" if cold else "")
+
+
+def tokens_ratio_cell(library: str, libraries: dict) -> str:
+    """leantune's tokens/s over TRL's, on leantune's line."""
+    if library != "leantune":
+        return ""
+    ours, theirs = libraries[library].get("tokens_per_s"), (libraries.get("trl") or {}).get("tokens_per_s")
+    return f"{ours / theirs:.2f}" if finite(ours) and finite(theirs) and theirs > 0 else ""
+
+
 def render_markdown(header: dict, rows: list[dict]) -> str:
     lines = [f"# leantune GPU kit ({'dry, CPU' if header.get('dry') else 'GPU'})", "",
              "; ".join(f"{k}: {v}" for k, v in header.get("versions", {}).items()), "",
-             "| row | status | library | peak alloc GiB | reserved GiB | plan GiB | tok/s | losses | note |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| row | status | library | peak alloc GiB | reserved GiB | plan GiB | tok/s | leantune/TRL tok/s | losses "
+             "| note |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         libraries = row.get("libraries") or {}
-        note = row.get("error") or row.get("summary") or ""
+        note = row.get("error") or row.get("summary") or row.get("note") or ""
         if not libraries:
-            lines.append(f"| {row['name']} | {row['status']} | | | | | | | {note[:160]} |")
+            lines.append(f"| {row['name']} | {row['status']} | | | | | | | | {note[:160]} |")
             continue
         for library, result in libraries.items():
             losses = ", ".join(f"{x:.4f}" for x in result.get("losses", [])[:6])
-            tps = result.get("tokens_per_s")
             lines.append(
                 f"| {row['name']} | {row['status']} | {library} | {_gib(result.get('max_allocated_gib'))} | "
                 f"{_gib(result.get('max_reserved_gib'))} | {_gib(result.get('plan_peak_gib'))} | "
-                f"{f'{tps:,.0f}' if finite(tps) else 'n/a'} | {losses} | "
+                f"{tokens_per_s_cell(result)} | {tokens_ratio_cell(library, libraries)} | {losses} | "
                 f"{(result.get('error') or note)[:160]} |")
     return "\n".join(lines) + "\n"
 

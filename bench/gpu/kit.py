@@ -6,12 +6,14 @@
 
 Rows run in order of value, each with its own time budget (a SIGALRM timer) and its own try/except: a failing row
 records its error and traceback tail and the kit goes on; results.json and results.md are rewritten after every row;
-a total time guard stops before the call's limit and marks the rows it did not start "not_run".
+a total time guard stops before the call's limit and marks the rows it did not start "not_run". The planner runs
+beside the rows in processes of its own (plan_worker.py); its figures join the rows as they arrive.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import platform
 import sys
@@ -24,23 +26,40 @@ if str(REPO) not in sys.path:
 
 from bench.gpu import rows as R  # noqa: E402
 from bench.gpu.harness import RowTimeout, Settings, error_record, free_memory, log, time_limit, tokenizer, write_results  # noqa: E402,E501
+from bench.gpu.plan_worker import PlanWorkers  # noqa: E402
 
-# (name, function, GPU budget s, dry budget s). The GPU budgets sum past the total on purpose: the total guard
-# cuts what is left, so the most valuable rows (first) always run.
+# (name, function, GPU budget s, dry budget s), most valuable first. GPU budgets from the H100 run of 2026-11-27
+# (/work/.device/1/results.json; GRPO from the second call, where it ran first in its process): a row's `seconds`
+# less its `plan_seconds` (planning now runs in plan_worker.py's processes, beside the rows), plus leantune's warm
+# rerun, estimated as TRL's run in that row (both warm: setup + 4 steps), then ~1.3-1.6x for margin:
+#   liger_chunked_full 7.8 -> 12 | padded_vs_padding_free 0.5 -> 10 (the guard's floor: a row gets >= 10 s)
+#   sft padded 43.7-28.8 = 14.9 + 4 = 18.9 -> 28 | packed_padding_free 42.1-27.5 = 14.6 + 5 = 19.6 -> 28
+#   sft liger 44.0-33.6 = 10.4 + 2 = 12.4 -> 20 | offload_streams 40.7-34.4 = 6.3 + 2 = 8.3 -> 15
+#   8B QLoRA 86.1-46.1 = 40.0 (24.0 of it saving and loading the 4-bit model) + 4 = 44.0 -> 58
+#   8B LoRA 46.9-36.5 = 10.4 + 4 = 14.4 -> 22 | DPO 47.6-38.0 = 9.6 (15.3 run first in call 2) + 3 = 18.3 -> 26
+#   KTO 36.4-25.0 (its plan was cut at 25 s) = 11.4 + 5 = 16.4 -> 24 | GRPO 59.0-10.0 = 49.0, no rerun -> 50
+# Sum of those 11 budgets: 293 s. Outside the rows (imports, CUDA init, versions, tokenizer) the kit took 24 s
+# (419.9 s elapsed, 395.8 s in rows). So even if every row uses its whole budget, longest context starts by
+# 24 + 293 = 317 s and gets >= 420 - 317 = 103 s; at the measured times (175 s + 33 s of reruns + 24 s) it starts
+# near 232 s and gets its full 185 s, the guard's end (420 s) inside run.sh's `timeout 450`.
 ROWS = [
-    ("correctness_liger_chunked_full_fp32", R.liger_chunked_full, 30, 90),
-    ("correctness_padded_vs_padding_free_fp32", R.padded_vs_padding_free, 30, 60),
-    ("sft_qwen2.5-1.5b_padded", R.sft("qwen2.5-1.5b", "padded"), 60, 90),
-    ("sft_qwen2.5-1.5b_packed_padding_free", R.sft("qwen2.5-1.5b", "packed_padding_free"), 60, 60),
-    ("sft_qwen2.5-1.5b_liger", R.sft("qwen2.5-1.5b", "liger"), 60, 60),
-    ("sft_qwen2.5-1.5b_offload_streams", R.sft("qwen2.5-1.5b", "offload_streams"), 60, 60),
-    ("sft_llama-3.1-8b_qlora", R.sft("llama-3.1-8b", "padded", peft=True, quantized=True), 120, 60),
-    ("sft_llama-3.1-8b_lora", R.sft("llama-3.1-8b", "padded", peft=True), 70, 60),
-    ("dpo_qwen2.5-1.5b", R.dpo, 50, 60),
-    ("kto_qwen2.5-1.5b", R.kto, 50, 60),
-    ("grpo_qwen2.5-1.5b", R.grpo, 60, 60),
-    ("longest_context_llama-3.1-8b_qlora", R.longest_context, 120, 90),
+    ("correctness_liger_chunked_full_fp32", R.liger_chunked_full, 12, 90),
+    ("correctness_padded_vs_padding_free_fp32", R.padded_vs_padding_free, 10, 60),
+    ("sft_qwen2.5-1.5b_padded", R.sft("qwen2.5-1.5b", "padded"), 28, 90),
+    ("sft_qwen2.5-1.5b_packed_padding_free", R.sft("qwen2.5-1.5b", "packed_padding_free"), 28, 60),
+    ("sft_qwen2.5-1.5b_liger", R.sft("qwen2.5-1.5b", "liger"), 20, 60),
+    ("sft_qwen2.5-1.5b_offload_streams", R.sft("qwen2.5-1.5b", "offload_streams"), 15, 60),
+    ("sft_llama-3.1-8b_qlora", R.sft("llama-3.1-8b", "padded", peft=True, quantized=True), 58, 60),
+    ("sft_llama-3.1-8b_lora", R.sft("llama-3.1-8b", "padded", peft=True), 22, 60),
+    ("dpo_qwen2.5-1.5b", R.dpo, 26, 60),
+    ("kto_qwen2.5-1.5b", R.kto, 24, 60),
+    ("grpo_qwen2.5-1.5b", R.grpo, 50, 60),
+    (R.LONGEST_CONTEXT_ROW, R.longest_context, 185, 90),
 ]
+# Planner processes: on the GPU machine (16 cores) the plans are ~405 s of CPU work in all (2 seeds of ~45 s, 9 rows
+# of 28-46 s), more than the kit's 420 s with one process: two finish them by ~220 s. On CPU (--dry, CI's 2 cores)
+# one: three tiny plans.
+PLANNER_PROCESSES, PLANNER_PROCESSES_DRY = 2, 1
 ROW_NAMES = [name for name, *_ in ROWS]
 
 
@@ -72,6 +91,55 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
+def import_then_freeze() -> None:
+    """The rows' libraries imported once, then gc.freeze(): the objects of every import leave the collector's scans,
+    so each row's free_memory() collection looks at what the rows made only (on the dev VM a collection over them
+    all took ~0.35 s, about 90% of a tiny --dry row's CPU time)."""
+    import importlib
+
+    for name in ("leantune", "trl", "peft"):
+        try:
+            importlib.import_module(name)
+        except ImportError:  # a row that needs it reports its own error
+            pass
+    gc.collect()
+    gc.freeze()
+
+
+def run_row(ctx: R.Context, row: dict, dry: bool) -> None:
+    """One row, inside its time budget and its own try/except: its status, error, seconds."""
+    settings = ctx.settings
+    _, function, gpu_budget, dry_budget = next(r for r in ROWS if r[0] == row["name"])
+    budget = min(dry_budget if dry else gpu_budget, settings.remaining())
+    if budget < 10:
+        row["note"] = f"time guard: {settings.remaining():.0f} s of {settings.total_s:.0f} s left"
+        log(settings, f"{row['name']}: not run ({row['note']})")
+        return
+    log(settings, f"{row['name']}: start (budget {budget:.0f} s)")
+    row.pop("note", None)
+    started, cpu_started = time.monotonic(), time.process_time()
+    row["_budget_left"] = lambda: budget - (time.monotonic() - started)
+    try:
+        with time_limit(budget):
+            function(ctx, row)
+        row["status"] = "ok"
+    except Exception as error:  # noqa: BLE001 - a failing row records its error; the kit goes on
+        if isinstance(error, RowTimeout) or "RowTimeout" in repr(error):  # Triton's interpreter wraps it
+            row.update(status="timeout", error=f"ran past its {budget:.0f} s budget")
+        elif isinstance(error, AssertionError):
+            row.update(status="mismatch", **error_record(error))
+        else:
+            row.update(status="error", **error_record(error))
+    finally:
+        row.pop("_budget_left", None)
+        row["seconds"] = round(time.monotonic() - started, 1)
+        row["cpu_seconds"] = round(time.process_time() - cpu_started, 1)
+        free_memory()
+    log(settings, f"{row['name']}: {row['status']} in {row['seconds']} s"
+                  + (f" - {row.get('summary')}" if row.get("summary") else "")
+                  + (f" - {row['error']}" if row.get("error") else ""))
+
+
 def main(argv=None) -> int:
     opts = parse_args(argv)
     if opts.list_rows:
@@ -83,55 +151,43 @@ def main(argv=None) -> int:
     if not opts.dry and not torch.cuda.is_available():
         log(settings, "no CUDA device: run with --dry on CPU")
         return 2
-    header = {"dry": opts.dry, "versions": versions(), "machine": f"{platform.node()} {os.cpu_count()} CPUs",
-              "total_s": settings.total_s}
-    log(settings, "versions: " + ", ".join(f"{k} {v}" for k, v in header["versions"].items()))
-    from bench.common import quiet
-
-    quiet()
     wanted = opts.rows.split(",") if opts.rows else ROW_NAMES
     unknown = set(wanted) - set(ROW_NAMES)
     if unknown:
         print(f"error: --rows: unknown {sorted(unknown)}; choose from {ROW_NAMES}", file=sys.stderr)
         return 2
+    header = {"dry": opts.dry, "versions": versions(), "machine": f"{platform.node()} {os.cpu_count()} CPUs",
+              "total_s": settings.total_s}
+    log(settings, "versions: " + ", ".join(f"{k} {v}" for k, v in header["versions"].items()))
     # --rows keeps its order and repeats: a row named twice measures what the first run's warm-up cost.
     results = [{"name": name, "status": "not_run", "note": "not started yet"}
                for name in (wanted if opts.rows else ROW_NAMES)]
     write_results(settings, header, results)
     import tempfile
 
-    ctx = R.Context(settings, tokenizer(), Path(tempfile.mkdtemp(prefix="leantune-gpukit-")))
-    for row in results:
-        _, function, gpu_budget, dry_budget = next(r for r in ROWS if r[0] == row["name"])
-        budget = min(dry_budget if opts.dry else gpu_budget, settings.remaining())
-        if budget < 10:
-            row["note"] = f"time guard: {settings.remaining():.0f} s of {settings.total_s:.0f} s left"
-            log(settings, f"{row['name']}: not run ({row['note']})")
-            continue
-        log(settings, f"{row['name']}: start (budget {budget:.0f} s)")
-        row.pop("note", None)
-        started, cpu_started = time.monotonic(), time.process_time()
-        row["_budget_left"] = lambda started=started, budget=budget: budget - (time.monotonic() - started)
-        try:
-            with time_limit(budget):
-                function(ctx, row)
-            row["status"] = "ok"
-        except Exception as error:  # noqa: BLE001 - a failing row records its error; the kit goes on
-            if isinstance(error, RowTimeout) or "RowTimeout" in repr(error):  # Triton's interpreter wraps it
-                row.update(status="timeout", error=f"ran past its {budget:.0f} s budget")
-            elif isinstance(error, AssertionError):
-                row.update(status="mismatch", **error_record(error))
-            else:
-                row.update(status="error", **error_record(error))
-        finally:
-            row.pop("_budget_left", None)
-            row["seconds"] = round(time.monotonic() - started, 1)
-            row["cpu_seconds"] = round(time.process_time() - cpu_started, 1)
-            free_memory()
-        log(settings, f"{row['name']}: {row['status']} in {row['seconds']} s"
-                      + (f" - {row.get('summary')}" if row.get("summary") else "")
-                      + (f" - {row['error']}" if row.get("error") else ""))
-        write_results(settings, header, results)
+    # The planner first, and the longest-context seeds ahead of every row's plan: its processes import torch and
+    # leantune while this one imports the rest.
+    planner = PlanWorkers(settings, PLANNER_PROCESSES_DRY if opts.dry else PLANNER_PROCESSES).start()
+    ctx = R.Context(settings, None, Path(tempfile.mkdtemp(prefix="leantune-gpukit-")), planner)
+    try:
+        if R.LONGEST_CONTEXT_ROW in wanted:
+            R.submit_longest_context_seeds(ctx)
+        from bench.common import quiet
+
+        quiet()
+        import_then_freeze()
+        ctx.tok = tokenizer()
+        for row in results:
+            run_row(ctx, row, opts.dry)
+            planner.merge()
+            write_results(settings, header, results)
+        pending = planner.pending()
+        if pending and settings.remaining() > 0:
+            log(settings, f"waiting up to {settings.remaining():.0f} s for {len(pending)} plan(s)")
+            planner.wait(pending, settings.remaining())
+    finally:
+        planner.stop()  # what has not arrived: plan_error "not finished in the kit's time"; the workers killed
+        gc.unfreeze()  # the exit's own collection as before (frozen objects left to it make nanobind report leaks)
     write_results(settings, header, results)
     counts = {s: sum(r["status"] == s for r in results) for s in ("ok", "mismatch", "error", "timeout", "not_run")}
     log(settings, f"done: {counts}; results in {settings.out}/results.json and results.md")

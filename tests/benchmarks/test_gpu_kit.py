@@ -82,8 +82,16 @@ def test_dry_run_trains_every_row_and_losses_agree(tmp_path):
             lt, trl = libraries["leantune"]["losses"], libraries["trl"]["losses"]
             assert row["losses_match"] and row["loss_rtol"] == 1e-4, name
             assert all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(lt, trl)), (name, lt, trl)
-    assert rows["sft_qwen2.5-1.5b_padded"]["libraries"]["leantune"]["plan_peak_gib"] > 0
-    search = rows["longest_context_llama-3.1-8b_qlora"]["libraries"]
+    planned = rows["sft_qwen2.5-1.5b_padded"]["libraries"]["leantune"]
+    assert planned["plan_peak_gib"] > 0 and planned["plan_seconds"] > 0  # from the planner's own process
+    # leantune's warm rerun (on the GPU every compared row; dry in this one): the same seed gives the same losses
+    # (CPU fp32 is deterministic here: measured 0.0; the kit's fp32 tolerance 1e-4 is what it checks).
+    rerun = planned["warm_rerun"]
+    assert rerun["loss_max_rel_diff"] <= 1e-4 and len(rerun["losses"]) == 2, rerun
+    assert planned["tokens_per_s"] == rerun["tokens_per_s"] > 0 and planned["tokens_per_s_cold"] > 0
+    longest = rows["longest_context_llama-3.1-8b_qlora"]
+    assert "planner_points" in longest or "seeded without the planner" in longest["note"], longest
+    search = longest["libraries"]
     assert all(search[lib]["probes"] and search[lib]["longest_fitting_max_length"] > 0 for lib in ("leantune", "trl"))
     assert (tmp_path / "results.md").read_text().count("| ok |") >= len(row_names)
 
@@ -104,3 +112,17 @@ def test_carried_size_check_refuses_a_tree_over_the_limit(tmp_path):
     (tmp_path / "big.bin").write_bytes(b"\0" * (61 * 1024 * 1024))
     result = carry_size("--wheels", str(tmp_path / "no-wheels"), "--repo", str(tmp_path))
     assert result["tree_bytes"] == 61 * 1024 * 1024 and not result["ok"]
+
+
+def test_a_plan_unfinished_when_the_kit_stops_is_reported_and_its_worker_killed(tmp_path):
+    """The kit's end with a plan still running (plan_worker.PlanWorkers.stop): the row says so, and the planner's
+    process is gone. Stopped at once: the worker is still importing torch, far from finishing a plan."""
+    from bench.gpu.harness import Settings
+    from bench.gpu.plan_worker import NOT_FINISHED, PlanJob, PlanWorkers
+
+    planner = PlanWorkers(Settings(dry=True, out=tmp_path, total_s=1.0)).start()
+    row = {"name": "sft_qwen2.5-1.5b_padded", "libraries": {"leantune": {"max_allocated_gib": 1.0}}}
+    planner.submit(PlanJob("qwen2.5-1.5b", [{"text": "abc"}], "sft", {}), row)
+    planner.stop()
+    assert row["libraries"]["leantune"]["plan_error"] == NOT_FINISHED
+    assert planner.workers and not any(worker.is_alive() for worker in planner.workers)
