@@ -20,7 +20,7 @@ import math
 import torch
 
 from ..models.output_head import OutputHead
-from .token_logprobs import Targets, chunk_tokens_for, vocab_size_of
+from .token_logprobs import HeadGradients, Targets, chunk_tokens_for, vocab_size_of
 
 
 def generalized_jsd(student_logps: torch.Tensor, teacher_logps: torch.Tensor, beta: float) -> torch.Tensor:
@@ -123,29 +123,31 @@ class _ChunkedJSDSum(torch.autograd.Function):
         want_hidden = wants_grad and student.requires_grad
         wanted = [p for p in params if wants_grad and p.requires_grad]
         grad_hidden = torch.zeros_like(student) if want_hidden else None
-        param_grads = [None] * len(wanted)
+        device_type = student.device.type
+        head_grads = HeadGradients(student_head, wanted, torch.get_autocast_dtype(device_type)
+                                   if torch.is_autocast_enabled(device_type) else student.dtype)
         total = torch.zeros((), dtype=torch.float32, device=student.device)
         for start in range(0, student.shape[0], chunk_size):
             end = start + chunk_size
             piece = student[start:end].detach().requires_grad_(want_hidden)
-            inputs = ([piece] if want_hidden else []) + wanted
+            inputs = ([piece] if want_hidden else []) + head_grads.by_autograd
             with torch.enable_grad() if inputs else torch.no_grad():
                 raw = student_head.project(piece)
             logits = student_head.transform(raw.detach())
             loss, grad = jsd_and_logit_gradient(torch.log_softmax(logits, -1),
                                                 _teacher_logps(teacher_head, teacher[start:end]), beta)
             total += loss.sum()
-            if inputs:
-                grad = _logit_gradient_to_raw(student_head, logits, grad)
+            if inputs or head_grads.weight is not None:
+                grad = _logit_gradient_to_raw(student_head, logits, grad).to(raw.dtype)
                 del logits
-                grads = torch.autograd.grad(raw, inputs, grad.to(raw.dtype))
+                head_grads.add_weight(grad, piece)
+                grads = torch.autograd.grad(raw, inputs, grad) if inputs else ()
                 if want_hidden:
                     grad_hidden[start:end] = grads[0]
                     grads = grads[1:]
-                param_grads = [g if acc is None else acc.add_(g) for acc, g in zip(param_grads, grads)]
+                head_grads.add(grads)
             del raw, grad
-        param_grads = [torch.zeros_like(p) if g is None else g for p, g in zip(wanted, param_grads)]  # no targets
-        grads_in = iter(param_grads)
+        grads_in = iter(head_grads.result())
         ctx.grads = [grad_hidden] + [next(grads_in) if wants_grad and p.requires_grad else None for p in params]
         return total
 
@@ -185,13 +187,13 @@ class _ChunkedJSD(torch.autograd.Function):
         want_hidden = ctx.needs_input_grad[0]
         wanted = [p for p, need in zip(ctx.params, ctx.needs_input_grad[6:]) if need]
         grad_hidden = torch.zeros_like(student) if want_hidden else None
-        param_grads = [None] * len(wanted)
         device_type, autocast_on, autocast_dtype = ctx.autocast
+        head_grads = HeadGradients(student_head, wanted, autocast_dtype if autocast_on else student.dtype)
         for start in range(0, student.shape[0], ctx.chunk_size):
             end = start + ctx.chunk_size
             piece = student[start:end].detach().requires_grad_(want_hidden)
-            inputs = ([piece] if want_hidden else []) + wanted
-            if not inputs:
+            inputs = ([piece] if want_hidden else []) + head_grads.by_autograd
+            if not inputs and head_grads.weight is None:
                 break
             with torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_on):
                 teacher_logps = _teacher_logps(teacher_head, teacher[start:end])
@@ -200,14 +202,16 @@ class _ChunkedJSD(torch.autograd.Function):
             with torch.enable_grad():  # the loss itself in fp32, outside autocast, as in forward
                 divergence = generalized_jsd(torch.log_softmax(student_head.transform(raw), -1), teacher_logps,
                                              ctx.beta)
-            grads = torch.autograd.grad(divergence, inputs, grad_out[start:end])
-            del raw, divergence, teacher_logps
+            # d/d(raw) first, then the weight in place and the rest through the projection's own backward
+            (grad_raw,) = torch.autograd.grad(divergence, [raw], grad_out[start:end])
+            del divergence, teacher_logps
+            head_grads.add_weight(grad_raw, piece)
+            grads = torch.autograd.grad(raw, inputs, grad_raw) if inputs else ()
+            del raw, grad_raw
             if want_hidden:
                 grad_hidden[start:end] = grads[0]
                 grads = grads[1:]
-            param_grads = [g if acc is None else acc.add_(g) for acc, g in zip(param_grads, grads)]
-        # No targets here: a zero gradient, not none, for DDP, which waits for the head (capture_hidden_states)
-        param_grads = [torch.zeros_like(p) if g is None else g for p, g in zip(wanted, param_grads)]
-        grads_in = iter(param_grads)
+            head_grads.add(grads)
+        grads_in = iter(head_grads.result())
         per_param = [next(grads_in) if need else None for need in ctx.needs_input_grad[6:]]
         return (grad_hidden, None, None, None, None, None, *per_param)

@@ -253,6 +253,33 @@ def _projection_gradient(raw: torch.Tensor, tokens: torch.Tensor, grad_logps: to
     return grad.to(raw.dtype)
 
 
+class HeadGradients:
+    """A chunked loss's gradients of the head's trainable parameters, summed over chunks. A plain linear head's weight
+    (OutputHead.plain_weight) takes each chunk's `grad(raw)^T @ hidden` in place, into one buffer; every other
+    parameter (a bias, an adapter, a quantized or hooked head) gets autograd's fresh gradient per chunk, added."""
+
+    def __init__(self, head, wanted: list, compute_dtype):
+        weight = head.plain_weight(compute_dtype) if wanted else None
+        self.weight = weight if weight is not None and any(p is weight for p in wanted) else None
+        self.wanted = wanted
+        self.by_autograd = [p for p in wanted if p is not self.weight]  # the `inputs` of autograd.grad
+        self._sums = [None] * len(self.by_autograd)
+        self._weight_sum = torch.zeros_like(self.weight) if self.weight is not None else None
+
+    def add_weight(self, grad_raw: torch.Tensor, hidden: torch.Tensor) -> None:
+        if self.weight is not None:
+            self._weight_sum.addmm_(grad_raw.t(), hidden.detach().to(self.weight.dtype))
+
+    def add(self, grads) -> None:
+        self._sums = [g if acc is None else acc.add_(g) for acc, g in zip(self._sums, grads)]
+
+    def result(self) -> list:
+        """One gradient per wanted parameter; where no chunk ran, a zero gradient, not none, for an engine that waits
+        for every parameter it saw in the forward (DDP, `capture_hidden_states(head_follows=True)`)."""
+        rest = iter(torch.zeros_like(p) if g is None else g for p, g in zip(self.by_autograd, self._sums))
+        return [self._weight_sum if p is self.weight else next(rest) for p in self.wanted]
+
+
 class _ChunkedHeadLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, tokens, head, chunk_size, with_entropy, entropy_grad, stats, *params):
@@ -288,34 +315,25 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
             grad_entropy = None
         grad_hidden = torch.zeros_like(hidden) if want_hidden else None
         device_type, autocast_on, autocast_dtype = ctx.autocast
-        # a plain linear head's weight gradient is added in place (OutputHead.plain_weight); autograd gives the rest
-        weight = ctx.head.plain_weight(autocast_dtype if autocast_on else hidden.dtype) if wanted else None
-        in_place = weight is not None and any(p is weight for p in wanted)
-        by_autograd = [p for p in wanted if not (in_place and p is weight)]
-        param_grads = [None] * len(by_autograd)
-        weight_grad = torch.zeros_like(weight) if in_place else None
+        head_grads = HeadGradients(ctx.head, wanted, autocast_dtype if autocast_on else hidden.dtype)
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             end = start + ctx.chunk_size
             piece = hidden[start:end].detach().requires_grad_(want_hidden)
-            inputs = ([piece] if want_hidden else []) + by_autograd
-            if not inputs and not in_place:
+            inputs = ([piece] if want_hidden else []) + head_grads.by_autograd
+            if not inputs and head_grads.weight is None:
                 break
             with torch.enable_grad(), torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_on):
                 raw = ctx.head.project(piece)
             grad_raw = _projection_gradient(raw.detach(), tokens[start:end], grad_logps[start:end], ctx.head,
                                             None if grad_entropy is None else grad_entropy[start:end])
-            if in_place:
-                weight_grad.addmm_(grad_raw.t(), piece.detach().to(weight.dtype))
+            head_grads.add_weight(grad_raw, piece)
             grads = torch.autograd.grad(raw, inputs, grad_raw) if inputs else ()
             del raw, grad_raw
             if want_hidden:
                 grad_hidden[start:end] = grads[0]
                 grads = grads[1:]
-            param_grads = [g if acc is None else acc.add_(g) for acc, g in zip(param_grads, grads)]
-        # No targets here (no chunk ran): a zero gradient, not none, for an engine that waits for every parameter
-        # it saw in the forward (DDP, `capture_hidden_states(head_follows=True)`).
-        by_autograd = iter(torch.zeros_like(p) if g is None else g for p, g in zip(by_autograd, param_grads))
-        param_grads = [weight_grad if in_place and p is weight else next(by_autograd) for p in wanted]
+            head_grads.add(grads)
+        param_grads = head_grads.result()
         grads_in = iter(param_grads)
         per_param = [next(grads_in) if need else None for need in ctx.needs_input_grad[7:]]
         return (grad_hidden, None, None, None, None, None, None, *per_param)
