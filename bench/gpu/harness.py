@@ -376,12 +376,19 @@ def loss_tolerance(settings: Settings) -> float:
     return 1e-4 if settings.dry else 4 * torch.finfo(torch.bfloat16).eps
 
 
-def compare_losses(settings: Settings, leantune_losses: list[float], trl_losses: list[float]) -> dict:
+def compare_losses(settings: Settings, leantune_losses: list[float], trl_losses: list[float],
+                   noise: float | None = None) -> dict:
+    """Per-step agreement within loss_tolerance, or within twice `noise` where that is larger: the largest relative
+    difference between leantune's two runs of the row (same seed), the run-to-run noise of CUDA's non-deterministic
+    kernels (atomics in attention's and the embedding's backward). Each library's run is one draw of that noise, so
+    their difference is within twice it. Measured on the H100 (2026-11-27): TRL's own DPO losses moved by 3.4% at
+    step 3 between two runs in one process, over the 3.1% of 4 bf16 eps."""
+    rtol = max(loss_tolerance(settings), 2 * noise) if noise is not None else loss_tolerance(settings)
     if not leantune_losses or len(leantune_losses) != len(trl_losses):
-        return {"losses_match": False, "loss_max_rel_diff": None, "loss_rtol": loss_tolerance(settings)}
+        return {"losses_match": False, "loss_max_rel_diff": None, "loss_rtol": rtol}
     worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(leantune_losses, trl_losses))
-    rtol = loss_tolerance(settings)
-    return {"losses_match": bool(worst <= rtol), "loss_max_rel_diff": worst, "loss_rtol": rtol}
+    return {"losses_match": bool(worst <= rtol), "loss_max_rel_diff": worst, "loss_rtol": rtol,
+            **({"loss_noise_rel": noise} if noise is not None else {})}
 
 
 def error_record(error: BaseException) -> dict:
