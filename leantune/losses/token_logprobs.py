@@ -113,25 +113,13 @@ def chunk_tokens_for(vocab_size: int, budget_bytes: int = CHUNK_BYTES) -> int:
     return max(16, budget_bytes // (4 * max(1, vocab_size)))
 
 
-def chunked_logprobs(
-    hidden: torch.Tensor,
-    head: OutputHead,
-    targets: Targets,
-    chunk_size: int | None = None,
-    with_entropy: bool = False,
-    entropy_grad: bool = False,
-    stats: tuple[str, ...] = (),
-):
-    """Log-probabilities (and entropies: without gradient, or with it for an entropy bonus; and the `stats` named in
-    TOKEN_STATS, without gradient) of the targets from the last hidden states, never holding more than one chunk's
-    logits.
-
-    `hidden` is [batch, time, hidden] (or already flat); returns fp32 [num_targets], then [num_targets] entropies
-    with `with_entropy`, then one [num_targets] tensor per name in `stats`.
-    """
+def chunked_logprobs(hidden: torch.Tensor, head: OutputHead, targets: Targets, chunk_size: int | None = None,
+                     with_entropy: bool = False, entropy_grad: bool = False, stats: tuple[str, ...] = ()):
+    """fp32 [num_targets] log-probs of the targets from the last hidden states ([batch, time, hidden] or flat), one
+    chunk's logits at a time; then, with `with_entropy`, their entropies (with gradient for an entropy bonus:
+    `entropy_grad`), then one [num_targets] tensor per name in `stats` (TOKEN_STATS, without gradient)."""
     flat = hidden.reshape(-1, hidden.shape[-1]).index_select(0, targets.index)
-    if chunk_size is None:
-        chunk_size = chunk_tokens_for(vocab_size_of(head))
+    chunk_size = chunk_size or chunk_tokens_for(vocab_size_of(head))
     unknown = set(stats) - set(TOKEN_STATS)
     if unknown:
         raise ValueError(f"Unknown token statistics {sorted(unknown)}; known: {sorted(TOKEN_STATS)}.")
@@ -254,30 +242,34 @@ def _projection_gradient(raw: torch.Tensor, tokens: torch.Tensor, grad_logps: to
 
 
 class HeadGradients:
-    """A chunked loss's gradients of the head's trainable parameters, summed over chunks. A plain linear head's weight
-    (OutputHead.plain_weight) takes each chunk's `grad(raw)^T @ hidden` in place, into one buffer; every other
-    parameter (a bias, an adapter, a quantized or hooked head) gets autograd's fresh gradient per chunk, added."""
+    """A chunked loss's gradients of the head's trainable parameters, summed over chunks. The weight of a plain
+    nn.Linear head (no hooks or replaced forward, whole here, in the compute dtype) takes each chunk's
+    `grad(raw)^T @ hidden` in place, into one buffer (addmm_): autograd would return a fresh weight-sized gradient
+    every chunk, a second copy of the head at the peak (0.43 GiB for Qwen2.5-1.5B's tied head in bf16). Any other
+    parameter (a bias, an adapter, a quantized or hooked head) gets autograd's gradient per chunk, added. `result()`:
+    one gradient per wanted parameter, a zero one (not None) where no chunk ran, for an engine that waits for every
+    parameter it saw in the forward (DDP, `capture_hidden_states(head_follows=True)`)."""
 
     def __init__(self, head, wanted: list, compute_dtype):
-        weight = head.plain_weight(compute_dtype) if wanted else None
-        self.weight = weight if weight is not None and any(p is weight for p in wanted) else None
-        self.wanted = wanted
-        self.by_autograd = [p for p in wanted if p is not self.weight]  # the `inputs` of autograd.grad
-        self._sums = [None] * len(self.by_autograd)
-        self._weight_sum = torch.zeros_like(self.weight) if self.weight is not None else None
+        module = head.module
+        plain = (type(module) is torch.nn.Linear and "forward" not in module.__dict__ and not module._forward_hooks
+                 and not module._forward_pre_hooks and module.weight.dtype == compute_dtype
+                 and any(p is module.weight for p in wanted) and not head.weights_sharded())
+        self.weight = module.weight if plain else None
+        self.wanted, self.by_autograd = wanted, [p for p in wanted if p is not self.weight]  # autograd.grad's inputs
+        self.sums = [None] * len(self.by_autograd)
+        self.weight_sum = torch.zeros_like(self.weight) if plain else None
 
     def add_weight(self, grad_raw: torch.Tensor, hidden: torch.Tensor) -> None:
         if self.weight is not None:
-            self._weight_sum.addmm_(grad_raw.t(), hidden.detach().to(self.weight.dtype))
+            self.weight_sum.addmm_(grad_raw.t(), hidden.detach().to(self.weight.dtype))
 
     def add(self, grads) -> None:
-        self._sums = [g if acc is None else acc.add_(g) for acc, g in zip(self._sums, grads)]
+        self.sums = [g if acc is None else acc.add_(g) for acc, g in zip(self.sums, grads)]
 
     def result(self) -> list:
-        """One gradient per wanted parameter; where no chunk ran, a zero gradient, not none, for an engine that waits
-        for every parameter it saw in the forward (DDP, `capture_hidden_states(head_follows=True)`)."""
-        rest = iter(torch.zeros_like(p) if g is None else g for p, g in zip(self.by_autograd, self._sums))
-        return [self._weight_sum if p is self.weight else next(rest) for p in self.wanted]
+        rest = iter(torch.zeros_like(p) if g is None else g for p, g in zip(self.by_autograd, self.sums))
+        return [self.weight_sum if p is self.weight else next(rest) for p in self.wanted]
 
 
 class _ChunkedHeadLogProbs(torch.autograd.Function):
@@ -320,8 +312,6 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
             end = start + ctx.chunk_size
             piece = hidden[start:end].detach().requires_grad_(want_hidden)
             inputs = ([piece] if want_hidden else []) + head_grads.by_autograd
-            if not inputs and head_grads.weight is None:
-                break
             with torch.enable_grad(), torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_on):
                 raw = ctx.head.project(piece)
             grad_raw = _projection_gradient(raw.detach(), tokens[start:end], grad_logps[start:end], ctx.head,
@@ -333,7 +323,6 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
                 grad_hidden[start:end] = grads[0]
                 grads = grads[1:]
             head_grads.add(grads)
-        param_grads = head_grads.result()
-        grads_in = iter(param_grads)
+        grads_in = iter(head_grads.result())
         per_param = [next(grads_in) if need else None for need in ctx.needs_input_grad[7:]]
         return (grad_hidden, None, None, None, None, None, None, *per_param)

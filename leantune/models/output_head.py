@@ -67,18 +67,6 @@ class OutputHead:
             return own(hidden)
         return type(self.module).forward(self.module, hidden)
 
-    def plain_weight(self, compute_dtype) -> torch.nn.Parameter | None:
-        """The trainable weight of a head that is a plain nn.Linear run as it is (no hooks or replaced forward, whole
-        here) in its own dtype: its gradient is then `grad(raw)^T @ hidden`, which a chunked backward can add into
-        one buffer in place (addmm_) instead of taking a fresh weight-sized gradient from autograd every chunk (a
-        second copy of the head at the peak: 0.43 GiB for Qwen2.5-1.5B's tied head in bf16). None otherwise."""
-        module = self.module
-        if (type(module) is not torch.nn.Linear or module.__dict__.get("forward") is not None
-                or module._forward_hooks or module._forward_pre_hooks or self.weights_sharded()):
-            return None
-        weight = module.weight
-        return weight if weight.requires_grad and weight.dtype == compute_dtype else None
-
     def weights_sharded(self) -> bool:
         """Whether the head's weights are not all materialised here now (a ZeRO-3 partition, an FSDP2 shard)."""
         for parameter in self.module.parameters():
