@@ -16,8 +16,8 @@ import torch
 from .fake_step import WeightlessMode, fake_model_from_config
 
 
-def fake_frozen_sources(trainer_class, fields: dict, trainer_kwargs: dict, mode: WeightlessMode, tokenizer,
-                        default_dtype) -> tuple[dict, dict]:
+def fake_frozen_sources(trainer_class, fields: dict, trainer_kwargs: dict, mode: WeightlessMode,
+                        tokenizer) -> tuple[dict, dict]:
     """(config fields, trainer keyword arguments) with every frozen model given by name or config replaced by a fake
     model object; the fields that named them are consumed (the trainer gets the object instead). Which frozen models
     a method takes is its entry's `frozen_models` (leantune/methods.py)."""

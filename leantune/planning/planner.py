@@ -452,7 +452,7 @@ def _trace(config, trainer_class, config_class, train_dataset, fields, trainer_k
 
             fake = quantize_fake_model(fake, quantization, mode)
         fields, trainer_kwargs = fake_frozen_sources(trainer_class, fields, trainer_kwargs, mode,
-                                                     trainer_kwargs.get("processing_class"), dtype)
+                                                     trainer_kwargs.get("processing_class"))
         run_args = config_class(**{"output_dir": "/tmp/leantune-plan", "use_cpu": True, **fields,
                                    **PLANNING_FIELDS})
         accumulation = run_args.gradient_accumulation_steps
