@@ -463,6 +463,8 @@ def probe(ctx: Context, model, library: str, length: int, base_fields: dict, cap
         with time_limit(max(5.0, deadline - time.monotonic()), ProbeTimeout):
             trainer.train()
         peak = meter.stop()["max_allocated_gib"] * GIB
+        if not settings.dry:  # the two libraries' memory at the same length, not only whether it fit
+            search.setdefault("max_allocated_gib", {})[str(length)] = round(peak / GIB, 2)
         if settings.dry:
             fits = peak - meter.before <= capacity
     except RowTimeout:

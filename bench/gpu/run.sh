@@ -10,15 +10,23 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATAS
 export OUT="${OUT:-$repo/gpu-results}"
 mkdir -p "$OUT"
 py="${PYTHON:-python3}"
-dry=0
-for arg in "$@"; do [ "$arg" = "--dry" ] && dry=1; done
+dry=0 script="$here/kit.py"
+args=()
+for arg in "$@"; do
+  case "$arg" in
+    --dry) dry=1; args+=("$arg") ;;
+    --diagnose) script="$here/diagnose.py" ;;  # the follow-up measurements (diagnose.py's docstring), not the kit
+    *) args+=("$arg") ;;
+  esac
+done
+set -- "${args[@]}"
 echo "[$(date -u +%H:%M:%S)] leantune GPU kit: $repo (dry=$dry), results in $OUT"
 "$py" "$here/carry_size.py" || echo "warning: the carried-size check failed (see above)"
 if [ "$dry" = 1 ]; then
   # Liger's Triton kernels run on CPU tensors under Triton's interpreter (set before triton is first imported).
   export TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES="" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
   export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
-  exec timeout -k 10 "${GPUKIT_DRY_TIMEOUT_S:-330}" "$py" "$here/kit.py" "$@"
+  exec timeout -k 10 "${GPUKIT_DRY_TIMEOUT_S:-330}" "$py" "$script" "$@"
 fi
 if compgen -G "$here/wheels/*.whl" >/dev/null; then
   echo "[$(date -u +%H:%M:%S)] installing $(ls "$here"/wheels/*.whl | wc -l) carried wheels into /tmp/gpukit-site"
@@ -31,7 +39,7 @@ else
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
 # The kit's own guard stops starting rows at 420 s; this outer limit cuts a stuck kernel before the 8-minute mark.
-timeout -k 10 450 "$py" "$here/kit.py" "$@"
+timeout -k 10 450 "$py" "$script" "$@"
 rc=$?
 echo "[$(date -u +%H:%M:%S)] kit exit code $rc"
 exit $rc
