@@ -207,6 +207,8 @@ def load_4bit(settings: Settings, folder: Path):
     device_map = {"": "cpu"} if settings.dry else {"": torch.cuda.current_device()}
     model = AutoModelForCausalLM.from_pretrained(str(folder), quantization_config=quant, dtype=settings.dtype,
                                                  device_map=device_map, attn_implementation="sdpa")
+    # Each library trains this one model in turn: rows.unload_adapter puts back what a run cast in place.
+    model._kit_load_dtypes = {name: p.dtype for name, p in model.named_parameters()}
     return model
 
 

@@ -208,12 +208,17 @@ def rerun_skipped(ctx: Context, row: dict, trl: dict) -> str | None:
 
 
 def unload_adapter(trainer) -> None:
-    """Take the trainer's LoRA adapter out of the (shared 4-bit) base model, in place."""
+    """Take the trainer's LoRA adapter out of the shared 4-bit base model, in place, and put back the dtypes the
+    base was loaded with: a library may cast weights in place (leantune's QLoRA preparation cast the embeddings, head
+    and norms to fp32 until 2026-11-28, so TRL's runs after it measured that fp32 model)."""
     wrapped = trainer.model
     while not hasattr(wrapped, "unload") and hasattr(wrapped, "module"):
         wrapped = wrapped.module
-    if hasattr(wrapped, "unload"):
-        wrapped.unload()
+    base = wrapped.unload() if hasattr(wrapped, "unload") else wrapped
+    dtypes = getattr(base, "_kit_load_dtypes", {})
+    for name, param in base.named_parameters():
+        if name in dtypes and param.dtype != dtypes[name]:
+            param.data = param.data.to(dtypes[name])  # frozen base weights: bf16 -> fp32 -> bf16 is exact
 
 
 # --- correctness on the device, fp32, tiny model ------------------------------------------------------------------

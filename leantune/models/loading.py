@@ -205,15 +205,13 @@ def apply_peft(model, peft_config, args):
                              "model that already has one (a PeftModel).")
         return model
     require("peft", "peft_config")
-    from peft import get_peft_model, prepare_model_for_kbit_training
+    from peft import get_peft_model
 
-    if is_quantized(model):
-        model = prepare_model_for_kbit_training(
-            model,
-            use_gradient_checkpointing=args.gradient_checkpointing,
-            gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs,
-        )
-    elif args.gradient_checkpointing:
+    # A quantized base is prepared as any other: no `prepare_model_for_kbit_training`, whose cast of every
+    # unquantized weight (embeddings, head, norms) to fp32 makes the residual stream fp32 and doubles every
+    # checkpointed layer input (32 GiB of Llama-3.1-8B's 66 at 65,536 tokens on an H100, docs/benchmarks.md). TRL
+    # 1.16 does not cast either. get_peft_model freezes the base; the Trainer turns gradient checkpointing on.
+    if args.gradient_checkpointing:
         # Checkpointed blocks need an input that requires grad when the embeddings are frozen.
         model.enable_input_require_grads()
     model = get_peft_model(model, peft_config)

@@ -203,6 +203,29 @@ def test_a_4bit_model_that_already_has_its_adapter_trains_without_peft_config(mo
 
 
 @needs_bnb
+def test_a_bf16_4bit_model_keeps_its_unquantized_weights_and_residual_stream_in_bf16(model_dir, gsm8k_rows,
+                                                                                      tmp_path):
+    """PEFT's prepare_model_for_kbit_training (which leantune called until 2026-11-28; TRL 1.16 does not) casts the
+    embeddings, head and norms to fp32, so the residual stream and every checkpointed layer input are fp32: twice
+    the bf16 bytes (32 of the 66 GiB of Llama-3.1-8B QLoRA at 65,536 tokens on an H100, docs/benchmarks.md)."""
+    from leantune import SFTConfig, SFTTrainer
+
+    trainer = SFTTrainer(model=str(model_dir), train_dataset=gsm8k_prompt_completion(gsm8k_rows, 2),
+                         peft_config=lora(), args=SFTConfig(**settings(
+                             tmp_path, max_steps=1, bf16=True, per_device_train_batch_size=2, max_length=64,
+                             model_init_kwargs={
+                                 "quantization_config": QUANT[4], "dtype": "bfloat16"})))
+    base = trainer.model.get_base_model()
+    layer_outputs = []
+    base.model.layers[0].register_forward_hook(lambda module, args, out: layer_outputs.append(
+        (out[0] if isinstance(out, tuple) else out).dtype))
+    assert {p.dtype for n, p in base.named_parameters() if "lora_" not in n and p.dtype.is_floating_point} == {
+        torch.bfloat16}  # embeddings, head, norms (the 4-bit weights are uint8)
+    assert math.isfinite(trainer.train().metrics["train_loss"])
+    assert layer_outputs and set(layer_outputs) == {torch.bfloat16}
+
+
+@needs_bnb
 @pytest.mark.parametrize("bits", [4, 8])
 def test_dpo_lora_gradients_equal_the_dequantised_fp32_model(bits, model_dir, hh_pairs, tmp_path):
     """DPO runs the reference (adapter disabled) without gradient: the eval-mode no-grad pattern, inside training."""

@@ -132,8 +132,8 @@ def test_a_4bit_70b_plans_from_config_only(tmp_path, tokenizer, gsm8k_rows):
         n, blocks = out_features * in_features, out_features * in_features // 64
         quantized += n // 2 + blocks + 4 * math.ceil(blocks / 256) + 4 + 256 * 4 + 16 * 4
     lora = sum(4 * (out_features + in_features) for out_features, in_features in per_layer)
-    # PEFT's prepare_model_for_kbit_training keeps the unquantized weights (embeddings, head, norms) in fp32
-    unquantized = 4 * (2 * vocab * hidden + (2 * layers + 1) * hidden)
+    # the unquantized weights (embeddings, head, norms) stay in the loaded dtype, bf16 (no fp32 cast: loading.py)
+    unquantized = 2 * (2 * vocab * hidden + (2 * layers + 1) * hidden)
     expected = layers * (quantized + 4 * lora) + unquantized
     assert plan.worst.parts["parameters"] == expected  # ~0.53 byte a quantized parameter: 41.5 GiB
     assert abs(plan.num_parameters - plan.trainable_parameters - 70.55e9) < 0.01e9
