@@ -67,6 +67,9 @@ CASES["grpo"] = dict(ONLINE, config_class=leantune.GRPOConfig, beta=0.04, steps_
 CASES["grpo_padding_free"] = dict(ONLINE, config_class=leantune.GRPOConfig, beta=0.04, loss_type="grpo",
                                   padding_free=True)
 # RLOO and Online DPO read whole-completion sums (made whole over the group, as DPO's), padding-free
+# bnpo divides by the micro-batch's own token count (the whole batch's under context parallelism); lr 3 moves the
+# policy enough for step 2 (off-policy) to log clip ratios and a KL well above the logged 6 decimals
+CASES["grpo_bnpo"] = dict(CASES["grpo"], loss_type="bnpo", learning_rate=3.0)
 CASES["rloo_padding_free"] = dict(ONLINE, config_class=leantune.RLOOConfig, beta=0.04, padding_free=True)
 CASES["online_dpo_padding_free"] = dict(ONLINE, config_class=leantune.OnlineDPOConfig, max_completion_length=None,
                                         max_new_tokens=16, padding_free=True)
@@ -82,6 +85,7 @@ CASES["dpo_padding_free_unsummed"] = CASES["dpo_padding_free"]
 CASES["grpo_padding_free_unsummed"] = CASES["grpo_padding_free"]
 CASES["reward_padding_free_unsummed"] = CASES["reward_padding_free"]
 CASES["grpo_padding_free_masks_dropped"] = CASES["grpo_padding_free"]
+CASES["grpo_bnpo_metrics_per_process"] = CASES["grpo_bnpo"]
 
 
 def length_reward(completions, **kwargs):
@@ -123,6 +127,9 @@ def refusals() -> dict[str, str]:
             model_dir, reward_funcs=length_reward, train_dataset=prompts,
             args=config("r7", **dict(CASES["grpo"], importance_sampling_level="sequence")))),
         "pad_to_multiple_of": error(lambda: config("r5", pad_to_multiple_of=6)),
+        "online_evaluate": error(lambda: leantune.GRPOTrainer(
+            model_dir, reward_funcs=length_reward, train_dataset=prompts,
+            args=config("r9", **CASES["grpo"])).evaluate(prompts.select(range(2)))),
         "pad_to_multiple_of_default": str(config("r6").pad_to_multiple_of),
     }
 
@@ -143,6 +150,10 @@ for case in cases:
         from leantune.trainers.context_parallel import ContextParallelism
 
         ContextParallelism.total = lambda self, partial: partial
+    if case.endswith("_per_process"):  # negative control: each process's metrics logged as they are, not made whole
+        from leantune.trainers.context_parallel import ContextParallelism
+
+        ContextParallelism.whole_means = lambda self, metrics, count: metrics
     if case.endswith("_masks_dropped"):  # negative control: generation under the ring's hooks (prompt masks dropped)
         import contextlib
 
@@ -170,6 +181,7 @@ for case in cases:
     parallelism = state.parallelism_config
     record = {
         "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
+        "logs": [e for e in trainer.state.log_history if "loss" in e],  # every logged metric of each step
         "world": state.num_processes,
         "engine": str(state.distributed_type).split(".")[-1],
         "cp_size": parallelism.cp_size if parallelism is not None else 1,
