@@ -2,13 +2,14 @@
 examples/accelerate/fsdp2_context_parallel.yaml (2 CPU processes, cp_size=2): two SGD steps of SFT, DPO, KTO, GRPO,
 RLOO, Online DPO, reward or GKD per named case, through the public API. Per case it saves the trained weights
 (FSDP2's full-state gather) to <out>/<case>/ and writes what every process saw to <out>/<case>/rank<k>.json. The
-case `refusals` builds trainers that context parallelism cannot run exactly and records each error. The cases
-`*_unsummed` and `*_masks_dropped` are the negative controls (measured once, not run by the test; the last case of
-a launch, as they patch leantune):
+case `refusals` builds trainers that context parallelism cannot run exactly (and calls a GRPO trainer's evaluate())
+and records each error. The cases `*_unsummed`, `*_masks_dropped` and `*_metrics_per_process` are the negative
+controls (measured once, not run by the test; the last case of a launch, as they patch leantune):
 padding-free DPO with each process's partial per-sequence sums taken as whole, padding-free GRPO (loss_type="grpo")
 with each process's partial token counts taken as each completion's length, padding-free reward with the rewards
 this process holds taken as all (0 for those on the other process); `grpo_padding_free_masks_dropped` generates with
-accelerate's ring hooks on (the left-padded prompts' masks dropped).
+accelerate's ring hooks on (the left-padded prompts' masks dropped); `grpo_bnpo_metrics_per_process` logs each
+process's metrics over its own targets, not made whole over the group. Each run records its logged metrics per step.
 
 usage: cp_run.py OUT ASSETS_DIR CASE [CASE ...]  (ASSETS_DIR holds model/, teacher/, sft.jsonl and pairs.jsonl)"""
 
@@ -66,10 +67,12 @@ ONLINE = dict(num_generations=2, max_completion_length=16, temperature=1.0, max_
 CASES["grpo"] = dict(ONLINE, config_class=leantune.GRPOConfig, beta=0.04, steps_per_generation=2)
 CASES["grpo_padding_free"] = dict(ONLINE, config_class=leantune.GRPOConfig, beta=0.04, loss_type="grpo",
                                   padding_free=True)
-# RLOO and Online DPO read whole-completion sums (made whole over the group, as DPO's), padding-free
-# bnpo divides by the micro-batch's own token count (the whole batch's under context parallelism); lr 3 moves the
+# bnpo divides by the micro-batch's own token count (the whole batch's under context parallelism); lr 1 moves the
 # policy enough for step 2 (off-policy) to log clip ratios and a KL well above the logged 6 decimals
-CASES["grpo_bnpo"] = dict(CASES["grpo"], loss_type="bnpo", learning_rate=3.0)
+CASES["grpo_bnpo"] = dict(CASES["grpo"], loss_type="bnpo", learning_rate=1.0)
+for loss_type in ("sapo", "cispo", "luspo", "dr_grpo"):  # GRPO's other loss types, measured once (not run by the test)
+    CASES[f"grpo_{loss_type}"] = dict(CASES["grpo_bnpo"], loss_type=loss_type)
+# RLOO and Online DPO read whole-completion sums (made whole over the group, as DPO's), padding-free
 CASES["rloo_padding_free"] = dict(ONLINE, config_class=leantune.RLOOConfig, beta=0.04, padding_free=True)
 CASES["online_dpo_padding_free"] = dict(ONLINE, config_class=leantune.OnlineDPOConfig, max_completion_length=None,
                                         max_new_tokens=16, padding_free=True)
