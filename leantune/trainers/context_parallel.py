@@ -436,8 +436,8 @@ class ContextParallelism:
         of the group. Each metric is either a mean over this process's `count` targets (entropy, KL, clip ratios:
         its part of every sequence, whose mean is not the whole's when the parts' counts differ) or a value the group
         holds alike (computed from sums already made whole: RLOO's, Online DPO's). For both, the group's summed
-        mean x count over its summed count is the whole value (float64: a shared value comes back to the bit). A
-        process without targets (NaN means) adds nothing."""
+        mean x count over its summed count is the whole value (in float64: a shared value comes back to its fp32
+        bits). A process without targets (NaN means) adds nothing."""
         if not metrics:
             return metrics
         names = list(metrics)
