@@ -431,6 +431,22 @@ class ContextParallelism:
         torch.distributed.all_reduce(whole, group=group)
         return whole
 
+    def whole_means(self, metrics: dict[str, torch.Tensor], count: int) -> dict[str, torch.Tensor]:
+        """A micro-batch's logged metrics as one process holding the whole sequences computes them, on every process
+        of the group. Each metric is either a mean over this process's `count` targets (entropy, KL, clip ratios:
+        its part of every sequence, whose mean is not the whole's when the parts' counts differ) or a value the group
+        holds alike (computed from sums already made whole: RLOO's, Online DPO's). For both, the group's summed
+        mean x count over its summed count is the whole value (in float64: a shared value comes back to its fp32
+        bits). A process without targets (NaN means) adds nothing."""
+        if not metrics:
+            return metrics
+        names = list(metrics)
+        means = torch.stack([metrics[name].detach().reshape(()).double() for name in names]).to(self.accelerator.device)
+        held = torch.tensor(float(count), dtype=torch.float64, device=means.device)
+        sums = torch.cat([means * held if count else torch.zeros_like(means), held.reshape(1)])
+        torch.distributed.all_reduce(sums, group=self.accelerator.torch_device_mesh["cp"].get_group())
+        return dict(zip(names, sums[:-1] / sums[-1]))
+
     def _lay_out_rows(self, inputs: dict, labels: torch.Tensor, width: int, pad: int) -> torch.Tensor:
         """Right-padded rows as they are (padded further to `width`); returns the labels at that width."""
         cp = self.size

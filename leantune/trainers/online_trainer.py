@@ -43,6 +43,9 @@ __all__ = ["OnlineTrainer", "RoundLoader", "RoundSampler", "StreamRounds"]
 # The round's inputs of the loss given per target of a micro-batch (its flat target order)
 PER_TARGET_INPUTS = ("old_logps", "ref_logps", "sampling_logps")
 PLACED_TARGETS = "placed_targets"  # under context parallelism: this process's targets' sequences (`sequence_sums`)
+# Why an online method's evaluation cannot run under context parallelism
+EVALUATION_OUTSIDE_THE_RING = ("its rounds are scored outside the ring (every process would score whole sequences, "
+                               "and the loss would be read as one process's part)")
 
 
 def sequence_sums(values: torch.Tensor, sequence: torch.Tensor, count: int, batch: dict) -> torch.Tensor:
@@ -216,10 +219,7 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         logps, entropy = scores.logps, scores.entropy
         if entropy is None:
             entropy = torch.full_like(logps.detach(), float("nan"))  # NaN: left out of the logged mean
-        if split:
-            sequence = self.own_part_of_batch(batch, scores.targets)
-        else:
-            sequence = batch_target_sequences(batch, scores.targets)
+        sequence = (self.own_part_of_batch if split else batch_target_sequences)(batch, scores.targets)
         batch["token_entropy"] = entropy.detach()  # per target (GRPO's top_entropy_quantile reads it)
         loss_sum, metrics = self.policy_loss(logps, sequence, batch)
         metrics["entropy"] = entropy.detach().mean()  # NaN when nothing is scored (left out of the logged mean)
@@ -232,6 +232,8 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
                 loss, entropy if mask is None else entropy[mask], steps, model.training, self.accelerator.sync_gradients,
                 lambda totals: self.accelerator.reduce(totals.to(self.accelerator.device), reduction="sum").cpu())
             metrics.update(bonus_metrics)
+        if split:  # each process's means over its part of the sequences -> the whole sequences' (one process's)
+            metrics = self.context_parallel.whole_means(metrics, len(logps))
         self.run_metrics.record(model, **{name: value.reshape(1) for name, value in metrics.items()})
         return (loss, {}) if return_outputs else loss
 
@@ -265,7 +267,7 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
             return "`shared_prompt=True` (its rows are not split per document)"
         strategy = str(getattr(args.eval_strategy, "value", args.eval_strategy))
         if strategy != "no":
-            return f"evaluation (`eval_strategy={strategy!r}`: its rounds are scored outside the ring)"
+            return f"evaluation (`eval_strategy={strategy!r}`: {EVALUATION_OUTSIDE_THE_RING})"
         return None
 
     def liger_notes(self, args) -> list[tuple[int, str]]:
@@ -283,6 +285,12 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
     # --- evaluation and the run's summary ----------------------------------------------------------------------------
 
     def evaluate_prepared(self, dataset, ignore_keys, metric_key_prefix: str) -> dict:
+        """Under context parallelism a direct `evaluate()` is refused, as `eval_strategy` is when the trainer is
+        built: the same evaluation rounds would run, outside the ring."""
+        if self.context_parallel.size > 1:
+            raise ValueError(f"Context parallelism (`cp_size={self.context_parallel.size}`) cannot run "
+                             f"{type(self).__name__}.evaluate(): {EVALUATION_OUTSIDE_THE_RING}. Evaluate the saved "
+                             f"model in a run with `cp_size` 1.")
         return evaluate_rounds(self, dataset, metric_key_prefix)
 
     def train(self, *args, **kwargs):

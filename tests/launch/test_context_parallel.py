@@ -3,10 +3,10 @@ FSDP2), launched for real as 2 CPU processes by `accelerate launch --config_file
 examples/accelerate/fsdp2_context_parallel.yaml`, against one process on the same data: SFT's padded rows, packing,
 padding-free, packing + padding-free; DPO's and KTO's padded and padding-free batches (HH-RLHF pairs, a frozen
 reference copy; KTO's mismatched completions for its KL reference point are a second layout of the batch, split
-alike); GRPO padded (one round of two micro-batches: step 2 off-policy, old log-probs) and padding-free (a round per
-step, loss_type="grpo"), RLOO and Online DPO padding-free, all with a frozen reference (GSM8K prompts); a reward
-model padding-free (HH-RLHF pairs; padded, cp_run.py's `reward`, measured once); GKD off-policy, padding-free, with a
-frozen teacher (another tiny model).
+alike); GRPO padded (one round of two micro-batches: step 2 off-policy, old log-probs; loss_type "dapo", and "bnpo" at
+lr 1) and padding-free (a round per step, loss_type="grpo"), RLOO and Online DPO padding-free, all with a frozen
+reference (GSM8K prompts); a reward model padding-free (HH-RLHF pairs; padded, cp_run.py's `reward`, measured
+once); GKD off-policy, padding-free, with a frozen teacher (another tiny model).
 
 Under cp_size=2 both processes take the same batch and each holds half of every sequence (torch's ring attention
 passes keys and values between them); the CPU-only part (the ring for the CPU SDPA kernel) is a helper in
@@ -44,6 +44,12 @@ Tolerances (SGD with momentum 0.9, no clipping, 2 steps, lr 1e-2; tests/scripts/
   data-parallel group over 1, measured once (4 CPU processes, dp_shard 2 x cp 2, cp_run.py's
   grpo_padding_free and rloo_padding_free against a 2-process FSDP2 launch, whose rounds use the same per-process
   seeds and slices): weights within 2.1e-5 (GRPO) and 5.7e-6 (RLOO) of their update, 3% and 5% of the bound.
+  GRPO's bnpo (`grpo_bnpo`: divided by the micro-batch's own token count, the whole batch's under the ring), at lr 1 so
+  that step 2 logs clip ratios and a KL: losses within 9.3e-8 absolute, weights within 4.7% of the bound. The other
+  loss types, measured once as `grpo_bnpo` with each (cp_run.py's grpo_sapo, grpo_cispo, grpo_luspo, grpo_dr_grpo):
+  losses within 1.9e-7 absolute, weights within 4.5% to 5.8% of the bound, logged metrics as below.
+- Logged metrics of the online methods (`assert_same_metrics`): each process's means over its own targets (entropy,
+  KL, clip ratios) are made whole over the group, sum and count, so the group logs one process's values.
 - Reward: each sequence's reward is read at its last token, on whichever process that token lands; the position
   travels through the split and the rewards are made whole over the group (one process holds each, the other adds
   0). Measured, padded (once) and padding-free: losses identical to the last bit, weights within 5.0e-5 of their
@@ -58,6 +64,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -75,11 +82,17 @@ SCRIPT = SCRIPTS / "cp_run.py"
 HELPERS = CPU_ENGINES
 CONFIG = REPO / "examples" / "accelerate" / "fsdp2_context_parallel.yaml"
 CASES = ["sft", "sft_packed", "sft_padding_free", "sft_packed_padding_free", "dpo", "dpo_padding_free", "kto",
-         "kto_padding_free", "grpo", "grpo_padding_free", "rloo_padding_free", "online_dpo_padding_free",
+         "kto_padding_free", "grpo", "grpo_padding_free", "grpo_bnpo", "rloo_padding_free", "online_dpo_padding_free",
          "reward_padding_free", "gkd_padding_free"]
 # GRPO's and RLOO's losses are sums of terms of magnitude |advantage| ~ 1 (advantages normalised by their group's
 # std) that cancel to ~1e-7 (a group's advantages sum to 0): their values are compared to 1e-5 of those terms, absolute
-CANCELLING = {"grpo", "grpo_padding_free", "rloo_padding_free"}
+CANCELLING = {"grpo", "grpo_padding_free", "grpo_bnpo", "rloo_padding_free"}
+# The online methods' logged metrics are compared with one process's (see `assert_same_metrics`)
+ONLINE = {"grpo", "grpo_padding_free", "grpo_bnpo", "rloo_padding_free", "online_dpo_padding_free"}
+# Logged values that are not the method's: compared elsewhere (loss), the schedule, timings, memory, the gradient's norm
+# (the weights carry it) and the padding fraction (context parallelism pads every document to a multiple of 2 x cp)
+NOT_METRICS = {"loss", "learning_rate", "epoch", "step", "grad_norm", "real_tokens_per_second", "peak_memory_mb",
+               "padding_fraction"}
 
 
 # --- the layout, in one process -------------------------------------------------------------------------------
@@ -303,6 +316,43 @@ def ranks(out: Path, case: str) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted((out / case).glob("rank*.json"))]
 
 
+# A completion's summed log-probs: up to 16 tokens (max_completion_length), each near -log(32000) (the tiny model is
+# near uniform over the 32k vocabulary)
+COMPLETION_LOGPS = 16 * math.log(32000)
+
+
+def terms_magnitude(case: str, name: str, value: float) -> float:
+    """The magnitude of the terms a logged metric is formed from: GRPO's k3 KL is exp(d) - d - 1 (terms ~1, cancelling
+    to ~1e-2 or less); RLOO's KL and Online DPO's rewards, log-probs and KL are (differences of) whole completions'
+    log-prob sums; any other metric is a mean of values of its own magnitude."""
+    if case.startswith("grpo") and name == "kl":
+        return 1.0
+    if case.startswith(("rloo", "online_dpo")) and (name == "kl" or name.startswith(("objective/", "rewards/",
+                                                                                      "logps/"))):
+        return max(abs(value), COMPLETION_LOGPS)
+    return abs(value)
+
+
+def assert_same_metrics(case: str, got: list[dict], expected: list[dict]) -> None:
+    """Every logged metric of each step (entropy, KL, clip ratios, rewards, lengths, Online DPO's log-ratios) equals
+    one process's, to 1e-6 (metrics are logged rounded to 6 decimals: one step of rounding) plus 2 fp32 ulps of the
+    terms it is formed from (2^-22 x `terms_magnitude`: the per-token values differ by about an ulp between one
+    process and the ring, as the losses do). Each process of a group computes its means over its own targets; they
+    are made whole over the group (sum and count) before they are logged, so a group logs what one process logs.
+    Negative control, measured once (cp_run.py's `grpo_bnpo_metrics_per_process`, launched after `grpo_bnpo`: each
+    process's means logged as they are, the group's average of them): step 2's clip ratios off by 20% (low and region
+    0.0375 against 0.046875, where a token of the 64 is 0.016), the KL by 9.5% (0.005257 against 0.005808, 550 times
+    its tolerance), the entropy by 8e-6 (tolerance 3.5e-6); made whole, the clip ratios and KL are equal and the
+    entropy within 1e-6."""
+    assert len(got) == len(expected) == 2
+    for step, (cp_log, one_log) in enumerate(zip(got, expected), 1):
+        names = set(one_log) - NOT_METRICS
+        assert names == set(cp_log) - NOT_METRICS, step
+        for name in names:
+            tolerance = 1e-6 + 2.0 ** -22 * terms_magnitude(case, name, one_log[name])
+            assert abs(cp_log[name] - one_log[name]) <= tolerance, (step, name, cp_log[name], one_log[name])
+
+
 def weights(out: Path, case: str) -> dict:
     from safetensors.torch import load_file
 
@@ -327,6 +377,8 @@ def test_sft_under_context_parallelism_matches_one_process(assets):
         else:
             assert_same_losses(first["losses"], ranks(one, case)[0]["losses"])
         assert_same_weights(weights(split, case), weights(one, case), initial)
+        if case in ONLINE:
+            assert_same_metrics(case, first["logs"], ranks(one, case)[0]["logs"])
     # packing changes the batches (several documents per row), so its losses are not the padded ones: the packed
     # comparison is of documents kept apart, not of a layout that happens to hold one document per row
     assert ranks(one, "sft_packed")[0]["losses"] != ranks(one, "sft")[0]["losses"]
@@ -341,3 +393,5 @@ def test_sft_under_context_parallelism_matches_one_process(assets):
     assert "`cp_size=2`" in refused["grpo_sequence_level"]
     assert "importance_sampling_level='sequence'" in refused["grpo_sequence_level"]
     assert refused["pad_to_multiple_of_default"] == "4"
+    # a direct evaluate() runs the evaluation rounds that `eval_strategy` would, outside the ring: refused alike
+    assert "`cp_size=2`" in refused["online_evaluate"] and "GRPOTrainer.evaluate()" in refused["online_evaluate"]

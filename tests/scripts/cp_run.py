@@ -2,13 +2,14 @@
 examples/accelerate/fsdp2_context_parallel.yaml (2 CPU processes, cp_size=2): two SGD steps of SFT, DPO, KTO, GRPO,
 RLOO, Online DPO, reward or GKD per named case, through the public API. Per case it saves the trained weights
 (FSDP2's full-state gather) to <out>/<case>/ and writes what every process saw to <out>/<case>/rank<k>.json. The
-case `refusals` builds trainers that context parallelism cannot run exactly and records each error. The cases
-`*_unsummed` and `*_masks_dropped` are the negative controls (measured once, not run by the test; the last case of
-a launch, as they patch leantune):
+case `refusals` builds trainers that context parallelism cannot run exactly (and calls a GRPO trainer's evaluate())
+and records each error. The cases `*_unsummed`, `*_masks_dropped` and `*_metrics_per_process` are the negative
+controls (measured once, not run by the test; the last case of a launch, as they patch leantune):
 padding-free DPO with each process's partial per-sequence sums taken as whole, padding-free GRPO (loss_type="grpo")
 with each process's partial token counts taken as each completion's length, padding-free reward with the rewards
 this process holds taken as all (0 for those on the other process); `grpo_padding_free_masks_dropped` generates with
-accelerate's ring hooks on (the left-padded prompts' masks dropped).
+accelerate's ring hooks on (the left-padded prompts' masks dropped); `grpo_bnpo_metrics_per_process` logs each
+process's metrics over its own targets, not made whole over the group. Each run records its logged metrics per step.
 
 usage: cp_run.py OUT ASSETS_DIR CASE [CASE ...]  (ASSETS_DIR holds model/, teacher/, sft.jsonl and pairs.jsonl)"""
 
@@ -66,6 +67,11 @@ ONLINE = dict(num_generations=2, max_completion_length=16, temperature=1.0, max_
 CASES["grpo"] = dict(ONLINE, config_class=leantune.GRPOConfig, beta=0.04, steps_per_generation=2)
 CASES["grpo_padding_free"] = dict(ONLINE, config_class=leantune.GRPOConfig, beta=0.04, loss_type="grpo",
                                   padding_free=True)
+# bnpo divides by the micro-batch's own token count (the whole batch's under context parallelism); lr 1 moves the
+# policy enough for step 2 (off-policy) to log clip ratios and a KL well above the logged 6 decimals
+CASES["grpo_bnpo"] = dict(CASES["grpo"], loss_type="bnpo", learning_rate=1.0)
+for loss_type in ("sapo", "cispo", "luspo", "dr_grpo"):  # GRPO's other loss types, measured once (not run by the test)
+    CASES[f"grpo_{loss_type}"] = dict(CASES["grpo_bnpo"], loss_type=loss_type)
 # RLOO and Online DPO read whole-completion sums (made whole over the group, as DPO's), padding-free
 CASES["rloo_padding_free"] = dict(ONLINE, config_class=leantune.RLOOConfig, beta=0.04, padding_free=True)
 CASES["online_dpo_padding_free"] = dict(ONLINE, config_class=leantune.OnlineDPOConfig, max_completion_length=None,
@@ -82,6 +88,7 @@ CASES["dpo_padding_free_unsummed"] = CASES["dpo_padding_free"]
 CASES["grpo_padding_free_unsummed"] = CASES["grpo_padding_free"]
 CASES["reward_padding_free_unsummed"] = CASES["reward_padding_free"]
 CASES["grpo_padding_free_masks_dropped"] = CASES["grpo_padding_free"]
+CASES["grpo_bnpo_metrics_per_process"] = CASES["grpo_bnpo"]
 
 
 def length_reward(completions, **kwargs):
@@ -123,6 +130,9 @@ def refusals() -> dict[str, str]:
             model_dir, reward_funcs=length_reward, train_dataset=prompts,
             args=config("r7", **dict(CASES["grpo"], importance_sampling_level="sequence")))),
         "pad_to_multiple_of": error(lambda: config("r5", pad_to_multiple_of=6)),
+        "online_evaluate": error(lambda: leantune.GRPOTrainer(
+            model_dir, reward_funcs=length_reward, train_dataset=prompts,
+            args=config("r9", **CASES["grpo"])).evaluate(prompts.select(range(2)))),
         "pad_to_multiple_of_default": str(config("r6").pad_to_multiple_of),
     }
 
@@ -143,6 +153,10 @@ for case in cases:
         from leantune.trainers.context_parallel import ContextParallelism
 
         ContextParallelism.total = lambda self, partial: partial
+    if case.endswith("_per_process"):  # negative control: each process's metrics logged as they are, not made whole
+        from leantune.trainers.context_parallel import ContextParallelism
+
+        ContextParallelism.whole_means = lambda self, metrics, count: metrics
     if case.endswith("_masks_dropped"):  # negative control: generation under the ring's hooks (prompt masks dropped)
         import contextlib
 
@@ -170,6 +184,7 @@ for case in cases:
     parallelism = state.parallelism_config
     record = {
         "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
+        "logs": [e for e in trainer.state.log_history if "loss" in e],  # every logged metric of each step
         "world": state.num_processes,
         "engine": str(state.distributed_type).split(".")[-1],
         "cp_size": parallelism.cp_size if parallelism is not None else 1,
