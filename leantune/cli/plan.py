@@ -37,8 +37,9 @@ class PlanArguments:
     lengths: str | None = field(
         default=None, metadata={"help": "leantune profile's JSON: plan rows of its lengths instead of --dataset_name."})
     solve: str | None = field(
-        default=None, metadata={"help": "max_completion_length (online methods, with --memory_budget): the largest "
-                                "that fits the budget, the prompt groups and global batch kept."})
+        default=None, metadata={"help": "max_completion_length or max_completions_per_generate (online methods, "
+                                "with --memory_budget): the largest that fits the budget, the prompt groups and "
+                                "global batch kept."})
 
 
 class _EachLineOnce(logging.Filter):
@@ -122,7 +123,7 @@ def _run(argv: list[str], started: float) -> int:
     if plan_args.lengths and script_args.dataset_name is not None:
         raise UsageError("--lengths and --dataset_name: give one (the profile's row lengths, or the data).")
     if plan_args.solve is not None:
-        _check_solve(plan_args, method)
+        _check_solve(plan_args, method, config)
     from ..planning.devices import parse_budget
     from .runner import load_splits
 
@@ -176,7 +177,11 @@ def _run(argv: list[str], started: float) -> int:
     print("\n".join(plan.lines(timing=False)))
     if assumed:
         print(f"note: {assumed}")
-    if plan_args.solve is not None:
+    if plan_args.solve == "max_completions_per_generate":
+        from ..planning.generation_batch import solve_generation_batch
+
+        print("\n".join(solve_generation_batch(plan, budget, config.num_generations).lines()))
+    elif plan_args.solve is not None:
         _quiet_progress_bars()
         print("\n".join(_solved_completion_length(plan, budget, config, fields, planned,
                                                    model_args.model_name_or_path).lines()))
@@ -204,10 +209,10 @@ def _run(argv: list[str], started: float) -> int:
     return 0
 
 
-SOLVABLE = ("max_completion_length",)
+SOLVABLE = ("max_completion_length", "max_completions_per_generate")
 
 
-def _check_solve(plan_args, method) -> None:
+def _check_solve(plan_args, method, config) -> None:
     if plan_args.solve not in SOLVABLE:
         raise UsageError(f"--solve {plan_args.solve}: not solvable; choose one of {', '.join(SOLVABLE)}.")
     if not method.online:
@@ -215,6 +220,9 @@ def _check_solve(plan_args, method) -> None:
                          f"which generate completions.")
     if plan_args.memory_budget is None:
         raise UsageError(f"--solve {plan_args.solve} needs --memory_budget (the size or GPU to fit).")
+    if plan_args.solve == "max_completions_per_generate" and config.use_vllm:
+        raise UsageError("--solve max_completions_per_generate sizes transformers' generate; vLLM reserves its pool at "
+                         "start (--vllm_gpu_memory_utilization), whatever a call holds.")
 
 
 def _solved_completion_length(plan, budget, config, fields, planned, model):
