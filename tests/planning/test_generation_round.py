@@ -111,14 +111,14 @@ def test_a_round_in_pieces_matches_its_figure_at_the_allocator_and_samples_deter
     from leantune.generation import SamplingSettings
     from leantune.generation.transformers_backend import TransformersBackend
 
-    # 8 KV heads of 64 on a 128-wide model: a piece's cache (3.4 MiB at 48 tokens) dwarfs its other tensors in
+    # 8 KV heads of 64 on a 128-wide model: a piece's cache (2.3 MiB at 32 tokens) dwarfs its other tensors in
     # few decode steps (the profiler's events cost time per op)
     config = LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                          num_attention_heads=8, num_key_value_heads=8, head_dim=64, max_position_embeddings=256,
                          pad_token_id=0, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
-    prompt, completion = 8, 40
+    prompt, completion = 8, 24
     prompts = torch.randint(3, config.vocab_size, (8, prompt)).tolist()
     sampling = SamplingSettings(max_new_tokens=completion, pad_token_id=0, seed=7, logprobs=False,
                                 extra={"min_new_tokens": completion})
@@ -129,8 +129,9 @@ def test_a_round_in_pieces_matches_its_figure_at_the_allocator_and_samples_deter
     planned = generation_round(config, {"batch": 4, "round": 8, "prompt_length": prompt,
                                         "max_completion_length": completion, "use_vllm": False, "sleep_mode": False},
                                torch.float32, 0, 1)
-    # as the whole round's figure: one position of the cache is never run; the first piece's token lists, kept
-    # while the second runs, are Python ints outside the allocator
+    # measured 1.7% below the figure: the cache holds 31 of the 32 positions counted (the last token is never run;
+    # -3.1% of the cache) and a decode step's other tensors add some back; the first piece's token lists, kept while
+    # the second runs, are Python ints outside the allocator
     assert abs(planned.peak_bytes / measured["peak_bytes"] - 1) < 0.03, (planned.peak_bytes, measured["peak_bytes"])
     assert [len(ids) for ids in first] == [completion] * 8
     assert backend.generate(prompts, sampling) == first  # seeded: the same pieces draw the same tokens
