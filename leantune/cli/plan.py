@@ -189,8 +189,9 @@ def _run(argv: list[str], started: float) -> int:
     if budget is not None:
         from ..planning.recommend import micro_batch_group, recommend
 
+        searched = {**fields, **rewards, **_round_pieces(plan, budget, config, plan_args.solve)}
         recommendation = recommend(plan, budget, model_args.model_name_or_path, train, trainer_class,
-                                   peft_config_from(model_args), plan_args, {**fields, **rewards}, tokenizer,
+                                   peft_config_from(model_args), plan_args, searched, tokenizer,
                                    group=micro_batch_group(config))
         print("\n".join(recommendation.lines()))
         suggestion = _max_length_suggestion(recommendation, plan, budget, model_args, plan_args, train, trainer_class,
@@ -238,6 +239,20 @@ def _solved_completion_length(plan, budget, config, fields, planned, model):
     return solve_max_completion_length(
         lambda length: planned({**fields, "max_completion_length": length}).device_total_bytes, budget, limit,
         int(config.max_completion_length), plan.device_total_bytes)
+
+
+def _round_pieces(plan, budget, config, solve) -> dict:
+    """As a run sizing itself does (planning/self_sizing.py): where transformers' generation round is what exceeds
+    the budget, the search plans its candidates with the round generated in the largest pieces that fit."""
+    from ..planning.generation_batch import pieces_for_budget
+
+    pieces = pieces_for_budget(plan, budget, getattr(config, "num_generations", 1))
+    if pieces is None or pieces.size is None:
+        return {}
+    if solve != "max_completions_per_generate":
+        print("\n".join(pieces.lines()))
+    print(f"the candidates below generate the round in pieces: --max_completions_per_generate {pieces.size}")
+    return {"max_completions_per_generate": pieces.size}
 
 
 def _quiet_progress_bars() -> None:

@@ -69,6 +69,15 @@ def solve_generation_batch(plan, budget: int, group: int) -> GenerationBatchSolv
                                 round_total(plan, larger[0]) if larger else None, step_total)
 
 
+def pieces_for_budget(plan, budget: int, group: int) -> GenerationBatchSolve | None:
+    """Where transformers' generation round, as configured, is what exceeds `budget`: the solve for the largest piece
+    (its `size` None when not even one group fits); otherwise None (no round, vLLM's, or one that fits)."""
+    generation = plan.generation
+    if generation is None or generation.backend != "transformers" or round_total(plan, generation.batch) <= budget:
+        return None
+    return solve_generation_batch(plan, budget, group)
+
+
 def _step_total(plan) -> int:
     """The plan's device total without its round: the update steps and the device terms."""
     steps = max(plan.worst.peak_bytes, plan.any_order.peak_bytes if plan.any_order else 0)

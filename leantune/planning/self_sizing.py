@@ -129,13 +129,11 @@ def fit_to_budget(trainer_class, model, args, train_dataset, processing_class=No
 def _round_in_pieces(fit: BudgetFit, planned, group: int):
     """(the plan, None), or where transformers' generation round is what exceeds the budget, (the plan with the
     largest piece of whole prompt groups per `generate` call whose round fits, its GenerationBatchSolve)."""
-    from .generation_batch import round_total, solve_generation_batch
+    from .generation_batch import pieces_for_budget
 
-    generation = planned.generation
-    if generation is None or generation.backend != "transformers" or \
-            round_total(planned, generation.batch) <= fit.budget:
+    solved = pieces_for_budget(planned, fit.budget, group)
+    if solved is None:
         return planned, None
-    solved = solve_generation_batch(planned, fit.budget, group)
     if solved.size is None:
         raise ValueError(f"`memory_budget` {_size(fit.budget)}: the generation round does not fit even one prompt "
                          f"group ({group} completions) per generate call ({_size(solved.next_total)} on the device); "
