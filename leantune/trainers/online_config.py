@@ -229,7 +229,7 @@ def validate_online_config(args: OnlineConfig) -> None:
                          f"`num_generations` ({args.num_generations}).")
     if args.max_completions_per_generate is not None and args.max_completions_per_generate % args.num_generations:
         raise ValueError(f"`max_completions_per_generate` ({args.max_completions_per_generate}) must be a multiple of "
-                         f"`num_generations` ({args.num_generations}): each `generate` call takes whole prompt groups.")
+                         f"`num_generations` ({args.num_generations}): each generate call takes whole prompt groups.")
     # Rounds over all processes (TRL checks the same at construction): every group must be whole.
     round_size, _ = args.generation_plan(args.world_size // requested_cp_size(args))  # a cp group: one share
     if round_size % args.num_generations:
