@@ -37,8 +37,9 @@ class PlanArguments:
     lengths: str | None = field(
         default=None, metadata={"help": "leantune profile's JSON: plan rows of its lengths instead of --dataset_name."})
     solve: str | None = field(
-        default=None, metadata={"help": "max_completion_length (online methods, with --memory_budget): the largest "
-                                "that fits the budget, the prompt groups and global batch kept."})
+        default=None, metadata={"help": "max_completion_length or max_completions_per_generate (online methods, "
+                                "with --memory_budget): the largest that fits the budget, the prompt groups and "
+                                "global batch kept."})
 
 
 class _EachLineOnce(logging.Filter):
@@ -122,7 +123,7 @@ def _run(argv: list[str], started: float) -> int:
     if plan_args.lengths and script_args.dataset_name is not None:
         raise UsageError("--lengths and --dataset_name: give one (the profile's row lengths, or the data).")
     if plan_args.solve is not None:
-        _check_solve(plan_args, method)
+        _check_solve(plan_args, method, config)
     from ..planning.devices import parse_budget
     from .runner import load_splits
 
@@ -176,7 +177,11 @@ def _run(argv: list[str], started: float) -> int:
     print("\n".join(plan.lines(timing=False)))
     if assumed:
         print(f"note: {assumed}")
-    if plan_args.solve is not None:
+    if plan_args.solve == "max_completions_per_generate":
+        from ..planning.generation_batch import solve_generation_batch
+
+        print("\n".join(solve_generation_batch(plan, budget, config.num_generations).lines()))
+    elif plan_args.solve is not None:
         _quiet_progress_bars()
         print("\n".join(_solved_completion_length(plan, budget, config, fields, planned,
                                                    model_args.model_name_or_path).lines()))
@@ -184,8 +189,9 @@ def _run(argv: list[str], started: float) -> int:
     if budget is not None:
         from ..planning.recommend import micro_batch_group, recommend
 
+        searched = {**fields, **rewards, **_round_pieces(plan, budget, config, plan_args.solve)}
         recommendation = recommend(plan, budget, model_args.model_name_or_path, train, trainer_class,
-                                   peft_config_from(model_args), plan_args, {**fields, **rewards}, tokenizer,
+                                   peft_config_from(model_args), plan_args, searched, tokenizer,
                                    group=micro_batch_group(config))
         print("\n".join(recommendation.lines()))
         suggestion = _max_length_suggestion(recommendation, plan, budget, model_args, plan_args, train, trainer_class,
@@ -204,10 +210,10 @@ def _run(argv: list[str], started: float) -> int:
     return 0
 
 
-SOLVABLE = ("max_completion_length",)
+SOLVABLE = ("max_completion_length", "max_completions_per_generate")
 
 
-def _check_solve(plan_args, method) -> None:
+def _check_solve(plan_args, method, config) -> None:
     if plan_args.solve not in SOLVABLE:
         raise UsageError(f"--solve {plan_args.solve}: not solvable; choose one of {', '.join(SOLVABLE)}.")
     if not method.online:
@@ -215,6 +221,9 @@ def _check_solve(plan_args, method) -> None:
                          f"which generate completions.")
     if plan_args.memory_budget is None:
         raise UsageError(f"--solve {plan_args.solve} needs --memory_budget (the size or GPU to fit).")
+    if plan_args.solve == "max_completions_per_generate" and config.use_vllm:
+        raise UsageError("--solve max_completions_per_generate sizes transformers' generate; vLLM reserves its pool at "
+                         "start (--vllm_gpu_memory_utilization), whatever a call holds.")
 
 
 def _solved_completion_length(plan, budget, config, fields, planned, model):
@@ -230,6 +239,20 @@ def _solved_completion_length(plan, budget, config, fields, planned, model):
     return solve_max_completion_length(
         lambda length: planned({**fields, "max_completion_length": length}).device_total_bytes, budget, limit,
         int(config.max_completion_length), plan.device_total_bytes)
+
+
+def _round_pieces(plan, budget, config, solve) -> dict:
+    """As a run sizing itself does (planning/self_sizing.py): where transformers' generation round is what exceeds
+    the budget, the search plans its candidates with the round generated in the largest pieces that fit."""
+    from ..planning.generation_batch import pieces_for_budget
+
+    pieces = pieces_for_budget(plan, budget, getattr(config, "num_generations", 1))
+    if pieces is None or pieces.size is None:
+        return {}
+    if solve != "max_completions_per_generate":
+        print("\n".join(pieces.lines()))
+    print(f"the candidates below generate the round in pieces: --max_completions_per_generate {pieces.size}")
+    return {"max_completions_per_generate": pieces.size}
 
 
 def _quiet_progress_bars() -> None:

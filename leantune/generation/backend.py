@@ -63,7 +63,7 @@ def make_backend(args, model, tokenizer, accelerator) -> GenerationBackend:
     if engine == TRANSFORMERS:
         from .transformers_backend import TransformersBackend
 
-        return TransformersBackend(model, accelerator, gather_for_generation=args.ds3_gather_for_generation)
+        return TransformersBackend(model, accelerator, args.ds3_gather_for_generation, args.max_completions_per_generate)
     if engine == VLLM_COLOCATE:
         from .vllm_colocate import VLLMColocateBackend
 

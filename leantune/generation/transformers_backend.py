@@ -5,8 +5,13 @@ prompts, and goes back to training mode after. Nothing needs syncing: it is the 
 
 Sampling log-probs (`sampling.logprobs`) come from generate's `scores`: the logits after every processor and
 warper (repetition penalty, temperature, top-k/top-p/min-p), i.e. the distribution each token was drawn from, log-
-softmaxed at the drawn token. `scores` holds [new tokens, rows, vocabulary] fp32 until the call ends; rows are
-generated `max_batch_size` at a time to bound it.
+softmaxed at the drawn token. `scores` holds [new tokens, rows, vocabulary] fp32 until the call ends.
+
+Rows are generated `max_batch_size` at a time (the online trainers' `max_completions_per_generate`), which bounds the
+KV cache and `scores` by the piece instead of the round. One seed per call: the pieces draw one after another from
+the stream it starts, so a call is deterministic for its seed and piece size; a piece's rows are not the tokens that
+one unsplit call would draw (each decode step's draws depend on the rows sampled together and on how long the
+slowest row runs), only tokens from the same distribution.
 """
 
 from __future__ import annotations

@@ -96,6 +96,12 @@ class MemoryPlan:
     def device_total_bytes(self) -> int:
         return self.peak_bytes + sum(term.bytes for term in self.terms)
 
+    def with_generation_batch(self, batch: int) -> MemoryPlan:
+        """This plan with its round generated `batch` sequences per call (`max_completions_per_generate`): only the
+        round changes, since the update steps read the round's completions, not how many each call made."""
+        return dataclasses.replace(self, generation=self.generation.with_batch(batch),
+                                   config={**self.config, "max_completions_per_generate": batch})
+
     def to_dict(self) -> dict:
         return {
             "method": self.method, "model": self.model, "num_parameters": self.num_parameters,

@@ -5,8 +5,11 @@ weights). When that plan exceeds the budget, the budget search of `leantune plan
 picks the fastest configuration that fits and learns the same thing, and the run trains with it. Only the fields
 that search varies change (layout, checkpointing, offloading, the loss chunk, micro-batch x accumulation for the same
 global batch, whole prompt groups kept); SFT keeps its own `packing`, since packed rows regroup the examples of each
-step. One log block names each change, old -> new, and the planned peak against the budget. When nothing fits, a
-ValueError names `memory_budget` and the smallest planned peak.
+step. An online method whose generation round is what exceeds the budget first generates it in pieces of whole prompt
+groups (`max_completions_per_generate`, planning/generation_batch.py: the largest whose round fits), the only change
+that keeps what is learned the same in distribution rather than exactly, and said so. One log block names each
+change, old -> new, and the planned peak against the budget. When nothing fits, a ValueError names `memory_budget`
+and the smallest planned peak.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class BudgetFit:
     planned: object  # MemoryPlan of the run as configured
     recommendation: Recommendation | None = None
     changes: dict = field(default_factory=dict)
+    pieces: object = None  # GenerationBatchSolve: the round generated in pieces to fit (None: as configured)
 
     @property
     def chosen(self) -> Candidate | None:
@@ -90,6 +94,9 @@ def fit_to_budget(trainer_class, model, args, train_dataset, processing_class=No
             logger.info("memory_budget %s: the run as configured plans %s, within it; nothing changed.",
                         _size(budget), _peak_words(planned.peak_bytes, planned.device_total_bytes))
             return args, fit
+        planned, fit.pieces = _round_in_pieces(fit, planned, getattr(args, "num_generations", 1))
+        if fit.pieces is not None:
+            fields["max_completions_per_generate"] = fit.pieces.size
         keep, group = _keeps_run(args, on_cuda), micro_batch_group(args)
 
         def known(candidate):  # the run's own configuration is planned already
@@ -97,7 +104,10 @@ def fit_to_budget(trainer_class, model, args, train_dataset, processing_class=No
             return planned if same else None
 
         frugal = _most_frugal(planned.method, source, fields, group, keep)
-        if frugal is not None and known(frugal) is not None:  # the run already saves all it can: nothing fits
+        if planned.device_total_bytes <= budget:  # the round in pieces was all it took
+            run = Candidate(fields, 1.0, planned.peak_bytes, planned.device_total_bytes)
+            fit.recommendation = Recommendation(budget, [run], run)
+        elif frugal is not None and known(frugal) is not None:  # the run already saves all it can: nothing fits
             frugal.peak_bytes, frugal.total_bytes = planned.peak_bytes, planned.device_total_bytes
             fit.recommendation = Recommendation(budget, [frugal])
         else:
@@ -109,8 +119,27 @@ def fit_to_budget(trainer_class, model, args, train_dataset, processing_class=No
     if fit.chosen is None:
         raise ValueError(_nothing_fits(fit))
     sized, fit.changes = changed_config(args, fit.chosen.fields)
+    if fit.pieces is not None:
+        fit.changes["max_completions_per_generate"] = (args.max_completions_per_generate, fit.pieces.size)
+        sized.max_completions_per_generate = fit.pieces.size
     logger.info("\n".join(_change_lines(fit)))
     return sized, fit
+
+
+def _round_in_pieces(fit: BudgetFit, planned, group: int):
+    """(the plan, None), or where transformers' generation round is what exceeds the budget, (the plan with the
+    largest piece of whole prompt groups per `generate` call whose round fits, its GenerationBatchSolve)."""
+    from .generation_batch import pieces_for_budget
+
+    solved = pieces_for_budget(planned, fit.budget, group)
+    if solved is None:
+        return planned, None
+    if solved.size is None:
+        raise ValueError(f"`memory_budget` {_size(fit.budget)}: the generation round does not fit even one prompt "
+                         f"group ({group} completions) per generate call ({_size(solved.next_total)} on the device); "
+                         f"a shorter `max_completion_length` fits sooner (`leantune plan --memory_budget SIZE --solve "
+                         f"max_completion_length` with this run's flags finds the longest).")
+    return planned.with_generation_batch(solved.size), solved
 
 
 def _planned_run(model, args, peft_config):
@@ -233,6 +262,14 @@ def _change_lines(fit: BudgetFit) -> list[str]:
            f"fastest configuration that fits and learns the same thing, planned at "
            f"{_peak_words(chosen.peak_bytes, chosen.total_bytes)} (expected step time x{chosen.relative_time:.2f} "
            f"of the fastest candidate). Changed:"]
+    if fit.pieces is not None:
+        from .generation_batch import SAME_IN_DISTRIBUTION
+
+        pieces = fit.pieces
+        out.insert(1, f"  (its generation round was over the budget: each generate call now takes at most "
+                      f"{pieces.size} of the round's {pieces.round_sequences} completions per process, whole prompt "
+                      f"groups, its round planned at {_size(pieces.fitting_total)} on the device; "
+                      f"{SAME_IN_DISTRIBUTION}; the round, micro-batch and global batch are as configured)")
     out += [f"  {name}: {old} -> {new}" for name, (old, new) in fit.changes.items()]
     out.append("candidates planned, fastest first:")
     out += [candidate.line() for candidate in fit.recommendation.considered]

@@ -75,6 +75,14 @@ class OnlineConfig(MemoryOptions, CausalLMOptions, ReferenceSyncOptions, Trainin
     steps_per_generation: int | None = field(
         default=None, metadata={"help": "Micro-batches trained per generation round (default: gradient_accumulation_steps)."}
     )
+    max_completions_per_generate: int | None = field(
+        default=None,
+        metadata={"help": "leantune's own: at most this many completions per `generate` call on each process (a "
+                  "multiple of num_generations: whole prompt groups); a larger round is generated in pieces, which "
+                  "bounds transformers' KV cache. The round, its groups and the global batch stay as they are; the "
+                  "pieces continue the round's seeded sampling stream, so their completions follow the same "
+                  "distribution but are not token for token those of one call. Default: the round in one call."},
+    )
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (also applied when scoring)."})
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling: keep the smallest set of this probability."})
     top_k: int = field(default=0, metadata={"help": "Keep the k most likely tokens (0: all)."})
@@ -194,7 +202,7 @@ def validate_online_config(args: OnlineConfig) -> None:
     if args.generation_batch_size is not None and args.steps_per_generation is not None:
         raise ValueError("Set `generation_batch_size` or `steps_per_generation`, not both: each determines the other.")
     for name in ("max_prompt_length", "pad_to_multiple_of", "generation_batch_size", "steps_per_generation",
-                 "vllm_max_model_length"):
+                 "vllm_max_model_length", "max_completions_per_generate"):
         positive_or_none(getattr(args, name), name)
     for name in ("num_generations", "num_generations_eval", "max_completion_length", "num_iterations",
                  "vllm_tensor_parallel_size"):
@@ -219,6 +227,9 @@ def validate_online_config(args: OnlineConfig) -> None:
     if args.generation_batch_size is not None and args.generation_batch_size % args.num_generations:
         raise ValueError(f"`generation_batch_size` ({args.generation_batch_size}) must be a multiple of "
                          f"`num_generations` ({args.num_generations}).")
+    if args.max_completions_per_generate is not None and args.max_completions_per_generate % args.num_generations:
+        raise ValueError(f"`max_completions_per_generate` ({args.max_completions_per_generate}) must be a multiple of "
+                         f"`num_generations` ({args.num_generations}): each generate call takes whole prompt groups.")
     # Rounds over all processes (TRL checks the same at construction): every group must be whole.
     round_size, _ = args.generation_plan(args.world_size // requested_cp_size(args))  # a cp group: one share
     if round_size % args.num_generations:
@@ -251,6 +262,10 @@ def validate_vllm_options(args: OnlineConfig) -> None:
             raise ValueError(f"`{name}` has no effect without `use_vllm=True` (completions come from transformers' "
                              f"generate); set `use_vllm=True` or leave `{name}` at its default.")
         return
+    if args.max_completions_per_generate is not None:
+        raise ValueError("`max_completions_per_generate` bounds transformers' generate (its KV cache grows with the "
+                         "sequences of a call); vLLM reserves its pool at start whatever a call holds. Leave it unset "
+                         "with `use_vllm=True`, or lower `vllm_gpu_memory_utilization`.")
     other = "server" if args.vllm_mode == "colocate" else "colocate"
     options = VLLM_SERVER_OPTIONS if args.vllm_mode == "colocate" else VLLM_COLOCATE_OPTIONS
     for name in non_default(args, *options):

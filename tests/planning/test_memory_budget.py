@@ -125,3 +125,60 @@ def test_online_candidates_keep_whole_groups_and_the_same_round():
         f = candidate.fields
         assert f["per_device_train_batch_size"] * f["gradient_accumulation_steps"] == 16  # the same optimizer step
         assert f["per_device_train_batch_size"] * f["steps_per_generation"] == 32  # the same generation round
+
+
+def test_an_online_round_over_its_budget_is_generated_in_pieces_and_trains_as_set_by_hand(caplog):
+    """GRPO whose generation round (16 completions per call) exceeds a budget its update step fits: the run sizes
+    itself by generating the round 4 completions (one prompt group) per call, the largest piece that fits, says so
+    and why, keeps the round and the global batch, and trains exactly as the same piece set by hand (same seed)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from leantune import GRPOTrainer
+    from leantune.defaults import as_prompts_with_answers, build_default_dataset
+    from leantune.defaults.tokenizer import build_default_tokenizer
+    from leantune.planning.generation_batch import round_total, solve_generation_batch
+
+    from ..fixtures.online_rounds import grpo_config
+
+    tokenizer = build_default_tokenizer()
+    # 8 KV heads of 64 on a 32-wide body: a big cache per sequence beside a small update step (checkpointing on)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=8, head_dim=64, max_position_embeddings=128,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id)
+    prompts = as_prompts_with_answers(build_default_dataset(16, 0, seed=0, task="reverse")["train"])
+    fields = dict(per_device_train_batch_size=4, steps_per_generation=4, gradient_checkpointing=True)
+    plan = plan_memory(config, prompts, "grpo", processing_class=tokenizer, measured_step=False, num_generations=4,
+                       max_completion_length=8, **fields)
+    step_total = solve_generation_batch(plan, plan.device_total_bytes, 4).step_total
+    assert plan.generation.batch == 16 and round_total(plan, 8) > step_total  # the round is what exceeds
+    budget = (step_total + round_total(plan, 8)) // 2  # the step and a round of 4 per call fit; 8 per call does not
+    assert round_total(plan, 4) <= budget
+
+    def run(**overrides):
+        torch.manual_seed(0)
+        trainer = GRPOTrainer(model=LlamaForCausalLM(config), processing_class=tokenizer, train_dataset=prompts,
+                              reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
+                              args=grpo_config(**fields, **overrides))
+        losses = _Losses()
+        trainer.add_callback(losses)
+        with contextlib.redirect_stdout(io.StringIO()):
+            trainer.train()
+        return trainer, losses.losses
+
+    with caplog.at_level(logging.INFO, logger="leantune.plan"):
+        sized, losses = run(memory_budget=f"{budget}B")
+    fit = sized.memory_budget_fit
+    assert fit.planned.peak_bytes == plan.peak_bytes and fit.changes == {"max_completions_per_generate": (None, 4)}
+    assert sized.args.max_completions_per_generate == 4 == sized.generation.backend.max_batch_size
+    assert (sized.args.per_device_train_batch_size, sized.args.gradient_accumulation_steps, sized.round_size) == \
+        (4, 1, 16)  # the micro-batch, the global batch and the round as configured
+    blocks = [r.getMessage() for r in caplog.records if r.getMessage().startswith("memory_budget ")]
+    assert len(blocks) == 1 and "  max_completions_per_generate: None -> 4" in blocks[0].splitlines()
+    assert "generation round was over the budget" in blocks[0] and "same in distribution" in blocks[0]
+    # the same piece by hand, the same seed: the same pieces draw the same tokens, so the losses and weights are
+    # equal to the bit (nothing differs between the runs)
+    reference, reference_losses = run(max_completions_per_generate=4)
+    assert len(losses) == 2 and losses == reference_losses
+    for (name, a), b in zip(sized.model.named_parameters(), reference.model.parameters()):
+        assert torch.equal(a, b), name

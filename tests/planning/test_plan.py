@@ -69,7 +69,9 @@ def test_70b_plans_from_config_only_in_seconds(tmp_path, tokenizer, gsm8k_rows):
         "/nonexistent.jsonl", "--solve", solve, *budget], "--solve") for method, solve, budget in (
         ("sft", "max_completion_length", ["--memory_budget", "1GiB"]),  # only online methods generate
         ("grpo", "max_length", ["--memory_budget", "1GiB"]),  # not solvable
-        ("grpo", "max_completion_length", []))],  # no budget to fit
+        ("grpo", "max_completion_length", []),  # no budget to fit
+        ("grpo", "max_completions_per_generate", []),
+        ("grpo", "max_completions_per_generate", ["--memory_budget", "1GiB", "--use_vllm", "true"]))],  # vLLM's pool
 ])
 def test_plan_command_mistakes_are_one_line(capsys, argv, flag):
     assert main(argv) == 2

@@ -260,6 +260,14 @@ def test_generation_rounds_must_hold_whole_groups(cls, settings, field):
 
 
 @pytest.mark.parametrize("cls", ONLINE_CONFIGS)
+def test_generate_calls_take_whole_groups_and_only_transformers_generate_in_pieces(cls):
+    rejects(cls, "max_completions_per_generate", num_generations=4, max_completions_per_generate=6)
+    message = rejects(cls, "max_completions_per_generate", use_vllm=True, max_completions_per_generate=8)
+    assert "vllm_gpu_memory_utilization" in message
+    make(cls, num_generations=4, per_device_train_batch_size=8, max_completions_per_generate=4)
+
+
+@pytest.mark.parametrize("cls", ONLINE_CONFIGS)
 def test_rounds_of_whole_groups_over_accumulation_are_accepted(cls):
     make(cls, per_device_train_batch_size=2, gradient_accumulation_steps=2, num_generations=4)
     make(cls, per_device_train_batch_size=2, steps_per_generation=4, num_generations=8)
