@@ -53,7 +53,7 @@ def chunked_jsd(student_hidden: torch.Tensor, student_head: OutputHead, teacher_
     student = student_hidden.reshape(-1, student_hidden.shape[-1]).index_select(0, targets.index)
     teacher = teacher_hidden.reshape(-1, teacher_hidden.shape[-1]).index_select(0, targets.index).detach()
     if chunk_size is None:
-        chunk_size = jsd_chunk_tokens(student_head)
+        chunk_size = jsd_chunk_tokens(student_head, student)
 
     def run(flat):  # as the student head's forward: sharding engines gather its weight around it and its backward
         return _ChunkedJSD.apply(flat, teacher, student_head, teacher_head, float(beta), int(chunk_size),
@@ -98,15 +98,15 @@ def chunked_jsd_sum(student_hidden: torch.Tensor, student_head: OutputHead, teac
     student = student_hidden.reshape(-1, student_hidden.shape[-1]).index_select(0, targets.index)
     teacher = teacher_hidden.reshape(-1, teacher_hidden.shape[-1]).index_select(0, targets.index).detach()
     if chunk_size is None:
-        chunk_size = jsd_chunk_tokens(student_head)
+        chunk_size = jsd_chunk_tokens(student_head, student)
     return _ChunkedJSDSum.apply(student, teacher, student_head, teacher_head, float(beta), int(chunk_size),
                                 torch.is_grad_enabled(), *student_head.trainable_parameters)
 
 
-def jsd_chunk_tokens(head: OutputHead) -> int:
+def jsd_chunk_tokens(head: OutputHead, student: torch.Tensor) -> int:
     """Tokens per chunk: a chunk holds ~8 [chunk, vocabulary] fp32 buffers at once (both models' log-probs, the
-    mixture, products), so it is an eighth of the chunked head's single-buffer budget."""
-    return max(16, chunk_tokens_for(vocab_size_of(head)) // 8)
+    mixture, products), so it is an eighth of the chunked head's chunk for these [targets, hidden] states."""
+    return max(16, chunk_tokens_for(vocab_size_of(head), *student.shape) // 8)
 
 
 def _logit_gradient_to_raw(head: OutputHead, logits: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
