@@ -116,11 +116,10 @@ def logprobs_from_logits(logits: torch.Tensor, targets: Targets, temperature: fl
     return -F.cross_entropy(flat, targets.tokens, reduction="none")
 
 
-def chunk_tokens_for(vocab_size: int, num_tokens: int | None = None, hidden_size: int = 0) -> int:
-    """Tokens per chunk for `num_tokens` scored states of `hidden_size` (why so: the module's docstring)."""
-    ceiling = max(16, CHUNK_BYTES // (4 * max(1, vocab_size)))  # without num_tokens: the budget
-    scaled = ceiling if num_tokens is None else num_tokens * hidden_size // max(1, vocab_size)
-    return min(ceiling, max(MIN_CHUNK_TOKENS, scaled))
+def chunk_tokens_for(vocab_size: int, tokens: int = 0, hidden_size: int = 0) -> int:
+    """Tokens per chunk for `tokens` scored states of `hidden_size` (why so: the module's docstring)."""
+    ceiling = max(16, CHUNK_BYTES // (4 * max(1, vocab_size)))  # without tokens: the budget
+    return min(ceiling, max(MIN_CHUNK_TOKENS, tokens * hidden_size // max(1, vocab_size))) if tokens else ceiling
 
 
 def chunked_logprobs(hidden: torch.Tensor, head: OutputHead, targets: Targets, chunk_size: int | None = None,
@@ -130,8 +129,7 @@ def chunked_logprobs(hidden: torch.Tensor, head: OutputHead, targets: Targets, c
     `entropy_grad`), then one [num_targets] tensor per name in `stats` (TOKEN_STATS, without gradient)."""
     flat = hidden.reshape(-1, hidden.shape[-1]).index_select(0, targets.index)
     chunk_size = chunk_size or chunk_tokens_for(vocab_size_of(head), *flat.shape)
-    unknown = set(stats) - set(TOKEN_STATS)
-    if unknown:
+    if unknown := set(stats) - set(TOKEN_STATS):
         raise ValueError(f"Unknown token statistics {sorted(unknown)}; known: {sorted(TOKEN_STATS)}.")
     def run(flat):  # as the head's forward: sharding engines gather its weight around it and its backward
         return _ChunkedHeadLogProbs.apply(flat, targets.tokens, head, int(chunk_size), with_entropy,
@@ -291,11 +289,10 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk_size):
             end = start + chunk_size
             logits = head.logits(hidden[start:end])
-            logps[start:end], chunk_entropy, chunk_values = _chunk_scores(logits, tokens[start:end], with_entropy,
-                                                                           stats)
+            logps[start:end], chunk_entropy, scores = _chunk_scores(logits, tokens[start:end], with_entropy, stats)
             if with_entropy:
                 entropy[start:end] = chunk_entropy
-            for i, value in enumerate(chunk_values):
+            for i, value in enumerate(scores):
                 values[start:end, i] = value
             del logits
         ctx.save_for_backward(hidden, tokens)
