@@ -191,3 +191,42 @@ def test_out_of_memory_in_a_grpo_update_step_is_retried_in_whole_prompt_groups_a
         assert abs(got - expected) <= 1e-5 * abs(expected) + 1e-6, (logged["loss"], losses(reference))
     assert_same_weights(load_file(str(tmp_path / "trained.safetensors")), dict(reference.model.named_parameters()),
                         load_file(str(tmp_path / "initial.safetensors")))
+
+
+@pytest.mark.parametrize("method", ["rloo", "online_dpo"])
+def test_rloo_and_online_dpo_micro_batches_in_whole_groups_train_as_the_smaller_configuration(char_tokenizer, method,
+                                                                                             tmp_path):
+    """The split of the GRPO test above, method by method (RLOO with the KL in its reward: per-target old and
+    reference log-probs and per-completion advantages; Online DPO: pairs, per-completion `chosen`), its micro-batch
+    set where a retry leaves it: the parts train as the run configured so does."""
+    from leantune import OnlineDPOConfig, OnlineDPOTrainer, RLOOConfig, RLOOTrainer
+
+    from ..fixtures.data import reversal_prompts_with_answers
+    from ..fixtures.models import char_model
+
+    def run(batch: int, accumulation: int, micro_batch: int | None = None):
+        common = dict(output_dir=str(tmp_path), use_cpu=True, report_to=[], save_strategy="no", max_steps=2, seed=0,
+                      per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation, learning_rate=1e-2,
+                      logging_steps=1, disable_tqdm=True, memory_breakdown=False)
+        if method == "rloo":  # 8 completions, 4 per prompt
+            trainer_class, args = RLOOTrainer, RLOOConfig(**common, num_generations=4, max_completion_length=8,
+                                                          beta=0.05)
+        else:  # 4 prompts of 2 completions
+            trainer_class, args = OnlineDPOTrainer, OnlineDPOConfig(**common, max_new_tokens=8, temperature=1.0)
+        trainer = trainer_class(model=char_model(char_tokenizer), reward_funcs=count_a, args=args,
+                                train_dataset=reversal_prompts_with_answers(16), processing_class=char_tokenizer)
+        initial = {name: w.detach().clone() for name, w in trainer.model.named_parameters()}
+        if micro_batch is not None:
+            trainer.oom_retry.micro_batch = micro_batch
+        trainer.train()
+        return trainer, initial
+
+    batch = 8 if method == "rloo" else 4
+    split, initial = run(batch, 1, micro_batch=batch // 2)
+    reference, _ = run(batch // 2, 2)
+    assert split.oom_retry.accumulation == 2
+    # RLOO's loss is a mean of per-completion terms of the size of the advantages that cancel to ~0 on-policy (see
+    # the GRPO test); Online DPO's (~0.69) is compared relatively
+    for got, expected in zip(losses(split), losses(reference), strict=True):
+        assert abs(got - expected) <= 1e-5 * abs(expected) + 1e-6, (losses(split), losses(reference))
+    assert_same_weights(dict(split.model.named_parameters()), dict(reference.model.named_parameters()), initial)
