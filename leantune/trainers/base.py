@@ -27,6 +27,7 @@ from .nonfinite import ROW_INDEX, NonFiniteGuard
 from .parts.logprob_engine import LogProbEngine
 from .parts.oom_retry import OutOfMemoryRetry
 from .parts.resolved_config import resolve_config
+from .parts.round_parts import RoundParts
 from .parts.run_metrics import RunMetrics, mean_of_values
 from .parts.saving import StagedCheckpoint, agreed_resume_checkpoint, save_with_card, tag_model, write_hub_card
 from .parts.split_preparer import SplitPreparer
@@ -105,7 +106,7 @@ class LeantuneTrainer(Trainer):
                                                       frozen_models=self.frozen_models))
         self.reference = Reference(loaded, args, self.accelerator)  # placed for the engine (frozen_models.py)
         self.oom_retry = OutOfMemoryRetry(args, self.accelerator, self.is_world_process_zero, self.step_state,
-                                          online=self.generates_rounds)
+                                          self.run_metrics.mark, RoundParts(self) if self.generates_rounds else None)
         return loaded
 
     def default_args(self, model, args):
@@ -259,7 +260,7 @@ class LeantuneTrainer(Trainer):
 
     def step_state(self):
         """A callable that puts the parts' records of the step so far back (an attempt that ran out of memory)."""
-        back = [self.run_metrics.mark(), self.nonfinite.mark(), self.step_loss.mark()]
+        back = [self.run_metrics.mark(), self.nonfinite.mark(), self.step_loss.drop_router_loss]
         return lambda: [restore() for restore in back]
 
     def _get_grad_norm(self, model, grad_norm=None):

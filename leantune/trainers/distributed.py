@@ -157,16 +157,18 @@ def named_collective_timeouts(args):
     try:
         yield
     except RuntimeError as error:
-        if not (torch.distributed.is_available() and torch.distributed.is_initialized()
-                and is_collective_timeout(error)):
-            raise
-        rank = torch.distributed.get_rank()
-        raise ProcessGroupTimeout(
-            f"Process {rank} of {torch.distributed.get_world_size()} waited more than ddp_timeout="
-            f"{args.ddp_timeout} s for the other processes in a collective operation, or lost one: one of them "
-            "is stuck or died. Look at the other processes' logs; resume from the last checkpoint with "
-            "resume_from_checkpoint (torchrun --max-restarts does it for you); raise ddp_timeout if a process "
-            f"legitimately works alone that long (gloo said: {' '.join(str(error).split())[:300]})") from error
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and is_collective_timeout(error):
+            raise timeout_explained(args, error) from error
+        raise
+
+
+def timeout_explained(args, error: RuntimeError) -> ProcessGroupTimeout:
+    return ProcessGroupTimeout(
+        f"Process {torch.distributed.get_rank()} of {torch.distributed.get_world_size()} waited more than "
+        f"ddp_timeout={args.ddp_timeout} s for the other processes in a collective operation, or lost one: one of "
+        "them is stuck or died. Look at the other processes' logs; resume from the last checkpoint with "
+        "resume_from_checkpoint (torchrun --max-restarts does it for you); raise ddp_timeout if a process "
+        f"legitimately works alone that long (gloo said: {' '.join(str(error).split())[:300]})")
 
 
 _leaves_at_exit = False

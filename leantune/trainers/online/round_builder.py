@@ -16,6 +16,7 @@ from ...data.prompt_preparation import PROMPT_IDS
 from ...generation import Completions
 from ...rewards import RewardScores
 from ..context_parallel import data_parallel_place, gather_once_per_group
+from ..parts.oom_retry import EXAMPLES, KeptExamples
 from .shared_prompt import batch_targets, count_batch_targets, shared_prompt_batch
 
 
@@ -114,7 +115,8 @@ class RoundBuilder:
         prompt_ids = rollout.prompt_ids if rollout is not None else None
         mask = rollout.policy_mask if rollout is not None else None
         examples = self.scoring_examples(rows, completion_ids, scored["terminated"], prompt_ids, mask)
-        batches = [self.collate(examples[i:i + micro_size]) for i in range(0, len(rows), micro_size)]
+        parts = [examples[i:i + micro_size] for i in range(0, len(rows), micro_size)]
+        batches = [{**self.collate(part), EXAMPLES: KeptExamples(part)} for part in parts]  # for oom_retry's parts
         for batch in batches:
             batch["num_sequences"] = torch.tensor(micro_size)
         if self.session.sampling.logprobs:

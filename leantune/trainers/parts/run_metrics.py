@@ -7,6 +7,7 @@ step's memory breakdown (parameters, gradients, optimizer states, activations, .
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -52,17 +53,17 @@ class RunMetrics:
 
     def mark(self):
         """A callable that puts the training values and token counts back as they are now (a discarded attempt)."""
-        store, counts = self.values["train"], self.throughput.counts()
-        lengths = {name: len(column) for name, column in store.items()}
+        lengths = {name: len(column) for name, column in self.values["train"].items()}
+        return functools.partial(self._put_back, lengths, self.throughput.counts())
 
-        def restore() -> None:
-            for name in list(store):
-                if name in lengths:
-                    del store[name][lengths[name]:]
-                else:
-                    del store[name]
-            self.throughput.set_counts(counts)
-        return restore
+    def _put_back(self, lengths: dict, counts) -> None:
+        store = self.values["train"]
+        for name in list(store):
+            if name in lengths:
+                del store[name][lengths[name]:]
+            else:
+                del store[name]
+        self.throughput.set_counts(counts)
 
     def add_method_values(self, logs: dict, prefix: str) -> None:
         """A log's method metrics: the values since the last log (then emptied), `<prefix>_` before eval names."""

@@ -39,13 +39,10 @@ class StepLoss:
             count = count // self.context_parallel.size
         return count
 
-    def mark(self):
-        """A callable that puts the noted router loss back as it is now (a discarded attempt)."""
-        noted = self._router_loss
-
-        def restore() -> None:
-            self._router_loss = noted
-        return restore
+    def drop_router_loss(self) -> None:
+        """A discarded attempt's router loss, noted by its forward and not added by its loss: none is pending
+        between micro-batches (each loss adds the one its forward noted)."""
+        self._router_loss = None
 
     def note_router_loss(self, model, outputs) -> None:
         """Keep the router loss of a forward pass of the trained policy (not the reference, not a no-grad pass)."""
