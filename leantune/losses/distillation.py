@@ -20,7 +20,7 @@ import math
 import torch
 
 from ..models.output_head import OutputHead
-from .token_logprobs import MIN_CHUNK_TOKENS, HeadGradients, Targets, chunk_tokens_for, vocab_size_of
+from .token_logprobs import HeadGradients, Targets, chunk_tokens_for, vocab_size_of
 
 
 def generalized_jsd(student_logps: torch.Tensor, teacher_logps: torch.Tensor, beta: float) -> torch.Tensor:
@@ -53,7 +53,7 @@ def chunked_jsd(student_hidden: torch.Tensor, student_head: OutputHead, teacher_
     student = student_hidden.reshape(-1, student_hidden.shape[-1]).index_select(0, targets.index)
     teacher = teacher_hidden.reshape(-1, teacher_hidden.shape[-1]).index_select(0, targets.index).detach()
     if chunk_size is None:
-        chunk_size = jsd_chunk_tokens(student_head, student)
+        chunk_size = jsd_chunk_tokens(student_head)
 
     def run(flat):  # as the student head's forward: sharding engines gather its weight around it and its backward
         return _ChunkedJSD.apply(flat, teacher, student_head, teacher_head, float(beta), int(chunk_size),
@@ -98,19 +98,15 @@ def chunked_jsd_sum(student_hidden: torch.Tensor, student_head: OutputHead, teac
     student = student_hidden.reshape(-1, student_hidden.shape[-1]).index_select(0, targets.index)
     teacher = teacher_hidden.reshape(-1, teacher_hidden.shape[-1]).index_select(0, targets.index).detach()
     if chunk_size is None:
-        chunk_size = jsd_chunk_tokens(student_head, student)
+        chunk_size = jsd_chunk_tokens(student_head)
     return _ChunkedJSDSum.apply(student, teacher, student_head, teacher_head, float(beta), int(chunk_size),
                                 torch.is_grad_enabled(), *student_head.trainable_parameters)
 
 
-def jsd_chunk_tokens(head: OutputHead, student: torch.Tensor) -> int:
+def jsd_chunk_tokens(head: OutputHead) -> int:
     """Tokens per chunk: a chunk holds ~8 [chunk, vocabulary] fp32 buffers at once (both models' log-probs, the
-    mixture, products), so it is an eighth of the chunked head's chunk for these [targets, hidden] states, and at
-    most an eighth of its budget; but no fewer than MIN_CHUNK_TOKENS where that budget allows (an eighth of a
-    128-token chunk, 16 tokens, made GKD's loss 1.5-1.6x slower on CPU than the 65 of the budget at 32k vocabulary)."""
-    vocab_size = vocab_size_of(head)
-    batch_sized = max(MIN_CHUNK_TOKENS, chunk_tokens_for(vocab_size, *student.shape) // 8)
-    return max(16, min(chunk_tokens_for(vocab_size) // 8, batch_sized))
+    mixture, products), so it is an eighth of the chunked head's single-buffer budget."""
+    return max(16, chunk_tokens_for(vocab_size_of(head)) // 8)
 
 
 def _logit_gradient_to_raw(head: OutputHead, logits: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:

@@ -5,12 +5,6 @@ logits (the plain path) or from `chunked_logprobs`, which selects the target pos
 output head to `chunk_size` of them at a time, in fp32, and never keeps more than one chunk of logits: the forward
 pass keeps only the hidden states it was given, and the backward pass recomputes each chunk's logits to form its
 gradients (one extra head matmul for the memory of one chunk instead of tokens x vocabulary).
-
-The chunk is sized from the batch, as Liger's fused linear cross-entropy sizes its own (`chunk_tokens_for`): one
-chunk's logits hold about as many values as the scored hidden states, so the head's working memory (a chunk, x3
-while its gradient forms) grows with the batch instead of being a fixed block that can outweigh a small batch's
-activations. At least MIN_CHUNK_TOKENS (a small batch runs a few head matmuls, not hundreds of tiny ones), at most
-CHUNK_BYTES of fp32 logits (a large batch keeps today's bound).
 """
 
 from __future__ import annotations
@@ -25,7 +19,6 @@ from .causal_lm import IGNORE_INDEX, shifted_targets
 
 # One chunk of fp32 logits is at most this large (x3 while its gradient is formed); vocabulary-independent.
 CHUNK_BYTES = 64 * 1024 * 1024
-MIN_CHUNK_TOKENS = 128  # the fewest tokens a batch-sized chunk gets (unless CHUNK_BYTES holds fewer)
 
 
 @dataclass
@@ -116,10 +109,8 @@ def logprobs_from_logits(logits: torch.Tensor, targets: Targets, temperature: fl
     return -F.cross_entropy(flat, targets.tokens, reduction="none")
 
 
-def chunk_tokens_for(vocab_size: int, tokens: int = 0, hidden_size: int = 0) -> int:
-    """Tokens per chunk for `tokens` scored states of `hidden_size` (why so: the module's docstring)."""
-    ceiling = max(16, CHUNK_BYTES // (4 * max(1, vocab_size)))  # without tokens: the budget
-    return min(ceiling, max(MIN_CHUNK_TOKENS, tokens * hidden_size // max(1, vocab_size))) if tokens else ceiling
+def chunk_tokens_for(vocab_size: int, budget_bytes: int = CHUNK_BYTES) -> int:
+    return max(16, budget_bytes // (4 * max(1, vocab_size)))
 
 
 def chunked_logprobs(hidden: torch.Tensor, head: OutputHead, targets: Targets, chunk_size: int | None = None,
@@ -128,8 +119,9 @@ def chunked_logprobs(hidden: torch.Tensor, head: OutputHead, targets: Targets, c
     chunk's logits at a time; then, with `with_entropy`, their entropies (with gradient for an entropy bonus:
     `entropy_grad`), then one [num_targets] tensor per name in `stats` (TOKEN_STATS, without gradient)."""
     flat = hidden.reshape(-1, hidden.shape[-1]).index_select(0, targets.index)
-    chunk_size = chunk_size or chunk_tokens_for(vocab_size_of(head), *flat.shape)
-    if unknown := set(stats) - set(TOKEN_STATS):
+    chunk_size = chunk_size or chunk_tokens_for(vocab_size_of(head))
+    unknown = set(stats) - set(TOKEN_STATS)
+    if unknown:
         raise ValueError(f"Unknown token statistics {sorted(unknown)}; known: {sorted(TOKEN_STATS)}.")
     def run(flat):  # as the head's forward: sharding engines gather its weight around it and its backward
         return _ChunkedHeadLogProbs.apply(flat, targets.tokens, head, int(chunk_size), with_entropy,
@@ -289,10 +281,11 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk_size):
             end = start + chunk_size
             logits = head.logits(hidden[start:end])
-            logps[start:end], chunk_entropy, scores = _chunk_scores(logits, tokens[start:end], with_entropy, stats)
+            logps[start:end], chunk_entropy, chunk_values = _chunk_scores(logits, tokens[start:end], with_entropy,
+                                                                           stats)
             if with_entropy:
                 entropy[start:end] = chunk_entropy
-            for i, value in enumerate(scores):
+            for i, value in enumerate(chunk_values):
                 values[start:end, i] = value
             del logits
         ctx.save_for_backward(hidden, tokens)

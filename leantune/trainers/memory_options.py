@@ -40,8 +40,7 @@ class MemoryOptions:
     )
     loss_chunk_size: int | None = field(
         default=None,
-        metadata={"help": "Tokens per chunk of the chunked loss (default: sized from the batch, about as many fp32 "
-                          "logits as the scored hidden states hold values, 128 tokens to a 64 MiB chunk)."},
+        metadata={"help": "Tokens per chunk of the chunked loss (default: a 64 MiB fp32 chunk of logits)."},
     )
     memory_breakdown: bool = field(
         default=True,

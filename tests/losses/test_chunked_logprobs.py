@@ -11,9 +11,6 @@ import pytest
 import torch
 
 from leantune.losses.token_logprobs import (
-    CHUNK_BYTES,
-    MIN_CHUNK_TOKENS,
-    chunk_tokens_for,
     chunked_logprobs,
     logprobs_from_logits,
     select_targets,
@@ -218,42 +215,21 @@ def test_logits_memory_is_one_chunk_whatever_the_length(length):
     targets = select_targets(labels)
     head = OutputHead(head_module)
 
-    chunked = head_memory(hidden, head_module, lambda: chunked_logprobs(hidden, head, targets, chunk_size=chunk))
-    full = head_memory(hidden, head_module, lambda: logprobs_from_logits(head_module(hidden), targets))
+    def measure(fn):
+        meter = StepMemoryMeter("cpu")
+        meter.start(head_module)
+        fn().sum().backward()
+        breakdown = meter.stop(0)
+        hidden.grad, head_module.weight.grad = None, None
+        return breakdown.parts.get("activations", 0) + breakdown.parts.get("temporaries", 0)
+
+    chunked = measure(lambda: chunked_logprobs(hidden, head, targets, chunk_size=chunk))
+    full = measure(lambda: logprobs_from_logits(head_module(hidden), targets))
     chunk_logits = chunk * vocab * 4
     logits = length * vocab * 4
     non_logit = 4 * length * hidden_size * 4  # hidden states, their gradient, selections
     assert full >= logits  # the plain path holds at least the full fp32 logits
     assert chunked <= 3 * chunk_logits + non_logit  # logits, softmax and gradient of one chunk
-
-
-def head_memory(hidden, head_module, loss) -> int:
-    """Peak activations + temporaries of `loss()`'s forward and backward (MemTracker), gradients cleared after."""
-    meter = StepMemoryMeter("cpu")
-    meter.start(head_module)
-    loss().sum().backward()
-    breakdown = meter.stop(0)
-    hidden.grad, head_module.weight.grad = None, None
-    return breakdown.parts.get("activations", 0) + breakdown.parts.get("temporaries", 0)
-
-
-def test_default_chunk_is_sized_from_the_batch():
-    """Without `chunk_size` a chunk's logits hold about as many values as the scored hidden states (at least
-    MIN_CHUNK_TOKENS tokens, at most CHUNK_BYTES of fp32 logits), so a small batch's head memory is small too."""
-    vocab, hidden_size, length = 32000, 64, 512
-    ceiling = CHUNK_BYTES // (4 * vocab)  # 524 tokens
-    assert chunk_tokens_for(vocab) == ceiling  # no batch given (the planner's candidates): the budget
-    assert chunk_tokens_for(vocab, length, hidden_size) == MIN_CHUNK_TOKENS  # 1 by the ratio: the floor
-    assert chunk_tokens_for(vocab, 32000, 256) == 256  # tokens x hidden / vocabulary
-    assert chunk_tokens_for(vocab, 10**6, 4096) == ceiling
-    assert chunk_tokens_for(256_000, 10**6, 4096) == CHUNK_BYTES // (4 * 256_000) < MIN_CHUNK_TOKENS  # budget wins
-    torch.manual_seed(0)
-    head_module = torch.nn.Linear(hidden_size, vocab, bias=False)
-    hidden = torch.randn(1, length, hidden_size, requires_grad=True)
-    targets = select_targets(torch.randint(0, vocab, (1, length)))
-    used = head_memory(hidden, head_module, lambda: chunked_logprobs(hidden, OutputHead(head_module), targets))
-    non_logit = 4 * length * hidden_size * 4  # hidden states, their gradient, selections
-    assert used <= 3 * MIN_CHUNK_TOKENS * vocab * 4 + non_logit < CHUNK_BYTES  # the budget's chunk would be 3x 64 MiB
 
 
 def leaves_reached(tensor: torch.Tensor) -> set[int]:
