@@ -15,7 +15,8 @@ import torch
 IGNORE_INDEX = -100
 # The collated entries a causal LM's forward takes (padded or segmented layouts).
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
-                "max_length_k", "shared_prompt_of")  # the last: shared-prompt rows (trainers/online/shared_prompt.py)
+                "max_length_k", "shared_prompt_of", "shared_prompt_ring")  # the last two: shared-prompt rows
+# (trainers/online/shared_prompt.py; split over a context-parallel group: shared_prompt_ring.py)
 
 
 def round_up(n: int, multiple: int | None) -> int:

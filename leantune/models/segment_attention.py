@@ -22,6 +22,12 @@ import torch
 import torch.nn.functional as F
 
 SEGMENT_SDPA = "leantune_segment_sdpa"
+# The model input that says a shared-prompt row is split over a context-parallel group (trainers/online/
+# shared_prompt_ring.py's `RingSegments`): its keys and values are gathered from the group
+RING_SEGMENTS = "shared_prompt_ring"
+# SDPA itself, as this process computes it: inside `context_parallel`, torch replaces F.scaled_dot_product_attention
+# with its ring; the gathered form below computes its attention locally
+local_sdpa = torch._C._nn.scaled_dot_product_attention
 _registered = False
 
 
@@ -30,6 +36,8 @@ def segment_sdpa_attention(module, query, key, value, attention_mask, dropout=0.
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     cu_seq_lens = kwargs.get("cu_seq_lens_q")
+    if kwargs.get(RING_SEGMENTS) is not None:  # a shared-prompt row split over a context-parallel group
+        return gathered_segment_attention(module, query, key, value, kwargs[RING_SEGMENTS], dropout, scaling)
     if cu_seq_lens is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     batch, heads, length, dim = query.shape
@@ -63,6 +71,51 @@ def segment_sdpa_attention(module, query, key, value, attention_mask, dropout=0.
                 dropout_p=dropout_p, scale=scaling, enable_gqa=gqa))
     output = torch.cat(pieces, dim=2).reshape(heads, batch, length, dim).transpose(0, 1)
     return output.transpose(1, 2).contiguous(), None
+
+
+def gathered_segment_attention(module, query, key, value, ring, dropout, scaling):
+    """A shared-prompt row split over a context-parallel group: the group's keys and values gathered, each segment's
+    local queries attending to the keys `ring` (RingSegments) names, through its mask."""
+    keys, values = gather_along_time(key, ring.group), gather_along_time(value, ring.group)
+    output = attend_gathered(query, keys, values, ring, dropout if module.training else 0.0, scaling)
+    return output.transpose(1, 2).contiguous(), None
+
+
+def attend_gathered(query, keys, values, ring, dropout_p: float = 0.0, scaling=None) -> torch.Tensor:
+    """This process's queries [batch, heads, local, dim] against the group's gathered keys and values, segment by
+    segment (`ring`: RingSegments): [batch, heads, local, dim]."""
+    ring = ring.on(query.device)
+    gqa = keys.shape[1] != query.shape[1]
+    pieces = [local_sdpa(query[:, :, start:end], keys.index_select(2, index), values.index_select(2, index),
+                         attn_mask=mask, dropout_p=dropout_p, scale=scaling, enable_gqa=gqa)
+              for (start, end), index, mask in zip(ring.queries, ring.key_index, ring.masks)]
+    return torch.cat(pieces, dim=2)
+
+
+class _GatherAlongTime(torch.autograd.Function):
+    """[batch, heads, local, dim] of each process -> the group's, process after process along time; the backward
+    sums every process's gradient of the gathered tensor and keeps this process's part."""
+
+    @staticmethod
+    def forward(ctx, local, group):
+        import torch.distributed as dist
+
+        ctx.group, ctx.size, ctx.rank = group, dist.get_world_size(group), dist.get_rank(group)
+        parts = [torch.empty_like(local) for _ in range(ctx.size)]
+        dist.all_gather(parts, local.contiguous(), group=group)
+        return torch.cat(parts, dim=2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad.chunk(ctx.size, dim=2)[ctx.rank], None
+
+
+def gather_along_time(local: torch.Tensor, group) -> torch.Tensor:
+    return _GatherAlongTime.apply(local, group)
 
 
 def branch_mask(prompt_length: int, branch_length: int, device) -> torch.Tensor:

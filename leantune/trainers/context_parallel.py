@@ -172,7 +172,7 @@ def prepare_frozen_for_ring(accelerator, model: torch.nn.Module, role: str) -> N
     _attach_context_parallel_hooks(model)
 
 
-def _head_tail(length: int, cp: int) -> torch.Tensor:
+def head_tail(length: int, cp: int) -> torch.Tensor:
     """torch's default load balancing (head-tail): process r holds chunks r and 2cp-1-r of 2cp equal chunks."""
     chunk = length // (2 * cp)
     order = []
@@ -243,7 +243,7 @@ def lay_out_documents(batch: dict, labels: torch.Tensor, cp: int, pad_token_id: 
                 wanted += range(s + (multiple - 1 - rank) * c, s + (multiple - rank) * c)
         wanted = torch.tensor(wanted, dtype=torch.long)
         # torch takes row[head_tail] and splits it evenly; so row[order][head_tail] must be row[wanted]
-        order = wanted[torch.argsort(_head_tail(width, cp))]
+        order = wanted[torch.argsort(head_tail(width, cp))]
         out_ids.append(ids[order])
         out_tgt.append(tgt[order])
         out_pos.append(pos[order])
@@ -359,6 +359,8 @@ class ContextParallelism:
         so both get one width."""
         inputs = dict(inputs)
         pad = 0 if pad_token_id is None else pad_token_id
+        if "shared_prompt_of" in inputs:  # a shared-prompt row: its own layout (one position predicts several tokens)
+            return self._lay_out_shared_row(inputs, pad)
         prefixes = ("", KL_PREFIX) if KL_PREFIX + "input_ids" in inputs else ("",)
         views = {prefix: {name: inputs.pop(prefix + name) for name in LAYOUT_KEYS if prefix + name in inputs}
                  for prefix in prefixes}
@@ -383,6 +385,26 @@ class ContextParallelism:
         return functools.partial(self.accelerator.maybe_context_parallel, buffers=buffers,
                                  buffer_seq_dims=[1] * len(buffers), no_restore_buffers=set(buffers)), inputs
 
+    def _lay_out_shared_row(self, inputs: dict, pad: int):
+        from .online.shared_prompt_ring import lay_out_shared_row
+
+        mesh = self.accelerator.torch_device_mesh["cp"]
+        laid, positions = lay_out_shared_row(inputs, self.size, mesh.get_local_rank(), pad, mesh.get_group())
+        self.batch_targets = inputs["target_index"].numel()
+        self._local_positions = {"": positions}
+        inputs.update(laid)
+        buffers = [inputs["input_ids"], inputs["position_ids"]]
+        return functools.partial(self.accelerator.maybe_context_parallel, buffers=buffers,
+                                 buffer_seq_dims=[1] * len(buffers), no_restore_buffers=set(buffers)), inputs
+
+    @staticmethod
+    def _per_target(inputs: dict, key: str, targets) -> torch.Tensor:
+        """A target place of this process's targets: a shared-prompt row carries one value per target, other
+        layouts a grid over positions (read at the targets' positions)."""
+        if "shared_prompt_of" in inputs:
+            return inputs[key].to(targets.index.device)
+        return inputs[key].reshape(-1).index_select(0, targets.index)
+
     def _lay_out_documents(self, inputs: dict, labels: torch.Tensor, pad: int, carried: dict, width: int,
                            prefix: str) -> None:
         cp = self.size
@@ -400,15 +422,14 @@ class ContextParallelism:
         every sequence, so a sequence's sum is the sum of its processes' partial sums."""
         if SEQUENCE_KEY not in inputs:
             return None
-        sequence = inputs[SEQUENCE_KEY].reshape(-1).index_select(0, targets.index)
-        rank = inputs[RANK_KEY].reshape(-1).index_select(0, targets.index)
+        sequence, rank = self._per_target(inputs, SEQUENCE_KEY, targets), self._per_target(inputs, RANK_KEY, targets)
         return TargetSequences(sequence, rank, self.total)
 
-    @staticmethod
-    def target_ordinals(inputs: dict, targets) -> torch.Tensor:
+    @classmethod
+    def target_ordinals(cls, inputs: dict, targets) -> torch.Tensor:
         """Where each of this process's targets is in the whole batch's flat target order (a batch laid out with
         `per_sequence`): per-target values of the whole batch are read there."""
-        return inputs[ORDINAL_KEY].reshape(-1).index_select(0, targets.index)
+        return cls._per_target(inputs, ORDINAL_KEY, targets)
 
     def whole_order(self, local: torch.Tensor, ordinals: torch.Tensor, count: int) -> torch.Tensor:
         """This process's per-target values -> the whole batch's, in its flat target order, on every process of the

@@ -249,10 +249,6 @@ def validate_shared_prompt(args: OnlineConfig) -> None:
     if getattr(args, "min_num_generations", 2) < 2:
         raise ValueError("`shared_prompt=True` is for methods that sample groups of completions per prompt (GRPO, "
                          "RLOO, Online DPO); set `shared_prompt=False`.")
-    cp_size = requested_cp_size(args)
-    if cp_size > 1:
-        raise ValueError(f"`shared_prompt=True` does not run with context parallelism (cp_size={cp_size}) yet: its "
-                         f"rows are not split per document; set `shared_prompt=False` or cp_size=1.")
 
 
 def validate_vllm_options(args: OnlineConfig) -> None:

@@ -26,7 +26,7 @@ from ..losses.token_logprobs import per_sequence_sum
 from ..rewards import RewardFunctions
 from ..rollouts import AgentRollouts
 from .base import LeantuneTrainer
-from .context_parallel import data_parallel_place
+from .context_parallel import ORDINAL_KEY, data_parallel_place
 from .frozen_models import prepare_frozen_model
 from .online.evaluation import evaluate_rounds
 from .online.generation_session import GenerationSession
@@ -206,14 +206,13 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         temperature = self.scoring_temperature
         # Entropies for the metric come with the chunked head at no extra pass; Liger's kernel computes none
         with_entropy = self.entropies_in_loss or not self.logprobs.liger_head_runs(model, temperature)
-        split = "shift_labels" in batch  # under context parallelism: this process's part of every sequence
+        split = ORDINAL_KEY in batch  # context parallelism: this process's part of every sequence
         if split:
             self.context_parallel.check_layout(model_inputs)
-        scores = self.logprobs.target_logprobs(model, model_inputs,
-                                               batch["shift_labels"] if split else batch_targets(batch), temperature,
+        scores = self.logprobs.target_logprobs(model, model_inputs, batch_targets(batch), temperature,
                                                with_entropy=with_entropy,
                                                entropy_grad=with_entropy and self.entropy_bonus is not None,
-                                               with_hidden=self.reads_hidden_states, shifted=split)
+                                               with_hidden=self.reads_hidden_states)
         if self.reads_hidden_states:
             batch["target_hidden"] = scores.hidden  # [targets, hidden], with its gradient (PPO's value head)
         logps, entropy = scores.logps, scores.entropy
@@ -258,13 +257,11 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
 
     def context_parallel_problem(self, args) -> str | None:
         """The options context parallelism cannot run exactly for an online method (None: it can): generation
-        with vLLM or agents, shared-prompt rows, evaluation rounds."""
+        with vLLM or agents, evaluation rounds."""
         if getattr(args, "use_vllm", False):
             return "`use_vllm=True` (its engine generates apart from the ring's groups); generate with transformers"
         if self.agent is not None:
             return "tools, environments or a rollout function (each process of a group would run them)"
-        if getattr(args, "shared_prompt", False):
-            return "`shared_prompt=True` (its rows are not split per document)"
         strategy = str(getattr(args.eval_strategy, "value", args.eval_strategy))
         if strategy != "no":
             return f"evaluation (`eval_strategy={strategy!r}`: {EVALUATION_OUTSIDE_THE_RING})"

@@ -4,8 +4,8 @@ examples/accelerate/fsdp2_context_parallel.yaml`, against one process on the sam
 padding-free, packing + padding-free; DPO's and KTO's padded and padding-free batches (HH-RLHF pairs, a frozen
 reference copy; KTO's mismatched completions for its KL reference point are a second layout of the batch, split
 alike); GRPO padded (one round of two micro-batches: step 2 off-policy, old log-probs; loss_type "dapo", and "bnpo" at
-lr 1) and padding-free (a round per step, loss_type="grpo"), RLOO and Online DPO padding-free, all with a frozen
-reference (GSM8K prompts); a reward model padding-free (HH-RLHF pairs; padded, cp_run.py's `reward`, measured
+lr 1) and padding-free (a round per step, loss_type="grpo"), RLOO and Online DPO padding-free, GRPO and Online DPO
+with shared-prompt rows, all with a frozen reference (GSM8K prompts); a reward model padding-free (HH-RLHF pairs; padded, cp_run.py's `reward`, measured
 once); GKD off-policy, padding-free, with a frozen teacher (another tiny model).
 
 Under cp_size=2 both processes take the same batch and each holds half of every sequence (torch's ring attention
@@ -48,6 +48,17 @@ Tolerances (SGD with momentum 0.9, no clipping, 2 steps, lr 1e-2; tests/scripts/
   that step 2 logs clip ratios and a KL: losses within 9.3e-8 absolute, weights within 4.7% of the bound. The other
   loss types, measured once as `grpo_bnpo` with each (cp_run.py's grpo_sapo, grpo_cispo, grpo_luspo, grpo_dr_grpo):
   losses within 1.9e-7 absolute, weights within 4.5% to 5.8% of the bound, logged metrics as below.
+- Shared-prompt rows (`shared_prompt=True`: GRPO as `grpo`, Online DPO; RLOO measured once, cp_run.py's
+  `rloo_shared`) are not run through the ring: each process holds its share of every segment of the row and
+  attends to the group's gathered keys and values (trainers/online/shared_prompt_ring.py; the layout and its
+  attention are checked per token in one process above). Measured: weights within 3.8e-5 (GRPO), 3.9e-5 (Online
+  DPO) and 8.1e-6 (RLOO) of their update relative, within the bound; Online DPO's step-2 loss within 1.4e-6 relative,
+  GRPO's within 4.8e-8 absolute; GRPO's cp=2 shared weights are as close to one process's UNshared run (3.4e-5).
+  With a data-parallel group over 1, measured once (4 CPU processes, dp_shard 2 x cp 2, against a 2-process FSDP2
+  launch): GRPO's and Online DPO's shared weights within 3.9e-5 and 1.9e-5 of their update, within the bound.
+  Negative control, measured once (`grpo_shared_prompt_padding_seen`: each branch also attends to its prompt's
+  padding to a multiple of 2 x cp): step 2's loss off by 1.1e-5 absolute (over the 1e-5 tolerance), the weights
+  by 0.25 of their update.
 - Logged metrics of the online methods (`assert_same_metrics`): each process's means over its own targets (entropy,
   KL, clip ratios) are made whole over the group, sum and count, so the group logs one process's values.
 - Reward: each sequence's reward is read at its last token, on whichever process that token lands; the position
@@ -83,12 +94,13 @@ HELPERS = CPU_ENGINES
 CONFIG = REPO / "examples" / "accelerate" / "fsdp2_context_parallel.yaml"
 CASES = ["sft", "sft_packed", "sft_padding_free", "sft_packed_padding_free", "dpo", "dpo_padding_free", "kto",
          "kto_padding_free", "grpo", "grpo_padding_free", "grpo_bnpo", "rloo_padding_free", "online_dpo_padding_free",
-         "reward_padding_free", "gkd_padding_free"]
+         "reward_padding_free", "gkd_padding_free", "grpo_shared", "online_dpo_shared"]
 # GRPO's and RLOO's losses are sums of terms of magnitude |advantage| ~ 1 (advantages normalised by their group's
 # std) that cancel to ~1e-7 (a group's advantages sum to 0): their values are compared to 1e-5 of those terms, absolute
-CANCELLING = {"grpo", "grpo_padding_free", "grpo_bnpo", "rloo_padding_free"}
+CANCELLING = {"grpo", "grpo_padding_free", "grpo_bnpo", "rloo_padding_free", "grpo_shared"}
 # The online methods' logged metrics are compared with one process's (see `assert_same_metrics`)
-ONLINE = {"grpo", "grpo_padding_free", "grpo_bnpo", "rloo_padding_free", "online_dpo_padding_free"}
+ONLINE = {"grpo", "grpo_padding_free", "grpo_bnpo", "rloo_padding_free", "online_dpo_padding_free", "grpo_shared",
+          "online_dpo_shared"}
 # Logged values that are not the method's: compared elsewhere (loss), the schedule, timings, memory, the gradient's norm
 # (the weights carry it) and the padding fraction (context parallelism pads every document to a multiple of 2 x cp)
 NOT_METRICS = {"loss", "learning_rate", "epoch", "step", "grad_norm", "real_tokens_per_second", "peak_memory_mb",
@@ -194,6 +206,75 @@ def test_each_process_part_of_every_sequence_sums_to_the_whole():
                 torch.testing.assert_close(getattr(got, name), getattr(expected, name), rtol=1e-12, atol=1e-12)
             torch.testing.assert_close(weights, expected_weights, rtol=1e-12, atol=0)
         assert not torch.equal(expected.logps, expected.raw_logps)  # LD-DPO's weighting did apply
+
+
+def test_a_shared_prompt_row_split_over_the_group_attends_as_one_process():
+    """A shared-prompt row (two groups, prompts of 5 and 7 tokens, completions of 1 to 6) laid out for cp 2 and 3:
+    torch's own head-tail split gives each process its share of every segment, and its queries against the group's
+    gathered keys and values (what the all-gather gives, process after process) equal one process's segment
+    attention for every real token. The padding each segment gets is filled with large random keys and values, so
+    a branch that saw its prompt's padding would differ. Every target lands on one process, at the slot holding the
+    position that predicts it, with its token and place in the flat target order. (Gradients through the gather:
+    the launch below.)"""
+    from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer
+
+    from leantune.models.segment_attention import RING_SEGMENTS, attend_gathered, segment_sdpa_attention
+    from leantune.trainers.context_parallel import ORDINAL_KEY
+    from leantune.trainers.online.shared_prompt import shared_prompt_batch
+    from leantune.trainers.online.shared_prompt_ring import lay_out_shared_row
+
+    groups = [(5, [3, 6, 2]), (7, [4, 1])]  # (prompt length, completion lengths)
+    examples, prompt_lengths, token = [], [], 10
+    for prompt_length, completions in groups:
+        prompt = list(range(token, token + prompt_length))
+        token += prompt_length
+        for n in completions:
+            examples.append({"input_ids": prompt + list(range(token, token + n)),
+                             "completion_mask": [0] * prompt_length + [1] * n})
+            prompt_lengths.append(prompt_length)
+            token += n
+    batch = shared_prompt_batch(examples, prompt_lengths, pad_token_id=0)
+    length = batch["input_ids"].shape[1]
+    batch["input_ids"] = 1000 + torch.arange(length).unsqueeze(0)  # each slot's token names its position in the row
+    generator = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim = 4, 2, 8
+    query = torch.randn(1, heads, length, dim, generator=generator)
+    key, value = (torch.randn(1, kv_heads, length, dim, generator=generator) for _ in range(2))
+    module = torch.nn.Module().eval()
+    expected, _ = segment_sdpa_attention(module, query, key, value, None, cu_seq_lens_q=batch["cu_seq_lens_q"],
+                                         shared_prompt_of=batch["shared_prompt_of"])  # [1, length, heads, dim]
+    # fp32 averages of values of magnitude ~4 over at most 13 keys: a few ulps of that, summed in another order
+    tolerance = 13 * 2.0 ** -23 * float(value.abs().max())
+    for cp in (2, 3):
+        laid = [lay_out_shared_row(batch, cp, rank, pad_token_id=-1) for rank in range(cp)]
+        width = laid[0][0]["input_ids"].shape[1]
+        assert width % (2 * cp) == 0 and width > length  # every segment padded to a multiple of 2 x cp
+        split = _HeadTailLoadBalancer(width, cp, "cpu")._generate_indices()[0].view(cp, -1)
+
+        local_ids = [mine["input_ids"][0, split[rank]] for rank, (mine, _) in enumerate(laid)]
+
+        def slots(rank, states):  # each local slot's row: the position's own, large garbage for padding
+            ids = local_ids[rank]  # noqa: B023 (used in this iteration only)
+            garbage = 10 * torch.randn(*states.shape[:2], len(ids), dim, generator=generator)
+            real = ids >= 1000
+            garbage[:, :, real] = states[:, :, ids[real] - 1000]
+            return garbage
+
+        keys = torch.cat([slots(rank, key) for rank in range(cp)], dim=2)  # the all-gather's order
+        values = torch.cat([slots(rank, value) for rank in range(cp)], dim=2)
+        ordinals = []
+        for rank, (mine, positions) in enumerate(laid):
+            ids = local_ids[rank]
+            assert torch.equal(mine["position_ids"][0, split[rank]], positions[0])
+            real = ids >= 1000
+            assert torch.equal(positions[0, real], batch["position_ids"][0, ids[real] - 1000])
+            got = attend_gathered(slots(rank, query), keys, values, mine[RING_SEGMENTS]).transpose(1, 2)
+            torch.testing.assert_close(got[0, real], expected[0, ids[real] - 1000], rtol=0, atol=tolerance)
+            whole = mine[ORDINAL_KEY]
+            assert torch.equal(ids[mine["target_index"]] - 1000, batch["target_index"][whole])
+            assert torch.equal(mine["target_tokens"], batch["target_tokens"][whole])
+            ordinals += whole.tolist()
+        assert sorted(ordinals) == list(range(len(batch["target_index"])))
 
 
 def sums_on_each_process(laid: dict, split: torch.Tensor, whole_values: torch.Tensor) -> list:

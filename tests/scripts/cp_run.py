@@ -76,6 +76,10 @@ for loss_type in ("sapo", "cispo", "luspo", "dr_grpo"):  # GRPO's other loss typ
 CASES["rloo_padding_free"] = dict(ONLINE, config_class=leantune.RLOOConfig, beta=0.04, padding_free=True)
 CASES["online_dpo_padding_free"] = dict(ONLINE, config_class=leantune.OnlineDPOConfig, max_completion_length=None,
                                         max_new_tokens=16, padding_free=True)
+# Shared-prompt rows (each group's prompt scored once): all-gather attention instead of the ring's
+CASES["grpo_shared"] = dict(CASES["grpo"], shared_prompt=True)
+CASES["rloo_shared"] = dict(CASES["rloo_padding_free"], padding_free=False, shared_prompt=True)
+CASES["online_dpo_shared"] = dict(CASES["online_dpo_padding_free"], padding_free=False, shared_prompt=True)
 
 
 # Reward: each sequence's reward is read at its last token, which lands on either process; GKD: off-policy (the
@@ -89,6 +93,7 @@ CASES["grpo_padding_free_unsummed"] = CASES["grpo_padding_free"]
 CASES["reward_padding_free_unsummed"] = CASES["reward_padding_free"]
 CASES["grpo_padding_free_masks_dropped"] = CASES["grpo_padding_free"]
 CASES["grpo_bnpo_metrics_per_process"] = CASES["grpo_bnpo"]
+CASES["grpo_shared_prompt_padding_seen"] = CASES["grpo_shared"]
 
 
 def length_reward(completions, **kwargs):
@@ -157,6 +162,11 @@ for case in cases:
         from leantune.trainers.context_parallel import ContextParallelism
 
         ContextParallelism.whole_means = lambda self, metrics, count: metrics
+    if case.endswith("_prompt_padding_seen"):  # negative control: branches also attend to their prompt's padding
+        from leantune.trainers.online import shared_prompt_ring
+
+        real_lengths = shared_prompt_ring.ring_segments
+        shared_prompt_ring.ring_segments = lambda lengths, padded, *rest, real=real_lengths: real(padded, padded, *rest)
     if case.endswith("_masks_dropped"):  # negative control: generation under the ring's hooks (prompt masks dropped)
         import contextlib
 

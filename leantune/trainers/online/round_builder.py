@@ -15,7 +15,7 @@ from ...data.collators import MODEL_INPUTS, CausalLMCollator, prompt_completion_
 from ...data.prompt_preparation import PROMPT_IDS
 from ...generation import Completions
 from ...rewards import RewardScores
-from ..context_parallel import data_parallel_place, gather_once_per_group
+from ..context_parallel import ORDINAL_KEY, data_parallel_place, gather_once_per_group
 from ..parts.oom_retry import EXAMPLES, KeptExamples
 from .shared_prompt import batch_targets, count_batch_targets, shared_prompt_batch
 
@@ -212,12 +212,11 @@ class RoundBuilder:
         parallelism: this process's targets scored, the whole batch's put together over the group)."""
         inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
         temperature = self.trainer.scoring_temperature
-        if "shift_labels" not in batch:
-            scores = self.trainer.logprobs.target_logprobs(model, inputs, batch_targets(batch), temperature)
-            return scores.logps.detach()
+        if ORDINAL_KEY not in batch:
+            return self.trainer.logprobs.target_logprobs(model, inputs, batch_targets(batch), temperature).logps.detach()
         ring = self.trainer.context_parallel
         ring.check_layout(inputs)
-        scores = self.trainer.logprobs.target_logprobs(model, inputs, batch["shift_labels"], temperature, shifted=True)
+        scores = self.trainer.logprobs.target_logprobs(model, inputs, batch_targets(batch), temperature)
         return ring.whole_order(scores.logps, ring.target_ordinals(batch, scores.targets), int(ring.batch_targets))
 
 
