@@ -130,23 +130,27 @@ class SFTTrainer(LeantuneTrainer):
             return (loss, outputs) if return_outputs else loss
         # Liger's kernel gives no entropies: on its path the entropy metric is not logged (noted in __init__)
         liger = self.logprobs.liger_head_runs(model)
+        local_count = (labels != IGNORE_INDEX).sum() if shifted is not None else count_targets(labels)
+        metrics = {}
         if self.args.loss_type == "nll" and self.logprobs.fused_nll_runs(model):  # Liger's summed NLL (CUDA)
             loss_sum, accuracy, _, outputs = self.logprobs.target_nll_sum(model, inputs, labels,
                                                                           shifted=shifted is not None)
             if accuracy is not None:
-                self.run_metrics.record(model, mean_token_accuracy=accuracy.reshape(1))
+                metrics["mean_token_accuracy"] = accuracy
         else:
-            metrics = {}
             scores = self.logprobs.target_logprobs(model, inputs, labels, with_entropy=not liger, stats=("top1",),
                                                    shifted=shifted is not None)
             logps, top1, outputs = scores.logps, scores.stats["top1"], scores.outputs
             if scores.entropy is not None:
-                metrics["entropy"] = scores.entropy.mean().reshape(1)
+                metrics["entropy"] = scores.entropy.mean()
             token_loss = -logps
             if self.args.loss_type == "dft":  # DFT (arXiv 2508.05629): the NLL times the token's own probability
                 token_loss = token_loss * logps.detach().exp()
             loss_sum = token_loss.sum()
-            self.run_metrics.record(model, **metrics, mean_token_accuracy=top1.float().mean().reshape(1))
-        local_count = (labels != IGNORE_INDEX).sum() if shifted is not None else count_targets(labels)
+            metrics["mean_token_accuracy"] = top1.float().mean()
+        if shifted is not None:  # each process's means over its part of every sequence -> the whole batch's
+            metrics = self.context_parallel.whole_means(metrics, int(local_count))
+        if metrics:
+            self.run_metrics.record(model, **{name: value.reshape(1) for name, value in metrics.items()})
         loss = self.normalise(loss_sum, local_count, num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
