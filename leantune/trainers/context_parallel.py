@@ -386,6 +386,8 @@ class ContextParallelism:
                                  buffer_seq_dims=[1] * len(buffers), no_restore_buffers=set(buffers)), inputs
 
     def _lay_out_shared_row(self, inputs: dict, pad: int):
+        """A shared-prompt row: not through the ring (a completion attends to another segment, its prompt) but
+        split alike, its attention over the group's gathered keys and values (online/shared_prompt_ring.py)."""
         from .online.shared_prompt_ring import lay_out_shared_row
 
         mesh = self.accelerator.torch_device_mesh["cp"]

@@ -90,7 +90,7 @@ def is_shared(batch: dict) -> bool:
 
 
 def batch_targets(batch: dict) -> Targets:
-    """The targets of a scored micro-batch: the shared layout's own, its `shift_labels` (laid out for the ring) or labels'."""
+    """A scored micro-batch's targets: a shared row's own, else its `shift_labels` (laid out for the ring) or `labels`."""
     if "shift_labels" in batch:
         return select_targets(batch["shift_labels"], shifted=True)
     if not is_shared(batch):
