@@ -13,7 +13,9 @@ backward. Batching a group's branches in one call would attend over every branch
 masked), and a prompt-then-branch split needs two calls and a log-sum-exp merge that SDPA does not expose. Measured
 on CPU (one thread, 4 heads of 64, forward + backward): a 160:160 branch 4.1 ms against 6.4 ms for its unshared
 causal row, 256:64 2.0 against 6.9 ms, 64:256 5.8 against 6.4 ms (the upper triangle of the branch's own block is
-computed and masked).
+computed and masked). Each branch's call is recomputed in the backward (`recomputed`): SDPA would otherwise keep its
+cat(prompt, branch) keys and values, the prompt's G times per layer. Under context parallelism a shared row takes
+the all-gather form instead (`gathered_segment_attention`, trainers/online/shared_prompt_ring.py).
 """
 
 from __future__ import annotations
