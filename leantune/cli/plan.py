@@ -188,15 +188,21 @@ def _run(argv: list[str], started: float) -> int:
     _quiet_progress_bars()  # the search prepares the same data again: its bars once are enough
     nothing_fits = None
     if budget is not None:
-        from ..planning.recommend import as_configured, micro_batch_group, recommend
+        from ..planning.recommend import Candidate, Recommendation, as_configured, micro_batch_group, recommend
 
         pieces = _round_pieces(plan, budget, config, plan_args.solve)
         configured = plan if not pieces else plan.with_generation_batch(pieces["max_completions_per_generate"])
-        recommendation = recommend(plan, budget, model_args.model_name_or_path, train, trainer_class,
-                                   peft_config_from(model_args), plan_args, {**fields, **rewards, **pieces}, tokenizer,
-                                   group=micro_batch_group(config), keep=_kept_on_cpu(config, device),
-                                   known=as_configured(config, configured) if plan_args.rank == 0 else None,
-                                   least=True)
+        if pieces and configured.device_total_bytes <= budget:  # as a run sizing itself: the pieces were all it took
+            print("the run as configured fits with its round in pieces: nothing else changes (as with --memory_budget "
+                  "on the run)")
+            run = Candidate({**fields, **pieces}, 1.0, configured.peak_bytes, configured.device_total_bytes)
+            recommendation = Recommendation(budget, [run], run)
+        else:
+            recommendation = recommend(plan, budget, model_args.model_name_or_path, train, trainer_class,
+                                       peft_config_from(model_args), plan_args, {**fields, **rewards, **pieces},
+                                       tokenizer, group=micro_batch_group(config), keep=_kept_on_cpu(config, device),
+                                       known=as_configured(config, configured) if plan_args.rank == 0 else None,
+                                       least=True)
         print("\n".join(recommendation.lines()))
         if recommendation.chosen is None:
             nothing_fits = _nothing_fits(recommendation, configured)

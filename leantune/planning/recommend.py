@@ -216,11 +216,18 @@ def most_frugal(ranked: list[Candidate]) -> Candidate | None:
 
 
 def _plan(candidate, model, train_dataset, trainer_class, peft_config, processing_class, plan_args):
+    """A candidate's plan. Its generation pieces are figured from the whole round's plan (generation_batch.py: the
+    update steps are the same, the round's memory per sequence), not traced: tracing each piece's generate call
+    costs a plan several times over, for the same numbers."""
     from .planner import plan_memory
 
-    return plan_memory(model, train_dataset, trainer_class, peft_config=peft_config, processing_class=processing_class,
-                       num_processes=plan_args.num_processes, engine=plan_args.engine,
-                       device=plan_args.device or plan_args.memory_budget, measured_step=False, **candidate.fields)
+    fields = {k: v for k, v in candidate.fields.items() if k != PIECES}
+    planned = plan_memory(model, train_dataset, trainer_class, peft_config=peft_config,
+                          processing_class=processing_class, num_processes=plan_args.num_processes,
+                          engine=plan_args.engine, device=plan_args.device or plan_args.memory_budget,
+                          measured_step=False, **fields)
+    pieces = candidate.fields.get(PIECES)
+    return planned if pieces is None or planned.generation is None else planned.with_generation_batch(pieces)
 
 
 def _record(candidate: Candidate, planned) -> None:
