@@ -186,16 +186,28 @@ def _run(argv: list[str], started: float) -> int:
         print("\n".join(_solved_completion_length(plan, budget, config, fields, planned,
                                                    model_args.model_name_or_path).lines()))
     _quiet_progress_bars()  # the search prepares the same data again: its bars once are enough
+    nothing_fits = None
     if budget is not None:
-        from ..planning.recommend import micro_batch_group, recommend
+        from ..planning.recommend import Candidate, Recommendation, as_configured, micro_batch_group, recommend
 
-        searched = {**fields, **rewards, **_round_pieces(plan, budget, config, plan_args.solve)}
-        recommendation = recommend(plan, budget, model_args.model_name_or_path, train, trainer_class,
-                                   peft_config_from(model_args), plan_args, searched, tokenizer,
-                                   group=micro_batch_group(config))
+        pieces = _round_pieces(plan, budget, config, plan_args.solve)
+        configured = plan if not pieces else plan.with_generation_batch(pieces["max_completions_per_generate"])
+        if pieces and configured.device_total_bytes <= budget:  # as a run sizing itself: the pieces were all it took
+            print("the run as configured fits with its round in pieces: nothing else changes (as with --memory_budget "
+                  "on the run)")
+            run = Candidate({**fields, **pieces}, 1.0, configured.peak_bytes, configured.device_total_bytes)
+            recommendation = Recommendation(budget, [run], run)
+        else:
+            recommendation = recommend(plan, budget, model_args.model_name_or_path, train, trainer_class,
+                                       peft_config_from(model_args), plan_args, {**fields, **rewards, **pieces},
+                                       tokenizer, group=micro_batch_group(config), keep=_kept_on_cpu(config, device),
+                                       known=as_configured(config, configured) if plan_args.rank == 0 else None,
+                                       least=True)
         print("\n".join(recommendation.lines()))
-        suggestion = _max_length_suggestion(recommendation, plan, budget, model_args, plan_args, train, trainer_class,
-                                            config_class, fields, tokenizer)
+        if recommendation.chosen is None:
+            nothing_fits = _nothing_fits(recommendation, configured)
+        suggestion = None if method.online else _max_length_suggestion(  # online: prompts, --solve instead
+            recommendation, plan, budget, model_args, plan_args, train, trainer_class, config_class, fields, tokenizer)
         if suggestion is not None:
             print("\n".join(suggestion.lines()))
         qlora = _qlora_suggestion(recommendation, plan, budget, model_args, plan_args, train, trainer_class,
@@ -207,6 +219,8 @@ def _run(argv: list[str], started: float) -> int:
             json.dump(plan.to_dict(), handle, indent=2, default=str)
         print(f"written: {plan_args.plan_json}", file=sys.stderr)
     print(f"planned in {time.perf_counter() - started:.1f} s")
+    if nothing_fits is not None:
+        raise UsageError(nothing_fits)
     return 0
 
 
@@ -243,16 +257,50 @@ def _solved_completion_length(plan, budget, config, fields, planned, model):
 
 def _round_pieces(plan, budget, config, solve) -> dict:
     """As a run sizing itself does (planning/self_sizing.py): where transformers' generation round is what exceeds
-    the budget, the search plans its candidates with the round generated in the largest pieces that fit."""
+    the budget, the search plans its candidates with the round generated in the largest pieces that fit; where not
+    even one prompt group per call fits, no candidate can (one line, exit 2)."""
     from ..planning.generation_batch import pieces_for_budget
 
     pieces = pieces_for_budget(plan, budget, getattr(config, "num_generations", 1))
-    if pieces is None or pieces.size is None:
+    if pieces is None:
         return {}
     if solve != "max_completions_per_generate":
         print("\n".join(pieces.lines()))
+    if pieces.size is None:
+        raise UsageError(f"--memory_budget {_size(budget)}: the generation round does not fit even one prompt group "
+                         f"({pieces.group} completions) per generate call ({_size(pieces.next_total)} on the device); "
+                         f"a shorter --max_completion_length fits sooner (--solve max_completion_length finds the "
+                         f"longest).")
     print(f"the candidates below generate the round in pieces: --max_completions_per_generate {pieces.size}")
     return {"max_completions_per_generate": pieces.size}
+
+
+def _kept_on_cpu(config, device):
+    """Planned for this machine's CPU, the search keeps the run's own activation offloading, as a CPU run sizing
+    itself does (planning/self_sizing.py): there is nothing to offload to, so it would be a slower step that saves
+    nothing."""
+    if device != "cpu":
+        return None
+    return lambda candidate: bool(candidate.fields.get("activation_offloading")) == bool(config.activation_offloading)
+
+
+def _nothing_fits(recommendation, configured) -> str:
+    """The one line of `leantune plan --memory_budget` when no candidate fits: the budget and the least need."""
+    from ..planning.recommend import VARIED
+
+    least = recommendation.least()
+    smallest = "" if least is None else (
+        f"; the least a candidate needs is {_size(least.total_bytes)} on the device, with " +
+        ", ".join(f"{k}={v}" for k, v in sorted(least.fields.items()) if k in VARIED))
+    return (f"--memory_budget {_size(recommendation.budget)}: no configuration that learns the same thing fits"
+            f"{smallest} (as configured: {_size(configured.device_total_bytes)}); what changes what is learned "
+            f"(a shorter length, LoRA, QLoRA) or more processes with a sharding engine is needed.")
+
+
+def _size(size: int) -> str:
+    from ..planning.recommend import _size as size_words
+
+    return size_words(size)
 
 
 def _quiet_progress_bars() -> None:

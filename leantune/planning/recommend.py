@@ -5,7 +5,10 @@ normalisation), gradient checkpointing, activation offloading, the chunked loss'
 micro-batch x accumulation for the same global batch. What may not: the model, the data, the loss, LoRA or full training, the learning schedule.
 
 Candidates are ranked by an expected relative step time (`relative_time`, stated rules, docs/plan.md) and planned in
-that order; the first whose device total fits is the answer. Every candidate planned is printed with its peak.
+that order; the first whose device total fits is the answer. Every candidate planned is printed with its peak. A
+candidate whose plan is known already (the run's own configuration) costs nothing, and when it fits only the faster
+ones are planned. The search plans at most `limit` candidates and says so when it stops there; with `least`, the most
+frugal candidate is planned too when nothing else fitted, so that "none fits" names the least the run can need.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ def _size(size: int) -> str:
 
 VARIED = ("gradient_checkpointing", "activation_offloading", "per_device_train_batch_size",
           "gradient_accumulation_steps", "steps_per_generation", "packing", "padding_free", "loss_chunk_size")
+PIECES = "max_completions_per_generate"  # set before the search when the generation round is over (generation_batch.py)
 
 
 @dataclass
@@ -51,15 +55,28 @@ class Recommendation:
     budget: int
     considered: list[Candidate] = field(default_factory=list)
     chosen: Candidate | None = None
+    limit: int | None = None  # the search's limit on plans, where it stopped there
+    unplanned: int = 0  # candidates faster than the answer (or, with none, any) left unplanned at the limit
+
+    def least(self) -> Candidate | None:
+        """The planned candidate that needs the least on the device."""
+        return min((c for c in self.considered if c.total_bytes is not None), key=lambda c: c.total_bytes,
+                   default=None)
 
     def lines(self) -> list[str]:
         out = [f"memory budget {_size(self.budget)}: candidates that learn the same thing, fastest first"]
         out += [candidate.line() for candidate in self.considered]
+        if self.limit is not None:
+            out.append(f"the search stopped at its limit of {self.limit} plans: {self.unplanned} candidate(s) "
+                       f"{'faster than the one recommended ' if self.chosen else ''}were not planned")
         if self.chosen is None:
-            out.append("none fits: a smaller model, LoRA, or more processes with a sharding engine is needed")
+            least = self.least()
+            need = "" if least is None else f" (the least planned need: {_size(least.total_bytes)})"
+            out.append(f"none fits{need}: a smaller model, LoRA, or more processes with a sharding engine is needed")
         else:
             out.append("recommended (fits, expected fastest):")
-            out += [f"  --{k} {v}" for k, v in sorted(self.chosen.fields.items()) if k in VARIED]
+            out += [f"  --{k} {v}" for k, v in sorted(self.chosen.fields.items())
+                    if k in VARIED or (k == PIECES and v is not None)]
         return out
 
 
@@ -72,6 +89,24 @@ def micro_batch_group(args) -> int:
     completions, steps = plan(1)
     per_row = completions // (args.per_device_train_batch_size * steps)  # Online DPO: 2 completions per prompt row
     return max(1, args.num_generations // max(1, per_row))
+
+
+def current_value(config, name: str):
+    """A varied field's value in a run's config (checkpointing under whichever name transformers reads)."""
+    if name == "gradient_checkpointing":
+        from ..trainers.config_utils import checkpointing_setting
+
+        return checkpointing_setting(config)[0]
+    return getattr(config, name, None)
+
+
+def as_configured(config, planned):
+    """`known` for `recommend`: the plan already made of the run as `config` sets it, for the candidate that is it."""
+    def known(candidate: Candidate):
+        same = all(value == current_value(config, name) for name, value in candidate.fields.items() if name in VARIED)
+        return planned if same else None
+
+    return known
 
 
 def candidates(method: str, fields: dict, vocab_size: int | None = None, group: int = 1) -> list[Candidate]:
@@ -117,34 +152,86 @@ def candidates(method: str, fields: dict, vocab_size: int | None = None, group: 
 
 
 def recommend(plan, budget: int, model, train_dataset, trainer_class, peft_config, plan_args, fields: dict,
-              processing_class=None, limit: int = 8, group: int = 1, keep=None, known=None) -> Recommendation:
+              processing_class=None, limit: int = 8, group: int = 1, keep=None, known=None,
+              least: bool = False) -> Recommendation:
     """Plan candidates fastest first until one fits (at most `limit` planned). `group`: see `candidates`; `keep`: a
     test a candidate must pass to be planned (a run sizing itself keeps its own packing, planning/self_sizing.py);
-    `known`: candidate -> its plan when already made (the run's own configuration), else None."""
-    from .planner import model_config_of, plan_memory
+    `known`: candidate -> its plan when already made (the run's own configuration), else None; `least`: when none
+    planned fits, plan the most frugal too (it is the answer if it fits; if it is known and over, nothing is planned)."""
+    from .planner import model_config_of
 
     result = Recommendation(budget)
     vocab_size = getattr(model_config_of(model).get_text_config(), "vocab_size", None)
     ranked = [c for c in candidates(plan.method, fields, vocab_size, group) if keep is None or keep(c)]
-    for candidate in ranked[:limit * 4]:
-        if len(result.considered) >= limit:
-            break
-        try:
-            planned = known(candidate) if known is not None else None
-            planned = planned or plan_memory(
-                model, train_dataset, trainer_class, peft_config=peft_config, processing_class=processing_class,
-                num_processes=plan_args.num_processes, engine=plan_args.engine,
-                device=plan_args.device or plan_args.memory_budget, measured_step=False, **candidate.fields)
-        except ValueError as error:
-            candidate.error = str(error).splitlines()[0][:120]
-            result.considered.append(candidate)
-            continue
-        candidate.peak_bytes, candidate.total_bytes = planned.peak_bytes, planned.device_total_bytes
+    plans = {id(c): known(c) for c in ranked} if known is not None else {}
+    frugal = most_frugal(ranked) if least else None
+    if frugal is not None and plans.get(id(frugal)) is not None and plans[id(frugal)].device_total_bytes > budget:
+        _record(frugal, plans[id(frugal)])  # the run already saves all a candidate can: nothing fits
+        result.considered.append(frugal)
+        return result
+    bound = next((c for c in ranked if plans.get(id(c)) and plans[id(c)].device_total_bytes <= budget), None)
+    made = 0
+    for index, candidate in enumerate(ranked):
+        planned = plans.get(id(candidate))
+        if planned is None and candidate is not bound and made >= limit:
+            faster = ranked[index:ranked.index(bound)] if bound is not None else ranked[index:]
+            result.limit, result.unplanned = limit, sum(plans.get(id(c)) is None for c in faster)
+            candidate = bound
+            if bound is None:
+                break
+            planned = plans[id(bound)]
+        if planned is None:
+            made += 1
+            try:
+                planned = _plan(candidate, model, train_dataset, trainer_class, peft_config, processing_class,
+                                plan_args)
+            except ValueError as error:
+                candidate.error = str(error).splitlines()[0][:120]
+                result.considered.append(candidate)
+                continue
+        _record(candidate, planned)
         result.considered.append(candidate)
         if candidate.total_bytes <= budget:
             result.chosen = candidate
             break
+    if result.chosen is None and frugal is not None and all(c is not frugal for c in result.considered):
+        try:
+            _record(frugal, _plan(frugal, model, train_dataset, trainer_class, peft_config, processing_class,
+                                  plan_args))
+        except ValueError as error:
+            frugal.error = str(error).splitlines()[0][:120]
+        result.considered.append(frugal)
+        if frugal.total_bytes is not None and frugal.total_bytes <= budget:
+            result.chosen = frugal
     return result
 
 
-__all__ = ["Candidate", "Recommendation", "candidates", "micro_batch_group", "recommend", "MIB"]
+def most_frugal(ranked: list[Candidate]) -> Candidate | None:
+    """The candidate that saves the most (checkpointing, offloading, the smallest micro-batch and loss chunk, no
+    padding): if it does not fit, nothing does, and its peak is the least this run can need."""
+    return min(ranked, default=None, key=lambda c: (
+        not c.fields["gradient_checkpointing"], not c.fields["activation_offloading"],
+        c.fields["per_device_train_batch_size"], c.fields.get("loss_chunk_size") or 1 << 40,
+        not (c.fields.get("packing") or c.fields.get("padding_free"))))
+
+
+def _plan(candidate, model, train_dataset, trainer_class, peft_config, processing_class, plan_args):
+    """A candidate's plan. Its generation pieces are figured from the whole round's plan (generation_batch.py: the
+    update steps are the same, the round's memory per sequence), not traced: tracing each piece's generate call
+    costs a plan several times over, for the same numbers."""
+    from .planner import plan_memory
+
+    fields = {k: v for k, v in candidate.fields.items() if k != PIECES}
+    planned = plan_memory(model, train_dataset, trainer_class, peft_config=peft_config,
+                          processing_class=processing_class, num_processes=plan_args.num_processes,
+                          engine=plan_args.engine, device=plan_args.device or plan_args.memory_budget,
+                          measured_step=False, **fields)
+    pieces = candidate.fields.get(PIECES)
+    return planned if pieces is None or planned.generation is None else planned.with_generation_batch(pieces)
+
+
+def _record(candidate: Candidate, planned) -> None:
+    candidate.peak_bytes, candidate.total_bytes = planned.peak_bytes, planned.device_total_bytes
+
+
+__all__ = ["Candidate", "Recommendation", "candidates", "as_configured", "current_value", "micro_batch_group", "most_frugal", "recommend", "MIB"]

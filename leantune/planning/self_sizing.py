@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import torch
 
 from .devices import CUDA_CONTEXT_BYTES, GIB, GPUS, MIB, parse_budget
-from .recommend import VARIED, Candidate, Recommendation, micro_batch_group, recommend
+from .recommend import VARIED, Candidate, Recommendation, as_configured, current_value, micro_batch_group, recommend
 
 logger = logging.getLogger("leantune.plan")
 
@@ -99,23 +99,15 @@ def fit_to_budget(trainer_class, model, args, train_dataset, processing_class=No
             fields["max_completions_per_generate"] = fit.pieces.size
         keep, group = _keeps_run(args, on_cuda), micro_batch_group(args)
 
-        def known(candidate):  # the run's own configuration is planned already
-            same = all(candidate.fields[name] == current_value(args, name) for name in VARIED if name in candidate.fields)
-            return planned if same else None
-
-        frugal = _most_frugal(planned.method, source, fields, group, keep)
+        known = as_configured(args, planned)
         if planned.device_total_bytes <= budget:  # the round in pieces was all it took
             run = Candidate(fields, 1.0, planned.peak_bytes, planned.device_total_bytes)
             fit.recommendation = Recommendation(budget, [run], run)
-        elif frugal is not None and known(frugal) is not None:  # the run already saves all it can: nothing fits
-            frugal.peak_bytes, frugal.total_bytes = planned.peak_bytes, planned.device_total_bytes
-            fit.recommendation = Recommendation(budget, [frugal])
-        else:
+        else:  # the most frugal planned too when nothing faster fits (it is the run itself: nothing more is planned)
             search = SimpleNamespace(num_processes=1, engine="ddp", device=device, memory_budget=None)
             fit.recommendation = recommend(planned, budget, source, train_dataset, trainer_class, peft_config,
-                                           search, fields, processing_class, group=group, keep=keep, known=known)
-            if fit.chosen is None and frugal is not None:
-                _plan_most_frugal(fit, frugal, source, train_dataset, trainer_class, peft_config, processing_class)
+                                           search, fields, processing_class, group=group, keep=keep, known=known,
+                                           least=True)
     if fit.chosen is None:
         raise ValueError(_nothing_fits(fit))
     sized, fit.changes = changed_config(args, fit.chosen.fields)
@@ -180,15 +172,6 @@ def _keeps_run(args, on_cuda: bool):
     return keep
 
 
-def current_value(args, name: str):
-    """A varied field's value in the run's config (checkpointing under whichever name transformers reads)."""
-    if name == "gradient_checkpointing":
-        from ..trainers.config_utils import checkpointing_setting
-
-        return checkpointing_setting(args)[0]
-    return getattr(args, name, None)
-
-
 def changed_config(args, fields: dict):
     """(a copy of `args` with the search's varied fields set from `fields`, {name: (old, new)} of those that
     differ). The user's config object is left as it was."""
@@ -209,43 +192,8 @@ def changed_config(args, fields: dict):
     return sized, changes
 
 
-def _most_frugal(method, source, fields, group, keep) -> Candidate | None:
-    """The candidate that saves the most (checkpointing, offloading, the smallest micro-batch and loss chunk, no
-    padding): if it does not fit, nothing does, and its peak is the least this run can need."""
-    from .planner import model_config_of
-    from .recommend import candidates
-
-    vocab_size = getattr(model_config_of(source).get_text_config(), "vocab_size", None)
-    kept = [c for c in candidates(method, fields, vocab_size, group) if keep(c)]
-    return min(kept, default=None, key=lambda c: (
-        not c.fields["gradient_checkpointing"], not c.fields["activation_offloading"],
-        c.fields["per_device_train_batch_size"], c.fields.get("loss_chunk_size") or 1 << 40,
-        not (c.fields.get("packing") or c.fields.get("padding_free"))))
-
-
-def _plan_most_frugal(fit, frugal, source, train_dataset, trainer_class, peft_config, processing_class):
-    """When no candidate the search planned fits, the most frugal is planned too (unless it was): the error names the
-    least this run can need, or it fits after all (slowest, but the search stopped at its limit before it)."""
-    from .planner import plan_memory
-
-    if any(c.fields == frugal.fields for c in fit.recommendation.considered):
-        return
-    try:
-        planned = plan_memory(source, train_dataset, trainer_class, peft_config=peft_config,
-                              processing_class=processing_class, device=fit.device, measured_step=False,
-                              **frugal.fields)
-    except ValueError as error:
-        frugal.error = str(error).splitlines()[0][:120]
-    else:
-        frugal.peak_bytes, frugal.total_bytes = planned.peak_bytes, planned.device_total_bytes
-    fit.recommendation.considered.append(frugal)
-    if frugal.total_bytes is not None and frugal.total_bytes <= fit.budget:
-        fit.recommendation.chosen = frugal
-
-
 def _nothing_fits(fit: BudgetFit) -> str:
-    planned = [c for c in fit.recommendation.considered if c.total_bytes is not None]
-    least = min(planned, key=lambda c: c.total_bytes, default=None)
+    least = fit.recommendation.least()
     smallest = "" if least is None else (
         f"; the smallest planned peak is {_size(least.total_bytes)}, with " +
         ", ".join(f"{k}={v}" for k, v in sorted(least.fields.items()) if k in VARIED))

@@ -18,6 +18,8 @@ from leantune.planning import plan_memory
 from ..fixtures.data import gsm8k_prompt_completion
 from ..fixtures.models import tiny_model
 
+MIB = 1 << 20
+
 
 class _Losses(TrainerCallback):
     def __init__(self):
@@ -104,6 +106,12 @@ def test_nothing_fits_is_one_line_naming_the_flag_and_the_least_the_run_needs(to
     # the run saves all it can already (checkpointing on, micro-batch 1, no candidate saves more): its own peak
     assert "the smallest planned peak is" in err[0] and "gradient_checkpointing=True" in err[0]
     assert not (tmp_path / "out").exists()  # nothing trained or written
+    # `leantune plan` with the same flags: the run is its own most frugal candidate (known), so nothing more is planned
+    plan_argv = ["plan", *argv[1:argv.index("--use_cpu")]]
+    assert main(plan_argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("leantune plan: error: --memory_budget 1.0 MiB: no configuration")
+    assert "the least a candidate needs is" in err[0] and "gradient_checkpointing=True" in err[0]
     auto = [*argv[:argv.index("--memory_budget")], "--memory_budget", "auto", "--use_cpu", "true"]
     assert main(auto) == 2  # a CPU run: its config refuses `auto` (CUDA's free memory) before any data loads
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("leantune sft: error:")]
@@ -127,10 +135,11 @@ def test_online_candidates_keep_whole_groups_and_the_same_round():
         assert f["per_device_train_batch_size"] * f["steps_per_generation"] == 32  # the same generation round
 
 
-def test_an_online_round_over_its_budget_is_generated_in_pieces_and_trains_as_set_by_hand(caplog):
+def test_an_online_round_over_its_budget_is_generated_in_pieces_and_trains_as_set_by_hand(caplog, capsys, tmp_path):
     """GRPO whose generation round (16 completions per call) exceeds a budget its update step fits: the run sizes
     itself by generating the round 4 completions (one prompt group) per call, the largest piece that fits, says so
-    and why, keeps the round and the global batch, and trains exactly as the same piece set by hand (same seed)."""
+    and why, keeps the round and the global batch, and trains exactly as the same piece set by hand (same seed).
+    `leantune plan --memory_budget` with the run's flags recommends that same configuration."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from leantune import GRPOTrainer
@@ -176,9 +185,38 @@ def test_an_online_round_over_its_budget_is_generated_in_pieces_and_trains_as_se
     blocks = [r.getMessage() for r in caplog.records if r.getMessage().startswith("memory_budget ")]
     assert len(blocks) == 1 and "  max_completions_per_generate: None -> 4" in blocks[0].splitlines()
     assert "generation round was over the budget" in blocks[0] and "same in distribution" in blocks[0]
+    _plan_command_agrees(sized, plan, budget, config, tokenizer, prompts, tmp_path, capsys)
     # the same piece by hand, the same seed: the same pieces draw the same tokens, so the losses and weights are
     # equal to the bit (nothing differs between the runs)
     reference, reference_losses = run(max_completions_per_generate=4)
     assert len(losses) == 2 and losses == reference_losses
     for (name, a), b in zip(sized.model.named_parameters(), reference.model.parameters()):
         assert torch.equal(a, b), name
+
+
+def _plan_command_agrees(sized, plan, budget, config, tokenizer, prompts, tmp_path, capsys):
+    """The command plans the run as configured (its round over the budget), then, as the run does, generates the round
+    in pieces and finds that all it takes: no candidate is planned (it once searched 8 candidates without the run's
+    checkpointing and said none fits)."""
+    from leantune.cli.main import main
+
+    config.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    prompts.to_json(tmp_path / "prompts.jsonl")
+    capsys.readouterr()
+    assert main(["plan", "--method", "grpo", "--model_name_or_path", str(tmp_path / "model"), "--dataset_name",
+                 str(tmp_path / "prompts.jsonl"), "--num_generations", "4", "--max_completion_length", "8",
+                 "--per_device_train_batch_size", "4", "--steps_per_generation", "4", "--gradient_checkpointing",
+                 "true", "--memory_budget", f"{budget}B"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "the candidates below generate the round in pieces: --max_completions_per_generate 4" in out
+    chosen = plan.with_generation_batch(4)  # the run as configured, in pieces: the run's choice and the command's
+    assert sized.memory_budget_fit.chosen.total_bytes == chosen.device_total_bytes <= budget
+    searched = [line for line in out if line.startswith("  time x")]
+    assert len(searched) == 1 and f"peak {chosen.peak_bytes / MIB:.1f} MiB" in searched[0]
+    recommended = out[out.index("recommended (fits, expected fastest):") + 1:]
+    flags = dict(line.split() for line in recommended if line.startswith("  --"))
+    assert flags["--max_completions_per_generate"] == "4" and flags["--gradient_checkpointing"] == "True"
+    for flag, value in flags.items():  # the configuration the run sized itself to, flag for flag
+        assert str(getattr(sized.args, flag[2:])) == value, flag
+    assert not {"--padding_free", "--activation_offloading"} & set(flags)  # what the run kept, the command keeps
