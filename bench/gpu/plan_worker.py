@@ -32,6 +32,7 @@ class PlanJob:
     peft_config: object = None
     quantized: bool = False
     reward_funcs: object = None
+    measured_step: bool = True  # False for a one-row plan: the trainer's own step 2 is its one batch traced again
 
 
 @dataclass
@@ -149,7 +150,7 @@ def serve(settings, jobs, done) -> None:
         started = time.perf_counter()
         try:
             figures = plan_peak(settings, job.shape, tok, job.train_rows, job.method, job.fields, job.peft_config,
-                                job.quantized, job.reward_funcs)
+                                job.quantized, job.reward_funcs, job.measured_step)
         except Exception as error:  # noqa: BLE001 - a plan's failure is reported; the row's numbers stand
             figures = {"plan_error": error_record(error)["error"],
                        "plan_seconds": round(time.perf_counter() - started, 1)}
