@@ -340,7 +340,7 @@ def train_measured(settings: Settings, trainer, model) -> dict:
 
 
 def plan_peak(settings: Settings, shape: str, tok, train_rows, method: str, fields: dict, peft_config=None,
-              quantized: bool = False, reward_funcs=None) -> dict:
+              quantized: bool = False, reward_funcs=None, measured_step: bool = True) -> dict:
     """The planner's step peak for the same run (leantune.plan_memory on the config: no weights). The kit builds its
     models in `settings.dtype`; the planner, like the trainers, reads a model given as a config in float32 unless
     `model_init_kwargs` names the dtype (without it a bf16 row's plan was the fp32 figure: 24.7 GiB planned against
@@ -356,7 +356,8 @@ def plan_peak(settings: Settings, shape: str, tok, train_rows, method: str, fiel
         fields["model_init_kwargs"] = {"dtype": settings.dtype_name}
     started = time.perf_counter()
     plan = plan_memory(model_config(shape, tok, settings.dry), dataset(train_rows), method, processing_class=tok,
-                       peft_config=peft_config, reward_funcs=reward_funcs, max_batches=1, **fields)
+                       peft_config=peft_config, reward_funcs=reward_funcs, max_batches=1, measured_step=measured_step,
+                       **fields)
     return {"plan_peak_gib": plan.peak_bytes / GIB, "plan_seconds": round(time.perf_counter() - started, 1)}
 
 

@@ -32,6 +32,7 @@ class PlanJob:
     peft_config: object = None
     quantized: bool = False
     reward_funcs: object = None
+    measured_step: bool = True  # False for a one-row plan: the trainer's own step 2 is its one batch traced again
 
 
 @dataclass
@@ -141,15 +142,20 @@ def serve(settings, jobs, done) -> None:
 
     quiet()
     tok = tokenizer()
+    import gc
+
+    gc.collect()  # the imports out of the collector's full scans: each traced step's train() runs one (accelerate's
+    gc.freeze()  # free_memory), ~0.3 s over them (kit.py's import_then_freeze does the same in the kit's process)
     while True:
         item = jobs.get()
         if item is None:
+            gc.unfreeze()  # the exit's own collection as before (frozen objects left to it make nanobind report leaks)
             return
         job_id, job = item
         started = time.perf_counter()
         try:
             figures = plan_peak(settings, job.shape, tok, job.train_rows, job.method, job.fields, job.peft_config,
-                                job.quantized, job.reward_funcs)
+                                job.quantized, job.reward_funcs, job.measured_step)
         except Exception as error:  # noqa: BLE001 - a plan's failure is reported; the row's numbers stand
             figures = {"plan_error": error_record(error)["error"],
                        "plan_seconds": round(time.perf_counter() - started, 1)}
