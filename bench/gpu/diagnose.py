@@ -255,12 +255,53 @@ def long_context(settings: Settings, tok, scratch: Path, report: dict, lengths: 
     free_memory()
 
 
+def shared_prompt(settings: Settings, tok, report: dict, budget_s: float = 90.0) -> None:
+    """GRPO's update step per layout (bench/shared_prompt.py's `measure`, on CUDA in bf16, checkpointing on):
+    Qwen2.5-1.5B's shape at prompt:completion:G rows, each layout on fresh weights of seed 0."""
+    import importlib.util
+
+    from bench.shared_prompt import MODES, TRL, gsm8k_tokens, measure
+
+
+    rows = ["24:16:4", "8:16:4"] if settings.dry else ["1024:256:16", "64:256:16", "256:256:16"]
+    modes = [m for m in MODES if m != TRL or importlib.util.find_spec("trl") is not None]
+    deadline = time.monotonic() + budget_s
+    for spec in rows:
+        prompt_length, completion_length, group = (int(v) for v in spec.split(":"))
+        prompt, completions = gsm8k_tokens(tok, prompt_length, completion_length, group)
+        measured = report.setdefault(spec, {})
+        for mode in modes:
+            if time.monotonic() > deadline:
+                report.setdefault("skipped", []).append(f"{spec} {mode}: out of time")
+                continue
+            try:
+                model = build_model(settings, "qwen2.5-1.5b", tok)
+                measured[mode] = measure(mode, prompt, completions, 3, checkpointing=True, model=model,
+                                         tokenizer=tok, cuda=not settings.dry)
+            except Exception as error:  # noqa: BLE001 - one layout failing (an OOM) must not hide the others
+                measured[mode] = {"error": repr(error)[:300]}
+            model = None
+            free_memory()
+            log(settings, f"shared_prompt {spec} {mode}: {measured[mode]}")
+        shared = measured.get("shared", {})
+        for mode, m in measured.items():
+            if mode == "shared" or "seconds" not in m or "seconds" not in shared:
+                continue
+            m["shared_over_this"] = {key: round(shared[key] / m[key], 3)
+                                     for key in ("seconds", "peak_mib", "activations_mib") if m.get(key)}
+            if "loss" in m and mode != TRL:
+                # bf16 keeps 8 bits of mantissa: two layouts' sums in a different order agree to a few units of
+                # 2^-8 of the loss's own size (its terms are of that size); 4 of them, with a floor for a ~0 loss
+                bound = 4 * 2 ** -8 * max(abs(m["loss"]), abs(shared["loss"]), 1e-3)
+                m["loss_agrees_with_shared"] = abs(m["loss"] - shared["loss"]) <= bound
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry", action="store_true")
     parser.add_argument("--out", default=os.environ.get("OUT") or "gpu-results")
     parser.add_argument("--total-s", type=float, default=300.0, help="start no long-context probe after this")
-    parser.add_argument("--parts", default="liger_profile,grpo_split,long_context")
+    parser.add_argument("--parts", default="shared_prompt,liger_profile,grpo_split,long_context")
     parser.add_argument("--lengths", default="65536,131072")
     opts = parser.parse_args(argv)
     settings = Settings(dry=opts.dry, out=Path(opts.out), total_s=opts.total_s)
@@ -273,7 +314,8 @@ def main(argv=None) -> int:
     tok, scratch = tokenizer(), Path(tempfile.mkdtemp(prefix="leantune-diagnose-"))
     results: dict = {"dry": opts.dry}
     lengths = [128, 192] if opts.dry else [int(n) for n in opts.lengths.split(",")]
-    parts = {"liger_profile": lambda r: liger_profile(settings, tok, scratch, r),
+    parts = {"shared_prompt": lambda r: shared_prompt(settings, tok, r),
+             "liger_profile": lambda r: liger_profile(settings, tok, scratch, r),
              "grpo_split": lambda r: grpo_split(settings, tok, scratch, r),
              "long_context": lambda r: long_context(settings, tok, scratch, r, lengths,
                                                     settings.started + settings.total_s, save)}
