@@ -84,6 +84,18 @@ def update_step(trainer, batch):
     return loss
 
 
+def warm_up(trainer, batch) -> float:
+    """The first update step (AdamW's states made); returns its gradient norm. The GRPO loss of an on-policy step
+    is -mean(advantages) whatever the weights (ratio 1), so the gradient is what says two layouts agree."""
+    import torch
+
+    loss_backward(trainer, batch)
+    norm = torch.sqrt(sum(p.grad.float().pow(2).sum() for p in trainer.model.parameters() if p.grad is not None))
+    trainer.optimizer.step()
+    trainer.optimizer.zero_grad(set_to_none=True)
+    return float(norm)
+
+
 def on_device(batch: dict, device) -> dict:
     return {k: v.to(device) if hasattr(v, "to") else v for k, v in batch.items()}
 
@@ -164,7 +176,7 @@ def timed_and_metered(mode: str, trainer, batch, repeats: int, cuda: bool = Fals
 
     if cuda:
         return cuda_timed(mode, trainer, batch, repeats)
-    loss = float(update_step(trainer, batch))  # warm-up (AdamW's states made); the untrained weights' loss
+    grad_norm = warm_up(trainer, batch)
     times, cpu_times = [], []
     for _ in range(repeats):
         start, cpu_start = time.perf_counter(), time.process_time()
@@ -182,18 +194,18 @@ def timed_and_metered(mode: str, trainer, batch, repeats: int, cuda: bool = Fals
     trainer.optimizer.zero_grad(set_to_none=True)
     held = sum(breakdown.parts.get(name, 0) for name in ("parameters", "buffers", "gradients", "optimizer_states"))
     tokens = batch["input_ids"] if "input_ids" in batch else torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
-    return {"mode": mode, "tokens": int(tokens.numel()), "seconds": statistics.median(times), "loss": loss,
+    return {"mode": mode, "tokens": int(tokens.numel()), "seconds": statistics.median(times), "grad_norm": grad_norm,
             "cpu_seconds": statistics.median(cpu_times),
             "peak_mib": breakdown.peak_bytes / MIB, "activations_mib": (breakdown.peak_bytes - held) / MIB,
             "rss_mib": rss_peak / MIB}
 
 
 def cuda_timed(mode: str, trainer, batch, repeats: int) -> dict:
-    """On CUDA: the warm-up's loss (the untrained weights: the same in every layout), the warm steps' median
+    """On CUDA: the warm-up's gradient norm (the untrained weights: the same in every layout), the warm steps' median
     (synchronised), and the peak of one more step over what is held before it (weights, gradients' absence, AdamW)."""
     import torch
 
-    loss = float(update_step(trainer, batch))
+    grad_norm = warm_up(trainer, batch)
     times = []
     for _ in range(repeats):
         torch.cuda.synchronize()
@@ -207,7 +219,7 @@ def cuda_timed(mode: str, trainer, batch, repeats: int) -> dict:
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
     tokens = batch["input_ids"] if "input_ids" in batch else torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
-    return {"mode": mode, "tokens": int(tokens.numel()), "seconds": statistics.median(times), "loss": loss,
+    return {"mode": mode, "tokens": int(tokens.numel()), "seconds": statistics.median(times), "grad_norm": grad_norm,
             "peak_mib": peak / MIB, "activations_mib": (peak - held) / MIB}
 
 
