@@ -3,6 +3,9 @@
     run(command="bash bench/gpu/run.sh --diagnose", carry=["bench/gpu/wheels"], timeout_s=420)
     bash bench/gpu/run.sh --diagnose --dry       # the same code at tiny size on CPU (CUDA-only parts skipped)
 
+0. `shared_prompt`: `shared_prompt=True`'s speed on a GPU (exact and measured on CPU only). GRPO's update step per
+   layout (unshared padded / padding-free / shared / TRL), Qwen2.5-1.5B bf16, checkpointing on, 1024:256:16 and
+   64:256:16 (prompt:completion:G): warm time, peak, activations, shared's ratios, gradient norms agreeing.
 1. `liger_profile`: leantune's Liger row trained at 0.66x TRL's tokens/s (its padded row 0.92x). One warm step of
    each library, Liger and padded, under torch.profiler: the top kernels by device time and the launch count.
 2. `grpo_split`: leantune's GRPO steps took 2.7-10.2 s against TRL's 2.6-3.4 s. Each step's time split into
