@@ -69,20 +69,38 @@ def gsm8k_tokens(tokenizer, prompt_length: int, completion_length: int, group: i
     return prompt[:prompt_length], completions
 
 
-def loss_backward(trainer, batch) -> None:
+def loss_backward(trainer, batch) -> float:
     # TRL's `_prepare_inputs` generates a round; its batch is already what its loss reads
     inputs = trainer._prepare_inputs(dict(batch)) if "prompt_ids" not in batch else dict(batch)
     loss = trainer.compute_loss(trainer.model, inputs, num_items_in_batch=None)
     loss.backward()
+    return loss.detach()
 
 
-def update_step(trainer, batch) -> None:
-    loss_backward(trainer, batch)
+def update_step(trainer, batch):
+    loss = loss_backward(trainer, batch)
     trainer.optimizer.step()
     trainer.optimizer.zero_grad(set_to_none=True)
+    return loss
 
 
-def trl_trainer_and_batch(prompt, completions, checkpointing: bool):
+def warm_up(trainer, batch) -> float:
+    """The first update step (AdamW's states made); returns its gradient norm. The GRPO loss of an on-policy step
+    is -mean(advantages) whatever the weights (ratio 1), so the gradient is what says two layouts agree."""
+    import torch
+
+    loss_backward(trainer, batch)
+    norm = torch.sqrt(sum(p.grad.float().pow(2).sum() for p in trainer.model.parameters() if p.grad is not None))
+    trainer.optimizer.step()
+    trainer.optimizer.zero_grad(set_to_none=True)
+    return float(norm)
+
+
+def on_device(batch: dict, device) -> dict:
+    return {k: v.to(device) if hasattr(v, "to") else v for k, v in batch.items()}
+
+
+def trl_trainer_and_batch(prompt, completions, checkpointing: bool, model=None, tokenizer=None, cuda: bool = False):
     """TRL's GRPOTrainer with the same model, group and settings, and the inputs its own update step reads (one
     prompt repeated G times, left of G completions; no padding: every sequence has the same length)."""
     import torch
@@ -90,12 +108,13 @@ def trl_trainer_and_batch(prompt, completions, checkpointing: bool):
     from trl import GRPOConfig, GRPOTrainer
 
     group = len(completions)
-    tokenizer = load_tokenizer()
-    args = GRPOConfig(output_dir="/tmp/leantune-bench-shared-prompt-trl", use_cpu=True, report_to=[],
+    tokenizer = tokenizer or load_tokenizer()
+    args = GRPOConfig(output_dir="/tmp/leantune-bench-shared-prompt-trl", use_cpu=not cuda, bf16=cuda, report_to=[],
                       save_strategy="no", per_device_train_batch_size=group, num_generations=group,
                       max_completion_length=len(completions[0]), beta=0.0, loss_type="dapo",
                       gradient_checkpointing=checkpointing, disable_tqdm=True, seed=0)
-    trainer = GRPOTrainer(tiny_llama(0, len(tokenizer)), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+    model = model if model is not None else tiny_llama(0, len(tokenizer))
+    trainer = GRPOTrainer(model, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
                           args=args, train_dataset=Dataset.from_dict({"prompt": ["x"]}), processing_class=tokenizer)
     prompt_ids = torch.tensor([prompt] * group)
     completion_ids = torch.tensor(completions)
@@ -106,7 +125,10 @@ def trl_trainer_and_batch(prompt, completions, checkpointing: bool):
     return trainer, batch
 
 
-def measure(mode: str, prompt, completions, repeats: int, checkpointing: bool = False) -> dict:
+def measure(mode: str, prompt, completions, repeats: int, checkpointing: bool = False, model=None, tokenizer=None,
+            cuda: bool = False) -> dict:
+    """`model`/`tokenizer`/`cuda`: the GPU kit's model (bf16 on CUDA, bench/gpu/diagnose.py's `shared_prompt`);
+    left out, the CPU benchmark's tiny Llama and 32k tokenizer in fp32."""
     import torch
     from datasets import Dataset
 
@@ -114,18 +136,20 @@ def measure(mode: str, prompt, completions, repeats: int, checkpointing: bool = 
     from leantune.data.collators import prompt_completion_row
 
     if mode == TRL:
-        trainer, batch = trl_trainer_and_batch(prompt, completions, checkpointing)
+        trainer, batch = trl_trainer_and_batch(prompt, completions, checkpointing, model, tokenizer, cuda)
         trainer.current_gradient_accumulation_steps = 1  # what Trainer's loop sets before a step
         trainer.create_optimizer()
         trainer.model.train()
-        return timed_and_metered(mode, trainer, batch, repeats)
+        return timed_and_metered(mode, trainer, on_device(batch, trainer.model.device), repeats, cuda)
     group = len(completions)
-    tokenizer = load_tokenizer()
-    args = GRPOConfig(output_dir="/tmp/leantune-bench-shared-prompt", use_cpu=True, report_to=[], save_strategy="no",
+    tokenizer = tokenizer or load_tokenizer()
+    args = GRPOConfig(output_dir="/tmp/leantune-bench-shared-prompt", use_cpu=not cuda, bf16=cuda, report_to=[],
+                      save_strategy="no",
                       per_device_train_batch_size=group, num_generations=group, max_completion_length=len(completions[0]),
                       beta=0.0, loss_type="dapo", gradient_checkpointing=checkpointing, memory_breakdown=False,
                       disable_tqdm=True, seed=0, **MODES[mode])
-    trainer = GRPOTrainer(tiny_llama(0, len(tokenizer)), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+    model = model if model is not None else tiny_llama(0, len(tokenizer))
+    trainer = GRPOTrainer(model, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
                           args=args, train_dataset=Dataset.from_dict({"prompt": ["x"]}), processing_class=tokenizer)
     if checkpointing:
         from leantune.trainers.config_utils import checkpointing_setting, enable_model_checkpointing
@@ -141,16 +165,18 @@ def measure(mode: str, prompt, completions, repeats: int, checkpointing: bool = 
     batch["num_sequences"] = torch.tensor(group)
     batch["advantages"] = torch.randn(group, generator=torch.Generator().manual_seed(0))
     batch["loss_items"] = trainer.loss_items(batch)
-    return timed_and_metered(mode, trainer, batch, repeats)
+    return timed_and_metered(mode, trainer, on_device(batch, trainer.model.device), repeats, cuda)
 
 
-def timed_and_metered(mode: str, trainer, batch, repeats: int) -> dict:
+def timed_and_metered(mode: str, trainer, batch, repeats: int, cuda: bool = False) -> dict:
     """The update step timed (after a warm-up that makes AdamW's states), then its forward and backward metered."""
     import torch
 
     from leantune.metrics.memory_breakdown import StepMemoryMeter
 
-    update_step(trainer, batch)  # warm-up (AdamW's states made)
+    if cuda:
+        return cuda_timed(mode, trainer, batch, repeats)
+    grad_norm = warm_up(trainer, batch)
     times, cpu_times = [], []
     for _ in range(repeats):
         start, cpu_start = time.perf_counter(), time.process_time()
@@ -168,10 +194,33 @@ def timed_and_metered(mode: str, trainer, batch, repeats: int) -> dict:
     trainer.optimizer.zero_grad(set_to_none=True)
     held = sum(breakdown.parts.get(name, 0) for name in ("parameters", "buffers", "gradients", "optimizer_states"))
     tokens = batch["input_ids"] if "input_ids" in batch else torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
-    return {"mode": mode, "tokens": int(tokens.numel()), "seconds": statistics.median(times),
+    return {"mode": mode, "tokens": int(tokens.numel()), "seconds": statistics.median(times), "grad_norm": grad_norm,
             "cpu_seconds": statistics.median(cpu_times),
             "peak_mib": breakdown.peak_bytes / MIB, "activations_mib": (breakdown.peak_bytes - held) / MIB,
             "rss_mib": rss_peak / MIB}
+
+
+def cuda_timed(mode: str, trainer, batch, repeats: int) -> dict:
+    """On CUDA: the warm-up's gradient norm (the untrained weights: the same in every layout), the warm steps' median
+    (synchronised), and the peak of one more step over what is held before it (weights, gradients' absence, AdamW)."""
+    import torch
+
+    grad_norm = warm_up(trainer, batch)
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        update_step(trainer, batch)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    held = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    update_step(trainer, batch)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    tokens = batch["input_ids"] if "input_ids" in batch else torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    return {"mode": mode, "tokens": int(tokens.numel()), "seconds": statistics.median(times), "grad_norm": grad_norm,
+            "peak_mib": peak / MIB, "activations_mib": (peak - held) / MIB}
 
 
 def main() -> None:

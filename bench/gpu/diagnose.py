@@ -3,6 +3,9 @@
     run(command="bash bench/gpu/run.sh --diagnose", carry=["bench/gpu/wheels"], timeout_s=420)
     bash bench/gpu/run.sh --diagnose --dry       # the same code at tiny size on CPU (CUDA-only parts skipped)
 
+0. `shared_prompt`: `shared_prompt=True`'s speed on a GPU (exact and measured on CPU only). GRPO's update step per
+   layout (unshared padded / padding-free / shared / TRL), Qwen2.5-1.5B bf16, checkpointing on, 1024:256:16 and
+   64:256:16 (prompt:completion:G): warm time, peak, activations, shared's ratios, gradient norms agreeing.
 1. `liger_profile`: leantune's Liger row trained at 0.66x TRL's tokens/s (its padded row 0.92x). One warm step of
    each library, Liger and padded, under torch.profiler: the top kernels by device time and the launch count.
 2. `grpo_split`: leantune's GRPO steps took 2.7-10.2 s against TRL's 2.6-3.4 s. Each step's time split into
@@ -255,12 +258,52 @@ def long_context(settings: Settings, tok, scratch: Path, report: dict, lengths: 
     free_memory()
 
 
+def shared_prompt(settings: Settings, tok, report: dict, budget_s: float = 90.0) -> None:
+    """GRPO's update step per layout (bench/shared_prompt.py's `measure`, on CUDA in bf16, checkpointing on):
+    Qwen2.5-1.5B's shape at prompt:completion:G rows, each layout on fresh weights of seed 0."""
+    import importlib.util
+
+    from bench.shared_prompt import MODES, TRL, gsm8k_tokens, measure
+
+
+    rows = ["24:16:4", "8:16:4"] if settings.dry else ["1024:256:16", "64:256:16", "256:256:16"]
+    modes = [m for m in MODES if m != TRL or importlib.util.find_spec("trl") is not None]
+    deadline = time.monotonic() + budget_s
+    for spec in rows:
+        prompt_length, completion_length, group = (int(v) for v in spec.split(":"))
+        prompt, completions = gsm8k_tokens(tok, prompt_length, completion_length, group)
+        measured = report.setdefault(spec, {})
+        for mode in modes:
+            if time.monotonic() > deadline:
+                report.setdefault("skipped", []).append(f"{spec} {mode}: out of time")
+                continue
+            try:
+                model = build_model(settings, "qwen2.5-1.5b", tok)
+                measured[mode] = measure(mode, prompt, completions, 3, checkpointing=True, model=model,
+                                         tokenizer=tok, cuda=not settings.dry)
+            except Exception as error:  # noqa: BLE001 - one layout failing (an OOM) must not hide the others
+                measured[mode] = {"error": repr(error)[:300]}
+            model = None
+            free_memory()
+            log(settings, f"shared_prompt {spec} {mode}: {measured[mode]}")
+        shared = measured.get("shared", {})
+        for mode, m in measured.items():
+            if mode == "shared" or "seconds" not in m or "seconds" not in shared:
+                continue
+            m["shared_over_this"] = {key: round(shared[key] / m[key], 3)
+                                     for key in ("seconds", "peak_mib", "activations_mib") if m.get(key)}
+            if "grad_norm" in m:
+                # bf16 keeps 8 bits of mantissa; a gradient summed over thousands of tokens in another order moves
+                # by a few units of 2^-8 relative: 8 of them of the norm's own size
+                bound = 8 * 2 ** -8 * max(m["grad_norm"], shared["grad_norm"])
+                m["grad_norm_agrees_with_shared"] = abs(m["grad_norm"] - shared["grad_norm"]) <= bound
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry", action="store_true")
     parser.add_argument("--out", default=os.environ.get("OUT") or "gpu-results")
     parser.add_argument("--total-s", type=float, default=300.0, help="start no long-context probe after this")
-    parser.add_argument("--parts", default="liger_profile,grpo_split,long_context")
+    parser.add_argument("--parts", default="shared_prompt,liger_profile,grpo_split,long_context")
     parser.add_argument("--lengths", default="65536,131072")
     opts = parser.parse_args(argv)
     settings = Settings(dry=opts.dry, out=Path(opts.out), total_s=opts.total_s)
@@ -273,7 +316,8 @@ def main(argv=None) -> int:
     tok, scratch = tokenizer(), Path(tempfile.mkdtemp(prefix="leantune-diagnose-"))
     results: dict = {"dry": opts.dry}
     lengths = [128, 192] if opts.dry else [int(n) for n in opts.lengths.split(",")]
-    parts = {"liger_profile": lambda r: liger_profile(settings, tok, scratch, r),
+    parts = {"shared_prompt": lambda r: shared_prompt(settings, tok, r),
+             "liger_profile": lambda r: liger_profile(settings, tok, scratch, r),
              "grpo_split": lambda r: grpo_split(settings, tok, scratch, r),
              "long_context": lambda r: long_context(settings, tok, scratch, r, lengths,
                                                     settings.started + settings.total_s, save)}
