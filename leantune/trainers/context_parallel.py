@@ -193,6 +193,23 @@ def _segments(position_ids: torch.Tensor) -> list[list[int]]:
     return rows
 
 
+def group_order(padded: list[int], cp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a row of segments of `padded` lengths (each a multiple of 2 x cp): `wanted`, the row's positions in the
+    group's order (process after process; of every segment, its chunks k and 2cp-1-k, k the process's rank), and
+    `order`, the reordering after which torch's head-tail split gives each process exactly that: torch takes
+    row[head_tail] and splits it evenly, so row[order][head_tail] must be row[wanted]."""
+    multiple = 2 * cp
+    starts = torch.tensor([0] + padded[:-1]).cumsum(0).tolist()
+    wanted = []
+    for rank in range(cp):
+        for s, m in zip(starts, padded):
+            c = m // multiple
+            wanted += range(s + rank * c, s + (rank + 1) * c)
+            wanted += range(s + (multiple - 1 - rank) * c, s + (multiple - rank) * c)
+    wanted = torch.tensor(wanted, dtype=torch.long)
+    return wanted, wanted[torch.argsort(head_tail(sum(padded), cp))]
+
+
 def lay_out_documents(batch: dict, labels: torch.Tensor, cp: int, pad_token_id: int,
                       carried: dict[str, torch.Tensor] | None = None, width: int = 0) -> dict:
     """A batch of segmented rows (packed or padding-free) laid out for context parallelism: every segment padded to a
@@ -233,17 +250,7 @@ def lay_out_documents(batch: dict, labels: torch.Tensor, cp: int, pad_token_id: 
             pos = torch.cat([pos, torch.arange(extra, dtype=pos.dtype)])
             more = {name: torch.cat([values, values.new_full((extra,), -1)]) for name, values in more.items()}
             padded = padded + [extra]
-        # what each process must hold: for every segment, its chunks k and 2cp-1-k (k = the process's rank)
-        starts = torch.tensor([0] + padded[:-1]).cumsum(0).tolist()
-        wanted = []
-        for rank in range(cp):
-            for s, m in zip(starts, padded):
-                c = m // multiple
-                wanted += range(s + rank * c, s + (rank + 1) * c)
-                wanted += range(s + (multiple - 1 - rank) * c, s + (multiple - rank) * c)
-        wanted = torch.tensor(wanted, dtype=torch.long)
-        # torch takes row[head_tail] and splits it evenly; so row[order][head_tail] must be row[wanted]
-        order = wanted[torch.argsort(head_tail(width, cp))]
+        wanted, order = group_order(padded, cp)
         out_ids.append(ids[order])
         out_tgt.append(tgt[order])
         out_pos.append(pos[order])

@@ -29,7 +29,7 @@ import torch
 
 from ...data.collators import round_up
 from ...models.segment_attention import RING_SEGMENTS
-from ..context_parallel import ORDINAL_KEY, RANK_KEY, SEQUENCE_KEY, head_tail
+from ..context_parallel import ORDINAL_KEY, RANK_KEY, SEQUENCE_KEY, group_order
 
 
 @dataclass
@@ -72,16 +72,7 @@ def lay_out_shared_row(batch: dict, cp: int, rank: int, pad_token_id: int, group
     row_ids, row_positions = torch.cat(row_ids), torch.cat(row_positions)
     width = sum(padded)
     local_width = width // cp
-    # wanted: the padded row's positions in the group's order (process after process, each one's segments in order,
-    # of each segment its chunks k and 2cp-1-k); torch takes row[head_tail] and splits it evenly, so row[order]
-    wanted = []
-    for r in range(cp):
-        for s, m in zip(padded_starts, padded):
-            c = m // multiple
-            wanted += range(s + r * c, s + (r + 1) * c)
-            wanted += range(s + (multiple - 1 - r) * c, s + (multiple - r) * c)
-    wanted = torch.tensor(wanted, dtype=torch.long)
-    order = wanted[torch.argsort(head_tail(width, cp))]
+    wanted, order = group_order(padded, cp)
     gathered_place = torch.argsort(wanted)  # padded-row position -> its place in the gathered (process-major) row
     # targets: old row position -> padded row position -> (process holding it, place in its local row)
     segment_of = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
