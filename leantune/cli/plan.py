@@ -260,6 +260,7 @@ def _round_pieces(plan, budget, config, solve) -> dict:
     the budget, the search plans its candidates with the round generated in the largest pieces that fit; where not
     even one prompt group per call fits, no candidate can (one line, exit 2)."""
     from ..planning.generation_batch import pieces_for_budget
+    from ..planning.recommend import size_words
 
     pieces = pieces_for_budget(plan, budget, getattr(config, "num_generations", 1))
     if pieces is None:
@@ -267,8 +268,9 @@ def _round_pieces(plan, budget, config, solve) -> dict:
     if solve != "max_completions_per_generate":
         print("\n".join(pieces.lines()))
     if pieces.size is None:
-        raise UsageError(f"--memory_budget {_size(budget)}: the generation round does not fit even one prompt group "
-                         f"({pieces.group} completions) per generate call ({_size(pieces.next_total)} on the device); "
+        raise UsageError(f"--memory_budget {size_words(budget)}: the generation round does not fit even one prompt "
+                         f"group ({pieces.group} completions) per generate call ({size_words(pieces.next_total)} on "
+                         f"the device); "
                          f"a shorter --max_completion_length fits sooner (--solve max_completion_length finds the "
                          f"longest).")
     print(f"the candidates below generate the round in pieces: --max_completions_per_generate {pieces.size}")
@@ -286,21 +288,15 @@ def _kept_on_cpu(config, device):
 
 def _nothing_fits(recommendation, configured) -> str:
     """The one line of `leantune plan --memory_budget` when no candidate fits: the budget and the least need."""
-    from ..planning.recommend import VARIED
+    from ..planning.recommend import VARIED, size_words
 
     least = recommendation.least()
     smallest = "" if least is None else (
-        f"; the least a candidate needs is {_size(least.total_bytes)} on the device, with " +
+        f"; the least a candidate needs is {size_words(least.total_bytes)} on the device, with " +
         ", ".join(f"{k}={v}" for k, v in sorted(least.fields.items()) if k in VARIED))
-    return (f"--memory_budget {_size(recommendation.budget)}: no configuration that learns the same thing fits"
-            f"{smallest} (as configured: {_size(configured.device_total_bytes)}); what changes what is learned "
+    return (f"--memory_budget {size_words(recommendation.budget)}: no configuration that learns the same thing "
+            f"fits{smallest} (as configured: {size_words(configured.device_total_bytes)}); what changes what is learned "
             f"(a shorter length, LoRA, QLoRA) or more processes with a sharding engine is needed.")
-
-
-def _size(size: int) -> str:
-    from ..planning.recommend import _size as size_words
-
-    return size_words(size)
 
 
 def _quiet_progress_bars() -> None:

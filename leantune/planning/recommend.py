@@ -36,11 +36,11 @@ class Candidate:
         shown = ", ".join(f"{k}={v}" for k, v in sorted(self.fields.items()) if k in VARIED)
         if self.error:
             return f"  time x{self.relative_time:.2f}  {shown}: not planned ({self.error})"
-        return (f"  time x{self.relative_time:.2f}  {shown}: peak {_size(self.peak_bytes)}, on the device "
-                f"{_size(self.total_bytes)}")
+        return (f"  time x{self.relative_time:.2f}  {shown}: peak {size_words(self.peak_bytes)}, on the device "
+                f"{size_words(self.total_bytes)}")
 
 
-def _size(size: int) -> str:
+def size_words(size: int) -> str:
     """GiB with two decimals from 1 GiB on; below, MiB (a small model's candidates differ by MiB)."""
     return f"{size / GIB:.2f} GiB" if size >= GIB else f"{size / MIB:.1f} MiB"
 
@@ -64,14 +64,14 @@ class Recommendation:
                    default=None)
 
     def lines(self) -> list[str]:
-        out = [f"memory budget {_size(self.budget)}: candidates that learn the same thing, fastest first"]
+        out = [f"memory budget {size_words(self.budget)}: candidates that learn the same thing, fastest first"]
         out += [candidate.line() for candidate in self.considered]
         if self.limit is not None:
             out.append(f"the search stopped at its limit of {self.limit} plans: {self.unplanned} candidate(s) "
                        f"{'faster than the one recommended ' if self.chosen else ''}were not planned")
         if self.chosen is None:
             least = self.least()
-            need = "" if least is None else f" (the least planned need: {_size(least.total_bytes)})"
+            need = "" if least is None else f" (the least planned need: {size_words(least.total_bytes)})"
             out.append(f"none fits{need}: a smaller model, LoRA, or more processes with a sharding engine is needed")
         else:
             out.append("recommended (fits, expected fastest):")
@@ -234,4 +234,5 @@ def _record(candidate: Candidate, planned) -> None:
     candidate.peak_bytes, candidate.total_bytes = planned.peak_bytes, planned.device_total_bytes
 
 
-__all__ = ["Candidate", "Recommendation", "candidates", "as_configured", "current_value", "micro_batch_group", "most_frugal", "recommend", "MIB"]
+__all__ = ["Candidate", "Recommendation", "candidates", "as_configured", "current_value", "micro_batch_group",
+           "most_frugal", "recommend", "size_words", "MIB"]

@@ -22,8 +22,17 @@ from types import SimpleNamespace
 
 import torch
 
-from .devices import CUDA_CONTEXT_BYTES, GIB, GPUS, MIB, parse_budget
-from .recommend import VARIED, Candidate, Recommendation, as_configured, current_value, micro_batch_group, recommend
+from .devices import CUDA_CONTEXT_BYTES, GPUS, MIB, parse_budget
+from .recommend import (
+    VARIED,
+    Candidate,
+    Recommendation,
+    as_configured,
+    current_value,
+    micro_batch_group,
+    recommend,
+    size_words,
+)
 
 logger = logging.getLogger("leantune.plan")
 
@@ -92,7 +101,7 @@ def fit_to_budget(trainer_class, model, args, train_dataset, processing_class=No
         fit = BudgetFit(budget, device, planned)
         if planned.device_total_bytes <= budget:
             logger.info("memory_budget %s: the run as configured plans %s, within it; nothing changed.",
-                        _size(budget), _peak_words(planned.peak_bytes, planned.device_total_bytes))
+                        size_words(budget), _peak_words(planned.peak_bytes, planned.device_total_bytes))
             return args, fit
         planned, fit.pieces = _round_in_pieces(fit, planned, getattr(args, "num_generations", 1))
         if fit.pieces is not None:
@@ -127,8 +136,8 @@ def _round_in_pieces(fit: BudgetFit, planned, group: int):
     if solved is None:
         return planned, None
     if solved.size is None:
-        raise ValueError(f"`memory_budget` {_size(fit.budget)}: the generation round does not fit even one prompt "
-                         f"group ({group} completions) per generate call ({_size(solved.next_total)} on the device); "
+        raise ValueError(f"`memory_budget` {size_words(fit.budget)}: the generation round does not fit even one prompt "
+                         f"group ({group} completions) per generate call ({size_words(solved.next_total)} on the device); "
                          f"a shorter `max_completion_length` fits sooner (`leantune plan --memory_budget SIZE --solve "
                          f"max_completion_length` with this run's flags finds the longest).")
     return planned.with_generation_batch(solved.size), solved
@@ -195,17 +204,17 @@ def changed_config(args, fields: dict):
 def _nothing_fits(fit: BudgetFit) -> str:
     least = fit.recommendation.least()
     smallest = "" if least is None else (
-        f"; the smallest planned peak is {_size(least.total_bytes)}, with " +
+        f"; the smallest planned peak is {size_words(least.total_bytes)}, with " +
         ", ".join(f"{k}={v}" for k, v in sorted(least.fields.items()) if k in VARIED))
-    return (f"`memory_budget` {_size(fit.budget)}: no configuration that learns the same thing fits{smallest} (the run "
-            f"as configured: {_size(fit.planned.device_total_bytes)}); a shorter `max_length`, LoRA, 4-bit QLoRA or "
+    return (f"`memory_budget` {size_words(fit.budget)}: no configuration that learns the same thing fits{smallest} (the run "
+            f"as configured: {size_words(fit.planned.device_total_bytes)}); a shorter `max_length`, LoRA, 4-bit QLoRA or "
             f"more processes with a sharding engine is needed (`leantune plan --memory_budget` with this run's flags "
             f"offers them).")
 
 
 def _change_lines(fit: BudgetFit) -> list[str]:
     chosen = fit.chosen
-    out = [f"memory_budget {_size(fit.budget)}: the run as configured plans "
+    out = [f"memory_budget {size_words(fit.budget)}: the run as configured plans "
            f"{_peak_words(fit.planned.peak_bytes, fit.planned.device_total_bytes)}, over it; it trains with the "
            f"fastest configuration that fits and learns the same thing, planned at "
            f"{_peak_words(chosen.peak_bytes, chosen.total_bytes)} (expected step time x{chosen.relative_time:.2f} "
@@ -216,7 +225,7 @@ def _change_lines(fit: BudgetFit) -> list[str]:
         pieces = fit.pieces
         out.insert(1, f"  (its generation round was over the budget: each generate call now takes at most "
                       f"{pieces.size} of the round's {pieces.round_sequences} completions per process, whole prompt "
-                      f"groups, its round planned at {_size(pieces.fitting_total)} on the device; "
+                      f"groups, its round planned at {size_words(pieces.fitting_total)} on the device; "
                       f"{SAME_IN_DISTRIBUTION}; the round, micro-batch and global batch are as configured)")
     out += [f"  {name}: {old} -> {new}" for name, (old, new) in fit.changes.items()]
     out.append("candidates planned, fastest first:")
@@ -226,9 +235,5 @@ def _change_lines(fit: BudgetFit) -> list[str]:
 
 def _peak_words(peak: int, total: int) -> str:
     if total == peak:
-        return f"a step peak of {_size(peak)}"
-    return f"a step peak of {_size(peak)} ({_size(total)} on the device)"
-
-
-def _size(size: int) -> str:
-    return f"{size / GIB:.2f} GiB" if size >= GIB else f"{size / MIB:.1f} MiB"
+        return f"a step peak of {size_words(peak)}"
+    return f"a step peak of {size_words(peak)} ({size_words(total)} on the device)"
