@@ -82,14 +82,18 @@ class GKDTrainer(SFTTrainer):
         self.generation_collator = CausalLMCollator(
             pad_token_id=self.processing_class.pad_token_id, loss_mask_columns=("completion_mask",),
             padding_free=self.args.padding_free or self.args.packing, pad_to_multiple_of=self.args.pad_to_multiple_of)
-        # who samples: the student (as the online trainers' policy: its wrapped model, synced each step) or the teacher
-        self.generation_sessions = {source: GenerationSession(
-            DistillationSampling(self.args.seed, self.args.max_new_tokens, self.args.temperature, source == "student"),
-            self.accelerator, self.processing_class, model, policy, step=lambda: self.state.global_step,
-            method=self.method) for source, model, policy in (
-                ("student", self.model, lambda: self.model_wrapped),
-                ("teacher", self.teacher.model, lambda: self.teacher.model))}
+        # who samples a step's completions: the student (as the online trainers' policy: its wrapped model, synced
+        # each step, its ZeRO-3 shards gathered for the call) or the frozen teacher
+        self.generation_sessions = {
+            "student": self.sampling_session(self.model, lambda: self.model_wrapped, gathered=True),
+            "teacher": self.sampling_session(self.teacher.model, lambda: self.teacher.model, gathered=False)}
         self.on_policy_steps = 0
+
+    def sampling_session(self, model, policy, gathered: bool) -> GenerationSession:
+        """A generation session sampling from `policy()` (`model`: whose EOS ids end a completion)."""
+        sampling = DistillationSampling(self.args.seed, self.args.max_new_tokens, self.args.temperature, gathered)
+        return GenerationSession(sampling, self.accelerator, self.processing_class, model, policy,
+                                 step=lambda: self.state.global_step, method=self.method)
 
     def default_args(self, model, args):
         if args is not None and not isinstance(args, GKDConfig):
