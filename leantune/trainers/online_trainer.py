@@ -9,8 +9,8 @@
 A training step takes its micro-batches from a buffer of scored completions, refilled by a new round when empty;
 `compute_loss` scores a micro-batch with the policy (chunked log-probs by default: never the full logits) and hands
 the scores to the method's `policy_loss`, normalised over the whole optimizer step, then adds the method's
-`regularised` terms. A method file declares what its round and loss read (the class attributes below, its
-`ScoringNeeds`) and supplies its loss inputs, item count and loss; shared code names no method.
+`regularised` terms. A method file declares what its round and loss read and supplies its loss inputs, item count
+and loss (`OnlineMethod`, with `ScoringNeeds`); shared code names no method.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from .reference import ReferenceModelMixin
 
 logger = logging.getLogger("leantune.online")
 
-__all__ = ["OnlineTrainer", "RoundLoader", "RoundSampler", "ScoringNeeds", "StreamRounds"]
+__all__ = ["OnlineMethod", "OnlineTrainer", "RoundLoader", "RoundSampler", "ScoringNeeds", "StreamRounds"]
 
 # The round's inputs of the loss given per target of a micro-batch (its flat target order)
 PER_TARGET_INPUTS = ("old_logps", "ref_logps", "sampling_logps")
@@ -67,17 +67,54 @@ def sequence_sums(values: torch.Tensor, sequence: torch.Tensor, count: int, batc
     return per_sequence_sum(values, sequence, count) if placed is None else placed.sums(values, count)
 
 
-class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
-    """Config -> parts (generation session, round builder, round metrics) -> the method's loss."""
+class OnlineMethod:
+    """What an online method declares and supplies to the recipe every online method shares (OnlineTrainer): what its
+    loss reads of the policy's scoring, its loss inputs, the prompts its completions are scored after, its item
+    count, its loss and the terms added after normalising it, and whether its micro-batches train in parts."""
 
-    keeps_eval_dataset_as_given = True  # as TRL's online trainers: prompts are prepared aside, for evaluate()
-    # What the method declares:
     scores_at_temperature = True  # log-probs of the logits divided by args.temperature, as sampled (Online DPO: 1)
     scoring_needs = ScoringNeeds()  # what the loss reads of the policy's scoring beyond log-probs
     # The generation-time policy scores every round, on-policy too (its log-probs feed the method's inputs or
     # corrections); otherwise only a round trained after the policy moved
     scores_policy_on_policy = False
 
+    def attach_loss_inputs(self, batches: list[dict], scored: dict, group: int) -> None:
+        """The method's own inputs of its loss into each micro-batch (advantages, chosen completions, returns...),
+        from the gathered round (`scored`: rewards, per function, which ended in EOS, the metric store; groups of
+        `group` completions of one prompt)."""
+        raise NotImplementedError
+
+    def attach_policy_scores(self, batch: dict, model, on_device: dict) -> None:
+        """What the generation-time policy gives each micro-batch: its log-probs (PPO adds its values)."""
+        batch["old_logps"] = self.rounds.scored_logps(model, on_device)
+
+    def scored_prompts(self, prompts: list, completion_ids: list) -> list:
+        """The prompt each completion is scored after (Online DPO cuts long ones): the prompt it was sampled from."""
+        return prompts
+
+    def loss_items(self, batch: dict) -> int:
+        """What this micro-batch adds to the optimizer step's divisor."""
+        raise NotImplementedError
+
+    def policy_loss(self, scores: TargetScores, sequence: torch.Tensor, batch: dict) -> tuple[torch.Tensor, dict]:
+        """(summed loss of the micro-batch, per-micro-batch metrics) from the policy's scores of its targets (what
+        `scoring_needs` asks: per-target log-probs, entropies, hidden states)."""
+        raise NotImplementedError
+
+    def regularised(self, loss: torch.Tensor, scores: TargetScores, batch: dict, model) -> tuple[torch.Tensor, dict]:
+        """(the normalised loss plus the method's terms not divided by the step's item count, their metrics)."""
+        return loss, {}
+
+    def split_problem(self) -> str | None:
+        """Why the method's loss would change if a micro-batch trained in parts of whole prompt groups (the
+        out-of-memory retry's, parts/round_parts.py); None: it would not."""
+        return None
+
+
+class OnlineTrainer(OnlineMethod, ReferenceModelMixin, LeantuneTrainer):
+    """Config -> parts (generation session, round builder, round metrics) -> the method's loss."""
+
+    keeps_eval_dataset_as_given = True  # as TRL's online trainers: prompts are prepared aside, for evaluate()
     prepared_columns = (PROMPT_IDS,)
 
     def __init__(self, model, reward_funcs, args=None, train_dataset=None, eval_dataset=None, processing_class=None,
@@ -185,40 +222,6 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
 
     def items_in(self, batch: dict) -> torch.Tensor:
         return torch.as_tensor(batch["loss_items"])
-
-    # --- the method: its loss inputs, its rollout scores, its item count and its loss ------------------------------
-
-    def attach_loss_inputs(self, batches: list[dict], scored: dict, group: int) -> None:
-        """The method's own inputs of its loss into each micro-batch (advantages, chosen completions, returns...),
-        from the gathered round (`scored`: rewards, per function, which ended in EOS, the metric store; groups of
-        `group` completions of one prompt)."""
-        raise NotImplementedError
-
-    def attach_policy_scores(self, batch: dict, model, on_device: dict) -> None:
-        """What the generation-time policy gives each micro-batch: its log-probs (PPO adds its values)."""
-        batch["old_logps"] = self.rounds.scored_logps(model, on_device)
-
-    def scored_prompts(self, prompts: list, completion_ids: list) -> list:
-        """The prompt each completion is scored after (Online DPO cuts long ones): the prompt it was sampled from."""
-        return prompts
-
-    def loss_items(self, batch: dict) -> int:
-        """What this micro-batch adds to the optimizer step's divisor."""
-        raise NotImplementedError
-
-    def policy_loss(self, scores: TargetScores, sequence: torch.Tensor, batch: dict) -> tuple[torch.Tensor, dict]:
-        """(summed loss of the micro-batch, per-micro-batch metrics) from the policy's scores of its targets (what
-        `scoring_needs` asks: per-target log-probs, entropies, hidden states)."""
-        raise NotImplementedError
-
-    def regularised(self, loss: torch.Tensor, scores: TargetScores, batch: dict, model) -> tuple[torch.Tensor, dict]:
-        """(the normalised loss plus the method's terms not divided by the step's item count, their metrics)."""
-        return loss, {}
-
-    def split_problem(self) -> str | None:
-        """Why the method's loss would change if a micro-batch trained in parts of whole prompt groups (the
-        out-of-memory retry's, parts/round_parts.py); None: it would not."""
-        return None
 
     # --- the loss ---------------------------------------------------------------------------------------------------
 
