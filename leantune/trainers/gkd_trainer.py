@@ -12,24 +12,44 @@ from __future__ import annotations
 
 import logging
 import random
+from dataclasses import dataclass
 
 import torch
 
 from ..data.collators import CausalLMCollator, prompt_completion_row, sequence_prompts
 from ..data.formats import last_message_as_completion
-from ..generation.sampling import SamplingSettings, eos_token_ids
-from ..generation.transformers_backend import TransformersBackend
 from ..losses.causal_lm import IGNORE_INDEX, count_targets
 from ..losses.distillation import chunked_jsd_sum, jsd_from_logits
 from ..losses.liger import liger_jsd_problem, liger_jsd_sum
 from ..losses.token_logprobs import select_targets
+from ..models.loading import parse_kwargs
 from ..models.output_head import OutputHead
 from .gkd_config import GKDConfig
+from .online.generation_session import GenerationSession
 from .parts.teacher import Teacher
 from .reference import disable_dropout
 from .sft_trainer import SFTTrainer
 
 logger = logging.getLogger("leantune.gkd")
+
+
+@dataclass(frozen=True)
+class DistillationSampling:
+    """What the generation session reads to sample GKD's completions, under the online configs' names: transformers'
+    generate (GKD has no vLLM option), `max_new_tokens` at `temperature` with no top-k/top-p (TRL's GKD), and whether
+    ZeRO-3's shards are gathered once for the call (the student's; the frozen teacher generates as it scores)."""
+
+    seed: int
+    max_completion_length: int
+    temperature: float
+    ds3_gather_for_generation: bool
+    use_vllm: bool = False
+    top_p: float = 1.0
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    generation_kwargs: dict | None = None
+    max_completions_per_generate: int | None = None
 
 
 class GKDTrainer(SFTTrainer):
@@ -62,7 +82,18 @@ class GKDTrainer(SFTTrainer):
         self.generation_collator = CausalLMCollator(
             pad_token_id=self.processing_class.pad_token_id, loss_mask_columns=("completion_mask",),
             padding_free=self.args.padding_free or self.args.packing, pad_to_multiple_of=self.args.pad_to_multiple_of)
+        # who samples a step's completions: the student (as the online trainers' policy: its wrapped model, synced
+        # each step, its ZeRO-3 shards gathered for the call) or the frozen teacher
+        self.generation_sessions = {
+            "student": self.sampling_session(self.model, lambda: self.model_wrapped, gathered=True),
+            "teacher": self.sampling_session(self.teacher.model, lambda: self.teacher.model, gathered=False)}
         self.on_policy_steps = 0
+
+    def sampling_session(self, model, policy, gathered: bool) -> GenerationSession:
+        """A generation session sampling from `policy()` (`model`: whose EOS ids end a completion)."""
+        sampling = DistillationSampling(self.args.seed, self.args.max_new_tokens, self.args.temperature, gathered)
+        return GenerationSession(sampling, self.accelerator, self.processing_class, model, policy,
+                                 step=lambda: self.state.global_step, method=self.method)
 
     def default_args(self, model, args):
         if args is not None and not isinstance(args, GKDConfig):
@@ -73,7 +104,8 @@ class GKDTrainer(SFTTrainer):
 
     def load_models(self, model, ref_model, processing_class, peft_config, args, quantization_config):
         loaded = super().load_models(model, ref_model, processing_class, peft_config, args, quantization_config)
-        self.teacher = Teacher(self._teacher_source, loaded.model, args)
+        self.teacher = Teacher(self._teacher_source, loaded.model, parse_kwargs(args.teacher_model_init_kwargs),
+                               args.trust_remote_code, args.packing or args.padding_free)
         if args.disable_dropout:
             disable_dropout(loaded.model)
         return loaded
@@ -127,17 +159,12 @@ class GKDTrainer(SFTTrainer):
         return batches, self._get_num_items_in_batch(batches, device)
 
     def generated_batch(self, batch: dict, source: str, micro_batch: int) -> dict:
-        """The batch's prompts with completions sampled from the student or the teacher (`max_new_tokens`,
-        `temperature`, no top-k/top-p, as TRL), in the trainer's layout; completion tokens (to the first EOS,
-        kept) are the targets."""
-        generator = self.model if source == "student" else self.teacher.model
-        prompts = sequence_prompts(batch)
+        """The batch's prompts with completions sampled from the student or the teacher through its generation
+        session (`max_new_tokens`, `temperature`, no top-k/top-p, as TRL; a seed per step, process and micro-batch),
+        in the trainer's layout; completion tokens (to the first EOS, kept) are the targets."""
+        session, prompts = self.generation_sessions[source], sequence_prompts(batch)
         seed = self.args.seed + 1_000_003 * self.state.global_step + 7919 * self.args.process_index + micro_batch
-        sampling = SamplingSettings(max_new_tokens=self.args.max_new_tokens, temperature=self.args.temperature,
-                                    eos_token_ids=eos_token_ids(self.processing_class, generator),
-                                    pad_token_id=self.processing_class.pad_token_id, seed=seed, logprobs=False)
-        backend = TransformersBackend(generator, self.accelerator, gather_for_generation=source == "student")
-        completions = backend.generate(prompts, sampling)
+        completions = session.generate(prompts, session.sampling, seed=seed)
         return self.generation_collator([prompt_completion_row(p, c) for p, c in zip(prompts, completions)])
 
     # --- the loss ----------------------------------------------------------------------------------------------

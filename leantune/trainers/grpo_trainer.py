@@ -21,6 +21,8 @@ multi-turn tool-calling loop (tool-result tokens stay in the sequence as context
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from ..losses.advantages import group_relative_advantages, normalize_then_sum_advantages
@@ -34,10 +36,13 @@ from ..losses.policy_gradient import (
     off_policy_sequence_mask,
     sampling_correction_weights,
 )
+from ..losses.token_logprobs import TargetScores
 from ..models.output_head import compute_head_in_fp32
 from ..rollouts import AgentRollouts
 from .online.shared_prompt import count_batch_targets
-from .online_trainer import PLACED_TARGETS, OnlineTrainer
+from .online_trainer import PLACED_TARGETS, OnlineTrainer, ScoringNeeds
+
+ENTROPY_TOKEN_MASK = "entropy_token_mask"  # top_entropy_quantile's tokens, where the entropy bonus acts too
 
 
 class GRPOTrainer(OnlineTrainer):
@@ -54,15 +59,17 @@ class GRPOTrainer(OnlineTrainer):
                              "or reward models), or an `environment_factory` whose environment defines a "
                              "`get_reward` method.")
         args = self.default_args(model, args)
-        # the entropy bonus and the high-entropy token mask read per-token entropies (the loss, Liger's notices)
-        self.entropies_in_loss = args.entropy_coef != 0.0 or args.use_adaptive_entropy or args.top_entropy_quantile < 1
+        # the entropy bonus and the high-entropy token mask read per-token entropies (the loss, Liger's notices);
+        # the bonus differentiates them
+        bonus = args.entropy_coef != 0.0 or args.use_adaptive_entropy
+        self.scoring_needs = ScoringNeeds(entropies=bonus or args.top_entropy_quantile < 1, entropy_grad=bonus)
         super().__init__(model, reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          processing_class=processing_class, reward_processing_classes=reward_processing_classes,
                          callbacks=callbacks, optimizers=optimizers, quantization_config=quantization_config,
                          peft_config=peft_config, agent=agent)
         self.rollout_func = rollout_func
         self.tools = list(agent.tools) if agent is not None else []  # TRL's attribute: every tool the policy may call
-        self.entropy_bonus = EntropyBonus.from_config(self.args)  # added to the loss by OnlineTrainer.compute_loss
+        self.entropy_bonus = EntropyBonus.from_config(self.args)  # added to the normalised loss: `regularised`
         # vLLM's importance-sampling correction (TRL: only when generating with vLLM): its pi_old, even on-policy
         self.corrects_sampling = self.generation.samples_with_vllm and self.args.vllm_importance_sampling_correction
         self.scores_policy_on_policy = self.corrects_sampling
@@ -108,8 +115,8 @@ class GRPOTrainer(OnlineTrainer):
         return grpo_loss_items(self.args.loss_type, int(batch["num_sequences"]), count_batch_targets(batch),
                                self.args.max_completion_length)
 
-    def policy_loss(self, logps: torch.Tensor, sequence: torch.Tensor, batch: dict):
-        args = self.args
+    def policy_loss(self, scores: TargetScores, sequence: torch.Tensor, batch: dict):
+        args, logps = self.args, scores.logps
         count = int(batch["num_sequences"])
         old = batch["old_logps"].to(logps.dtype) if "old_logps" in batch else logps.detach()
         advantages = batch["advantages"].to(logps.device, logps.dtype)
@@ -124,21 +131,42 @@ class GRPOTrainer(OnlineTrainer):
             sequence_mask = off_policy_sequence_mask(logps, behaviour, advantages, sequence, count,
                                                      args.off_policy_mask_threshold)
         if args.top_entropy_quantile < 1.0:
-            entropy = batch["token_entropy"]
+            entropy = scores.entropy.detach()
             token_mask = high_entropy_mask(entropy, self._pooled_over_processes(entropy), args.top_entropy_quantile)
-            batch["entropy_token_mask"] = token_mask  # the entropy bonus acts on the same tokens
+            batch[ENTROPY_TOKEN_MASK] = token_mask  # the entropy bonus acts on the same tokens
         token_loss, loss_metrics = grpo_token_loss(
             logps, old, advantages, sequence, count, GRPOObjective.from_config(args),
             ref_logps=batch.get("ref_logps"), sampling_weights=sampling_weights, token_mask=token_mask,
             sequence_mask=sequence_mask)
         metrics.update(loss_metrics)
         placed = batch.get(PLACED_TARGETS)  # context parallelism: this process's part of every sequence's tokens
-        if placed is None:
-            loss_sum = grpo_loss_sum(token_loss, sequence, count, args.loss_type, args.max_completion_length)
-        else:
-            loss_sum = grpo_loss_sum(token_loss, sequence, count, args.loss_type, args.max_completion_length,
-                                     placed.total, int(self.context_parallel.batch_targets))
-        return loss_sum, metrics
+        whole = () if placed is None else (placed.total, int(self.context_parallel.batch_targets))
+        return grpo_loss_sum(token_loss, sequence, count, args.loss_type, args.max_completion_length, *whole), metrics
+
+    def regularised(self, loss: torch.Tensor, scores: TargetScores, batch: dict, model):
+        """The entropy bonus (losses/entropy_bonus.py) over the tokens the policy term acts on (top_entropy_quantile's
+        mask), after the loss type's normalisation."""
+        if self.entropy_bonus is None:
+            return loss, {}
+        mask = batch.get(ENTROPY_TOKEN_MASK)
+        steps = getattr(self, "current_gradient_accumulation_steps", 1) if model.training else 1
+        return self.entropy_bonus.added(loss, scores.entropy if mask is None else scores.entropy[mask], steps,
+                                        model.training, self.accelerator.sync_gradients, self._summed_over_processes)
+
+    def _summed_over_processes(self, totals: torch.Tensor) -> torch.Tensor:
+        """The adaptive entropy coefficient's step totals summed over all processes (on CPU)."""
+        return self.accelerator.reduce(totals.to(self.accelerator.device), reduction="sum").cpu()
+
+    def split_problem(self) -> str | None:
+        """The options whose loss averages or pools over each micro-batch's own tokens."""
+        args = self.args
+        if args.loss_type == "bnpo":
+            return "loss_type='bnpo' averages over each micro-batch's own tokens, so a smaller one changes the loss"
+        if args.top_entropy_quantile < 1.0:
+            return "top_entropy_quantile < 1 takes its quantile over each micro-batch's tokens"
+        if self.entropy_bonus is not None:
+            return "an entropy bonus (entropy_coef / use_adaptive_entropy) averages over each micro-batch"
+        return None
 
     def context_parallel_problem(self, args) -> str | None:
         """Under context parallelism GRPO's loss is summed token by token over each process's part (per-sequence
@@ -151,10 +179,20 @@ class GRPOTrainer(OnlineTrainer):
                                 (args.loss_type == "vespo", "loss_type='vespo'"),
                                 (args.off_policy_mask_threshold is not None, "off_policy_mask_threshold"),
                                 (args.top_entropy_quantile < 1.0, "top_entropy_quantile < 1"),
-                                (self.entropies_in_loss, "an entropy bonus (entropy_coef / use_adaptive_entropy)")):
+                                (self.scoring_needs.entropies,
+                                 "an entropy bonus (entropy_coef / use_adaptive_entropy)")):
             if refused:
                 return f"`{option}` (it reads whole-sequence or pooled values of the loss's own terms)"
         return None
+
+    def liger_notes(self, args) -> list[tuple[int, str]]:
+        if not self.scoring_needs.entropies:
+            return super().liger_notes(args)
+        return [(logging.INFO, "use_liger_loss=True: the loss reads per-token entropies (entropy_coef / "
+                               "use_adaptive_entropy / top_entropy_quantile), which Liger's fused kernel does not "
+                               "compute, so the training forward passes score through leantune's chunked head (exact, "
+                               "never the full logits); generation-time and reference log-probs go through Liger's "
+                               "fused linear cross-entropy.")]
 
     @property
     def entropy_coef(self) -> float | None:

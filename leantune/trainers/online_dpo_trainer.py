@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..losses.preference import chosen_and_rejected, dpo_loss, preferred_in_pairs
+from ..losses.token_logprobs import TargetScores
 from .online.round_builder import eos_penalised
 from .online_trainer import OnlineTrainer, sequence_sums
 
@@ -19,7 +20,6 @@ from .online_trainer import OnlineTrainer, sequence_sums
 class OnlineDPOTrainer(OnlineTrainer):
     method = "online_dpo"  # its entry in leantune/methods.py
     scores_at_temperature = False  # the DPO loss reads the model's own probabilities, not the sampling ones
-    cuts_prompts_to_max_length = True  # prompt + completion scored within max_length (TRL's left truncation)
 
     def __init__(self, model, ref_model=None, reward_funcs=None, args=None, data_collator=None, train_dataset=None,
                  eval_dataset=None, processing_class=None, reward_processing_classes=None, peft_config=None,
@@ -63,13 +63,21 @@ class OnlineDPOTrainer(OnlineTrainer):
         store["val/contain_eos_token"].append(scored["ended"].float().mean().item())
         self.rounds.spread(batches, "chosen", chosen)
 
+    def scored_prompts(self, prompts: list, completion_ids: list) -> list:
+        """Prompt + completion within `max_length`: the start of a long prompt is cut (TRL's left truncation)."""
+        room = [self.args.max_length - len(completion) for completion in completion_ids]
+        cut = sum(len(prompt) > keep for prompt, keep in zip(prompts, room))
+        if cut:
+            self.round_counts["prompts_cut_to_max_length"] += cut
+        return [list(prompt)[-keep:] if len(prompt) > keep else prompt for prompt, keep in zip(prompts, room)]
+
     # --- the loss ----------------------------------------------------------------------------------------------------
 
     def loss_items(self, batch: dict) -> int:
         return int(batch["num_sequences"]) // 2  # pairs: the loss is the mean over the step's pairs
 
-    def policy_loss(self, logps: torch.Tensor, sequence: torch.Tensor, batch: dict):
-        count = int(batch["num_sequences"])
+    def policy_loss(self, scores: TargetScores, sequence: torch.Tensor, batch: dict):
+        logps, count = scores.logps, int(batch["num_sequences"])
         policy = sequence_sums(logps, sequence, count, batch)
         reference = sequence_sums(batch["ref_logps"].to(logps.dtype), sequence, count, batch)
         chosen = batch["chosen"].to(logps.device)

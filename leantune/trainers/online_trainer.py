@@ -8,13 +8,15 @@
 
 A training step takes its micro-batches from a buffer of scored completions, refilled by a new round when empty;
 `compute_loss` scores a micro-batch with the policy (chunked log-probs by default: never the full logits) and hands
-per-token log-probs to the method's `policy_loss`, normalised over the whole optimizer step. A method file declares
-what its round and loss read (the class attributes below) and supplies its loss inputs, item count and loss.
+the scores to the method's `policy_loss`, normalised over the whole optimizer step, then adds the method's
+`regularised` terms. A method file declares what its round and loss read and supplies its loss inputs, item count
+and loss (`OnlineMethod`, with `ScoringNeeds`); shared code names no method.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -22,7 +24,7 @@ from .. import methods
 from ..data.collators import MODEL_INPUTS
 from ..data.prompt_preparation import PROMPT_IDS, context_limit_of, prepare_prompt_dataset
 from ..generation.backend import check_backend_requirements
-from ..losses.token_logprobs import per_sequence_sum
+from ..losses.token_logprobs import TargetScores, per_sequence_sum
 from ..rewards import RewardFunctions
 from ..rollouts import AgentRollouts
 from .base import LeantuneTrainer
@@ -38,7 +40,7 @@ from .reference import ReferenceModelMixin
 
 logger = logging.getLogger("leantune.online")
 
-__all__ = ["OnlineTrainer", "RoundLoader", "RoundSampler", "StreamRounds"]
+__all__ = ["OnlineMethod", "OnlineTrainer", "RoundLoader", "RoundSampler", "ScoringNeeds", "StreamRounds"]
 
 # The round's inputs of the loss given per target of a micro-batch (its flat target order)
 PER_TARGET_INPUTS = ("old_logps", "ref_logps", "sampling_logps")
@@ -48,6 +50,16 @@ EVALUATION_OUTSIDE_THE_RING = ("its rounds are scored outside the ring (every pr
                                "and the loss would be read as one process's part)")
 
 
+@dataclass(frozen=True)
+class ScoringNeeds:
+    """What a method's loss reads of the policy's scoring beyond the targets' log-probs: per-token entropies (with
+    their gradient where the loss differentiates them), the last hidden states at the targets."""
+
+    entropies: bool = False
+    entropy_grad: bool = False
+    hidden_states: bool = False
+
+
 def sequence_sums(values: torch.Tensor, sequence: torch.Tensor, count: int, batch: dict) -> torch.Tensor:
     """Per-target values summed per sequence of the micro-batch: whole sums, under context parallelism too (each
     process's partial sums summed over its group, with their gradient)."""
@@ -55,20 +67,54 @@ def sequence_sums(values: torch.Tensor, sequence: torch.Tensor, count: int, batc
     return per_sequence_sum(values, sequence, count) if placed is None else placed.sums(values, count)
 
 
-class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
-    """Config -> parts (generation session, round builder, round metrics) -> the method's loss."""
+class OnlineMethod:
+    """What an online method declares and supplies to the recipe every online method shares (OnlineTrainer): what its
+    loss reads of the policy's scoring, its loss inputs, the prompts its completions are scored after, its item
+    count, its loss and the terms added after normalising it, and whether its micro-batches train in parts."""
 
-    keeps_eval_dataset_as_given = True  # as TRL's online trainers: prompts are prepared aside, for evaluate()
-    # What the method declares:
     scores_at_temperature = True  # log-probs of the logits divided by args.temperature, as sampled (Online DPO: 1)
-    entropy_bonus = None  # GRPO's entropy_coef (losses/entropy_bonus.py): the loss's entropies keep their gradient
-    entropies_in_loss = False  # the loss reads per-token entropies (GRPO's entropy bonus or high-entropy token mask)
-    reads_hidden_states = False  # the loss reads the policy's last hidden states at the targets (PPO's value head)
+    scoring_needs = ScoringNeeds()  # what the loss reads of the policy's scoring beyond log-probs
     # The generation-time policy scores every round, on-policy too (its log-probs feed the method's inputs or
     # corrections); otherwise only a round trained after the policy moved
     scores_policy_on_policy = False
-    cuts_prompts_to_max_length = False  # prompt + completion scored within args.max_length (Online DPO, as TRL's)
 
+    def attach_loss_inputs(self, batches: list[dict], scored: dict, group: int) -> None:
+        """The method's own inputs of its loss into each micro-batch (advantages, chosen completions, returns...),
+        from the gathered round (`scored`: rewards, per function, which ended in EOS, the metric store; groups of
+        `group` completions of one prompt)."""
+        raise NotImplementedError
+
+    def attach_policy_scores(self, batch: dict, model, on_device: dict) -> None:
+        """What the generation-time policy gives each micro-batch: its log-probs (PPO adds its values)."""
+        batch["old_logps"] = self.rounds.scored_logps(model, on_device)
+
+    def scored_prompts(self, prompts: list, completion_ids: list) -> list:
+        """The prompt each completion is scored after (Online DPO cuts long ones): the prompt it was sampled from."""
+        return prompts
+
+    def loss_items(self, batch: dict) -> int:
+        """What this micro-batch adds to the optimizer step's divisor."""
+        raise NotImplementedError
+
+    def policy_loss(self, scores: TargetScores, sequence: torch.Tensor, batch: dict) -> tuple[torch.Tensor, dict]:
+        """(summed loss of the micro-batch, per-micro-batch metrics) from the policy's scores of its targets (what
+        `scoring_needs` asks: per-target log-probs, entropies, hidden states)."""
+        raise NotImplementedError
+
+    def regularised(self, loss: torch.Tensor, scores: TargetScores, batch: dict, model) -> tuple[torch.Tensor, dict]:
+        """(the normalised loss plus the method's terms not divided by the step's item count, their metrics)."""
+        return loss, {}
+
+    def split_problem(self) -> str | None:
+        """Why the method's loss would change if a micro-batch trained in parts of whole prompt groups (the
+        out-of-memory retry's, parts/round_parts.py); None: it would not."""
+        return None
+
+
+class OnlineTrainer(OnlineMethod, ReferenceModelMixin, LeantuneTrainer):
+    """Config -> parts (generation session, round builder, round metrics) -> the method's loss."""
+
+    keeps_eval_dataset_as_given = True  # as TRL's online trainers: prompts are prepared aside, for evaluate()
     prepared_columns = (PROMPT_IDS,)
 
     def __init__(self, model, reward_funcs, args=None, train_dataset=None, eval_dataset=None, processing_class=None,
@@ -177,62 +223,33 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
     def items_in(self, batch: dict) -> torch.Tensor:
         return torch.as_tensor(batch["loss_items"])
 
-    # --- the method: its loss inputs, its rollout scores, its item count and its loss ------------------------------
-
-    def attach_loss_inputs(self, batches: list[dict], scored: dict, group: int) -> None:
-        """The method's own inputs of its loss into each micro-batch (advantages, chosen completions, returns...),
-        from the gathered round (`scored`: rewards, per function, which ended in EOS, the metric store; groups of
-        `group` completions of one prompt)."""
-        raise NotImplementedError
-
-    def attach_policy_scores(self, batch: dict, model, on_device: dict) -> None:
-        """What the generation-time policy gives each micro-batch: its log-probs (PPO adds its values)."""
-        batch["old_logps"] = self.rounds.scored_logps(model, on_device)
-
-    def loss_items(self, batch: dict) -> int:
-        """What this micro-batch adds to the optimizer step's divisor."""
-        raise NotImplementedError
-
-    def policy_loss(self, logps: torch.Tensor, sequence: torch.Tensor, batch: dict) -> tuple[torch.Tensor, dict]:
-        """(summed loss of the micro-batch, per-micro-batch metrics) from per-target log-probs."""
-        raise NotImplementedError
-
     # --- the loss ---------------------------------------------------------------------------------------------------
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The policy scores the micro-batch (as the method's `scoring_needs` ask) -> the method's `policy_loss` ->
+        normalised over the optimizer step -> the method's `regularised` terms."""
         batch = dict(inputs)
         self.run_metrics.count_tokens(model, batch)
         model_inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
-        temperature = self.scoring_temperature
+        needs, temperature = self.scoring_needs, self.scoring_temperature
         # Entropies for the metric come with the chunked head at no extra pass; Liger's kernel computes none
-        with_entropy = self.entropies_in_loss or not self.logprobs.liger_head_runs(model, temperature)
+        with_entropy = needs.entropies or not self.logprobs.liger_head_runs(model, temperature)
         split = ORDINAL_KEY in batch  # context parallelism: this process's part of every sequence
         if split:
             self.context_parallel.check_layout(model_inputs)
         scores = self.logprobs.target_logprobs(model, model_inputs, batch_targets(batch), temperature,
-                                               with_entropy=with_entropy,
-                                               entropy_grad=with_entropy and self.entropy_bonus is not None,
-                                               with_hidden=self.reads_hidden_states)
-        if self.reads_hidden_states:
-            batch["target_hidden"] = scores.hidden  # [targets, hidden], with its gradient (PPO's value head)
-        logps, entropy = scores.logps, scores.entropy
-        if entropy is None:
-            entropy = torch.full_like(logps.detach(), float("nan"))  # NaN: left out of the logged mean
+                                               with_entropy=with_entropy, entropy_grad=needs.entropy_grad,
+                                               with_hidden=needs.hidden_states)
         sequence = (self.own_part_of_batch if split else batch_target_sequences)(batch, scores.targets)
-        batch["token_entropy"] = entropy.detach()  # per target (GRPO's top_entropy_quantile reads it)
-        loss_sum, metrics = self.policy_loss(logps, sequence, batch)
-        metrics["entropy"] = entropy.detach().mean()  # NaN when nothing is scored (left out of the logged mean)
+        loss_sum, metrics = self.policy_loss(scores, sequence, batch)
+        entropy = scores.entropy if scores.entropy is not None else torch.full_like(scores.logps, float("nan"))
+        metrics["entropy"] = entropy.detach().mean()  # NaN without entropies or targets (left out of the logged mean)
         loss = self.normalise(loss_sum, batch["loss_items"], num_items_in_batch,
                               whole_sequences=split and self.context_parallel_loss == methods.SEQUENCE_SUMS)
-        if self.entropy_bonus is not None:  # over the tokens the policy term acts on (top_entropy_quantile's mask)
-            mask = batch.get("entropy_token_mask")
-            steps = getattr(self, "current_gradient_accumulation_steps", 1) if model.training else 1
-            loss, bonus_metrics = self.entropy_bonus.added(
-                loss, entropy if mask is None else entropy[mask], steps, model.training, self.accelerator.sync_gradients,
-                lambda totals: self.accelerator.reduce(totals.to(self.accelerator.device), reduction="sum").cpu())
-            metrics.update(bonus_metrics)
+        loss, added = self.regularised(loss, scores, batch, model)
+        metrics.update(added)
         if split:  # each process's means over its part of the sequences -> the whole sequences' (one process's)
-            metrics = self.context_parallel.whole_means(metrics, len(logps))
+            metrics = self.context_parallel.whole_means(metrics, len(scores.logps))
         self.run_metrics.record(model, **{name: value.reshape(1) for name, value in metrics.items()})
         return (loss, {}) if return_outputs else loss
 
@@ -268,16 +285,9 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         return None
 
     def liger_notes(self, args) -> list[tuple[int, str]]:
-        if self.entropies_in_loss:
-            text = ("use_liger_loss=True: the loss reads per-token entropies (entropy_coef / use_adaptive_entropy / "
-                    "top_entropy_quantile), which Liger's fused kernel does not compute, so the training forward "
-                    "passes score through leantune's chunked head (exact, never the full logits); generation-time "
-                    "and reference log-probs go through Liger's fused linear cross-entropy.")
-        else:
-            text = ("use_liger_loss=True: completions are scored by Liger's fused linear cross-entropy (per-token "
-                    "log-probs, the method's loss written over them); it computes no entropies, so the `entropy` "
-                    "metric is not logged.")
-        return [(logging.INFO, text)]
+        return [(logging.INFO, "use_liger_loss=True: completions are scored by Liger's fused linear cross-entropy "
+                               "(per-token log-probs, the method's loss written over them); it computes no entropies, "
+                               "so the `entropy` metric is not logged.")]
 
     # --- evaluation and the run's summary ----------------------------------------------------------------------------
 

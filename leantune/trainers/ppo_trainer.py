@@ -23,7 +23,7 @@ from ..data.collators import MODEL_INPUTS, sequence_starts
 from ..losses.causal_lm import count_targets
 from ..losses.policy_gradient import clipped_surrogate
 from ..losses.ppo import clipped_value_loss, gae_advantages, kl_penalised_rewards, moments, token_kl, whiten
-from ..losses.token_logprobs import per_sequence_sum, select_targets, target_sequences
+from ..losses.token_logprobs import TargetScores, per_sequence_sum, select_targets, target_sequences
 from ..models.loading import load_causal_lm
 from ..models.output_head import text_config_of, unwrap_model
 from ..models.segment_attention import use_segment_attention
@@ -37,7 +37,7 @@ from ..models.value_head import (
 )
 from .config_utils import checkpointing_setting, enable_model_checkpointing
 from .online.round_builder import eos_penalised
-from .online_trainer import OnlineTrainer
+from .online_trainer import OnlineTrainer, ScoringNeeds
 
 logger = logging.getLogger("leantune.online")
 
@@ -109,7 +109,12 @@ class PPOTrainer(OnlineTrainer):
 
     @property
     def reads_hidden_states(self) -> bool:
+        """The loss reads the policy's last hidden states at the targets (the value head on the policy's body)."""
         return self.value_function.shares_policy_body
+
+    @property
+    def scoring_needs(self) -> ScoringNeeds:
+        return ScoringNeeds(hidden_states=self.reads_hidden_states)
 
     def _values(self, hidden, inputs: dict, labels: torch.Tensor) -> torch.Tensor:
         model_inputs = {k: inputs[k] for k in MODEL_INPUTS if k in inputs}
@@ -168,10 +173,10 @@ class PPOTrainer(OnlineTrainer):
     def loss_items(self, batch: dict) -> int:
         return int(count_targets(batch["labels"]))  # completion tokens: the loss is a mean over the step's tokens
 
-    def policy_loss(self, logps: torch.Tensor, sequence: torch.Tensor, batch: dict):
-        args = self.args
+    def policy_loss(self, scores: TargetScores, sequence: torch.Tensor, batch: dict):
+        args, logps = self.args, scores.logps
         device, dtype = logps.device, logps.dtype
-        values = self._values(batch.pop("target_hidden", None), batch, batch["labels"])
+        values = self._values(scores.hidden, batch, batch["labels"])
         advantages = batch["token_advantages"].to(device, dtype)
         policy = clipped_surrogate(logps, batch["old_logps"].to(device, dtype), advantages, args.cliprange,
                                    args.cliprange)
@@ -188,6 +193,9 @@ class PPOTrainer(OnlineTrainer):
             "val/mean": values.detach().mean(),
         }
         return policy.loss.sum() + args.vf_coef * value_loss.sum().to(dtype), metrics
+
+    def split_problem(self) -> str | None:
+        return "PPO's micro-batches are not split into parts"
 
     # --- saving: the policy as given, the value function beside it ------------------------------------------------
 

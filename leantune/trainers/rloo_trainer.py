@@ -12,7 +12,7 @@ import torch
 
 from ..losses.advantages import leave_one_out_advantages
 from ..losses.policy_gradient import clipped_surrogate
-from ..losses.token_logprobs import per_sequence_sum
+from ..losses.token_logprobs import TargetScores, per_sequence_sum
 from .context_parallel import gather_once_per_group
 from .online.shared_prompt import batch_target_sequences, batch_targets
 from .online_trainer import OnlineTrainer, sequence_sums
@@ -52,8 +52,8 @@ class RLOOTrainer(OnlineTrainer):
     def loss_items(self, batch: dict) -> int:
         return int(batch["num_sequences"])
 
-    def policy_loss(self, logps: torch.Tensor, sequence: torch.Tensor, batch: dict):
-        args = self.args
+    def policy_loss(self, scores: TargetScores, sequence: torch.Tensor, batch: dict):
+        args, logps = self.args, scores.logps
         count = int(batch["num_sequences"])
         sequence_logps = sequence_sums(logps, sequence, count, batch)
         if "old_logps" in batch:

@@ -15,6 +15,7 @@ from leantune import OnlineDPOConfig, OnlineDPOTrainer
 from leantune.cli.main import main
 from leantune.data.prompt_preparation import PROMPT_IDS
 from leantune.losses.preference import chosen_and_rejected, preferred_in_pairs
+from leantune.losses.token_logprobs import TargetScores
 from leantune.trainers.parts.logprob_engine import LogProbPath
 
 from ..fixtures.data import count_a
@@ -84,7 +85,7 @@ def test_pair_choice_and_the_loss_on_summed_log_probs_by_hand(char_tokenizer):
             ("ipo", 1.5, 2.0, (0.0 - 0.25) ** 2 + (1.75 - 0.25) ** 2)):  # IPO on sums (TRL's Online DPO), 1/(2 beta)
         trainer.args.loss_type = loss_type
         trainer.state.epoch = epoch  # beta per epoch: [0.5, 2.0]
-        loss_sum, metrics = trainer.policy_loss(logps, sequence, batch)
+        loss_sum, metrics = trainer.policy_loss(TargetScores(logps, targets=None), sequence, batch)  # log-probs only
         # a few fp32 ops on values ~1: ulps (default float32 tolerance rel 1.3e-6)
         assert loss_sum.item() == pytest.approx(expected, rel=1e-6)
         assert metrics["beta"].item() == beta

@@ -61,9 +61,9 @@ def scored_round(tokenizer, shared: bool, cls=GRPOTrainer, config=GRPOConfig, pe
     recorded = {}
     policy_loss = trainer.policy_loss
 
-    def recording_policy_loss(logps, sequence, batch):
-        recorded["logps"] = logps.detach().clone()
-        return policy_loss(logps, sequence, batch)
+    def recording_policy_loss(scores, sequence, batch):
+        recorded["logps"] = scores.logps.detach().clone()
+        return policy_loss(scores, sequence, batch)
 
     def recording_token_loss(*args, **kwargs):
         token_loss, metrics = token_loss_of(*args, **kwargs)

@@ -49,7 +49,7 @@ class GenerationSession:
             logger.info("%s generation backend: %s.", self.method.upper(), self.backend.name)
         return self.backend
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingSettings) -> Completions:
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingSettings, seed: int | None = None) -> Completions:
         backend = self.open_backend()
         backend.wake_up()
         step = self.step()
@@ -57,8 +57,8 @@ class GenerationSession:
             backend.sync_weights(self.policy())
             self.synced_step = step
         self.rounds_generated += 1
-        seed = self.args.seed + 1_000_003 * self.rounds_generated + 65_537 * data_parallel_place(self.accelerator)[0]
-        sampling = dataclasses.replace(sampling, seed=seed)
+        own = self.args.seed + 1_000_003 * self.rounds_generated + 65_537 * data_parallel_place(self.accelerator)[0]
+        sampling = dataclasses.replace(sampling, seed=own if seed is None else seed)  # the round's, or GKD's own
         if cp_size_of(self.accelerator) > 1:  # one round per context-parallel group
             completions = generate_in_group(self.accelerator, self.policy(), lambda: backend.generate(prompt_ids,
                                                                                                         sampling))

@@ -4,8 +4,8 @@ with the log-probs the loss reads -> the method's own loss inputs (`attach_loss_
 (`loss_items`).
 
 What differs between methods, the method (the trainer) declares: whether the generation-time policy scores an
-on-policy round (`scores_policy_on_policy`; PPO's pass also keeps its values: `attach_policy_scores`) and whether
-prompts are cut to fit `max_length` (`cuts_prompts_to_max_length`)."""
+on-policy round (`scores_policy_on_policy`; PPO's pass also keeps its values: `attach_policy_scores`) and the prompt
+each completion is scored after (`scored_prompts`: Online DPO cuts long ones)."""
 
 from __future__ import annotations
 
@@ -148,8 +148,7 @@ class RoundBuilder:
         """Prompt + completion rows whose targets are the completion's tokens; with `policy_mask` (agent rollouts)
         only the tokens the policy sampled, not tool results."""
         prompts = [row[PROMPT_IDS] for row in rows] if prompt_ids is None else prompt_ids
-        if self.trainer.cuts_prompts_to_max_length:
-            prompts = self.cut_to_max_length(prompts, completion_ids)
+        prompts = self.trainer.scored_prompts(prompts, completion_ids)
         examples, masked = [], 0
         for prompt, completion, done, i in zip(prompts, completion_ids, terminated, range(len(rows))):
             keep = done or not self.args.mask_truncated_completions
@@ -160,14 +159,6 @@ class RoundBuilder:
         if masked:
             self.metrics.counts["truncated_completions_masked"] += masked
         return examples
-
-    def cut_to_max_length(self, prompts: list, completion_ids: list) -> list:
-        """Prompt + completion within `max_length`: the start of a long prompt is cut (TRL's left truncation)."""
-        room = [self.args.max_length - len(completion) for completion in completion_ids]
-        cut = sum(len(prompt) > keep for prompt, keep in zip(prompts, room))
-        if cut:
-            self.metrics.counts["prompts_cut_to_max_length"] += cut
-        return [list(prompt)[-keep:] if len(prompt) > keep else prompt for prompt, keep in zip(prompts, room)]
 
     def attach_sampling_logps(self, batches: list[dict], examples: list[dict], logprobs, micro_size: int) -> None:
         """Per-target log-probs of the engine that sampled the completions ("sampling_logps"), in the flat target

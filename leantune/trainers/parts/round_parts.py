@@ -9,7 +9,8 @@ chosen completions and the KL in RLOO's reward were computed over the whole roun
 hold whole groups, so none of them changes. Its item count is the method's own count of the part: the parts' counts
 add up to the micro-batch's, and the optimizer step's divisor (counted before the step) is the configured run's. Each
 method sums its loss over completions or tokens before that one division (GRPO's `grpo`, `dapo`, `dr_grpo`, ...
-loss types, RLOO's sequences, Online DPO's pairs), so the parts' gradients add up to the micro-batch's.
+loss types, RLOO's sequences, Online DPO's pairs), so the parts' gradients add up to the micro-batch's. Where a
+method's loss would change in parts (GRPO's `bnpo`, its entropy options; PPO), the method says why: `split_problem`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from ..online.shared_prompt import count_batch_targets
 
 PER_TARGET = ("old_logps", "ref_logps", "sampling_logps")  # the round's per-target inputs of the loss
 COUNTS = ("num_sequences", "loss_items")  # the micro-batch's own counts, counted again for each part
-SPLIT_METHODS = ("grpo", "rloo", "online_dpo")
 
 
 class RoundParts:
@@ -30,19 +30,8 @@ class RoundParts:
         self.trainer = trainer
 
     def problem(self) -> str | None:
-        """Why the method's loss would not be the same in smaller micro-batches (None: it is)."""
-        trainer, args = self.trainer, self.trainer.args
-        if trainer.method not in SPLIT_METHODS:
-            return f"{trainer.method.upper()}'s micro-batches are not split into parts"
-        if trainer.method != "grpo":
-            return None
-        if args.loss_type == "bnpo":
-            return "loss_type='bnpo' averages over each micro-batch's own tokens, so a smaller one changes the loss"
-        if args.top_entropy_quantile < 1.0:
-            return "top_entropy_quantile < 1 takes its quantile over each micro-batch's tokens"
-        if trainer.entropy_bonus is not None:
-            return "an entropy bonus (entropy_coef / use_adaptive_entropy) averages over each micro-batch"
-        return None
+        """Why the method's loss would not be the same in smaller micro-batches (None: it is): the method says."""
+        return self.trainer.split_problem()
 
     def part(self, batch: dict, examples: list[dict], start: int, stop: int) -> dict:
         """The micro-batch of examples[start:stop] (whole groups) of the round's micro-batch `batch`."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ...losses.token_logprobs import vocab_size_of
-from ...models.loading import load_causal_lm, parse_kwargs
+from ...models.loading import load_causal_lm
 from ...models.output_head import OutputHead, text_config_of
 from ...models.segment_attention import use_segment_attention
 from ..frozen_models import prepare_frozen_model
@@ -16,12 +16,13 @@ class Teacher:
     """The frozen teacher: `model` (placed once the accelerator exists), its output head and its forward passes,
     without gradient."""
 
-    def __init__(self, source, student, args):
-        self.model = load_causal_lm(source, parse_kwargs(args.teacher_model_init_kwargs),
-                                    trust_remote_code=args.trust_remote_code)
+    def __init__(self, source, student, init_kwargs: dict | None, trust_remote_code: bool, segmented_rows: bool):
+        """`init_kwargs`: from_pretrained's for a teacher given by id or path; `segmented_rows`: the trainer's rows
+        hold several sequences (packing, padding-free), which the teacher attends to one by one as the student."""
+        self.model = load_causal_lm(source, init_kwargs, trust_remote_code=trust_remote_code)
         self.model.requires_grad_(False).eval()
         check_same_vocabulary(student, self.model)
-        if args.packing or args.padding_free:
+        if segmented_rows:
             use_segment_attention(self.model)
 
     def place(self, accelerator, args) -> None:
