@@ -159,16 +159,12 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device):
         """The step's micro-batches, from the buffer; a new round is generated when it runs out."""
-        batches = []
-        for _ in range(num_batches):
-            try:
-                prompts = next(epoch_iterator)
-            except StopIteration:
-                break
-            if not self._buffer:
-                self._buffer = self.generation_round(prompts)
-            batches.append(self._buffer.pop(0))
-        return batches, self._get_num_items_in_batch(batches, device)
+        def micro_batches():
+            for prompts in epoch_iterator:
+                if not self._buffer:
+                    self._buffer = self.generation_round(prompts)
+                yield self._buffer.pop(0)
+        return super().get_batch_samples(micro_batches(), num_batches, device)
 
     def generation_round(self, prompt_rows: list[dict]) -> list[dict]:
         """Generate, reward and prepare one round; returns its micro-batches (repeated num_iterations times)."""

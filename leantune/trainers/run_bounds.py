@@ -1,0 +1,74 @@
+"""Where a `train()` call starts and ends, through transformers' public callback events (no private state read):
+
+- the global step at its start (`on_train_begin`, after a resumed checkpoint's state is loaded): a run resumed from a
+  checkpoint already at `max_steps` trains nothing, which the run's end reports;
+- such a run trains no step: transformers checks `max_steps` only after a step, so the trainer's `get_batch_samples`
+  hands it no micro-batch (`done`), and the end of that empty epoch saves, evaluates and logs nothing (the control
+  restored from the checkpoint may still ask for its save);
+- the trainer's own state in the resumed checkpoint (`load_extra_state`), read once transformers has loaded the
+  model, optimizer and scheduler.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from transformers import TrainerCallback
+
+from ..data.streaming import log_stream_report
+
+logger = logging.getLogger("leantune.trainer")
+
+
+class RunBounds(TrainerCallback):
+    def __init__(self, load_extra_state):
+        self.load_extra_state = load_extra_state
+        self.checkpoint = None  # the checkpoint this train() call resumes from (train() sets it)
+        self.start_step = None  # the global step when training began
+        self.done_at_start = False
+        self.training = False  # between transformers' train begin and end (a direct call is not guarded)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.training = True
+        self.start_step = state.global_step
+        self.done_at_start = state.global_step >= state.max_steps
+        if self.checkpoint is not None:
+            self.load_extra_state(str(self.checkpoint))
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        if self.done_at_start:  # the epoch that found nothing to train: nothing to save, evaluate or log either
+            control.should_save = control.should_evaluate = control.should_log = False
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.training = False
+
+    def starting(self, checkpoint) -> None:
+        """A train() call begins, resuming from `checkpoint` (None: from the start)."""
+        self.checkpoint, self.training = checkpoint or None, False
+
+    def done(self, state) -> bool:
+        """Whether training is on and `max_steps` optimizer steps are done: the loop must take no more micro-batches."""
+        return self.training and state.global_step >= state.max_steps
+
+    def trained_nothing(self, state, resumed: bool) -> bool:
+        """Whether this train() resumed a checkpoint already at max_steps (or its epochs' end) and trained no step."""
+        return resumed and state.global_step == self.start_step and state.global_step >= state.max_steps
+
+
+def report_run_end(trainer, output, resumed: bool):
+    """After the run: nothing trained by a resumed finished run, the stream's drops, the summary, the memory."""
+    trainer.trained_nothing = trainer.run_bounds.trained_nothing(trainer.state, resumed)
+    main = trainer.is_world_process_zero()
+    if trainer.trained_nothing and main:
+        logger.warning("Nothing to train: the checkpoint is at step %d of max_steps %d (the run is done); raise "
+                       "max_steps (or num_train_epochs) to train further.", trainer.state.global_step,
+                       trainer.state.max_steps)
+    train_report = trainer.stream_reports.get(id(trainer.train_dataset))
+    if train_report is not None and main:
+        log_stream_report(train_report)
+    summary = trainer.training_summary()
+    output.metrics.update(summary)
+    trainer.log_metrics("train", summary)
+    if trainer.memory_breakdown is not None and main:
+        logger.info(trainer.memory_breakdown.line())
+    return output
