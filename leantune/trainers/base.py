@@ -10,6 +10,8 @@ config -> parts -> loss.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch.utils.data import DataLoader
 from transformers import Trainer
@@ -166,19 +168,12 @@ class LeantuneTrainer(MethodHooks, TrainerAttributes, Trainer):
     # --- the step: its items counted by the loss normaliser, batches laid out for context parallelism ------------
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device):
-        """The step's micro-batches as trained on (`trained_batches`) and their item count over all processes
-        (parts/step_loss). No micro-batch once `max_steps` optimizer steps are done: transformers checks the limit
-        only after a step, so a run resumed from its last checkpoint would train one step more (run_bounds.py)."""
-        if self.run_bounds.done(self.state):
+        """The step's micro-batches as trained on and their item count over all processes (parts/step_loss); none
+        once max_steps are done, which transformers checks only after a step (run_bounds.py)."""
+        if self.run_bounds.start_step is not None and self.state.global_step >= self.state.max_steps:
             self.control.should_training_stop = True
             return [], None
-        batches = []
-        for _ in range(num_batches):
-            try:
-                batches.append(next(epoch_iterator))
-            except StopIteration:
-                break
-        batches = self.trained_batches(batches)
+        batches = self.trained_batches(list(itertools.islice(epoch_iterator, num_batches)))
         return batches, self.step_loss.count(batches, device)
 
     def normalise(self, loss_sum: torch.Tensor, local_count, num_items_in_batch,
@@ -246,12 +241,12 @@ class LeantuneTrainer(MethodHooks, TrainerAttributes, Trainer):
             kwargs["resume_from_checkpoint"], args = args[0], args[1:]
         with named_collective_timeouts(self.args):  # every process takes process 0's checkpoint, or all stop
             kwargs["resume_from_checkpoint"] = agreed_resume_checkpoint(kwargs.get("resume_from_checkpoint"), self.args)
-        self.run_bounds.starting(kwargs["resume_from_checkpoint"])
+        self.run_bounds.checkpoint = kwargs["resume_from_checkpoint"] or None
         reset_peak_memory(self.args.device)
         self.run_metrics.throughput.restart()
         with named_collective_timeouts(self.args), self.nonfinite.training_run():  # distributed.py, nonfinite.py
             output = super().train(*args, **kwargs)
-        return report_run_end(self, output, resumed=bool(kwargs.get("resume_from_checkpoint")))
+        return report_run_end(self, output)
 
     def training_summary(self) -> dict:
         return {**self.run_metrics.summary(), **self.nonfinite.summary()}

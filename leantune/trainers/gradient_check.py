@@ -27,9 +27,7 @@ class GradientCheck(TrainerCallback):
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
         norm, self.norm = self.norm, None
-        if norm is None:
-            norm = gradient_norm(model)
-        self.check_step(model, norm)
+        self.check_step(model, norm if norm is not None else gradient_norm(model))
 
 
 def gradient_norm(model: torch.nn.Module) -> torch.Tensor:

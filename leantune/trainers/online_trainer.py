@@ -157,14 +157,14 @@ class OnlineTrainer(ReferenceModelMixin, LeantuneTrainer):
         return round_loader(self.train_dataset, self.round_size // self.args.num_generations,
                             self.steps_per_generation * self.args.num_iterations, self.args)
 
-    def get_batch_samples(self, epoch_iterator, num_batches: int, device):
-        """The step's micro-batches, from the buffer; a new round is generated when it runs out."""
-        def micro_batches():
-            for prompts in epoch_iterator:
-                if not self._buffer:
-                    self._buffer = self.generation_round(prompts)
-                yield self._buffer.pop(0)
-        return super().get_batch_samples(micro_batches(), num_batches, device)
+    def trained_batches(self, prompt_rows: list) -> list:
+        """One micro-batch of the round buffer per item of the loader (a round's prompts); a new round when empty."""
+        batches = []
+        for prompts in prompt_rows:
+            if not self._buffer:
+                self._buffer = self.generation_round(prompts)
+            batches.append(self._buffer.pop(0))
+        return batches
 
     def generation_round(self, prompt_rows: list[dict]) -> list[dict]:
         """Generate, reward and prepare one round; returns its micro-batches (repeated num_iterations times)."""

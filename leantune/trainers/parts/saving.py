@@ -209,12 +209,17 @@ def resume_checkpoint(given, output_dir: str):
 
 
 def agreed_resume_checkpoint(given, args):
-    """The checkpoint every process resumes from: process 0's (processes resolve `True` each in its own view of
+    """The checkpoint every process resumes from (one process: its own choice)."""
+    if args.world_size == 1:
+        return resume_checkpoint(given, args.output_dir)
+    return process_zeros_checkpoint(given, args)
+
+
+def process_zeros_checkpoint(given, args):
+    """Process 0's choice of checkpoint, for every process (processes resolve `True` each in its own view of
     output_dir, and one that found another checkpoint, or none, would train from another state). Only process 0
     writes checkpoints unless `save_on_each_node`, so on nodes without a shared file system the others cannot read
     it: then every process stops with one line, instead of one failing and the rest waiting for it."""
-    if args.world_size == 1:
-        return resume_checkpoint(given, args.output_dir)
     try:
         chosen, problem = resume_checkpoint(given, args.output_dir), None
     except ValueError as error:  # process 0's problem is every process's; another's choice is replaced
