@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from ..trainers.batches import placed
 from .demos import apply_demo_settings, demo_model, sft_warm_up, train_and_save
 from .dpo import DEMO_TRAINING as DPO_DEMO_TRAINING
 from .dpo import print_summary as print_preference_summary
@@ -68,7 +69,7 @@ def held_out_pair_accuracy(trainer) -> float:
     try:
         size = trainer.args.per_device_eval_batch_size
         for start in range(0, len(dataset), size):
-            batch = trainer._prepare_inputs(trainer.data_collator([dataset[i] for i in range(start,
+            batch = placed(trainer, trainer.data_collator([dataset[i] for i in range(start,
                                                                      min(start + size, len(dataset)))]))
             ref_logps, _ = trainer.reference_logps(batch)
             policy = trainer.sequence_logps(model, batch)

@@ -85,6 +85,14 @@ def _last_hidden_states(model, inputs: dict) -> torch.Tensor:
 
 def attach_value_function(policy: torch.nn.Module, value: ValueFunction) -> None:
     policy.add_module(VALUE_ATTRIBUTE, value)
+    policy.register_load_state_dict_post_hook(value_weights_not_missing)
+
+
+def value_weights_not_missing(policy: torch.nn.Module, incompatible_keys) -> None:
+    """A checkpoint of the policy holds the policy as given; its value function's weights are in their own file
+    (`load_value_function`), so a load of the policy (Trainer's resume) does not report them missing."""
+    missing = incompatible_keys.missing_keys
+    missing[:] = [key for key in missing if f"{VALUE_ATTRIBUTE}." not in key]
 
 
 @contextlib.contextmanager

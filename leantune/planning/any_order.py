@@ -43,7 +43,7 @@ def longest_rows_batches(trainer) -> list:
         chosen.add(order)
         rows = dataset.select(order)
         if trainer.args.remove_unused_columns:  # what the Trainer's loader hands the collator
-            rows = trainer._remove_unused_columns(rows, description="training")
+            rows = rows.remove_columns([name for name in rows.column_names if name not in trainer.dataset_columns])
         batch = trainer.data_collator([rows[i] for i in range(len(rows))])
         if isinstance(batch, dict):
             found.append((batch, f"the {len(order)} rows with the most {what} together"))

@@ -10,52 +10,47 @@ config -> parts -> loss.
 
 from __future__ import annotations
 
-import logging
+import itertools
 
 import torch
 from torch.utils.data import DataLoader
 from transformers import Trainer
+from transformers.trainer_utils import RemoveColumnsCollator
+from transformers.utils import logging as transformers_logging
 
 from .. import methods
 from ..data.streaming import is_stream, log_stream_report, reset_counts
-from ..losses.causal_lm import count_targets
 from ..metrics.memory import reset_peak_memory
 from ..metrics.memory_breakdown import MemoryBreakdownCallback
+from .batches import kept_columns
 from .context_parallel import ContextParallelism
 from .distributed import leave_process_group_at_exit, named_collective_timeouts
-from .nonfinite import ROW_INDEX, NonFiniteGuard
+from .gradient_check import GradientCheck
+from .method_hooks import MethodHooks
+from .nonfinite import NonFiniteGuard
 from .parts.logprob_engine import LogProbEngine
 from .parts.oom_retry import OutOfMemoryRetry
 from .parts.resolved_config import resolve_config
 from .parts.round_parts import RoundParts
-from .parts.run_metrics import RunMetrics, mean_of_values
-from .parts.saving import StagedCheckpoint, agreed_resume_checkpoint, save_with_card, tag_model, write_hub_card
+from .parts.run_metrics import RunMetrics
+from .parts.saving import StagedCheckpoint, agreed_resume_checkpoint, model_files_saved, tag_model, write_hub_card
 from .parts.split_preparer import SplitPreparer
 from .parts.step_loss import StepLoss
 from .reference import Reference
+from .run_bounds import RunBounds, report_run_end
 from .step_logging import use_step_log_lines
+from .trainer_attributes import TrainerAttributes
 
-logger = logging.getLogger("leantune.trainer")
 
+class LeantuneTrainer(MethodHooks, TrainerAttributes, Trainer):
+    """A transformers Trainer holding leantune's parts; what a method says about itself is in `MethodHooks`
+    (method_hooks.py), what is read from it from outside in `TrainerAttributes` (trainer_attributes.py). The private
+    methods of transformers' Trainer it overrides or calls are docs/transformers_seam.md's, no other."""
 
-class LeantuneTrainer(Trainer):
     # compute_loss divides by the target count of the whole step, so the Trainer must not divide again.
     loss_is_scaled_for_ga = True
-    # Dataset columns the collators read; everything else is removed by Trainer.
-    dataset_columns: tuple[str, ...] = ()
-    # Columns whose presence marks a dataset as already prepared by this trainer's recipe (see `is_prepared`).
-    prepared_columns: tuple[str, ...] = ()
     # The key prefix of the evaluation running now ("eval", or "eval_<name>" for one of several eval datasets).
     _metric_prefix = "eval"
-    # The trainer's entry in leantune/methods.py (config, TRL's names and defaults, the command line, the planner).
-    method: str = ""
-    # Whether `trainer.eval_dataset` stays the object the user passed (TRL's online trainers), its prepared form
-    # kept aside for evaluate(), rather than being replaced by the prepared dataset.
-    keeps_eval_dataset_as_given = False
-    # Whether the trainer's log-probs are of logits divided by `args.temperature` (the online trainers').
-    scores_at_temperature = False
-    # Whether the trained model scores a vocabulary (a reward model scores sequences: nothing to chunk or fuse).
-    scores_vocabulary = True
 
     # --- construction: one sequence for every trainer -----------------------------------------------------------
 
@@ -83,6 +78,12 @@ class LeantuneTrainer(Trainer):
         Trainer.__init__(self, model=loaded.model, args=args, data_collator=data_collator,
                          train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=loaded.tokenizer,
                          **trainer_kwargs)
+        self._signature_columns = kept_columns(self)  # what Trainer keeps of a dataset for the collator
+        self.run_bounds = RunBounds(self.load_extra_state)  # run_bounds.py: a run's start, a finished run resumed
+        self.add_callback(self.run_bounds)
+        # gradient_check.py: each step's NaN/inf check before the optimizer, ahead of every other callback
+        self.callback_handler.callbacks.insert(0, GradientCheck(
+            self.accelerator, lambda model, grad_norm: self.nonfinite.check_step(model, grad_norm)))
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             leave_process_group_at_exit()  # no abort at interpreter exit (trainers/distributed.py)
         use_step_log_lines(self.callback_handler)  # trainers/step_logging.py: `step N/M | loss ...`
@@ -109,60 +110,7 @@ class LeantuneTrainer(Trainer):
                                           self.run_metrics.mark, RoundParts(self) if self.generates_rounds else None)
         return loaded
 
-    def default_args(self, model, args):
-        """TRL's default config: the method's config class with output_dir "<model name>-<method>"."""
-        if args is not None:
-            return args
-        name, method = model if isinstance(model, str) else type(model).__name__, methods.of(self)
-        return method.config_class(output_dir=f"{str(name).split('/')[-1]}-{method.output_suffix}")
-
-    def load_models(self, model, ref_model, processing_class, peft_config, args, quantization_config):
-        """The trained model (PEFT applied), its tokenizer and the frozen models: a PolicyAndReference."""
-        raise NotImplementedError
-
-    def make_collator(self, tokenizer, args, train_dataset):
-        raise NotImplementedError
-
-    def frozen_model_sources(self) -> dict:
-        """The frozen models as given, before they load (reward functions, a teacher): what `memory_budget` plans."""
-        return {}
-
-    def context_parallel_problem(self, args) -> str | None:
-        """An option of the method's that context parallelism cannot run exactly, said as "<option> (why)"."""
-        return None
-
-    def liger_notes(self, args) -> list[tuple[int, str]]:
-        """(log level, text) of what the method's loss takes from Liger and what it does not, said once at start."""
-        return []
-
-    def frozen_models(self) -> list[torch.nn.Module]:
-        """Models held and run without training (reference, reward models, teacher): their own part of the memory."""
-        return self.reference.frozen()
-
-    # --- data: the method's recipe, run by the split preparer ----------------------------------------------------
-
-    def prepare_split(self, dataset, split: str, tokenizer, args):
-        """(prepared dataset, report or None) of one map-style split, by the trainer's recipe. Called before Trainer's
-        own set-up (so it uses the `tokenizer` and `args` it is given, not `self.processing_class` / `self.args`)."""
-        raise NotImplementedError
-
-    stream_order = None  # (stream, split, args) -> (stream, config of its buffers): how a stream is read (SFT's)
-
-    def skips_preparation(self, args) -> bool:
-        """Whether the data is given trainer-ready (SFT's `dataset_kwargs={"skip_prepare_dataset": True}`)."""
-        return False
-
-    def is_prepared(self, dataset) -> bool:
-        return self.splits.is_prepared(dataset)
-
-    @property
-    def data_reports(self) -> dict:
-        """The preparation report of each split (drops, truncation, packing), by split name."""
-        return self.splits.reports
-
-    @property
-    def stream_reports(self) -> dict:
-        return self.splits.stream_reports
+    # --- evaluation: several eval sets, streams read by this process ---------------------------------------------
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
         """Trainer.evaluate on prepared data. A dataset passed here that is not prepared yet is prepared by the same
@@ -206,13 +154,12 @@ class LeantuneTrainer(Trainer):
             dataset = self.eval_dataset[dataset]
         if not is_stream(dataset) or not self.args.dataloader_num_workers:
             return super().get_eval_dataloader(eval_dataset)
-        collator = self._get_collator_with_removed_columns(self.data_collator, description="Evaluation")
+        collator = self.data_collator
+        if self.args.remove_unused_columns:  # as Trainer's own loader: the columns it keeps (batches.py)
+            collator = RemoveColumnsCollator(collator, kept_columns(self), transformers_logging.get_logger(
+                "transformers.trainer"), self.model.__class__.__name__, "Evaluation")
         return self.accelerator.prepare(DataLoader(dataset, self.args.eval_batch_size, collate_fn=collator,
                                                    pin_memory=self.args.dataloader_pin_memory))
-
-    def _set_signature_columns_if_needed(self):
-        if self._signature_columns is None:
-            self._signature_columns = [*self.dataset_columns, ROW_INDEX]  # ROW_INDEX: for the NaN/inf checks
 
     def get_train_dataloader(self):
         build = super().get_train_dataloader
@@ -220,12 +167,14 @@ class LeantuneTrainer(Trainer):
 
     # --- the step: its items counted by the loss normaliser, batches laid out for context parallelism ------------
 
-    def items_in(self, batch: dict) -> torch.Tensor:
-        """What the loss is averaged over, in one collated batch: target tokens (pairs for preference losses)."""
-        return count_targets(batch["labels"])
-
-    def _get_num_items_in_batch(self, batch_samples: list, device):
-        return self.step_loss.count(batch_samples, device)
+    def get_batch_samples(self, epoch_iterator, num_batches: int, device):
+        """The step's micro-batches as trained on and their item count over all processes (parts/step_loss); none
+        once max_steps are done, which transformers checks only after a step (run_bounds.py)."""
+        if self.run_bounds.start_step is not None and self.state.global_step >= self.state.max_steps:
+            self.control.should_training_stop = True
+            return [], None
+        batches = self.trained_batches(list(itertools.islice(epoch_iterator, num_batches)))
+        return batches, self.step_loss.count(batches, device)
 
     def normalise(self, loss_sum: torch.Tensor, local_count, num_items_in_batch,
                   whole_sequences: bool = False) -> torch.Tensor:
@@ -250,6 +199,8 @@ class LeantuneTrainer(Trainer):
         return method.context_parallel if method is not None else None
 
     def _prepare_context_parallel_inputs(self, model, inputs):
+        """transformers' seam (docs/transformers_seam.md): the batch laid out for the ring by leantune, in place of
+        transformers' own layout, with accelerate's context manager that splits it."""
         return self.context_parallel.lay_out(inputs, getattr(self.data_collator, "pad_token_id", None),
                                              per_sequence=self.context_parallel_loss == methods.SEQUENCE_SUMS)
 
@@ -263,48 +214,17 @@ class LeantuneTrainer(Trainer):
         back = [self.run_metrics.mark(), self.nonfinite.mark(), self.step_loss.drop_router_loss]
         return lambda: [restore() for restore in back]
 
-    def _get_grad_norm(self, model, grad_norm=None):
-        return self.nonfinite.check_step(model, super()._get_grad_norm(model, grad_norm=grad_norm))
-
-    # --- attributes read from outside: the chosen log-prob path, TRL's router-loss settings ----------------------
-
-    @property
-    def logprob_path(self):
-        return self.logprobs.path
-
-    @logprob_path.setter
-    def logprob_path(self, path) -> None:  # tests compare the paths on one trainer
-        self.logprobs.path = path
-
-    @property
-    def aux_loss_enabled(self) -> bool:
-        return self.step_loss.router_loss_enabled
-
-    @property
-    def router_aux_loss_coef(self) -> float:
-        return self.step_loss.router_loss_coef
-
     # --- saving: staged checkpoints, each saved folder with its model card (parts/saving.py) ----------------------
 
-    def _save(self, output_dir: str | None = None, state_dict=None) -> None:
-        save_with_card(self, output_dir, state_dict, super()._save)
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        with model_files_saved(self):  # the model's files by `write_model_files`, and its card (parts/saving.py)
+            super().save_model(output_dir, _internal_call)
 
     def _save_checkpoint(self, model, trial) -> None:
-        self._staged_checkpoint = StagedCheckpoint(self, trial)
-        try:
-            self._staged_checkpoint.save(model, trial, self.nonfinite.finite_weights_saved(super()._save_checkpoint))
-        finally:
-            self._staged_checkpoint = None
-
-    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
-        """A push waits for the renamed checkpoint folder (never the staged one)."""
-        staged = getattr(self, "_staged_checkpoint", None)
-        if staged is None or not staged.active:
-            super()._push_from_checkpoint(checkpoint_folder)
-
-    def save_extra_state(self, folder: str) -> None:
-        """The trainer's own state beyond transformers' (GRPO's adaptive entropy coefficient, ...), written into the
-        staged checkpoint folder before it is renamed: a checkpoint holds it or does not exist."""
+        """transformers' seam (docs/transformers_seam.md): Trainer's checkpoint written into a staging folder, fsynced
+        and renamed when whole (parts/saving.py), and only of finite weights (nonfinite.py)."""
+        checkpoint = StagedCheckpoint(self)
+        checkpoint.save(model, trial, self.nonfinite.finite_weights_saved(super()._save_checkpoint))
 
     def create_model_card(self, tags=None, **kwargs) -> None:
         write_hub_card(self, tags, **kwargs)
@@ -321,49 +241,15 @@ class LeantuneTrainer(Trainer):
             kwargs["resume_from_checkpoint"], args = args[0], args[1:]
         with named_collective_timeouts(self.args):  # every process takes process 0's checkpoint, or all stop
             kwargs["resume_from_checkpoint"] = agreed_resume_checkpoint(kwargs.get("resume_from_checkpoint"), self.args)
+        self.run_bounds.checkpoint = kwargs["resume_from_checkpoint"] or None
         reset_peak_memory(self.args.device)
         self.run_metrics.throughput.restart()
         with named_collective_timeouts(self.args), self.nonfinite.training_run():  # distributed.py, nonfinite.py
             output = super().train(*args, **kwargs)
-        return self.report_run_end(output, resumed=bool(kwargs.get("resume_from_checkpoint")))
-
-    def report_run_end(self, output, resumed: bool):
-        """After the run: nothing trained by a resumed finished run, the stream's drops, the summary, the memory."""
-        # whether this train() resumed a checkpoint already at max_steps (or its epochs' end) and trained no step
-        self.trained_nothing = (resumed and self.state.global_step == getattr(self, "_initial_global_step", -1)
-                                and self.state.global_step >= self.state.max_steps)
-        if self.trained_nothing and self.is_world_process_zero():
-            logger.warning("Nothing to train: the checkpoint is at step %d of max_steps %d (the run is done); raise "
-                           "max_steps (or num_train_epochs) to train further.", self.state.global_step,
-                           self.state.max_steps)
-        train_report = self.stream_reports.get(id(self.train_dataset))
-        if train_report is not None and self.is_world_process_zero():
-            log_stream_report(train_report)
-        summary = self.training_summary()
-        output.metrics.update(summary)
-        self.log_metrics("train", summary)
-        if self.memory_breakdown is not None and self.is_world_process_zero():
-            logger.info(self.memory_breakdown.line())
-        return output
-
-    def _run_epoch(self, *args, **kwargs):
-        """An epoch of transformers' loop, none once `max_steps` optimizer steps are done: transformers checks the
-        limit only after a step, so a run resumed from its last checkpoint would train one step more."""
-        if self.state.global_step >= self.state.max_steps:
-            self.control.should_training_stop = True
-            return None
-        return super()._run_epoch(*args, **kwargs)
-
-    @property
-    def memory_breakdown(self):
-        return self.run_metrics.memory_breakdown
+        return report_run_end(self, output)
 
     def training_summary(self) -> dict:
         return {**self.run_metrics.summary(), **self.nonfinite.summary()}
-
-    def summarise_metrics(self, store: dict[str, list[float]]) -> dict[str, float]:
-        """The logged form of the method's stored values: their means (NaN left out); a method may say more."""
-        return mean_of_values(store)
 
     def log(self, logs: dict, start_time: float | None = None) -> None:
         # A training step's log, or the run's closing summary (which takes the values since the last step's log)

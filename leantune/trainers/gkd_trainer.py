@@ -143,20 +143,14 @@ class GKDTrainer(SFTTrainer):
             return "student"
         return "teacher" if self.args.seq_kd else None
 
-    def get_batch_samples(self, epoch_iterator, num_batches, device):
-        """The step's micro-batches, regenerated when the step trains on generated completions, then counted (so
+    def trained_batches(self, batches: list) -> list:
+        """The step's micro-batches, regenerated when the step trains on generated completions (then counted, so
         the loss is divided by the target count of what is actually trained on)."""
-        batches = []
-        for _ in range(num_batches):
-            try:
-                batches.append(next(epoch_iterator))
-            except StopIteration:
-                break
         source = self.completion_source(self.state.global_step) if batches else None
         if source is not None:
             self.on_policy_steps += source == "student"
             batches = [self.generated_batch(batch, source, i) for i, batch in enumerate(batches)]
-        return batches, self._get_num_items_in_batch(batches, device)
+        return batches
 
     def generated_batch(self, batch: dict, source: str, micro_batch: int) -> dict:
         """The batch's prompts with completions sampled from the student or the teacher through its generation

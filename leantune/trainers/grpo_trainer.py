@@ -203,10 +203,9 @@ class GRPOTrainer(OnlineTrainer):
         if self.entropy_bonus is not None and self.entropy_bonus.adaptive:
             self.entropy_bonus.save(folder)
 
-    def _load_optimizer_and_scheduler(self, checkpoint):
-        super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint is not None and self.entropy_bonus is not None and self.entropy_bonus.adaptive:
-            self.entropy_bonus.load(checkpoint)
+    def load_extra_state(self, folder: str) -> None:
+        if self.entropy_bonus is not None and self.entropy_bonus.adaptive:
+            self.entropy_bonus.load(folder)
 
     def _pooled_over_processes(self, values: torch.Tensor) -> torch.Tensor:
         """Every process's values of this micro-batch (lengths differ between processes)."""

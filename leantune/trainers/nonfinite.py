@@ -87,7 +87,8 @@ def _with_row_index(dataset):
 
 class NonFiniteGuard:
     """The checks of every leantune trainer (see the module's docstring), as a part the trainer holds: its Trainer
-    hooks (training_step, _get_grad_norm, _save_checkpoint, get_train_dataloader, train, log) call it in one line.
+    hooks (training_step, _save_checkpoint, get_train_dataloader, train, log) and the `on_pre_optimizer_step` callback
+    of gradient_check.py call it in one line.
     `checks_steps = False` (the planner's fake step): a step's flags decide nothing and no collective runs."""
 
     def __init__(self, args, accelerator, is_main_process, global_step):

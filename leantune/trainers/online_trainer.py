@@ -203,18 +203,14 @@ class OnlineTrainer(OnlineMethod, ReferenceModelMixin, LeantuneTrainer):
         return round_loader(self.train_dataset, self.round_size // self.args.num_generations,
                             self.steps_per_generation * self.args.num_iterations, self.args)
 
-    def get_batch_samples(self, epoch_iterator, num_batches: int, device):
-        """The step's micro-batches, from the buffer; a new round is generated when it runs out."""
+    def trained_batches(self, prompt_rows: list) -> list:
+        """One micro-batch of the round buffer per item of the loader (a round's prompts); a new round when empty."""
         batches = []
-        for _ in range(num_batches):
-            try:
-                prompts = next(epoch_iterator)
-            except StopIteration:
-                break
+        for prompts in prompt_rows:
             if not self._buffer:
                 self._buffer = self.generation_round(prompts)
             batches.append(self._buffer.pop(0))
-        return batches, self._get_num_items_in_batch(batches, device)
+        return batches
 
     def generation_round(self, prompt_rows: list[dict]) -> list[dict]:
         """Generate, reward and prepare one round; returns its micro-batches (repeated num_iterations times)."""

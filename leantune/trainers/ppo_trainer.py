@@ -199,20 +199,18 @@ class PPOTrainer(OnlineTrainer):
 
     # --- saving: the policy as given, the value function beside it ------------------------------------------------
 
-    def _save(self, output_dir: str | None = None, state_dict=None) -> None:
-        output_dir = output_dir if output_dir is not None else self.args.output_dir
+    def write_model_files(self, save_pretrained, folder: str, state_dict, **kwargs) -> None:
         gathered = None  # FSDP / ZeRO-3 hand over the full weights, gathered from the shards: the value's among them
         if state_dict is not None:
             prefix = f"{VALUE_ATTRIBUTE}."
             gathered = {k.split(prefix, 1)[1]: v for k, v in state_dict.items() if prefix in k}
             state_dict = {k: v for k, v in state_dict.items() if prefix not in k}
         with detached_value_function(self.model) as value:
-            super()._save(output_dir, state_dict=state_dict)
+            super().write_model_files(save_pretrained, folder, state_dict, **kwargs)
         if value is not None and self.args.should_save:
-            save_value_function(value, output_dir, gathered or None)
+            save_value_function(value, folder, gathered or None)
 
-    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        """The policy as Trainer loads it, then the value function saved beside it (a checkpoint of this trainer)."""
-        with detached_value_function(self.model):
-            super()._load_from_checkpoint(resume_from_checkpoint, model)
-        load_value_function(self.value_function, resume_from_checkpoint)
+    def load_extra_state(self, folder: str) -> None:
+        """The value function saved beside the policy (which Trainer loaded, its value weights not reported missing:
+        models/value_head.py), when training resumes from a checkpoint of this trainer."""
+        load_value_function(self.value_function, folder)

@@ -21,6 +21,7 @@ from .. import methods
 from ..models.loading import apply_peft, ensure_pad_token, load_causal_lm, load_tokenizer, with_quantization_config
 from ..models.output_head import unwrap_model
 from ..models.segment_attention import SEGMENT_SDPA, use_segment_attention
+from .batches import placed
 from .frozen_models import prepare_frozen_model, zero3_enabled
 
 logger = logging.getLogger("leantune.trainer")
@@ -223,7 +224,7 @@ class Reference:
             try:
                 for start in range(0, len(dataset), size):
                     rows = [dataset[i] for i in range(start, min(start + size, len(dataset)))]
-                    batch = trainer._prepare_inputs(trainer.data_collator(rows))
+                    batch = placed(trainer, trainer.data_collator(rows))
                     for name, values in trainer.reference_values(model, batch, len(rows)).items():
                         columns[name].extend(values.float().cpu().tolist())
             finally:

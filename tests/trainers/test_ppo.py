@@ -4,6 +4,7 @@ with PEFT one adapter plus the head; a separate value model), saving, a short ru
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 
@@ -19,7 +20,7 @@ from leantune.losses.ppo import (
     token_kl,
     whiten,
 )
-from leantune.models.value_head import VALUE_WEIGHTS_NAME
+from leantune.models.value_head import VALUE_WEIGHTS_NAME, attach_value_function
 from leantune.trainers.parts.logprob_engine import LogProbPath
 
 from ..fixtures.data import count_a
@@ -249,7 +250,7 @@ def test_reward_rises_in_a_short_ppo_run(char_tokenizer):
     assert all(math.isfinite(entry["loss/value"]) for entry in history if "loss/value" in entry)
 
 
-def test_peft_shares_one_frozen_base_and_saves_the_value_head_beside_the_adapter(char_tokenizer, tmp_path):
+def test_peft_shares_one_frozen_base_and_saves_the_value_head_beside_the_adapter(char_tokenizer, tmp_path, caplog):
     """With LoRA: one frozen base, the policy's adapter and the value head train, the reference is the adapter
     disabled; the saved folder is the adapter as PEFT writes it, the value head beside it."""
     from peft import LoraConfig
@@ -275,7 +276,12 @@ def test_peft_shares_one_frozen_base_and_saves_the_value_head_beside_the_adapter
     resumed = PPOTrainer(args=config(output_dir=str(tmp_path)), processing_class=char_tokenizer,
                          model=char_model(char_tokenizer), reward_model=text_length, train_dataset=prompts(),
                          peft_config=lora)
-    resumed._load_from_checkpoint(str(tmp_path))  # what resume_from_checkpoint does before training goes on
+    with caplog.at_level(logging.WARNING, logger="transformers"):
+        # what resume_from_checkpoint does before training goes on: Trainer loads the policy (no weight reported
+        # missing), then the trainer's own state at the start of training
+        resumed._load_from_checkpoint(str(tmp_path))
+    assert "missing" not in caplog.text
+    resumed.load_extra_state(str(tmp_path))
     for (name, p), q in zip(trainer.model.named_parameters(), resumed.model.parameters()):
         if p.requires_grad:
             torch.testing.assert_close(q, p, rtol=0, atol=0, msg=name)  # adapter and value head, bit for bit
@@ -303,6 +309,17 @@ def test_configuration_errors_are_clear(char_tokenizer):
                    reward_model=count_a, train_dataset=prompts(), data_collator=lambda rows: rows)
     no_reference = ppo_trainer(char_tokenizer, kl_coef=0.0)
     assert no_reference.ref_model is None and "ref_logps" not in one_round(no_reference)[0]
+
+
+def test_a_load_of_the_policy_as_saved_does_not_miss_the_value_function():
+    """A checkpoint holds the policy as given (the value function in its own file): Trainer's strict or non-strict
+    load of it into the policy with its value function attached reports nothing missing."""
+    policy = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    saved = {name: value.clone() for name, value in policy.state_dict().items()}
+    attach_value_function(policy, torch.nn.Linear(2, 1))
+    assert policy.load_state_dict(saved, strict=True).missing_keys == []
+    with pytest.raises(RuntimeError, match="Missing key"):  # any other weight missing is still reported
+        policy.load_state_dict({}, strict=True)
 
 
 def test_reward_model_path_is_trl_s_ppo_reward_model(char_tokenizer, tmp_path):

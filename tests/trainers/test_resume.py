@@ -115,8 +115,9 @@ def test_stop_and_resume_in_two_processes(model_and_data, tmp_path):
     assert checkpoints(out / "stopped") == [f"checkpoint-{i}" for i in (1, 2, 3, 4)]
 
 
-@pytest.mark.parametrize("settings", [dict(max_steps=3), dict(max_steps=-1, num_train_epochs=1)],
-                         ids=["max_steps", "epochs"])
+@pytest.mark.parametrize("settings", [dict(max_steps=3), dict(max_steps=-1, num_train_epochs=1),
+                                      dict(max_steps=3, save_strategy="epoch", logging_strategy="epoch")],
+                         ids=["max_steps", "epochs", "epoch_saves"])
 def test_resuming_a_finished_run_trains_nothing(settings, tokenizer, gsm8k_rows, tmp_path, caplog):
     out = tmp_path / "out"
     done = make_trainer(out, tokenizer, gsm8k_rows, **settings)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from ..batches import placed
 from .prompt_rounds import row_batches
 
 
@@ -35,5 +36,5 @@ def evaluate_rounds(trainer, dataset, metric_key_prefix: str) -> dict:
 @torch.no_grad()
 def record_eval_loss(trainer, model, batches: list[dict]) -> None:
     for batch in batches:
-        loss = trainer.compute_loss(model, trainer._prepare_inputs(batch))
+        loss = trainer.compute_loss(model, placed(trainer, batch))
         trainer.run_metrics.values["eval"]["loss"].append(trainer.accelerator.gather(loss.detach().reshape(1)).mean().item())

@@ -15,6 +15,7 @@ from ...data.collators import MODEL_INPUTS, CausalLMCollator, prompt_completion_
 from ...data.prompt_preparation import PROMPT_IDS
 from ...generation import Completions
 from ...rewards import RewardScores
+from ..batches import placed
 from ..context_parallel import ORDINAL_KEY, data_parallel_place, gather_once_per_group
 from ..parts.oom_retry import EXAMPLES, KeptExamples
 from .shared_prompt import batch_targets, count_batch_targets, shared_prompt_batch
@@ -189,7 +190,7 @@ class RoundBuilder:
                 # under context parallelism each process scores its part of every sequence, inside the ring
                 ring, laid = trainer._prepare_context_parallel_inputs(model, batch)
                 with ring():
-                    on_device = trainer._prepare_inputs(laid)
+                    on_device = placed(trainer, laid)
                     if policy_too:
                         trainer.attach_policy_scores(batch, model, on_device)
                     if reference:

@@ -10,10 +10,12 @@ At resume the processes agree on the checkpoint: process 0's choice, which every
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 
 import torch
+from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from ... import methods
@@ -30,22 +32,37 @@ class CheckpointSaveFault(TrainingFault):
     """Another process's part of a checkpoint save failed: this one stops with it (its error is in that log)."""
 
 
-def save_with_card(trainer, output_dir: str | None, state_dict, save) -> None:
-    """`save(output_dir, state_dict=...)` (Trainer's own save), then the model card on the writing process. A
-    README.md that is not leantune's (checked before PEFT writes its own template) is left as it is."""
-    output_dir = output_dir if output_dir is not None else trainer.args.output_dir
-    card = trainer.args.should_save and model_card.may_write(output_dir)
-    if state_dict is not None:
-        state_dict = without_tied_copies(trainer.accelerator.unwrap_model(trainer.model), state_dict)
-    with writing_on_each_node(trainer):
-        save(output_dir, state_dict=state_dict)
-    if card:
-        try:
-            model_card.write_model_card(trainer, output_dir)
-        except Exception as error:  # the weights are saved; a card that cannot be written must not end the run
-            logger.warning("Could not write the model card README.md in %s: %s", output_dir, error)
-    elif trainer.args.should_save:
-        logger.info("%s already has a README.md not written by leantune: left as it is.", output_dir)
+@contextlib.contextmanager
+def model_files_saved(trainer):
+    """During Trainer's `save_model`: the model's own `save_pretrained` writes through the trainer's
+    `write_model_files` (a gathered FSDP2 / ZeRO-3 state dict without its tied head copy; PPO's value function beside
+    the policy), then the model card on the writing process. A README.md that is not leantune's (checked before PEFT
+    writes its own template) is left as it is. A save inside a save (push_to_hub's) writes through the outer one."""
+    model = trainer.accelerator.unwrap_model(trainer.model, keep_torch_compile=False)
+    if "save_pretrained" in vars(model):
+        yield
+        return
+    save_pretrained = model.save_pretrained
+
+    def save_files(folder, state_dict=None, **kwargs):
+        card = trainer.args.should_save and model_card.may_write(folder)
+        if state_dict is not None:
+            state_dict = without_tied_copies(model, state_dict)
+        trainer.write_model_files(save_pretrained, folder, state_dict, **kwargs)
+        if card:
+            try:
+                model_card.write_model_card(trainer, folder)
+            except Exception as error:  # the weights are saved; a card that cannot be written must not end the run
+                logger.warning("Could not write the model card README.md in %s: %s", folder, error)
+        elif trainer.args.should_save:
+            logger.info("%s already has a README.md not written by leantune: left as it is.", folder)
+
+    model.save_pretrained = save_files
+    try:
+        with writing_on_each_node(trainer):
+            yield
+    finally:
+        del model.save_pretrained
 
 
 @contextlib.contextmanager
@@ -66,36 +83,36 @@ def writing_on_each_node(trainer):
 
 
 class StagedCheckpoint:
-    """One checkpoint save: transformers writes into the staging folder (`trainer._get_output_dir` names it while
-    `active`: the one write to the trainer, undone at the end); rotation there finds one checkpoint and removes
-    nothing, and the push waits (`active`) for the renamed folder.
+    """One checkpoint save: transformers writes into the staging folder, which Trainer's `_save_checkpoint` takes for
+    the run's folder while the trainer's `args` are a copy naming it (the one write to the trainer, undone at the end;
+    leantune's trainers take no `model_init`, so no hyperparameter-search trial has a folder of its own): rotation
+    there finds one checkpoint and removes nothing, and the copy pushes nothing. The push to the Hub
+    (`_push_from_checkpoint`, docs/transformers_seam.md) is of the renamed folder, after the rename.
 
     Each of the save's three parts (the staging folder, every process's files, the rename) ends with the processes
     agreeing on its outcome (`_together`) where a barrier stood: a part that failed on one process (a full disk on
     the writing one) stops every process at once with the same error, instead of leaving the others waiting at the
     next barrier until `ddp_timeout`."""
 
-    def __init__(self, trainer, trial):
+    def __init__(self, trainer):
         self.trainer = trainer
-        self.run_dir = trainer._get_output_dir(trial=trial)
+        self.run_dir = trainer.args.output_dir
         self.step = trainer.state.global_step
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.step}"
         self.staging_root = checkpoint_files.staging_folder(self.run_dir, self.step)
         self.staged, self.final = os.path.join(self.staging_root, name), os.path.join(self.run_dir, name)
-        self.active = False
 
     def save(self, model, trial, save_checkpoint) -> None:
         trainer, args = self.trainer, self.trainer.args
         self._together(self._open_staging)
         self._warn_if_not_shared()
-        trainer._get_output_dir = lambda trial=None: self.staging_root
-        self.active = True
+        trainer.args = copy.copy(args)  # Trainer's save reads the run's folder and the push from its args
+        trainer.args.output_dir, trainer.args.push_to_hub = self.staging_root, False
         try:
             self._together(lambda: save_checkpoint(model, trial))  # every process's files (rng_state_<i>.pth) are in
-            self._together(self._publish)
         finally:
-            del trainer._get_output_dir
-            self.active = False
+            trainer.args = args
+        self._together(self._publish)
         if args.push_to_hub:
             trainer._push_from_checkpoint(self.final)
         if args.should_save:
@@ -122,6 +139,9 @@ class StagedCheckpoint:
 
     def _publish(self) -> None:
         if self.trainer.args.should_save:
+            arguments = os.path.join(self.staged, TRAINING_ARGS_NAME)
+            if os.path.exists(arguments):  # the run's own arguments, as Trainer saves them (not the staging copy)
+                torch.save(self.trainer.args, arguments)
             self._point_best_checkpoint_at()
             self.trainer.save_extra_state(self.staged)
             checkpoint_files.publish(self.staged, self.final)
@@ -189,12 +209,17 @@ def resume_checkpoint(given, output_dir: str):
 
 
 def agreed_resume_checkpoint(given, args):
-    """The checkpoint every process resumes from: process 0's (processes resolve `True` each in its own view of
+    """The checkpoint every process resumes from (one process: its own choice)."""
+    if args.world_size == 1:
+        return resume_checkpoint(given, args.output_dir)
+    return process_zeros_checkpoint(given, args)
+
+
+def process_zeros_checkpoint(given, args):
+    """Process 0's choice of checkpoint, for every process (processes resolve `True` each in its own view of
     output_dir, and one that found another checkpoint, or none, would train from another state). Only process 0
     writes checkpoints unless `save_on_each_node`, so on nodes without a shared file system the others cannot read
     it: then every process stops with one line, instead of one failing and the rest waiting for it."""
-    if args.world_size == 1:
-        return resume_checkpoint(given, args.output_dir)
     try:
         chosen, problem = resume_checkpoint(given, args.output_dir), None
     except ValueError as error:  # process 0's problem is every process's; another's choice is replaced
