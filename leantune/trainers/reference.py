@@ -22,6 +22,7 @@ from ..models.loading import apply_peft, ensure_pad_token, load_causal_lm, load_
 from ..models.output_head import unwrap_model
 from ..models.segment_attention import SEGMENT_SDPA, use_segment_attention
 from .frozen_models import prepare_frozen_model, zero3_enabled
+from .settings import checkpointing_of
 
 logger = logging.getLogger("leantune.trainer")
 
@@ -65,7 +66,7 @@ def load_policy_and_reference(model, ref_model, processing_class, peft_config, a
         logger.info("Padding-free batches: attention runs per sequence (%s).", SEGMENT_SDPA)
     if shared_prompt:
         require_shared_prompt_attention(model)
-    model = apply_peft(model, peft_config, args)
+    model = apply_peft(model, peft_config, checkpointing_of(args).enabled)
     precompute = getattr(args, "precompute_ref_log_probs", False)
     adapter_reference = needs_reference and ref_model is None and hasattr(model, "disable_adapter")
     if not needs_reference:

@@ -37,6 +37,7 @@ from ..models.segment_attention import SEGMENT_SDPA, use_segment_attention
 from .base import LeantuneTrainer
 from .reference import PolicyAndReference, disable_dropout
 from .reward_config import RewardConfig
+from .settings import checkpointing_of
 
 logger = logging.getLogger("leantune.reward")
 SCORE_HEAD = "score"  # the per-token reward head of decoder *ForSequenceClassification models (Llama, Qwen2, GPT-2...)
@@ -105,7 +106,7 @@ class RewardTrainer(LeantuneTrainer):
                         type(model).__name__, SCORE_HEAD)
         if args.padding_free and use_segment_attention(model):
             logger.info("Padding-free batches: attention runs per sequence (%s).", SEGMENT_SDPA)
-        model = apply_peft(model, reward_peft_config(peft_config, model), args)
+        model = apply_peft(model, reward_peft_config(peft_config, model), checkpointing_of(args).enabled)
         if args.disable_dropout:
             disable_dropout(model)
         return PolicyAndReference(model, None, tokenizer, False)

@@ -22,6 +22,7 @@ from ..models.loading import (
 from ..models.segment_attention import SEGMENT_SDPA, use_segment_attention
 from .base import LeantuneTrainer
 from .reference import PolicyAndReference
+from .settings import checkpointing_of
 from .sft_config import SFTConfig
 
 logger = logging.getLogger("leantune.sft")
@@ -85,11 +86,13 @@ class SFTTrainer(LeantuneTrainer):
         if args.assistant_only_loss:
             announce_mask_template(tokenizer)
         ensure_pad_token(tokenizer, args.pad_token)
-        if args.gradient_checkpointing:
+        checkpointing = checkpointing_of(args)
+        if checkpointing.enabled:
             model.config.use_cache = False
         if (args.packing or args.padding_free) and use_segment_attention(model):
             logger.info("Packed/padding-free rows: attention runs per sequence (%s).", SEGMENT_SDPA)
-        return PolicyAndReference(apply_peft(model, peft_config, args), None, tokenizer, False)
+        return PolicyAndReference(apply_peft(model, peft_config, checkpointing.enabled), None, tokenizer,
+                                  False)
 
     def make_collator(self, tokenizer, args, train_dataset):
         return CausalLMCollator(pad_token_id=tokenizer.pad_token_id,
