@@ -89,7 +89,7 @@ class SFTTrainer(LeantuneTrainer):
         checkpointing = checkpointing_of(args)
         if checkpointing.enabled:
             model.config.use_cache = False
-        if (args.packing or args.padding_free) and use_segment_attention(model):
+        if (self.layout.packing or self.layout.padding_free) and use_segment_attention(model):
             logger.info("Packed/padding-free rows: attention runs per sequence (%s).", SEGMENT_SDPA)
         return PolicyAndReference(apply_peft(model, peft_config, checkpointing.enabled), None, tokenizer,
                                   False)
@@ -97,7 +97,8 @@ class SFTTrainer(LeantuneTrainer):
     def make_collator(self, tokenizer, args, train_dataset):
         return CausalLMCollator(pad_token_id=tokenizer.pad_token_id,
                                 loss_mask_columns=tuple(loss_mask_columns(train_dataset, args)),
-                                padding_free=args.padding_free, pad_to_multiple_of=args.pad_to_multiple_of)
+                                padding_free=self.layout.padding_free,
+                                pad_to_multiple_of=self.layout.pad_to_multiple_of)
 
     stream_order = staticmethod(sft_stream_order)  # a train stream with shuffle_dataset: shuffled by buffer
 
@@ -107,8 +108,8 @@ class SFTTrainer(LeantuneTrainer):
     def prepare_split(self, dataset, split, tokenizer, args):
         if self.skips_preparation(args):
             return dataset, None
-        packing = args.packing if split == "train" or args.eval_packing is None else args.eval_packing
-        return prepare_sft_dataset(dataset, tokenizer, args, split, self._formatting_func, packing=packing)
+        return prepare_sft_dataset(dataset, tokenizer, args, split, self._formatting_func,
+                                   packing=self.layout.packs(split))
 
     def is_prepared(self, dataset) -> bool:
         """One this trainer prepared, or TRL's prepared form: token ids and labels (maybe packed), nothing else."""

@@ -116,15 +116,15 @@ class LogProbEngine:
     chosen path. `metrics_need_logits()`: an evaluation whose metrics read the logits (compute_metrics); `on_forward`:
     called with every forward pass's outputs of the trained model (the router loss)."""
 
-    def __init__(self, args, path: LogProbPath, metrics_need_logits: Callable[[], bool],
+    def __init__(self, settings, path: LogProbPath, metrics_need_logits: Callable[[], bool],
                  on_forward: Callable[[torch.nn.Module, object], None], notice_temperature: float = 1.0):
-        self.args = args
+        self.settings = settings  # HeadSettings (trainers/settings.py)
         self.path = path
         self.metrics_need_logits = metrics_need_logits
         self.on_forward = on_forward
         self.notice_temperature = notice_temperature
         self._offloader = None
-        if args.activation_offloading:
+        if settings.offloading.enabled:
             log_offloading_scope(logger)
 
     # --- what the path gives, said once ------------------------------------------------------------------------
@@ -138,7 +138,7 @@ class LogProbEngine:
             head = OutputHead.of(model, self.notice_temperature)
         except ValueError:
             head = None
-        problem = liger_head_problem(head, self.args.device.type) if head is not None else None
+        problem = liger_head_problem(head, self.settings.device_type) if head is not None else None
         if problem is not None:
             logger.warning("Liger was asked for, but %s; using leantune's chunked loss instead (same memory saving, "
                            "exact).", problem)
@@ -156,7 +156,7 @@ class LogProbEngine:
         """Whether Liger's fused kernel gives these per-target values: it yields each target's log-prob and whether
         the target is the argmax (`top1`), nothing else (no entropies, no other statistics: those batches take the
         chunked head, as the notices say when the trainer starts)."""
-        return (self.path is LogProbPath.LIGER and liger_can_run(head, self.args.device.type)
+        return (self.path is LogProbPath.LIGER and liger_can_run(head, self.settings.device_type)
                 and not with_entropy and set(stats) <= {"top1"} and len(stats) <= 1)
 
     def liger_head_runs(self, model, temperature: float = 1.0) -> bool:
@@ -169,25 +169,25 @@ class LogProbEngine:
         per-token values). CUDA only: its backward scales the weight gradient one vocabulary row per Triton program,
         which Triton's CPU interpreter runs one at a time (measured ~70 s per step at a 32000 vocabulary, against
         ~1 s for the per-target kernel), so on CPU the per-target kernel computes the NLL."""
-        return self.args.device.type == "cuda" and self.liger_head_runs(model)
+        return self.settings.device_type == "cuda" and self.liger_head_runs(model)
 
     def liger_jsd_runs(self, head: OutputHead, teacher_head: OutputHead) -> bool:
         """Whether distillation's JSD comes from Liger's fused linear JSD (both heads fusable here)."""
-        return self.path is LogProbPath.LIGER and liger_jsd_problem(head, teacher_head, self.args.device.type) is None
+        return self.path is LogProbPath.LIGER and liger_jsd_problem(head, teacher_head, self.settings.device_type) is None
 
     # --- the forward pass ---------------------------------------------------------------------------------------
 
     def offloading_scope(self, model):
         """Saved activations of the forward pass go to CPU memory (one offloader, reused: it keeps its streams)."""
-        args = self.args
-        if not (args.activation_offloading and model.training and torch.is_grad_enabled()):
+        offload = self.settings.offloading
+        if not (offload.enabled and model.training and torch.is_grad_enabled()):
             return contextlib.nullcontext()
         if self._offloader is None:
             self._offloader = offloading.offloading_context(
                 True,
                 model,
-                min_offload_bytes=args.activation_offloading_min_bytes,
-                use_streams=args.activation_offloading_use_streams,
+                min_offload_bytes=offload.min_bytes,
+                use_streams=offload.use_streams,
             )
         return self._offloader
 
@@ -254,7 +254,7 @@ class LogProbEngine:
             if stats:
                 return TargetScores(result[0], targets, outputs, stats={"top1": result[1]}, hidden=hidden)
             return TargetScores(result, targets, outputs, hidden=hidden)
-        result = chunked_logprobs(hidden, head, targets, self.args.loss_chunk_size, with_entropy, entropy_grad,
+        result = chunked_logprobs(hidden, head, targets, self.settings.loss_chunk_size, with_entropy, entropy_grad,
                                   stats)
         if not (with_entropy or stats):
             return TargetScores(result, targets, outputs, hidden=hidden)
@@ -271,7 +271,7 @@ class LogProbEngine:
             hidden, outputs = self.forward_hidden(model, inputs, head)
             if len(targets):
                 return (*liger_nll_sum(hidden, head, targets), targets, outputs)
-            return -chunked_logprobs(hidden, head, targets, self.args.loss_chunk_size).sum(), None, targets, outputs
+            return -chunked_logprobs(hidden, head, targets, self.settings.loss_chunk_size).sum(), None, targets, outputs
         scores = self.target_logprobs(model, inputs, labels, shifted=shifted)
         return -scores.logps.sum(), None, scores.targets, scores.outputs
 

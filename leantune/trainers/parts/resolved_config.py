@@ -29,7 +29,7 @@ def resolve_config(trainer_name: str, args, train_dataset, eval_dataset, vocabul
                          "and `eval_dataset` for evaluation.")
     args = copy.copy(args)
     check_world_size(args)  # several launched processes never train as duplicates (trainers/distributed.py)
-    validate_nonfinite_policy(args)
+    validate_nonfinite_policy(getattr(args, "nonfinite_policy", "stop"), getattr(args, "deepspeed", None))
     path = path_of_config(args, vocabulary_head)
     if getattr(args, "use_liger_kernel", False) and (path is not LogProbPath.LIGER or args.device.type != "cuda"):
         # transformers would patch the model with liger's kernels (RMSNorm, RoPE, SwiGLU, ...): on CUDA only,
