@@ -67,7 +67,7 @@ class KTOTrainer(ReferenceModelMixin, LeantuneTrainer):
 
     def reference_note(self, loaded, args) -> str:
         kl = "KL reference point from mismatched completions" if args.uses_kl else "no KL term (apo_zero_unpaired)"
-        return f"KTO reference: {loaded.description(args)}; {kl}."
+        return f"KTO reference: {loaded.description()}; {kl}."
 
     # --- log-probabilities ----------------------------------------------------------------------------------------
 

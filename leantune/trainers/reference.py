@@ -22,7 +22,7 @@ from ..models.loading import apply_peft, ensure_pad_token, load_causal_lm, load_
 from ..models.output_head import unwrap_model
 from ..models.segment_attention import SEGMENT_SDPA, use_segment_attention
 from .frozen_models import zero3_enabled
-from .settings import checkpointing_of
+from .settings import checkpointing_of, reference_of
 
 logger = logging.getLogger("leantune.trainer")
 
@@ -33,9 +33,10 @@ class PolicyAndReference:
     ref_model: torch.nn.Module | None
     tokenizer: object
     uses_adapter_as_reference: bool
+    precomputes: bool = False  # `precompute_ref_log_probs`: its log-probs are computed once before training
 
-    def description(self, args) -> str:
-        precompute = getattr(args, "precompute_ref_log_probs", False)
+    def description(self) -> str:
+        precompute = self.precomputes
         if self.ref_model is None and not self.uses_adapter_as_reference and not precompute:
             return "none (the objective does not use one)"
         if self.uses_adapter_as_reference:
@@ -49,9 +50,10 @@ class PolicyAndReference:
 
 def load_policy_and_reference(model, ref_model, processing_class, peft_config, args,
                               needs_reference: bool = True, quantization_config=None, *,
-                              padding_free: bool) -> PolicyAndReference:
+                              padding_free: bool, precompute: bool = False) -> PolicyAndReference:
     """Load the policy (and tokenizer), apply PEFT, and choose the reference by the rules above (none at all when
-    the objective does not use one, e.g. GRPO with beta=0). `padding_free`: the trainer's layout."""
+    the objective does not use one, e.g. GRPO with beta=0). `padding_free`: the trainer's layout; `precompute`: the
+    reference's log-probs are computed once before training (ReferenceSettings)."""
     if ref_model is not None and ref_model is model and not isinstance(model, str):
         raise ValueError("`ref_model` is the policy `model` itself, so the reference would train with it: pass a "
                          "separate copy (or a model id / path), or leave ref_model=None for a frozen copy of the "
@@ -68,7 +70,6 @@ def load_policy_and_reference(model, ref_model, processing_class, peft_config, a
     if shared_prompt:
         require_shared_prompt_attention(model)
     model = apply_peft(model, peft_config, checkpointing_of(args).enabled)
-    precompute = getattr(args, "precompute_ref_log_probs", False)
     adapter_reference = needs_reference and ref_model is None and hasattr(model, "disable_adapter")
     if not needs_reference:
         ref_model = None
@@ -88,7 +89,7 @@ def load_policy_and_reference(model, ref_model, processing_class, peft_config, a
         for module in (model, ref_model):
             if module is not None:
                 disable_dropout(module)
-    return PolicyAndReference(model, ref_model, tokenizer, adapter_reference)
+    return PolicyAndReference(model, ref_model, tokenizer, adapter_reference, precompute)
 
 
 def initial_policy_copy(model, model_source, args):
@@ -254,12 +255,13 @@ class ReferenceModelMixin:
         loaded = load_policy_and_reference(model, ref_model, processing_class, peft_config, args,
                                            needs_reference=self.reference_wanted(args),
                                            quantization_config=quantization_config,
-                                           padding_free=self.layout.padding_free)
+                                           padding_free=self.layout.padding_free,
+                                           precompute=reference_of(args).precompute)
         logger.info("%s", self.reference_note(loaded, args))
         return loaded
 
     def reference_note(self, loaded, args) -> str:
-        return f"{methods.of(self).output_suffix} reference: {loaded.description(args)}."
+        return f"{methods.of(self).output_suffix} reference: {loaded.description()}."
 
     def reference_columns(self, dataset) -> tuple[str, ...]:
         """The columns of precomputed reference values (precompute_ref_log_probs)."""

@@ -161,14 +161,18 @@ def resolve_settings(args, online: bool, layout: Layout) -> TrainerSettings:
                                      args.activation_offloading_use_streams)),
         batch=BatchSettings(args.per_device_train_batch_size, args.gradient_accumulation_steps, args.world_size,
                             getattr(args, "steps_per_generation", None) if online else None, group, per_row),
-        reference=ReferenceSettings(args.per_device_train_batch_size, bool(getattr(args, "precompute_ref_log_probs", False)),
-                                    getattr(args, "precompute_ref_batch_size", None),
-                                    bool(getattr(args, "sync_ref_model", False)),
-                                    getattr(args, "ref_model_sync_steps", None),
-                                    getattr(args, "ref_model_mixup_alpha", None)),
+        reference=reference_of(args),
         round_report=RoundReportSettings(args.num_generations, args.eval_num_generations,
                                          args.num_completions_to_print, args.max_completion_length) if online else None,
     )
+
+
+def reference_of(args) -> ReferenceSettings:
+    """The reference's settings (DPO, KTO and the online configs have them; the others: none precomputed, no sync)."""
+    return ReferenceSettings(args.per_device_train_batch_size, bool(getattr(args, "precompute_ref_log_probs", False)),
+                             getattr(args, "precompute_ref_batch_size", None),
+                             bool(getattr(args, "sync_ref_model", False)), getattr(args, "ref_model_sync_steps", None),
+                             getattr(args, "ref_model_mixup_alpha", None))
 
 
 def online_group(args) -> tuple[int, int]:

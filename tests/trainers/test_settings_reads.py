@@ -26,7 +26,7 @@ CONFIG_NAMES = {"args", "training_args", "sized"}
 PART_FIELDS = (
     "padding_free", "packing", "eval_packing", "pad_to_multiple_of", "gradient_checkpointing", "activation_checkpointing", "gradient_checkpointing_kwargs",
     "activation_checkpointing_kwargs", "use_vllm", "vllm_mode", "activation_offloading",
-    "activation_offloading_min_bytes", "activation_offloading_use_streams", "use_liger_kernel", "loss_chunk_size",
+    "activation_offloading_min_bytes", "activation_offloading_use_streams", "use_liger_kernel", "use_liger_loss", "chunked_loss", "loss_chunk_size",
     "nonfinite_policy", "average_tokens_across_devices", "router_aux_loss_coef", "precompute_ref_log_probs",
     "precompute_ref_batch_size", "sync_ref_model", "ref_model_sync_steps", "ref_model_mixup_alpha",
     "steps_per_generation",
@@ -47,7 +47,6 @@ STILL_READ = {
     "vllm_mode": {"cli/optional_packages.py", "generation/backend.py"},
     "activation_offloading": {"planning/self_sizing.py"},
     "loss_chunk_size": {"trainers/gkd_trainer.py"},
-    "precompute_ref_log_probs": {"trainers/reference.py"},  # load_policy_and_reference, before the parts exist
 }
 
 

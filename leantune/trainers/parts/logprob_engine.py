@@ -94,23 +94,6 @@ def choose_logprob_path(fused_requested: bool, device_type: str, flag: str, chun
     return LogProbPath.CHUNKED
 
 
-def liger_flags(args) -> list[str]:
-    """The config fields that ask for Liger (the one place they are read)."""
-    return [name for name in LIGER_FLAGS if getattr(args, name, False)]
-
-
-def path_of_config(args, vocabulary_head: bool = True) -> LogProbPath:
-    """The path a config asks for on its device. A model without a vocabulary head (a reward model) has nothing to
-    chunk or fuse: its Liger flag chooses nothing."""
-    flags = liger_flags(args)
-    if flags and not vocabulary_head:
-        logger.info("%s: a reward model has no vocabulary-sized logits, so there is nothing to chunk or fuse; the flag "
-                    "changes nothing here.", flags[0])
-        flags = []
-    return choose_logprob_path(bool(flags), args.device.type, " / ".join(flags) or "-",
-                               chunked=getattr(args, "chunked_loss", True))
-
-
 class LogProbEngine:
     """Target log-probs (and entropies, top-1 and the other TOKEN_STATS) of a trained model's forward pass, by the
     chosen path. `metrics_need_logits()`: an evaluation whose metrics read the logits (compute_metrics); `on_forward`:
