@@ -195,8 +195,9 @@ def has_adapter(model) -> bool:
     return isinstance(model, PeftModel)
 
 
-def apply_peft(model, peft_config, args):
-    """Wrap the model in a PEFT adapter, ready for (k-bit) training with gradient checkpointing."""
+def apply_peft(model, peft_config, checkpointed: bool):
+    """Wrap the model in a PEFT adapter, ready for (k-bit) training; `checkpointed`: whether the trainer turns
+    activation checkpointing on (the trainer's resolved setting, trainers/settings.py)."""
     if is_quantized(model):
         keep_4bit_layers_trainable(model)  # a model object may not have come through load_causal_lm
     if peft_config is None:
@@ -211,7 +212,7 @@ def apply_peft(model, peft_config, args):
     # unquantized weight (embeddings, head, norms) to fp32 makes the residual stream fp32 and doubles every
     # checkpointed layer input (32 GiB of Llama-3.1-8B's 66 at 65,536 tokens on an H100, docs/benchmarks.md). TRL
     # 1.16 does not cast either. get_peft_model freezes the base; the Trainer turns gradient checkpointing on.
-    if args.gradient_checkpointing:
+    if checkpointed:
         # Checkpointed blocks need an input that requires grad when the embeddings are frozen.
         model.enable_input_require_grads()
     model = get_peft_model(model, peft_config)

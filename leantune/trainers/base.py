@@ -25,6 +25,7 @@ from ..metrics.memory_breakdown import MemoryBreakdownCallback
 from .batches import kept_columns
 from .context_parallel import ContextParallelism
 from .distributed import leave_process_group_at_exit, named_collective_timeouts
+from .frozen_models import prepare_frozen_model
 from .gradient_check import GradientCheck
 from .method_hooks import MethodHooks
 from .nonfinite import NonFiniteGuard
@@ -38,6 +39,7 @@ from .parts.split_preparer import SplitPreparer
 from .parts.step_loss import StepLoss
 from .reference import Reference
 from .run_bounds import RunBounds, report_run_end
+from .settings import layout_of, resolve_settings
 from .step_logging import use_step_log_lines
 from .trainer_attributes import TrainerAttributes
 
@@ -68,6 +70,7 @@ class LeantuneTrainer(MethodHooks, TrainerAttributes, Trainer):
                                                          peft_config, **self.frozen_model_sources())
         args, logprob_path = resolve_config(type(self).__name__, args, train_dataset, eval_dataset,
                                             self.scores_vocabulary)
+        self.layout = layout_of(args)  # before the models load: loading reads it (trainers/settings.py)
         loaded = self.load_models(model, ref_model, processing_class, peft_config, args, quantization_config)
         self.splits = SplitPreparer(self.prepare_split, self.prepared_columns, self.stream_order,
                                     self.skips_preparation(args))
@@ -88,25 +91,28 @@ class LeantuneTrainer(MethodHooks, TrainerAttributes, Trainer):
             leave_process_group_at_exit()  # no abort at interpreter exit (trainers/distributed.py)
         use_step_log_lines(self.callback_handler)  # trainers/step_logging.py: `step N/M | loss ...`
         self.trained_nothing = False
-        self.nonfinite = NonFiniteGuard(args, self.accelerator, self.is_world_process_zero, lambda: self.state.global_step)
+        self.settings = resolve_settings(args, self.generates_rounds, self.layout)  # each part's own (trainers/settings.py)
+        self.nonfinite = NonFiniteGuard(self.settings.nonfinite, self.accelerator, self.is_world_process_zero,
+                                        lambda: self.state.global_step)
         tag_model(self)  # the Hub tags of TRL's trainer of the method (parts/saving.py)
-        self.run_metrics = RunMetrics(self.accelerator, args.device, lambda store: self.summarise_metrics(store))
+        self.run_metrics = RunMetrics(self.accelerator, self.settings.device, lambda store: self.summarise_metrics(store))
         self.context_parallel = ContextParallelism(self.accelerator)
         self.context_parallel.check(type(self).__name__, self.context_parallel_loss is not None, self.model,
                                     self.compute_loss_func, args, self.context_parallel_problem(args))
-        self.step_loss = StepLoss(args, self.accelerator, self.context_parallel, self.model, self.items_in,
+        self.step_loss = StepLoss(self.settings.step_loss, self.accelerator, self.context_parallel, self.model, self.items_in,
                                   self.run_metrics.record)
         # the temperature the trainer's log-probs are of: the sampling one (GRPO, RLOO, PPO), else 1
         self.scoring_temperature = args.temperature if self.scores_at_temperature else 1.0
         self.logprobs = LogProbEngine(
-            args, logprob_path, lambda: self.compute_metrics is not None or self.preprocess_logits_for_metrics is not None,
+            self.settings.head, logprob_path, lambda: self.compute_metrics is not None or self.preprocess_logits_for_metrics is not None,
             self.step_loss.note_router_loss, self.scoring_temperature)
         self.logprobs.announce(self.model, self.liger_notes(args))
         if args.memory_breakdown:
             self.add_callback(MemoryBreakdownCallback(args.device, self.run_metrics.keep_memory_breakdown,
                                                       frozen_models=self.frozen_models))
-        self.reference = Reference(loaded, args, self.accelerator)  # placed for the engine (frozen_models.py)
-        self.oom_retry = OutOfMemoryRetry(args, self.accelerator, self.is_world_process_zero, self.step_state,
+        self.reference = Reference(loaded, self.settings.reference,  # placed for the engine (frozen_models.py)
+                                   prepare_frozen_model(self.accelerator, loaded.ref_model, args))
+        self.oom_retry = OutOfMemoryRetry(self.settings.batch, self.accelerator, self.is_world_process_zero, self.step_state,
                                           self.run_metrics.mark, RoundParts(self) if self.generates_rounds else None)
         return loaded
 

@@ -60,7 +60,7 @@ class DPOTrainer(ReferenceModelMixin, LeantuneTrainer):
         return prepare_preference_dataset(dataset, tokenizer, args, split)
 
     def make_collator(self, tokenizer, args, train_dataset):
-        return PreferenceCollator(tokenizer.pad_token_id, args.padding_free, args.pad_to_multiple_of)
+        return PreferenceCollator(tokenizer.pad_token_id, self.layout.padding_free, self.layout.pad_to_multiple_of)
 
     # --- log-probabilities ----------------------------------------------------------------------------------------
 

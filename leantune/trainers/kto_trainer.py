@@ -63,11 +63,11 @@ class KTOTrainer(ReferenceModelMixin, LeantuneTrainer):
             not self.args.uses_kl or KL_COLUMN in columns))
 
     def make_collator(self, tokenizer, args, train_dataset):
-        return KTOCollator(tokenizer.pad_token_id, args.padding_free, args.pad_to_multiple_of)
+        return KTOCollator(tokenizer.pad_token_id, self.layout.padding_free, self.layout.pad_to_multiple_of)
 
     def reference_note(self, loaded, args) -> str:
         kl = "KL reference point from mismatched completions" if args.uses_kl else "no KL term (apo_zero_unpaired)"
-        return f"KTO reference: {loaded.description(args)}; {kl}."
+        return f"KTO reference: {loaded.description()}; {kl}."
 
     # --- log-probabilities ----------------------------------------------------------------------------------------
 

@@ -46,12 +46,12 @@ class NonFiniteStepError(TrainingFault):
     """A training step had a NaN or infinite loss, gradient or weights (with nonfinite_policy="stop")."""
 
 
-def validate_nonfinite_policy(args) -> None:
-    policy = getattr(args, "nonfinite_policy", "stop")
+def validate_nonfinite_policy(policy: str, deepspeed) -> None:
+    """The policy is one of NONFINITE_POLICIES, and "skip" runs without DeepSpeed (`deepspeed`: the config's)."""
     if policy not in NONFINITE_POLICIES:
         raise ValueError(f"`nonfinite_policy` must be one of {', '.join(map(repr, NONFINITE_POLICIES))}, got "
                          f"{policy!r}.")
-    if policy == "skip" and getattr(args, "deepspeed", None):
+    if policy == "skip" and deepspeed:
         raise ValueError("`nonfinite_policy='skip'` does not work with DeepSpeed (its engine steps the optimizer "
                          "inside the backward pass, before the step can be checked); use `nonfinite_policy='stop'`.")
 
@@ -91,8 +91,8 @@ class NonFiniteGuard:
     of gradient_check.py call it in one line.
     `checks_steps = False` (the planner's fake step): a step's flags decide nothing and no collective runs."""
 
-    def __init__(self, args, accelerator, is_main_process, global_step):
-        self.args, self.accelerator = args, accelerator
+    def __init__(self, settings, accelerator, is_main_process, global_step):
+        self.settings, self.accelerator = settings, accelerator  # NonFiniteSettings (trainers/settings.py)
         self.is_main_process, self.global_step = is_main_process, global_step  # the trainer's, read when needed
         self.checks_steps = True
         self.loss_bad = None  # the step's micro-batches so far: a non-finite loss on this process (kept on device)
@@ -156,11 +156,11 @@ class NonFiniteGuard:
             # fake values decide nothing, and a collective of them under the fake process group has no meaning (the
             # check's two-element flag is freed before the optimizer step: no moment of the plan holds it)
             return grad_norm
-        device = self.args.device
+        device = self.settings.device
         loss_bad = loss_bad if loss_bad is not None else torch.tensor(False)
         norm = torch.as_tensor(_plain(grad_norm) if grad_norm is not None else 0.0, dtype=torch.float32, device=device)
         flags = torch.stack([loss_bad.to(device).float(), (~torch.isfinite(norm)).float()])
-        if self.args.world_size > 1:
+        if self.settings.world_size > 1:
             flags = self.accelerator.reduce(flags, reduction="sum")
         losses_bad, gradient_bad = (float(v) for v in flags.cpu())
         if losses_bad == 0 and gradient_bad == 0:
@@ -176,7 +176,7 @@ class NonFiniteGuard:
         parts = [rows for rows, bad in step_rows if bool(bad) or not losses_bad]
         rows = self._gathered_rows(sorted({r for part in parts for r in part}))
         where = self._rows_text(rows, what)
-        if self.args.nonfinite_policy == "skip":
+        if self.settings.policy == "skip":
             model.zero_grad(set_to_none=True)  # a parameter without a gradient is not touched by the optimizer
             self.skipped.append((step, rows))
             self.skipped_since_log += 1
@@ -192,7 +192,7 @@ class NonFiniteGuard:
             "and count such steps.")
 
     def _gathered_rows(self, rows: list[int]) -> list[int]:
-        if self.args.world_size <= 1 or not torch.distributed.is_initialized():
+        if self.settings.world_size <= 1 or not torch.distributed.is_initialized():
             return rows
         everyone = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(everyone, rows)
@@ -210,7 +210,7 @@ class NonFiniteGuard:
 
         from transformers.trainer_utils import get_last_checkpoint
 
-        folder = self.args.output_dir
+        folder = self.settings.output_dir
         last = get_last_checkpoint(folder) if folder and os.path.isdir(folder) else None
         if last is None:
             return "no checkpoint was saved before it"
@@ -225,8 +225,8 @@ class NonFiniteGuard:
             parameters = self.accelerator.unwrap_model(model).parameters()
             # each process checks what it holds (an FSDP2 DTensor's local shard); the flag is reduced below
             finite = all(bool(torch.isfinite(_local(p).detach()).all()) for p in parameters)
-            bad = torch.tensor([0.0 if finite else 1.0], device=self.args.device)
-            if self.args.world_size > 1:
+            bad = torch.tensor([0.0 if finite else 1.0], device=self.settings.device)
+            if self.settings.world_size > 1:
                 bad = self.accelerator.reduce(bad, reduction="sum")
             if float(bad.sum()):
                 raise NonFiniteStepError(
@@ -248,7 +248,7 @@ class NonFiniteGuard:
             logs["nonfinite_skipped_steps"] = len(self.skipped)
 
     def summary(self) -> dict:
-        if self.args.nonfinite_policy != "skip":
+        if self.settings.policy != "skip":
             return {}
         if self.skipped and self.is_main_process():
             logger.warning("%d optimizer step(s) were skipped for a non-finite loss or gradient: steps %s.",

@@ -146,7 +146,8 @@ class OnlineTrainer(OnlineMethod, ReferenceModelMixin, LeantuneTrainer):
         if self.agent is not None:
             self.agent.bind(tokenizer, args, self.generation.sampling.eos_token_ids,
                             self.generation.context_limit(self._context_limit))
-        self.round_metrics = RoundMetrics(args, self.accelerator, self.run_metrics.values, self.round_size)
+        self.round_metrics = RoundMetrics(self.settings.round_report, self.accelerator, self.run_metrics.values,
+                                          self.round_size)
         self.round_counts = self.round_metrics.counts  # counted decisions over the run (logged at its end)
         self._logs = {"extra": self.round_metrics.extra}  # TRL's attribute: what reward functions log_extra
         self.rounds = RoundBuilder(self, self.generation, self.round_metrics, self.rewards, self.agent)

@@ -22,7 +22,8 @@ from ..models.loading import apply_peft, ensure_pad_token, load_causal_lm, load_
 from ..models.output_head import unwrap_model
 from ..models.segment_attention import SEGMENT_SDPA, use_segment_attention
 from .batches import placed
-from .frozen_models import prepare_frozen_model, zero3_enabled
+from .frozen_models import zero3_enabled
+from .settings import checkpointing_of, reference_of
 
 logger = logging.getLogger("leantune.trainer")
 
@@ -33,9 +34,10 @@ class PolicyAndReference:
     ref_model: torch.nn.Module | None
     tokenizer: object
     uses_adapter_as_reference: bool
+    precomputes: bool = False  # `precompute_ref_log_probs`: its log-probs are computed once before training
 
-    def description(self, args) -> str:
-        precompute = getattr(args, "precompute_ref_log_probs", False)
+    def description(self) -> str:
+        precompute = self.precomputes
         if self.ref_model is None and not self.uses_adapter_as_reference and not precompute:
             return "none (the objective does not use one)"
         if self.uses_adapter_as_reference:
@@ -48,9 +50,11 @@ class PolicyAndReference:
 
 
 def load_policy_and_reference(model, ref_model, processing_class, peft_config, args,
-                              needs_reference: bool = True, quantization_config=None) -> PolicyAndReference:
+                              needs_reference: bool = True, quantization_config=None, *,
+                              padding_free: bool, precompute: bool = False) -> PolicyAndReference:
     """Load the policy (and tokenizer), apply PEFT, and choose the reference by the rules above (none at all when
-    the objective does not use one, e.g. GRPO with beta=0)."""
+    the objective does not use one, e.g. GRPO with beta=0). `padding_free`: the trainer's layout; `precompute`: the
+    reference's log-probs are computed once before training (ReferenceSettings)."""
     if ref_model is not None and ref_model is model and not isinstance(model, str):
         raise ValueError("`ref_model` is the policy `model` itself, so the reference would train with it: pass a "
                          "separate copy (or a model id / path), or leave ref_model=None for a frozen copy of the "
@@ -62,12 +66,11 @@ def load_policy_and_reference(model, ref_model, processing_class, peft_config, a
     ensure_pad_token(tokenizer, getattr(args, "pad_token", None))  # DPOConfig has TRL's pad_token
     model.config.use_cache = False
     shared_prompt = getattr(args, "shared_prompt", False)  # online methods: prompt-sharing rows need it too
-    if (args.padding_free or shared_prompt) and use_segment_attention(model):
+    if (padding_free or shared_prompt) and use_segment_attention(model):
         logger.info("Padding-free batches: attention runs per sequence (%s).", SEGMENT_SDPA)
     if shared_prompt:
         require_shared_prompt_attention(model)
-    model = apply_peft(model, peft_config, args)
-    precompute = getattr(args, "precompute_ref_log_probs", False)
+    model = apply_peft(model, peft_config, checkpointing_of(args).enabled)
     adapter_reference = needs_reference and ref_model is None and hasattr(model, "disable_adapter")
     if not needs_reference:
         ref_model = None
@@ -78,7 +81,7 @@ def load_policy_and_reference(model, ref_model, processing_class, peft_config, a
         ref_model = initial_policy_copy(model, model_source, args)
     if ref_model is not None:
         # a given reference, or the policy's copy loaded again under ZeRO-3, reads the same rows as the policy
-        if args.padding_free or shared_prompt:
+        if padding_free or shared_prompt:
             use_segment_attention(ref_model)
         if shared_prompt:
             require_shared_prompt_attention(ref_model)
@@ -87,7 +90,7 @@ def load_policy_and_reference(model, ref_model, processing_class, peft_config, a
         for module in (model, ref_model):
             if module is not None:
                 disable_dropout(module)
-    return PolicyAndReference(model, ref_model, tokenizer, adapter_reference)
+    return PolicyAndReference(model, ref_model, tokenizer, adapter_reference, precompute)
 
 
 def initial_policy_copy(model, model_source, args):
@@ -122,11 +125,13 @@ class Reference:
     `reference_columns`, `reference_values`) and train() installs TR-DPO's sync.
     `ready`: the reference values are computable now (False until precomputed log-probs are in)."""
 
-    def __init__(self, loaded: PolicyAndReference, args, accelerator):
-        """Made once Trainer's set-up made the accelerator: a separate reference is placed for the engine now."""
-        self.model = prepare_frozen_model(accelerator, loaded.ref_model, args)
+    def __init__(self, loaded: PolicyAndReference, settings, placed_model: torch.nn.Module | None):
+        """Made once Trainer's set-up made the accelerator: `placed_model` is the separate reference placed for the
+        engine (frozen_models.prepare_frozen_model); `settings`: ReferenceSettings (trainers/settings.py)."""
+        self.settings = settings
+        self.model = placed_model
         self.uses_adapter = loaded.uses_adapter_as_reference
-        self.precomputes = bool(getattr(args, "precompute_ref_log_probs", False))
+        self.precomputes = settings.precompute
         self.ready = not self.precomputes
         self.dropped = False  # a separate reference let go once its log-probs were computed
         self.sync = None  # TR-DPO's ReferenceSync, once installed
@@ -160,7 +165,7 @@ class Reference:
 
     def before_training(self, trainer) -> None:
         self.precompute(trainer)
-        if getattr(trainer.args, "sync_ref_model", False) and self.sync is None:
+        if self.settings.sync and self.sync is None:
             self.install_sync(trainer)
 
     def precompute(self, trainer) -> None:
@@ -188,7 +193,7 @@ class Reference:
         if trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3:
             raise ValueError("`sync_ref_model=True` under DeepSpeed ZeRO-3 is not supported yet (the sharded weights "
                              "would have to be gathered to mix them); use ZeRO-2, FSDP or DDP.")
-        self.sync = ReferenceSync(trainer)
+        self.sync = ReferenceSync(trainer, self.settings.sync_steps, self.settings.mixup_alpha)
         trainer.add_callback(self.sync)
 
     def finish_eval_split(self, trainer, dataset, split: str):
@@ -216,7 +221,7 @@ class Reference:
         names = trainer.reference_columns(dataset)
         if all(name in dataset.column_names for name in names):
             return dataset
-        size = trainer.args.precompute_ref_batch_size or trainer.args.per_device_train_batch_size
+        size = self.settings.precompute_batch_size or self.settings.batch_size
         columns = {name: [] for name in names}
         with self.scope(trainer.model, policy_if_none=True) as model:
             was_training = model.training
@@ -250,12 +255,14 @@ class ReferenceModelMixin:
         announced in one line."""
         loaded = load_policy_and_reference(model, ref_model, processing_class, peft_config, args,
                                            needs_reference=self.reference_wanted(args),
-                                           quantization_config=quantization_config)
+                                           quantization_config=quantization_config,
+                                           padding_free=self.layout.padding_free,
+                                           precompute=reference_of(args).precompute)
         logger.info("%s", self.reference_note(loaded, args))
         return loaded
 
     def reference_note(self, loaded, args) -> str:
-        return f"{methods.of(self).output_suffix} reference: {loaded.description(args)}."
+        return f"{methods.of(self).output_suffix} reference: {loaded.description()}."
 
     def reference_columns(self, dataset) -> tuple[str, ...]:
         """The columns of precomputed reference values (precompute_ref_log_probs)."""
@@ -274,15 +281,15 @@ class ReferenceSync(TrainerCallback):
     """TR-DPO's reference update (TRL's `sync_ref_model`): every `ref_model_sync_steps` optimizer steps,
     ref <- (1 - alpha) ref + alpha policy, parameter by parameter, alpha = `ref_model_mixup_alpha`."""
 
-    def __init__(self, trainer):
-        self.trainer = trainer
+    def __init__(self, trainer, every: int, alpha: float):
+        self.trainer, self.every, self.alpha = trainer, every, alpha
 
     @torch.no_grad()
     def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step % args.ref_model_sync_steps:
+        if state.global_step % self.every:
             return
         unwrap = self.trainer.accelerator.unwrap_model
-        mix_into(unwrap(self.trainer.reference.model), unwrap(self.trainer.model), args.ref_model_mixup_alpha)
+        mix_into(unwrap(self.trainer.reference.model), unwrap(self.trainer.model), self.alpha)
 
 
 @torch.no_grad()

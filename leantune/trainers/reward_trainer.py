@@ -37,6 +37,7 @@ from ..models.segment_attention import SEGMENT_SDPA, use_segment_attention
 from .base import LeantuneTrainer
 from .reference import PolicyAndReference, disable_dropout
 from .reward_config import RewardConfig
+from .settings import checkpointing_of
 
 logger = logging.getLogger("leantune.reward")
 SCORE_HEAD = "score"  # the per-token reward head of decoder *ForSequenceClassification models (Llama, Qwen2, GPT-2...)
@@ -98,20 +99,20 @@ class RewardTrainer(LeantuneTrainer):
             logger.info("The pad token is the EOS token, so (as the model's own pooling does at inference) each "
                         "reward is read at the last token that is not EOS.")
         if getattr(unwrap_model(model), SCORE_HEAD, None) is None:
-            if args.padding_free:
+            if self.layout.padding_free:
                 raise ValueError(f"padding_free needs a decoder reward model with a per-token `{SCORE_HEAD}` head; "
                                  f"{type(model).__name__} pools on its own. Use padded batches (padding_free=False).")
             logger.info("%s has no per-token `%s` head: rewards are the model's own pooled outputs.",
                         type(model).__name__, SCORE_HEAD)
-        if args.padding_free and use_segment_attention(model):
+        if self.layout.padding_free and use_segment_attention(model):
             logger.info("Padding-free batches: attention runs per sequence (%s).", SEGMENT_SDPA)
-        model = apply_peft(model, reward_peft_config(peft_config, model), args)
+        model = apply_peft(model, reward_peft_config(peft_config, model), checkpointing_of(args).enabled)
         if args.disable_dropout:
             disable_dropout(model)
         return PolicyAndReference(model, None, tokenizer, False)
 
     def make_collator(self, tokenizer, args, train_dataset):
-        return RewardCollator(tokenizer.pad_token_id, args.padding_free, args.pad_to_multiple_of)
+        return RewardCollator(tokenizer.pad_token_id, self.layout.padding_free, self.layout.pad_to_multiple_of)
 
     def prepare_split(self, dataset, split, tokenizer, args):
         return prepare_reward_dataset(dataset, tokenizer, args, split)

@@ -22,6 +22,7 @@ from ..models.loading import (
 from ..models.segment_attention import SEGMENT_SDPA, use_segment_attention
 from .base import LeantuneTrainer
 from .reference import PolicyAndReference
+from .settings import checkpointing_of
 from .sft_config import SFTConfig
 
 logger = logging.getLogger("leantune.sft")
@@ -85,16 +86,19 @@ class SFTTrainer(LeantuneTrainer):
         if args.assistant_only_loss:
             announce_mask_template(tokenizer)
         ensure_pad_token(tokenizer, args.pad_token)
-        if args.gradient_checkpointing:
+        checkpointing = checkpointing_of(args)
+        if checkpointing.enabled:
             model.config.use_cache = False
-        if (args.packing or args.padding_free) and use_segment_attention(model):
+        if (self.layout.packing or self.layout.padding_free) and use_segment_attention(model):
             logger.info("Packed/padding-free rows: attention runs per sequence (%s).", SEGMENT_SDPA)
-        return PolicyAndReference(apply_peft(model, peft_config, args), None, tokenizer, False)
+        return PolicyAndReference(apply_peft(model, peft_config, checkpointing.enabled), None, tokenizer,
+                                  False)
 
     def make_collator(self, tokenizer, args, train_dataset):
         return CausalLMCollator(pad_token_id=tokenizer.pad_token_id,
                                 loss_mask_columns=tuple(loss_mask_columns(train_dataset, args)),
-                                padding_free=args.padding_free, pad_to_multiple_of=args.pad_to_multiple_of)
+                                padding_free=self.layout.padding_free,
+                                pad_to_multiple_of=self.layout.pad_to_multiple_of)
 
     stream_order = staticmethod(sft_stream_order)  # a train stream with shuffle_dataset: shuffled by buffer
 
@@ -104,8 +108,8 @@ class SFTTrainer(LeantuneTrainer):
     def prepare_split(self, dataset, split, tokenizer, args):
         if self.skips_preparation(args):
             return dataset, None
-        packing = args.packing if split == "train" or args.eval_packing is None else args.eval_packing
-        return prepare_sft_dataset(dataset, tokenizer, args, split, self._formatting_func, packing=packing)
+        return prepare_sft_dataset(dataset, tokenizer, args, split, self._formatting_func,
+                                   packing=self.layout.packs(split))
 
     def is_prepared(self, dataset) -> bool:
         """One this trainer prepared, or TRL's prepared form: token ids and labels (maybe packed), nothing else."""

@@ -16,8 +16,9 @@ logger = logging.getLogger("leantune.online")
 class RoundMetrics:
     """Writes into the trainer's per-mode metric stores (`metric_values["train" | "eval"]`)."""
 
-    def __init__(self, args, accelerator, metric_values: dict, round_size: int):
-        self.args, self.accelerator, self.metric_values = args, accelerator, metric_values
+    def __init__(self, settings, accelerator, metric_values: dict, round_size: int):
+        self.settings = settings  # RoundReportSettings (trainers/settings.py)
+        self.accelerator, self.metric_values = accelerator, metric_values
         self.counts: dict[str, int] = defaultdict(int)  # counted decisions over the run (logged)
         # What reward functions hand to `log_extra`, per column, for the last round_size completions (TRL's `_logs`)
         self.extra = defaultdict(lambda: deque(maxlen=round_size))
@@ -74,7 +75,7 @@ class RoundMetrics:
         if rollout.over_budget:
             self.counts["tool_results_over_budget"] += rollout.over_budget
             logger.info("%d rollout(s) ended at a tool call whose results would not fit in max_completion_length=%d "
-                        "(or the model's context).", rollout.over_budget, self.args.max_completion_length)
+                        "(or the model's context).", rollout.over_budget, self.settings.max_completion_length)
 
     def record_round(self, names, per_function, rewards, lengths, terminated, training: bool) -> None:
         store = self.store(training)
@@ -90,7 +91,7 @@ class RoundMetrics:
         if valid.numel():
             store["reward"].append(valid.mean().item())
             store["reward_std"].append(valid.std().item() if valid.numel() > 1 else 0.0)
-        groups = rewards.view(-1, self.args.num_generations if training else self.args.eval_num_generations)
+        groups = rewards.view(-1, self.settings.num_generations if training else self.settings.eval_num_generations)
         scored = [g[~torch.isnan(g)] for g in groups]
         zero_std = [float(g.numel() < 2 or g.std().item() == 0) for g in scored]  # fewer than two: no spread
         store["frac_reward_zero_std"].append(sum(zero_std) / len(zero_std))
@@ -105,6 +106,6 @@ class RoundMetrics:
             store["num_tokens"].append(float(lengths.sum().item()))
 
     def log_examples(self, rows, texts, rewards) -> None:
-        count = self.args.num_completions_to_print or 4
+        count = self.settings.num_completions_to_print or 4
         for row, text, reward in list(zip(rows, texts, rewards.tolist()))[:count]:
             logger.info("prompt %r -> completion %r, reward %.3f", row["prompt"], text, reward)

@@ -94,37 +94,20 @@ def choose_logprob_path(fused_requested: bool, device_type: str, flag: str, chun
     return LogProbPath.CHUNKED
 
 
-def liger_flags(args) -> list[str]:
-    """The config fields that ask for Liger (the one place they are read)."""
-    return [name for name in LIGER_FLAGS if getattr(args, name, False)]
-
-
-def path_of_config(args, vocabulary_head: bool = True) -> LogProbPath:
-    """The path a config asks for on its device. A model without a vocabulary head (a reward model) has nothing to
-    chunk or fuse: its Liger flag chooses nothing."""
-    flags = liger_flags(args)
-    if flags and not vocabulary_head:
-        logger.info("%s: a reward model has no vocabulary-sized logits, so there is nothing to chunk or fuse; the flag "
-                    "changes nothing here.", flags[0])
-        flags = []
-    return choose_logprob_path(bool(flags), args.device.type, " / ".join(flags) or "-",
-                               chunked=getattr(args, "chunked_loss", True))
-
-
 class LogProbEngine:
     """Target log-probs (and entropies, top-1 and the other TOKEN_STATS) of a trained model's forward pass, by the
     chosen path. `metrics_need_logits()`: an evaluation whose metrics read the logits (compute_metrics); `on_forward`:
     called with every forward pass's outputs of the trained model (the router loss)."""
 
-    def __init__(self, args, path: LogProbPath, metrics_need_logits: Callable[[], bool],
+    def __init__(self, settings, path: LogProbPath, metrics_need_logits: Callable[[], bool],
                  on_forward: Callable[[torch.nn.Module, object], None], notice_temperature: float = 1.0):
-        self.args = args
+        self.settings = settings  # HeadSettings (trainers/settings.py)
         self.path = path
         self.metrics_need_logits = metrics_need_logits
         self.on_forward = on_forward
         self.notice_temperature = notice_temperature
         self._offloader = None
-        if args.activation_offloading:
+        if settings.offloading.enabled:
             log_offloading_scope(logger)
 
     # --- what the path gives, said once ------------------------------------------------------------------------
@@ -138,7 +121,7 @@ class LogProbEngine:
             head = OutputHead.of(model, self.notice_temperature)
         except ValueError:
             head = None
-        problem = liger_head_problem(head, self.args.device.type) if head is not None else None
+        problem = liger_head_problem(head, self.settings.device_type) if head is not None else None
         if problem is not None:
             logger.warning("Liger was asked for, but %s; using leantune's chunked loss instead (same memory saving, "
                            "exact).", problem)
@@ -156,7 +139,7 @@ class LogProbEngine:
         """Whether Liger's fused kernel gives these per-target values: it yields each target's log-prob and whether
         the target is the argmax (`top1`), nothing else (no entropies, no other statistics: those batches take the
         chunked head, as the notices say when the trainer starts)."""
-        return (self.path is LogProbPath.LIGER and liger_can_run(head, self.args.device.type)
+        return (self.path is LogProbPath.LIGER and liger_can_run(head, self.settings.device_type)
                 and not with_entropy and set(stats) <= {"top1"} and len(stats) <= 1)
 
     def liger_head_runs(self, model, temperature: float = 1.0) -> bool:
@@ -169,25 +152,25 @@ class LogProbEngine:
         per-token values). CUDA only: its backward scales the weight gradient one vocabulary row per Triton program,
         which Triton's CPU interpreter runs one at a time (measured ~70 s per step at a 32000 vocabulary, against
         ~1 s for the per-target kernel), so on CPU the per-target kernel computes the NLL."""
-        return self.args.device.type == "cuda" and self.liger_head_runs(model)
+        return self.settings.device_type == "cuda" and self.liger_head_runs(model)
 
     def liger_jsd_runs(self, head: OutputHead, teacher_head: OutputHead) -> bool:
         """Whether distillation's JSD comes from Liger's fused linear JSD (both heads fusable here)."""
-        return self.path is LogProbPath.LIGER and liger_jsd_problem(head, teacher_head, self.args.device.type) is None
+        return self.path is LogProbPath.LIGER and liger_jsd_problem(head, teacher_head, self.settings.device_type) is None
 
     # --- the forward pass ---------------------------------------------------------------------------------------
 
     def offloading_scope(self, model):
         """Saved activations of the forward pass go to CPU memory (one offloader, reused: it keeps its streams)."""
-        args = self.args
-        if not (args.activation_offloading and model.training and torch.is_grad_enabled()):
+        offload = self.settings.offloading
+        if not (offload.enabled and model.training and torch.is_grad_enabled()):
             return contextlib.nullcontext()
         if self._offloader is None:
             self._offloader = offloading.offloading_context(
                 True,
                 model,
-                min_offload_bytes=args.activation_offloading_min_bytes,
-                use_streams=args.activation_offloading_use_streams,
+                min_offload_bytes=offload.min_bytes,
+                use_streams=offload.use_streams,
             )
         return self._offloader
 
@@ -254,7 +237,7 @@ class LogProbEngine:
             if stats:
                 return TargetScores(result[0], targets, outputs, stats={"top1": result[1]}, hidden=hidden)
             return TargetScores(result, targets, outputs, hidden=hidden)
-        result = chunked_logprobs(hidden, head, targets, self.args.loss_chunk_size, with_entropy, entropy_grad,
+        result = chunked_logprobs(hidden, head, targets, self.settings.loss_chunk_size, with_entropy, entropy_grad,
                                   stats)
         if not (with_entropy or stats):
             return TargetScores(result, targets, outputs, hidden=hidden)
@@ -271,7 +254,7 @@ class LogProbEngine:
             hidden, outputs = self.forward_hidden(model, inputs, head)
             if len(targets):
                 return (*liger_nll_sum(hidden, head, targets), targets, outputs)
-            return -chunked_logprobs(hidden, head, targets, self.args.loss_chunk_size).sum(), None, targets, outputs
+            return -chunked_logprobs(hidden, head, targets, self.settings.loss_chunk_size).sum(), None, targets, outputs
         scores = self.target_logprobs(model, inputs, labels, shifted=shifted)
         return -scores.logps.sum(), None, scores.targets, scores.outputs
 

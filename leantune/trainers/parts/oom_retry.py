@@ -71,28 +71,29 @@ class OutOfMemoryRetry:
     dropped with the step's), taken before each attempt that may be retried. `rounds` (round_parts.py, online
     methods): splits a round's micro-batch into parts of whole prompt groups."""
 
-    def __init__(self, args, accelerator, is_main_process, step_state, attempt_state, rounds=None):
-        self.args, self.accelerator, self.is_main_process = args, accelerator, is_main_process
+    def __init__(self, settings, accelerator, is_main_process, step_state, attempt_state, rounds=None):
+        self.settings = settings  # BatchSettings (trainers/settings.py)
+        self.accelerator, self.is_main_process = accelerator, is_main_process
         self.step_state, self.attempt_state = step_state, attempt_state
         self.rounds = rounds
         self.online = rounds is not None
-        self.micro_batch = args.per_device_train_batch_size  # the micro-batch each loader batch trains in
+        self.micro_batch = settings.per_device_train_batch_size  # the micro-batch each loader batch trains in
         self.retries: list[tuple[int, int, str]] = []  # (old, new, why) of each halving
         self.parts = 1  # the parts the loader's batch in training now is trained in (the router loss divides by it)
         self.collate = None  # the collator that made the loader's batches, to collate their parts again
-        self.group, self.per_row = (online_group(args) if self.online else (1, 1))  # rows; examples per row
+        self.group, self.per_row = settings.group, settings.per_row  # rows; examples per row
 
     @property
     def accumulation(self) -> int:
         """The gradient accumulation the run now trains with (the loader's batches in parts)."""
-        parts = math.ceil(self.args.per_device_train_batch_size / self.micro_batch)
-        return self.args.gradient_accumulation_steps * parts
+        parts = math.ceil(self.settings.per_device_train_batch_size / self.micro_batch)
+        return self.settings.gradient_accumulation_steps * parts
 
     def train_loader(self, trainer, build):
         """`build()` (the train loader) with a collator whose batches keep their examples (the offline trainers';
         the online trainers' micro-batches keep theirs from their rounds). Only where a step can be retried: one
         process (accelerate's dispatcher broadcasts a batch's tensors to the others and refuses any other object)."""
-        if self.online or self.args.world_size > 1:
+        if self.online or self.settings.world_size > 1:
             return build()
         collator = self.collate = trainer.data_collator
         trainer.data_collator = ExampleKeepingCollator(collator)
@@ -166,10 +167,10 @@ class OutOfMemoryRetry:
 
     def _start_so(self) -> str:
         """The settings a run starts with to train as this one now does."""
-        args, accumulation = self.args, self.accumulation
+        start, accumulation = self.settings, self.accumulation
         settings = f"per_device_train_batch_size={self.micro_batch} and gradient_accumulation_steps={accumulation}"
-        if self.online and args.steps_per_generation is not None:  # the same generation round
-            rounds = args.steps_per_generation * accumulation // args.gradient_accumulation_steps
+        if self.online and start.steps_per_generation is not None:  # the same generation round
+            rounds = start.steps_per_generation * accumulation // start.gradient_accumulation_steps
             settings += f" and steps_per_generation={rounds}"
         return settings
 
@@ -182,8 +183,8 @@ class OutOfMemoryRetry:
         if engine in ("DEEPSPEED", "FSDP"):
             return (f"Out of memory under {engine}: its gradients and sharded state live in the engine, where a step "
                     f"cannot be undone here; {settings}.")
-        if self.args.world_size > 1:
-            return (f"Out of memory on one of {self.args.world_size} processes: a retry on one process alone would "
+        if self.settings.world_size > 1:
+            return (f"Out of memory on one of {self.settings.world_size} processes: a retry on one process alone would "
                     f"make the processes' steps diverge; {settings} for every process.")
         if examples is None:
             return f"Out of memory in a micro-batch not collated from the loader's examples; {settings}."
@@ -218,14 +219,6 @@ class OutOfMemoryRetry:
                 "run continues so). To start so, set %s.", cause, old, self.micro_batch, old_accumulation,
                 self.accumulation, groups, self._start_so())
 
-
-def online_group(args) -> tuple[int, int]:
-    """(rows of per_device_train_batch_size in one prompt group, completions per row: Online DPO's rows are
-    prompts of two)."""
-    from ...planning.recommend import micro_batch_group
-
-    completions, steps = args.generation_plan(1)
-    return micro_batch_group(args), max(1, completions // (args.per_device_train_batch_size * steps))
 
 
 def _first_line(error: BaseException) -> str:

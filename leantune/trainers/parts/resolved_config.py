@@ -16,7 +16,7 @@ from ...data.streaming import is_stream, require_max_steps, use_own_stream_reads
 from ..cpu_loader import no_pinning_without_accelerator
 from ..distributed import check_world_size
 from ..nonfinite import validate_nonfinite_policy
-from .logprob_engine import LogProbPath, path_of_config
+from .logprob_engine import LIGER_FLAGS, LogProbPath, choose_logprob_path
 
 logger = logging.getLogger("leantune.trainer")
 
@@ -29,7 +29,7 @@ def resolve_config(trainer_name: str, args, train_dataset, eval_dataset, vocabul
                          "and `eval_dataset` for evaluation.")
     args = copy.copy(args)
     check_world_size(args)  # several launched processes never train as duplicates (trainers/distributed.py)
-    validate_nonfinite_policy(args)
+    validate_nonfinite_policy(getattr(args, "nonfinite_policy", "stop"), getattr(args, "deepspeed", None))
     path = path_of_config(args, vocabulary_head)
     if getattr(args, "use_liger_kernel", False) and (path is not LogProbPath.LIGER or args.device.type != "cuda"):
         # transformers would patch the model with liger's kernels (RMSNorm, RoPE, SwiGLU, ...): on CUDA only,
@@ -55,3 +55,20 @@ def resolve_streams(args, train_dataset, eval_dataset) -> None:
     if streamed and getattr(args, "precompute_ref_log_probs", False):
         raise ValueError("`precompute_ref_log_probs` is not supported with IterableDataset (a stream): it reads "
                          "the whole dataset before training; turn it off, or pass a datasets.Dataset.")
+
+
+def liger_flags(args) -> list[str]:
+    """The config fields that ask for Liger (the one place they are read)."""
+    return [name for name in LIGER_FLAGS if getattr(args, name, False)]
+
+
+def path_of_config(args, vocabulary_head: bool = True) -> LogProbPath:
+    """The path a config asks for on its device. A model without a vocabulary head (a reward model) has nothing to
+    chunk or fuse: its Liger flag chooses nothing."""
+    flags = liger_flags(args)
+    if flags and not vocabulary_head:
+        logger.info("%s: a reward model has no vocabulary-sized logits, so there is nothing to chunk or fuse; the flag "
+                    "changes nothing here.", flags[0])
+        flags = []
+    return choose_logprob_path(bool(flags), args.device.type, " / ".join(flags) or "-",
+                               chunked=getattr(args, "chunked_loss", True))

@@ -18,22 +18,22 @@ class StepLoss:
     """Counts the step's items and divides each micro-batch's summed loss by them. `items_in(batch)` is the method's
     count of one collated batch; `record` keeps a per-example metric (the logged `aux_loss`)."""
 
-    def __init__(self, args, accelerator, context_parallel, model, items_in: Callable[[dict], torch.Tensor],
+    def __init__(self, settings, accelerator, context_parallel, model, items_in: Callable[[dict], torch.Tensor],
                  record: Callable[..., None]):
-        self.args = args
+        self.settings = settings  # StepLossSettings (trainers/settings.py)
         self.accelerator = accelerator
         self.context_parallel = context_parallel
         self.items_in = items_in
         self.record = record
         # TRL's attributes (kept on the trainer too): whether the router loss is added, and its weight
-        self.router_loss_enabled, self.router_loss_coef = router_loss_settings(model, args)
+        self.router_loss_enabled, self.router_loss_coef = router_loss_settings(model, settings.router_aux_loss_coef)
         self._router_loss = None
 
     def count(self, batch_samples: list, device) -> torch.Tensor:
         """The step's item count: its micro-batches', summed over the processes when they average together."""
         count = sum((self.items_in(b) for b in batch_samples if "labels" in b or "target_index" in b), torch.tensor(0))
         count = torch.as_tensor(count).to(device)
-        if self.args.average_tokens_across_devices and self.args.world_size > 1:
+        if self.settings.average_tokens_across_devices and self.settings.world_size > 1:
             count = self.accelerator.gather(count).sum()
             # every process of a context-parallel group counted the same whole batch (before it is split)
             count = count // self.context_parallel.size
@@ -66,8 +66,8 @@ class StepLoss:
             if num_items_in_batch is None or not model.training:
                 return self._plus_router_loss(model, loss_sum / local_count.clamp(min=1), accumulation_steps)
             loss = loss_sum / torch.as_tensor(num_items_in_batch, device=loss_sum.device).clamp(min=1)
-            if self.args.average_tokens_across_devices:  # the count is the step's over every data-parallel group
-                loss = loss * self.args.world_size / cp
+            if self.settings.average_tokens_across_devices:  # the count is the step's over every data-parallel group
+                loss = loss * self.settings.world_size / cp
             return self._plus_router_loss(model, loss, accumulation_steps)
         if (num_items_in_batch is None or not model.training) and cp > 1:
             # this process holds part of the batch: its share of the batch's mean, so that the mean over the
@@ -77,8 +77,8 @@ class StepLoss:
         if num_items_in_batch is None or not model.training:
             return self._plus_router_loss(model, loss_sum / local_count.clamp(min=1), accumulation_steps)
         loss = loss_sum / torch.as_tensor(num_items_in_batch, device=loss_sum.device).clamp(min=1)
-        if self.args.average_tokens_across_devices and self.args.world_size > 1:
-            loss = loss * self.args.world_size  # DDP averages gradients over processes
+        if self.settings.average_tokens_across_devices and self.settings.world_size > 1:
+            loss = loss * self.settings.world_size  # DDP averages gradients over processes
         return self._plus_router_loss(model, loss, accumulation_steps)
 
     def _plus_router_loss(self, model, loss: torch.Tensor, accumulation_steps: int) -> torch.Tensor:
@@ -92,14 +92,13 @@ class StepLoss:
         return loss + self.router_loss_coef * aux.to(loss.dtype) / steps
 
 
-def router_loss_settings(model, args) -> tuple[bool, float]:
+def router_loss_settings(model, coef: float | None) -> tuple[bool, float]:
     """(whether the MoE router loss is added, its weight): on when the model's config has output_router_logits=True
     (TRL's rule); the weight is `router_aux_loss_coef`, else the config's own."""
     config = getattr(unwrap_model(model), "config", None)
     if config is None:
         return False, 0.0
     enabled = bool(getattr(config, "output_router_logits", False))
-    coef = getattr(args, "router_aux_loss_coef", None)
     if coef is None:
         coef = getattr(config, "router_aux_loss_coef", 0.0) or 0.0
     return enabled, float(coef)

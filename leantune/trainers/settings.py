@@ -1,0 +1,184 @@
+"""The resolved config as small frozen settings, one per part: each part is given its own and never the config.
+
+Built once at construction from the trainer's resolved copy of the config (parts/resolved_config.py); nothing here
+changes afterwards. A flag's config name is read here (or by the config's own resolver, config_utils) and nowhere
+else, so a renamed field (transformers' `activation_checkpointing`) is followed in one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .config_utils import checkpointing_setting
+
+
+@dataclass(frozen=True)
+class Checkpointing:
+    """Activation (gradient) checkpointing, whichever name transformers reads: on or off, reentrant or not.
+
+    On, the model's cache is off (`use_cache=False`) and a PEFT model's frozen embeddings give outputs that require
+    grad (`enable_input_require_grads`), without which reentrant checkpointing trains no adapter."""
+
+    enabled: bool
+    kwargs: dict = field(default_factory=dict)
+
+    @property
+    def reentrant(self) -> bool:
+        return bool(self.enabled and self.kwargs.get("use_reentrant", True))  # torch's default is reentrant
+
+
+def checkpointing_of(args) -> Checkpointing:
+    enabled, kwargs = checkpointing_setting(args)  # after config_utils.resolve_checkpointing, under either name
+    return Checkpointing(enabled, dict(kwargs or {}))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How rows are laid out (data/collators.py, data/packing.py): padding-free rows, packed training (and eval)
+    splits, the length a batch pads to a multiple of. Known before the models load: loading reads it."""
+
+    padding_free: bool
+    packing: bool = False
+    eval_packing: bool | None = None  # None: as training
+    pad_to_multiple_of: int | None = None
+
+    def packs(self, split: str) -> bool:
+        """Whether a split ("train", "eval", "eval_<name>") is packed."""
+        return self.packing if split == "train" or self.eval_packing is None else self.eval_packing
+
+
+def layout_of(args) -> Layout:
+    """The config's layout (packing is SFT's and GKD's only)."""
+    return Layout(args.padding_free, bool(getattr(args, "packing", False)), getattr(args, "eval_packing", None),
+                  args.pad_to_multiple_of)
+
+
+@dataclass(frozen=True)
+class NonFiniteSettings:
+    """What the NaN/inf guard (nonfinite.py) decides by: stop or skip, where a stop's report goes, the processes."""
+
+    policy: str  # "stop" | "skip"
+    output_dir: str | None
+    world_size: int
+    device: torch.device
+
+
+@dataclass(frozen=True)
+class StepLossSettings:
+    """How a step's loss is divided (parts/step_loss.py): by the items of all processes when they average together;
+    `router_aux_loss_coef`: the MoE router loss's weight set in the config (None: the model config's own)."""
+
+    average_tokens_across_devices: bool
+    world_size: int
+    router_aux_loss_coef: float | None
+
+
+@dataclass(frozen=True)
+class Offloading:
+    """Activation offloading (memory/offloading.py): saved activations of the forward pass kept in CPU memory."""
+
+    enabled: bool
+    min_bytes: int
+    use_streams: bool
+
+
+@dataclass(frozen=True)
+class HeadSettings:
+    """The log-prob engine's (parts/logprob_engine.py): the device its path runs on, the head's chunk, offloading."""
+
+    device_type: str
+    loss_chunk_size: int
+    offloading: Offloading
+
+
+@dataclass(frozen=True)
+class BatchSettings:
+    """The out-of-memory retry's (parts/oom_retry.py): the micro-batch and accumulation a run starts with, its
+    processes, an online run's generation round and prompt groups (rows per group, examples per row)."""
+
+    per_device_train_batch_size: int
+    gradient_accumulation_steps: int
+    world_size: int
+    steps_per_generation: int | None = None
+    group: int = 1
+    per_row: int = 1
+
+
+@dataclass(frozen=True)
+class ReferenceSettings:
+    """The reference's (reference.py): log-probs computed once before training (their batch, else the training
+    micro-batch), TR-DPO's sync (every `sync_steps` steps, by `mixup_alpha`)."""
+
+    batch_size: int
+    precompute: bool = False
+    precompute_batch_size: int | None = None
+    sync: bool = False
+    sync_steps: int | None = None
+    mixup_alpha: float | None = None
+
+
+@dataclass(frozen=True)
+class RoundReportSettings:
+    """What an online round reports (online/round_metrics.py): its groups' sizes in training and evaluation, how many
+    completions a log shows, the completion budget an over-long rollout is named against."""
+
+    num_generations: int
+    eval_num_generations: int
+    num_completions_to_print: int | None
+    max_completion_length: int | None
+
+
+@dataclass(frozen=True)
+class TrainerSettings:
+    """Every part's settings, resolved once from the trainer's config; `device`: the run's (run metrics')."""
+
+    device: torch.device
+    layout: Layout
+    checkpointing: Checkpointing
+    nonfinite: NonFiniteSettings
+    step_loss: StepLossSettings
+    head: HeadSettings
+    batch: BatchSettings
+    reference: ReferenceSettings
+    round_report: RoundReportSettings | None = None  # the online trainers'
+
+
+def resolve_settings(args, online: bool, layout: Layout) -> TrainerSettings:
+    """The parts' settings from the trainer's resolved config (after Trainer's set-up: `device` and `world_size`
+    are the accelerator's); `online`: the trainer generates rounds (its micro-batches are of whole prompt groups)."""
+    group, per_row = online_group(args) if online else (1, 1)
+    return TrainerSettings(
+        device=args.device,
+        layout=layout,
+        checkpointing=checkpointing_of(args),
+        nonfinite=NonFiniteSettings(args.nonfinite_policy, args.output_dir, args.world_size, args.device),
+        step_loss=StepLossSettings(args.average_tokens_across_devices, args.world_size,
+                                   getattr(args, "router_aux_loss_coef", None)),
+        head=HeadSettings(args.device.type, args.loss_chunk_size,
+                          Offloading(args.activation_offloading, args.activation_offloading_min_bytes,
+                                     args.activation_offloading_use_streams)),
+        batch=BatchSettings(args.per_device_train_batch_size, args.gradient_accumulation_steps, args.world_size,
+                            getattr(args, "steps_per_generation", None) if online else None, group, per_row),
+        reference=reference_of(args),
+        round_report=RoundReportSettings(args.num_generations, args.eval_num_generations,
+                                         args.num_completions_to_print, args.max_completion_length) if online else None,
+    )
+
+
+def reference_of(args) -> ReferenceSettings:
+    """The reference's settings (DPO, KTO and the online configs have them; the others: none precomputed, no sync)."""
+    return ReferenceSettings(args.per_device_train_batch_size, bool(getattr(args, "precompute_ref_log_probs", False)),
+                             getattr(args, "precompute_ref_batch_size", None),
+                             bool(getattr(args, "sync_ref_model", False)), getattr(args, "ref_model_sync_steps", None),
+                             getattr(args, "ref_model_mixup_alpha", None))
+
+
+def online_group(args) -> tuple[int, int]:
+    """(rows of per_device_train_batch_size in one prompt group, completions per row: Online DPO's rows are
+    prompts of two)."""
+    from ..planning.recommend import micro_batch_group
+
+    completions, steps = args.generation_plan(1)
+    return micro_batch_group(args), max(1, completions // (args.per_device_train_batch_size * steps))
