@@ -3,7 +3,7 @@ a test, a function or method body beyond the definitions its import makes. A cal
 leantune/ that defines a function, the first test that runs one of them; calls made while a module is being imported
 do not count. The files are listed when the run starts, so a module added or moved is checked without a change here.
 
-On for the quick tier over the default test paths (`-m quick`, no paths or -k), and for any run with
+On for the quick tier over the default test paths (`-m quick`; no paths, -k, --lf or --sw), and for any run with
 LEANTUNE_QUICK_COVERAGE=1 (=0: off); the run then fails naming the modules no test entered (`-v`: each module with
 the test that entered it first). Code run in a child process (a CLI run, torchrun's ranks) is not seen."""
 
@@ -68,16 +68,18 @@ class ModuleEntries:
             caller = caller.f_back
         return True
 
-    @pytest.hookimpl(hookwrapper=True)
+    @pytest.hookimpl(wrapper=True)
     def pytest_runtest_protocol(self, item):
         self.test = item.nodeid
         if self.waiting and sys.gettrace() is not self.trace:
             sys.settrace(self.trace)  # (again, if a test replaced it)
             threading.settrace(self.trace)
-        yield
-        if not self.waiting:
-            sys.settrace(None)
-            threading.settrace(None)
+        try:
+            return (yield)
+        finally:
+            if not self.waiting:  # every module entered: the rest of the run untraced
+                sys.settrace(None)
+                threading.settrace(None)
 
 
 class QuickTierCheck:
@@ -114,9 +116,10 @@ class QuickTierCheck:
 
 
 def is_quick_tier(config) -> bool:
-    """`-m quick` over the default test paths, with nothing deselected by keyword."""
+    """`-m quick` over the default test paths, with nothing deselected by keyword, last failures or stepwise."""
     return (config.option.markexpr == "quick" and not config.option.keyword
-            and config.args_source == pytest.Config.ArgsSource.TESTPATHS)
+            and config.args_source == pytest.Config.ArgsSource.TESTPATHS
+            and not getattr(config.option, "lf", False) and not getattr(config.option, "stepwise", False))
 
 
 def register(config) -> None:
