@@ -1,5 +1,6 @@
 """pytest's registrations only: the thread budget, Triton's interpreter for the Liger tests, the collector's frozen
-imports, and the shared fixtures (built by tests/fixtures/, which the test modules import; nothing imports this file)."""
+imports, the quick tier's check (tests/quick_tier.py), and the shared fixtures (built by tests/fixtures/, which the
+test modules import; nothing imports this file)."""
 
 from __future__ import annotations
 
@@ -21,11 +22,13 @@ from devkit.liger_cpu import hide_interpreter, interpreter_on_for_imports, keep_
 
 interpreter_on_for_imports(cuda=torch.cuda.is_available())
 
+from . import quick_tier  # noqa: E402
 from .fixtures import data, paths, tokenizers  # noqa: E402
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "liger_interpreter: runs with TRITON_INTERPRET=1 (Liger's kernels on CPU)")
+    quick_tier.register(config)
 
 
 def pytest_collection_finish(session):

@@ -8,6 +8,8 @@ from leantune import methods
 from leantune.cli.main import COMMANDS
 from leantune.planning.planner import method_classes
 
+pytestmark = pytest.mark.quick  # the quick tier (tests/quick_tier.py): this file's tests take seconds
+
 
 def test_each_entry_is_its_trainer_config_exports_and_command():
     for name, method in methods.METHODS.items():

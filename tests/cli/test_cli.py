@@ -71,6 +71,7 @@ def test_sft_reads_parquet_csv_and_saved_folders(local_model_and_data, tmp_path)
         load_dataset_source(str(tmp_path / "missing.jsonl"))
 
 
+@pytest.mark.quick
 def test_lora_all_linear_from_the_command_line_adapts_every_linear_layer(local_model_and_data, tmp_path):
     from leantune.cli.main import main
 

@@ -25,6 +25,7 @@ def test_correct_answer_checks_the_last_number_against_the_reference_by_hand():
     assert correct_answer(["no number"], answer=["5"]) == [0.0]
 
 
+@pytest.mark.quick
 def test_characters_in_place_by_hand():
     scores = characters_in_place([" tac", "tca", "tacxx", ""], answer=["tac", "tac", "tac", "tac"])
     assert scores == pytest.approx([1.0, 1 / 3, 3 / 5, 0.0])
@@ -71,6 +72,7 @@ def gsm8k_model_and_prompts(tokenizer, gsm8k_rows, tmp_path):
     return model_dir, data
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("command", ["grpo", "rloo"])
 def test_cli_trains_a_local_model_on_gsm8k_prompts(command, gsm8k_model_and_prompts, tmp_path, capsys):
     model_dir, data = gsm8k_model_and_prompts

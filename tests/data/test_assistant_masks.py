@@ -10,6 +10,8 @@ from leantune import SFTConfig
 from leantune.data.sft_preparation import prepare_sft_dataset
 from leantune.data.sft_tokenization import assistant_masks_from_prefixes
 
+pytestmark = pytest.mark.quick  # the quick tier (tests/quick_tier.py): this file's tests take seconds
+
 CONVERSATIONS = [
     [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "It is 4."}],
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."},

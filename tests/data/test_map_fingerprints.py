@@ -11,6 +11,8 @@ from leantune.data.map_fingerprints import tokenizer_for_maps
 
 from ..fixtures.paths import TOKENIZER_DIR
 
+pytestmark = pytest.mark.quick  # the quick tier (tests/quick_tier.py): this file's tests take seconds
+
 
 @pytest.fixture(scope="module")
 def loaded():

@@ -23,6 +23,8 @@ from leantune.data.packing import (
 from ..fixtures.data import gsm8k_rows
 from ..fixtures.paths import TOKENIZER_DIR
 
+pytestmark = pytest.mark.quick  # the quick tier (tests/quick_tier.py): this file's tests take seconds
+
 # ------------------------------------------------------------------------------------------------
 # Helpers
 # ------------------------------------------------------------------------------------------------

@@ -15,6 +15,8 @@ from leantune.data.collators import IGNORE_INDEX
 from ..fixtures.data import gsm8k_prompt_completion
 from ..fixtures.models import tiny_model
 
+pytestmark = pytest.mark.quick  # the quick tier (tests/quick_tier.py): this file's tests take seconds
+
 
 def config(tmp_path, **overrides):
     settings = dict(output_dir=str(tmp_path), report_to=[], save_strategy="no", use_cpu=True, max_steps=1,

@@ -21,6 +21,8 @@ from leantune.data.sft_preparation import prepare_sft_dataset
 
 from ..fixtures.paths import CHAT_TEMPLATES
 
+pytestmark = pytest.mark.quick  # the quick tier (tests/quick_tier.py): this file's tests take seconds
+
 HARMONY = (CHAT_TEMPLATES / "gpt_oss.jinja").read_text()
 IGNORE = -100
 CALL = [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]

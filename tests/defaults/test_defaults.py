@@ -20,6 +20,8 @@ from leantune.defaults import (
 )
 from leantune.defaults.tasks import TASKS
 
+pytestmark = pytest.mark.quick  # the quick tier (tests/quick_tier.py): this file's tests take seconds
+
 
 @pytest.fixture(scope="module")
 def tok():

@@ -138,6 +138,7 @@ def test_without_the_token_nothing_is_served_and_close_and_updates_do_nothing(se
     assert client.generate(PROMPTS, greedy(6)) == before  # not closed, weights unchanged
 
 
+@pytest.mark.quick
 def test_a_non_loopback_host_without_a_token_is_refused_at_start(monkeypatch, capsys):
     from leantune.cli.vllm_serve import VLLMServeArguments, run
 

@@ -14,6 +14,8 @@ from leantune.generation.weight_sync import policy_weights_for_sync
 
 from ..fixtures.models import tiny_model
 
+pytestmark = pytest.mark.quick  # the quick tier (tests/quick_tier.py): this file's tests take seconds
+
 VOCAB = 512
 
 

@@ -210,6 +210,7 @@ def test_each_process_part_of_every_sequence_sums_to_the_whole():
         assert not torch.equal(expected.logps, expected.raw_logps)  # LD-DPO's weighting did apply
 
 
+@pytest.mark.quick
 def test_a_shared_prompt_row_split_over_the_group_attends_as_one_process():
     """A shared-prompt row (two groups, prompts of 5 and 7 tokens, completions of 1 to 6) laid out for cp 2 and 3:
     torch's own head-tail split gives each process its share of every segment, and its queries against the group's

@@ -22,6 +22,8 @@ from leantune.models.output_head import OutputHead
 from ..fixtures.comparisons import rel_diff
 from ..fixtures.models import tiny_model
 
+pytestmark = pytest.mark.quick  # the quick tier (tests/quick_tier.py): this file's tests take seconds
+
 RTOL = 1e-5
 VOCAB = 1000
 

@@ -20,6 +20,8 @@ from ..fixtures.comparisons import GradientRecorder, rel_diff
 from ..fixtures.data import hh_rows
 from ..fixtures.models import tiny_model
 
+pytestmark = pytest.mark.quick  # the quick tier (tests/quick_tier.py): this file's tests take seconds
+
 # Three pairs: summed completion log-probs of policy and reference, chosen and rejected, and completion lengths.
 PC, PR = [-4.0, -7.5, -3.2], [-5.0, -6.0, -8.1]
 RC, RR = [-4.3, -7.0, -3.9], [-4.6, -6.4, -7.2]

@@ -71,6 +71,7 @@ def test_padded_padding_free_and_packed_agree_per_token_and_in_gradients(arch, a
     assert len(trainer.train_dataset) < len(dataset)
 
 
+@pytest.mark.quick
 def test_attention_does_not_cross_packed_sequences(tokenizer, gsm8k_rows, tmp_path):
     """Changing one sequence of a packed row must not change the losses of the others."""
     dataset = gsm8k_prompt_completion(gsm8k_rows, 8)
@@ -108,6 +109,7 @@ def test_batch_8_equals_batch_2_with_accumulation_4(layout, tokenizer, gsm8k_row
         assert rel_diff(grads_2x4[name], reference) <= RTOL, name
 
 
+@pytest.mark.quick
 def test_logged_loss_is_token_mean_of_the_step(tokenizer, gsm8k_rows, tmp_path):
     dataset = gsm8k_prompt_completion(gsm8k_rows, 8)
     model = tiny_model("llama")
@@ -166,6 +168,7 @@ def test_dft_loss_and_token_metrics_by_hand(tokenizer, gsm8k_rows, tmp_path):
                    train_dataset=dataset, processing_class=tokenizer, compute_loss_func=doubled)
 
 
+@pytest.mark.quick
 def test_bfd_split_keeps_every_token(tokenizer, gsm8k_rows, tmp_path):
     dataset = gsm8k_prompt_completion(gsm8k_rows, 24)
     full = make_trainer(tiny_model(), tokenizer, dataset, tmp_path / "full", max_length=None).train_dataset

@@ -138,6 +138,7 @@ def test_chunked_loss_lowers_the_measured_peak(tokenizer, gsm8k_rows, tmp_path):
     assert chunked.metrics["memory_temporaries_mb"] < logits_mib / 2
 
 
+@pytest.mark.quick
 def test_bad_memory_options():
     with pytest.raises(ValueError, match="loss_chunk_size"):
         SFTConfig(output_dir="x", loss_chunk_size=0, use_cpu=True)
@@ -159,6 +160,7 @@ def test_either_trl_flag_asks_for_the_fused_loss(flag, tokenizer, gsm8k_rows, tm
     assert getattr(config, flag) is True  # resolved on the trainer's copy: the user's config is left as given
 
 
+@pytest.mark.quick
 def test_chunked_path_is_the_default_and_can_be_turned_off(tokenizer, gsm8k_rows, tmp_path):
     from leantune import SFTTrainer
 

@@ -21,6 +21,8 @@ from leantune.memory import (
 
 from ..fixtures.models import tiny_model
 
+pytestmark = pytest.mark.quick  # the quick tier (tests/quick_tier.py): this file's tests take seconds
+
 # fp32, same kernels, same order: offloading moves bytes, it must not change a single value (measured 0); 1e-6 of the
 # tensor's norm only leaves room for a kernel picking another order, far below a wrong or stale tensor (~1)
 EXACT = 1e-6

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import types
 
+import pytest
 import torch
 
 from leantune.metrics.memory_breakdown import StepMemoryMeter, _engine_tensors
+
+pytestmark = pytest.mark.quick  # the quick tier (tests/quick_tier.py): this file's tests take seconds
 
 MIB = 2 ** 20
 

@@ -9,12 +9,15 @@ import gc
 import io
 import warnings
 
+import pytest
 import torch
 from datasets import Dataset
 
 from devkit.allocator_meter import AllocatorMeter
 from leantune import SFTConfig, SFTTrainer
 from tests.fixtures.models import lora, tiny_model
+
+pytestmark = pytest.mark.quick  # the quick tier (tests/quick_tier.py): this file's tests take seconds
 
 
 def live_tensor_shapes() -> list[tuple]:

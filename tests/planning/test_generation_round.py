@@ -4,12 +4,15 @@ update step, and the largest completion length and generation piece within a bud
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from devkit.allocator_meter import block_peak
 from leantune.planning.generation_round import GenerationRound, generation_round
 from leantune.planning.planner import MemoryPlan, TracedStep
+
+pytestmark = pytest.mark.quick  # the quick tier (tests/quick_tier.py): this file's tests take seconds
 
 
 def test_plan_peak_is_the_larger_of_round_and_update_step():

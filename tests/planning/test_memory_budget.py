@@ -8,6 +8,7 @@ import contextlib
 import io
 import logging
 
+import pytest
 import torch
 from transformers import TrainerCallback
 
@@ -88,6 +89,7 @@ def test_a_run_under_its_budget_sizes_itself_fits_and_learns_the_same(tokenizer,
         assert torch.equal(a, b), name
 
 
+@pytest.mark.quick
 def test_nothing_fits_is_one_line_naming_the_flag_and_the_least_the_run_needs(tokenizer, gsm8k_rows, tmp_path, capsys):
     from leantune.cli.main import main
 

@@ -60,6 +60,7 @@ def test_70b_plans_from_config_only_in_seconds(tmp_path, tokenizer, gsm8k_rows):
     assert cpu_seconds < 60
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("argv, flag", [
     (["plan", "--method", "nope"], "method"),
     (["plan", "--dataset_name", "x.jsonl"], "--model_name_or_path"),
@@ -79,6 +80,7 @@ def test_plan_command_mistakes_are_one_line(capsys, argv, flag):
     assert len(err) == 1 and flag in err[0] and "Traceback" not in err[0]
 
 
+@pytest.mark.quick
 def test_budgets_read_sizes_and_gpu_names():
     assert parse_budget("24GiB") == 24 * 1024 ** 3
     assert parse_budget("1500MiB") == 1500 * 1024 ** 2

@@ -105,6 +105,7 @@ def test_plan_check_predicts_its_own_run_and_changes_nothing(tokenizer, gsm8k_ro
     assert len(skipped) == 1 and "streamed" in skipped[0] and "goes on unchecked" in skipped[0]
 
 
+@pytest.mark.quick
 def test_plan_from_the_profile_json_is_the_plan_from_the_data(tokenizer, gsm8k_rows, tmp_path, capsys):
     from leantune.profiling import profile_dataset
 

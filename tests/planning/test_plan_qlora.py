@@ -141,6 +141,7 @@ def test_a_4bit_70b_plans_from_config_only(tmp_path, tokenizer, gsm8k_rows):
     assert cpu_seconds < 60
 
 
+@pytest.mark.quick
 def test_quantization_fields_that_cannot_apply_are_named(tokenizer, gsm8k_rows):
     dataset = gsm8k_prompt_completion(gsm8k_rows, 2)
     config = tiny_model("llama").config

@@ -12,6 +12,8 @@ from transformers import LlamaConfig
 
 from leantune.planning.zero import ParameterShapes, rank_terms, zero_settings
 
+pytestmark = pytest.mark.quick  # the quick tier (tests/quick_tier.py): this file's tests take seconds
+
 CONFIG = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, vocab_size=32000)
 

@@ -25,6 +25,8 @@ from ..fixtures.data import gsm8k_rows, hh_rows
 from ..fixtures.paths import TOKENIZER_DIR
 from ..fixtures.tokenizers import load_tokenizer
 
+pytestmark = pytest.mark.quick  # the quick tier (tests/quick_tier.py): this file's tests take seconds
+
 # --- brute force, one Python loop at a time ---------------------------------------------------------------------
 
 

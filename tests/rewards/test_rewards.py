@@ -16,6 +16,8 @@ from leantune.rewards import RewardFunctionError, RewardFunctions, RewardScores
 from ..fixtures.paths import TOKENIZER_DIR, require
 from ..fixtures.tokenizers import load_tokenizer
 
+pytestmark = pytest.mark.quick  # the quick tier (tests/quick_tier.py): this file's tests take seconds
+
 PROMPTS = ["What is 2 + 2?", "Name a colour.", "Say hi."]
 COMPLETIONS = [" 4", " blue", " hello there"]
 COMPLETION_IDS = [[28705, 28781], [5045], [6312, 736]]

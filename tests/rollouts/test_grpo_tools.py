@@ -21,6 +21,8 @@ from ..fixtures.paths import CHAT_TEMPLATES, TOKENIZER_DIR
 from ..fixtures.tokenizers import load_tokenizer
 from ..fixtures.tool_calls import Script, call, multiply, tiny_policy, tool_calling
 
+pytestmark = pytest.mark.quick  # the quick tier (tests/quick_tier.py): this file's tests take seconds
+
 IGNORE = -100
 
 

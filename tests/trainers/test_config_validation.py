@@ -12,6 +12,8 @@ from leantune.trainers.kto_config import KTOConfig
 from leantune.trainers.reward_config import RewardConfig
 from leantune.trainers.rloo_config import RLOOConfig
 
+pytestmark = pytest.mark.quick  # the quick tier (tests/quick_tier.py): this file's tests take seconds
+
 ALL_CONFIGS = (SFTConfig, DPOConfig, KTOConfig, RewardConfig, GRPOConfig, RLOOConfig)
 PREFERENCE_CONFIGS = (DPOConfig, KTOConfig, RewardConfig)
 ONLINE_CONFIGS = (GRPOConfig, RLOOConfig)

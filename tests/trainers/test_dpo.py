@@ -30,6 +30,7 @@ def make_trainer(tokenizer, dataset, tmp_path, model=None, **overrides):
                               **{"max_length": 192, **overrides})
 
 
+@pytest.mark.quick
 def test_padding_free_equals_padded_per_sequence(tokenizer, hh_pairs, tmp_path):
     model = tiny_model()
     padded = make_trainer(tokenizer, hh_pairs, tmp_path / "a", model=model)
@@ -53,6 +54,7 @@ def first_step(trainer):
     return recorder.grads, logs[0]
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("padding_free", [False, True])
 def test_chunked_equals_full_loss_and_gradients(padding_free, tokenizer, hh_pairs, tmp_path):
     full_grads, full_log = first_step(make_trainer(tokenizer, hh_pairs, tmp_path / "f", padding_free=padding_free,
@@ -77,6 +79,7 @@ def test_peft_reference_equals_a_separate_copy_of_the_base_weights(tokenizer, hh
     assert rel_diff(policy, via_copy) > 1e-3  # the adapter does change the policy (measured 5.4e-3, seeded)
 
 
+@pytest.mark.quick
 def test_precomputed_reference_equals_live_reference(tokenizer, hh_pairs, tmp_path):
     live_grads, live_log = first_step(make_trainer(tokenizer, hh_pairs, tmp_path / "live"))
     pre = make_trainer(tokenizer, hh_pairs, tmp_path / "pre", precompute_ref_log_probs=True)
@@ -101,6 +104,7 @@ def test_first_step_loss_is_log_2_and_rewards_move_apart(tokenizer, hh_pairs, tm
     assert logs[-1]["rewards/margins"] > 0 and logs[-1]["loss"] < math.log(2)
 
 
+@pytest.mark.quick
 def test_loss_types_against_hand_computed_values():
     pc, pr, rc, rr = (torch.tensor(v) for v in ([-1.0, -2.0], [-1.5, -1.0], [-1.2, -2.5], [-1.0, -1.1]))
     margin = (pc - rc) - (pr - rr)  # [0.7, 0.4]

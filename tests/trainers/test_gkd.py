@@ -136,6 +136,7 @@ def test_chunked_sum_and_per_target_chunks_equal_autograd_through_full_logits(be
             torch.testing.assert_close(got, want, rtol=RTOL, atol=RTOL * float(want.abs().max()))
 
 
+@pytest.mark.quick
 def test_trainer_loss_is_the_plain_torch_jsd_of_the_completion_tokens(char_tokenizer, tmp_path):
     trainer = gkd_trainer(char_tokenizer, tmp_path, beta=0.3)
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
@@ -181,6 +182,7 @@ def packed_rows(examples, per_row: int = 2):
     return rows
 
 
+@pytest.mark.quick
 def test_padded_padding_free_packed_chunked_and_full_agree(char_tokenizer, tmp_path):
     """One trainer (segment attention on: padded batches still get sdpa's mask), every layout through the full
     logits and the chunked JSD (5 targets per chunk: several chunks), beta 0, 0.5 and 1: loss and gradients."""
@@ -317,6 +319,7 @@ def test_mistakes_are_named(char_tokenizer, tmp_path):
 # --- the command line ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.quick
 def test_cli_distils_a_local_teacher_and_names_a_missing_one(tokenizer, gsm8k_rows, tmp_path, capsys):
     import json
 

@@ -256,6 +256,7 @@ def test_reward_rises_in_a_short_rloo_run_with_kl_in_the_reward(char_tokenizer):
     assert history[-1]["kl"] > 0
 
 
+@pytest.mark.quick
 def test_rloo_round_subtracts_beta_times_summed_log_ratio_before_the_baseline(char_tokenizer):
     args = config(RLOOConfig, beta=0.5, num_generations=2)
     captured = {}
@@ -310,6 +311,7 @@ def test_peft_reference_is_the_adapter_disabled_and_beta_zero_loads_none(char_to
     assert plain_trainer.ref_model is None and not plain_trainer.uses_adapter_as_reference
 
 
+@pytest.mark.quick
 def test_evaluate_generates_for_held_out_prompts_and_reports_rewards(char_tokenizer):
     trainer = GRPOTrainer(char_model(char_tokenizer), count_a, args=config(per_device_eval_batch_size=8),
                           train_dataset=prompts(), eval_dataset=prompts(12), processing_class=char_tokenizer)

@@ -36,6 +36,8 @@ from ..fixtures.models import char_model
 from ..fixtures.online_rounds import assert_grads_close, loss_and_grads, one_round
 from ..fixtures.online_rounds import grpo_config as config
 
+pytestmark = pytest.mark.quick  # the quick tier (tests/quick_tier.py): this file's tests take seconds
+
 F64 = torch.float64
 # The by-hand cases are float64 sums and products of a handful of terms: exact to ~1e-15 of values of order 1.
 EXACT = dict(rtol=1e-12, atol=1e-12)

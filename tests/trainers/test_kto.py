@@ -337,6 +337,7 @@ def test_bad_examples_are_counted_or_rejected(tokenizer, tmp_path, caplog):
         make_trainer(tokenizer, Dataset.from_list(rows).select([]), tmp_path)
 
 
+@pytest.mark.quick
 def test_one_sided_data_warns_and_trains(tokenizer, tmp_path, caplog):
     rows = [{"prompt": f"Q{i}:", "completion": f" A{i}", "label": True} for i in range(4)]
     with caplog.at_level(logging.WARNING, logger="leantune"):
@@ -390,6 +391,7 @@ def test_apo_zero_unpaired_needs_no_kl_completions(tokenizer, hh_pairs, tmp_path
     assert trainer.data_reports["pairs"].num_pairs_unpaired == 3 and raw["pairs_loss"] < 0.5
 
 
+@pytest.mark.quick
 def test_cli_trains_on_paired_hh_data(tokenizer, hh_pairs, tmp_path, capsys):
     from leantune.cli.runner import run_method
 

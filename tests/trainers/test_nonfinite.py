@@ -20,6 +20,8 @@ from leantune.trainers.nonfinite import NonFiniteStepError
 from ..fixtures.data import gsm8k_prompt_completion
 from ..fixtures.models import tiny_model
 
+pytestmark = pytest.mark.quick  # the quick tier (tests/quick_tier.py): this file's tests take seconds
+
 ROWS = 16
 POISONED = (5, 11)
 MARK = "Xylophonequartz "

@@ -62,6 +62,7 @@ def moved_policy(trainer) -> None:
 # --- by hand -----------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.quick
 def test_pair_choice_and_the_loss_on_summed_log_probs_by_hand(char_tokenizer):
     nan = float("nan")
     rewards = torch.tensor([1.0, 2.0, 3.0, 3.0, nan, -1.0, 0.0, nan])

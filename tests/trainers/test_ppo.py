@@ -69,6 +69,7 @@ def off_policy(batch: dict) -> dict:
 # --- the per-token pieces by hand ----------------------------------------------------------------------------------
 
 
+@pytest.mark.quick
 def test_kl_rewards_whitening_gae_and_value_loss_by_hand():
     logps = torch.tensor([-1.0, -2.0, -0.5, -3.0, -1.5], dtype=torch.float64)
     ref = torch.tensor([-1.5, -1.0, -0.5, -2.0, -2.5], dtype=torch.float64)
@@ -116,6 +117,7 @@ def test_kl_rewards_whitening_gae_and_value_loss_by_hand():
 # --- a round and the loss, against plain torch ---------------------------------------------------------------------
 
 
+@pytest.mark.quick
 def test_round_and_loss_match_plain_torch(char_tokenizer):
     """The round's rewards, GAE and whitening recomputed from its stored log-probs, values and scores; the loss and
     its gradients recomputed from full logits and the hidden states transformers returns."""
@@ -190,6 +192,7 @@ def test_round_and_loss_match_plain_torch(char_tokenizer):
     assert_grads_close(grads, plain)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("value_model", [False, True])
 def test_padded_padding_free_chunked_and_full_give_one_loss_and_gradient(char_tokenizer, value_model, tmp_path):
     """The same round scored padded and padding-free (segment attention), each with the chunked head and full

@@ -3,7 +3,11 @@ optimizer step, reads at most 1,500 lines of leantune's functions (devkit/readin
 
 from __future__ import annotations
 
+import pytest
+
 from devkit.reading_path import reading_path
+
+pytestmark = pytest.mark.quick  # the quick tier (tests/quick_tier.py): this file's tests take seconds
 
 
 def test_grpo_step_reads_at_most_1500_lines_of_functions():

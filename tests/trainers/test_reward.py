@@ -303,6 +303,7 @@ def test_cli_trains_a_saved_reward_model_on_hh_rlhf(tmp_path, tokenizer_dir, cap
     assert (tmp_path / "out" / "config.json").exists()
 
 
+@pytest.mark.quick
 def test_cli_demo_prints_accuracy_before_and_after(tmp_path, monkeypatch, capsys):
     from leantune.cli import reward
     from leantune.cli.main import main

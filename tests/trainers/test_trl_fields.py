@@ -15,6 +15,8 @@ from leantune.trainers.config_utils import UNSUPPORTED_TRL_FIELDS, checkpointing
 from ..fixtures.models import tiny_model
 from ..fixtures.paths import REPO
 
+pytestmark = pytest.mark.quick  # the quick tier (tests/quick_tier.py): this file's tests take seconds
+
 SNAPSHOT = trl_fields.load_snapshot()
 CONFIGS = tuple(SNAPSHOT["configs"])
 
