@@ -6,7 +6,7 @@ import pytest
 import leantune
 from leantune import methods
 from leantune.cli.main import COMMANDS
-from leantune.planning.planner import method_classes
+from leantune.planning.planned_run import method_classes
 
 
 def test_each_entry_is_its_trainer_config_exports_and_command():

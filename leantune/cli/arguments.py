@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from peft import LoraConfig
+
+from ..utils.imports import is_available
+
 
 @dataclass
 class ColumnArguments:
@@ -71,8 +75,6 @@ class ModelConfig:
         if (self.load_in_8bit or self.load_in_4bit) and not self.use_peft:
             raise ValueError("A 4/8-bit model can only be trained through an adapter: add `use_peft`.")
         if self.load_in_8bit or self.load_in_4bit:
-            from ..utils.imports import is_available
-
             if not is_available("bitsandbytes"):  # before any model or data is loaded
                 flag = "load_in_4bit" if self.load_in_4bit else "load_in_8bit"
                 raise ValueError(f"`{flag}` needs bitsandbytes, which is not installed: "
@@ -105,7 +107,6 @@ def model_init_kwargs_from(model_args: ModelConfig) -> dict:
 def peft_config_from(model_args: ModelConfig):
     if not model_args.use_peft:
         return None
-    from peft import LoraConfig
 
     return LoraConfig(
         r=model_args.lora_r,
@@ -123,3 +124,12 @@ def _target_modules(names):
     if names is not None and len(names) == 1 and names[0] == "all-linear":
         return "all-linear"
     return names
+
+
+@dataclass
+class RewardArguments:
+    reward_funcs: list[str] | None = field(
+        default=None,
+        metadata={"help": "Reward functions: built-in names (correct_answer, characters_in_place), "
+                  "package.module:function, or reward models (Hub id or folder). Needed with --dataset_name."},
+    )

@@ -9,7 +9,7 @@ import logging
 import os
 import shutil
 
-from ..trainers.checkpoint_files import (
+from ..trainers.parts.checkpoint_files import (
     any_checkpoints,
     complete_checkpoints,
     incomplete_checkpoints,

@@ -6,6 +6,8 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+from ..profiling import profile_dataset
+from ..profiling.figure import write_length_figure
 from .arguments import ColumnArguments
 from .parser import parse_command_args
 
@@ -56,7 +58,6 @@ def run(argv: list[str]) -> int:
         missing = "--dataset_name" if args.dataset_name is None else "--tokenizer (or --model_name_or_path)"
         print(f"leantune profile: {missing} is required.", file=sys.stderr)
         return 2
-    from ..profiling import profile_dataset
 
     try:
         profile = profile_dataset(
@@ -73,8 +74,6 @@ def run(argv: list[str]) -> int:
     os.makedirs(args.output_dir, exist_ok=True)
     written = []
     if args.figure:
-        from ..profiling.figure import write_length_figure
-
         written.append(write_length_figure(profile, os.path.join(args.output_dir, FIGURE_NAME)))
     json_path = os.path.join(args.output_dir, JSON_NAME)
     profile.to_json(json_path)

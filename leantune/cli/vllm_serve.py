@@ -18,6 +18,8 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
+from ..generation.server_access import TOKEN_ENV, access_line, is_loopback, server_token
+from ..generation.vllm_server import TransformersEngine, VLLMEngine, make_server, serve
 from .parser import parse_command_args
 
 ENGINES = ("vllm", "transformers")
@@ -56,8 +58,6 @@ def run(argv: list[str]) -> int:
         print(f"leantune vllm-serve: --engine must be one of {', '.join(ENGINES)}, got {args.engine!r}.",
               file=sys.stderr)
         return 2
-    from ..generation.server_access import TOKEN_ENV, access_line, is_loopback, server_token
-    from ..generation.vllm_server import make_server, serve
 
     token = server_token()
     if not is_loopback(args.host) and token is None:
@@ -91,8 +91,6 @@ def run(argv: list[str]) -> int:
 
 
 def build_engine(args: VLLMServeArguments):
-    from ..generation.vllm_server import TransformersEngine, VLLMEngine
-
     if args.engine == "transformers":
         return TransformersEngine(args.model, dtype=args.dtype, seed=args.seed)
     return VLLMEngine(args.model, dtype=args.dtype, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,

@@ -21,6 +21,7 @@ import logging
 import time
 import urllib.error
 import urllib.request
+from urllib.parse import urlparse
 
 import torch
 
@@ -203,8 +204,6 @@ def server_url(args) -> str:
 
 
 def _port(base_url: str, args) -> int:
-    from urllib.parse import urlparse
-
     return urlparse(base_url).port or args.vllm_server_port
 
 

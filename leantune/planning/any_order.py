@@ -12,14 +12,13 @@ without decoding them.
 
 from __future__ import annotations
 
+import datasets
 import numpy as np
 
 
 def longest_rows_batches(trainer) -> list:
     """[(batch, words)] collated as the trainer's loader collates, or [] where the loader's batches are not rows of a
     map-style dataset (online methods' prompts, streams)."""
-    import datasets
-
     dataset = trainer.train_dataset
     size = int(getattr(trainer.args, "per_device_train_batch_size", 1) or 1)
     if not isinstance(dataset, datasets.Dataset) or len(dataset) == 0 or getattr(trainer, "data_collator", None) is None:

@@ -26,14 +26,14 @@ from ..losses.token_logprobs import per_sequence_sum
 from ..rewards import RewardFunctions
 from ..rollouts import AgentRollouts
 from .base import LeantuneTrainer
-from .context_parallel import ORDINAL_KEY, data_parallel_place
-from .frozen_models import prepare_frozen_model
 from .online.evaluation import evaluate_rounds
 from .online.generation_session import GenerationSession
 from .online.prompt_rounds import RoundLoader, RoundSampler, StreamRounds, as_rows, round_loader
 from .online.round_builder import RoundBuilder
 from .online.round_metrics import RoundMetrics
 from .online.shared_prompt import batch_target_sequences, batch_targets
+from .parts.context_parallel import ORDINAL_KEY, data_parallel_place
+from .parts.frozen_models import prepare_frozen_model
 from .reference import ReferenceModelMixin
 
 logger = logging.getLogger("leantune.online")

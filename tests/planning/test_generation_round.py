@@ -9,7 +9,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from devkit.allocator_meter import block_peak
 from leantune.planning.generation_round import GenerationRound, generation_round
-from leantune.planning.planner import MemoryPlan, TracedStep
+from leantune.planning.planned_run import TracedStep
+from leantune.planning.planner import MemoryPlan
 
 
 def test_plan_peak_is_the_larger_of_round_and_update_step():

@@ -155,11 +155,11 @@ for case in cases:
         continue
     args = config(case, **CASES[case])
     if case.endswith("_unsummed"):  # the negative controls: partial sums (and counts) read as whole sequences
-        from leantune.trainers.context_parallel import ContextParallelism
+        from leantune.trainers.parts.context_parallel import ContextParallelism
 
         ContextParallelism.total = lambda self, partial: partial
     if case.endswith("_per_process"):  # negative control: each process's metrics logged as they are, not made whole
-        from leantune.trainers.context_parallel import ContextParallelism
+        from leantune.trainers.parts.context_parallel import ContextParallelism
 
         ContextParallelism.whole_means = lambda self, metrics, count: metrics
     if case.endswith("_prompt_padding_seen"):  # negative control: branches also attend to their prompt's padding
