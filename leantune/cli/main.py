@@ -15,7 +15,6 @@ from ..methods import METHODS
 from ..utils.faults import TrainingFault
 from ..version import __version__
 from .errors import USER_MISTAKES, one_line, report, take_debug_flag
-from .help_cache import cached_help, help_entry
 
 # The commands that train nothing: (module with run(argv), help). Every method's command is its entry in
 # leantune/methods.py, run by runner.py.
@@ -63,6 +62,8 @@ def run_command(argv: list[str]) -> int:
         print(f"\nleantune: unknown command {command!r}.", file=sys.stderr)
         return 2
     if "-h" in rest or "--help" in rest:
+        from .help_cache import cached_help, help_entry
+
         entry = help_entry(command, rest)
         text = cached_help(entry)  # from the user's cache, without importing torch and transformers
         if text is None:  # else rendered once and kept
