@@ -30,9 +30,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1] / "leantune"
 PACKAGE = "leantune"
 
-# The packages leantune requires (pyproject.toml's dependencies, by import name), besides the standard library:
-# a function imports none of them, nor any leantune module; they are imported once, at the top of a module.
-REQUIRED = {"torch", "transformers", "datasets", "accelerate", "peft", "numpy", "tqdm", "yaml", "psutil", "matplotlib"}
+# The packages leantune requires (pyproject.toml's dependencies, by import name; and three that transformers and
+# datasets require, so always installed), besides the standard library: a function imports none of them, nor any
+# leantune module; they are imported once, at the top of a module.
+REQUIRED = {"torch", "transformers", "datasets", "accelerate", "peft", "numpy", "tqdm", "yaml", "psutil", "matplotlib",
+            "huggingface_hub", "safetensors", "pyarrow"}
 
 # Function-level imports of leantune, required or standard modules kept for a measured reason: (importing module,
 # imported module or package) -> the reason. Keep it short: each entry needs its measurement.

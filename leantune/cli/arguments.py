@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, fields
 
 from peft import LoraConfig
 
-from ..utils.imports import is_available
+from ..utils import imports
 
 
 @dataclass
@@ -75,7 +75,7 @@ class ModelConfig:
         if (self.load_in_8bit or self.load_in_4bit) and not self.use_peft:
             raise ValueError("A 4/8-bit model can only be trained through an adapter: add `use_peft`.")
         if self.load_in_8bit or self.load_in_4bit:
-            if not is_available("bitsandbytes"):  # before any model or data is loaded
+            if not imports.is_available("bitsandbytes"):  # before any model or data is loaded
                 flag = "load_in_4bit" if self.load_in_4bit else "load_in_8bit"
                 raise ValueError(f"`{flag}` needs bitsandbytes, which is not installed: "
                                  "pip install 'leantune[bitsandbytes]'")

@@ -14,7 +14,7 @@ from typing import get_type_hints
 import yaml
 from transformers import HfArgumentParser
 
-from ..utils.imports import is_available
+from ..utils import imports
 from .errors import UsageError, as_flags
 
 HELP_WIDTH = 110
@@ -235,6 +235,6 @@ def _check_config_files(argv: list[str], yaml_values: dict) -> None:
         if isinstance(value, str) and value.endswith(".json") and not os.path.isfile(value):
             raise UsageError(f"--{name} {value}: no such file (a JSON config the engine reads).")
         if name == "deepspeed" and value:  # transformers imports it while parsing: check before, in one line
-            if not is_available("deepspeed"):
+            if not imports.is_available("deepspeed"):
                 raise UsageError("--deepspeed needs deepspeed, which is not installed: "
                                  "pip install \"leantune[deepspeed]\".")

@@ -51,6 +51,8 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load
 from transformers import AutoModelForCausalLM
 
 from ..utils.cuda import require_cuda
@@ -388,9 +390,6 @@ class _Handler(BaseHTTPRequestHandler):
                      "logprobs": logprobs_to_json(getattr(completions, "logprobs", None))})
 
     def _update_weights(self, body: bytes) -> None:
-        from safetensors import SafetensorError
-        from safetensors.torch import load
-
         try:
             tensors = load(body)
         except SafetensorError as error:
