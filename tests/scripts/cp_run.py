@@ -163,7 +163,7 @@ for case in cases:
 
         ContextParallelism.whole_means = lambda self, metrics, count: metrics
     if case.endswith("_prompt_padding_seen"):  # negative control: branches also attend to their prompt's padding
-        from leantune.trainers.online import shared_prompt_ring
+        from leantune.trainers.parts import shared_prompt_ring
 
         real_lengths = shared_prompt_ring.ring_segments
         shared_prompt_ring.ring_segments = lambda lengths, padded, *rest, real=real_lengths: real(padded, padded, *rest)
