@@ -1,15 +1,14 @@
-"""A command's `--help`, rendered live from its argument classes (the configs: importing them imports transformers)
-and kept in the user's cache (help_cache.py) for every later `--help`."""
+"""A command's `--help`, rendered live from its argument classes (arguments.py and the method's config, whose import
+imports transformers: about 5 s) and kept in the user's cache (help_cache.py) for every later `--help`. It imports
+no command's own module (the runner, the planner, the profiler, the vLLM server)."""
 
 from __future__ import annotations
 
 from ..methods import BY_COMMAND
+from .arguments import ProfileArguments, VLLMServeArguments, plan_argument_types
+from .arguments import argument_types as method_types
 from .help_cache import cached_help, store_help
 from .parser import make_parser
-from .plan import plan_argument_types
-from .profile import ProfileArguments
-from .runner import argument_types as method_types
-from .vllm_serve import VLLMServeArguments
 
 
 def argument_types(command: str) -> tuple:

@@ -8,12 +8,11 @@ import json
 import logging
 import sys
 import time
-from dataclasses import dataclass, field
 
 import torch
 from datasets.utils.tqdm import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
-from ..methods import BY_COMMAND, Method, find
+from ..methods import find
 from ..models.loading import load_tokenizer
 from ..planning import plan_memory
 from ..planning.completion_length import solve_max_completion_length
@@ -32,36 +31,11 @@ from ..planning.recommend import (
     recommend,
     size_words,
 )
-from .arguments import model_init_kwargs_from, peft_config_from
+from .arguments import model_init_kwargs_from, peft_config_from, plan_argument_types
 from .errors import UsageError
 from .help_cache import method_flag as _method_of
 from .parser import parse_command_args
-from .runner import argument_types, load_splits, online_reward_funcs
-
-
-@dataclass
-class PlanArguments:
-    method: str = field(default="sft", metadata={"help": f"{', '.join(BY_COMMAND)} (any leantune trainer); --help "
-                                                         "then lists its fields."})
-    num_processes: int = field(default=1, metadata={"help": "Processes of the launch (per-process plan)."})
-    engine: str = field(default="ddp", metadata={"help": "ddp, fsdp2, zero2, zero3 (with --deepspeed: the run's "
-                                                          "DeepSpeed config file); cp: not planned yet."})
-    rank: int = field(default=0, metadata={"help": "With --num_processes > 1: the process whose batches the "
-                                           "measured step's plan uses."})
-    device: str | None = field(
-        default=None, metadata={"help": "A GPU name (h100, a100-40gb, l4, ...) to list its terms beyond the trace."})
-    memory_budget: str | None = field(
-        default=None, metadata={"help": "24GiB or a GPU name: also plan the candidates that learn the same thing and "
-                                "name the fastest that fits."})
-    tokenizer: str | None = field(
-        default=None, metadata={"help": "Tokenizer id or folder, when --model_name_or_path holds only config.json."})
-    plan_json: str | None = field(default=None, metadata={"help": "Also write the plan as JSON to this file."})
-    lengths: str | None = field(
-        default=None, metadata={"help": "leantune profile's JSON: plan rows of its lengths instead of --dataset_name."})
-    solve: str | None = field(
-        default=None, metadata={"help": "max_completion_length or max_completions_per_generate (online methods, "
-                                "with --memory_budget): the largest that fits the budget, the prompt groups and "
-                                "global batch kept."})
+from .runner import load_splits, online_reward_funcs
 
 
 class _EachLineOnce(logging.Filter):
@@ -106,12 +80,6 @@ def run(argv: list[str]) -> int:
             handler.removeFilter(once)
         if bars_were_on:
             enable_progress_bars()
-
-
-def plan_argument_types(method: Method) -> tuple:
-    """The flags of `leantune plan --method <method>`: the plan's own, then the method's command's (online methods'
-    --reward_funcs too)."""
-    return (PlanArguments, *argument_types(method))
 
 
 def _run(argv: list[str], started: float) -> int:

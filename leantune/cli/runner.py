@@ -24,19 +24,13 @@ from ..generation.backend import check_backend_requirements
 from ..methods import BY_COMMAND, KTO_DATA, PREFERENCE_DATA, PROMPT_DATA, SFT_DATA, Method
 from ..rewards import resolve_reward_funcs
 from ..trainers.parts.checkpoint_files import NoRoomError, is_no_room, no_room_error
-from .arguments import ModelConfig, RewardArguments, ScriptArguments, model_init_kwargs_from, peft_config_from
+from .arguments import argument_types, model_init_kwargs_from, peft_config_from
 from .errors import UsageError, one_line
 from .optional_packages import check_optional_packages
 from .parser import parse_command_args
 from .preflight import check_model_source, check_output_dir, clear_checkpoints, resolve_resume
 
 logger = logging.getLogger("leantune.cli")
-
-
-def argument_types(method: Method) -> tuple:
-    if method.online:
-        return (ScriptArguments, RewardArguments, ModelConfig, method.config_class)
-    return (ScriptArguments, ModelConfig, method.config_class)
 
 
 def run_method(command: str, argv: list[str]) -> int:
