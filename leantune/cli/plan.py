@@ -13,10 +13,10 @@ import torch
 from datasets.utils.tqdm import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
 from ..methods import find
+from ..metrics.devices import GPUS, parse_budget
 from ..models.loading import load_tokenizer
 from ..planning import plan_memory
 from ..planning.completion_length import solve_max_completion_length
-from ..planning.devices import GPUS, parse_budget
 from ..planning.generation_batch import pieces_for_budget, solve_generation_batch
 from ..planning.length_profile import dataset_from_lengths, keep_threshold_of, sequence_lengths_of
 from ..planning.length_suggestion import data_lengths, suggest_for_budget

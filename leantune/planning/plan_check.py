@@ -22,8 +22,8 @@ import psutil
 import torch
 from accelerate.state import AcceleratorState, GradientState, PartialState
 
+from ..metrics.devices import SEGMENT_BYTES
 from ..metrics.memory_breakdown import MIB
-from .devices import SEGMENT_BYTES
 from .planner import _explicit_fields, plan_memory
 
 logger = logging.getLogger("leantune.plan")

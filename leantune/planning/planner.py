@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 import torch
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
+from ..metrics.devices import device_terms
 from ..metrics.memory_breakdown import MIB, PARTS
 from . import zero as zero_plan
 from .any_order import longest_rows_batches
-from .devices import device_terms
 from .engines import check_engine, per_rank_notes
 from .fake_step import (
     WeightlessMode,
@@ -217,7 +217,7 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
 
     `model`: Hub id, local folder (config.json is read, no weights), a transformers config, or a model (its config).
     `train_dataset`: the data as the trainer reads it. `args`: a config of the method (or pass its fields as keyword
-    arguments). `device`: a GPU name of `planning.devices.GPUS` or a size ("24GiB"), to add the device's terms.
+    arguments). `device`: a GPU name of `metrics.devices.GPUS` or a size ("24GiB"), to add the device's terms.
     `lengths`: instead of `train_dataset`, `leantune profile`'s JSON (path or dict): rows of the profiled lengths
     (planning/length_profile.py).
     `rank`: with `num_processes` > 1, the process whose own step 2 `measured_step` is (each rank sees its own

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 from ..losses.token_logprobs import chunk_tokens_for
 from ..methods import find
+from ..metrics.devices import GIB, MIB
 from ..models.checkpointing import checkpointing_setting
-from .devices import GIB, MIB
 from .planned_run import model_config_of
 from .planner import plan_memory
 

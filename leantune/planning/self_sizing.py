@@ -23,8 +23,8 @@ from types import SimpleNamespace
 import datasets
 import torch
 
+from ..metrics.devices import CUDA_CONTEXT_BYTES, GPUS, MIB, parse_budget
 from ..models.checkpointing import checkpointing_field
-from .devices import CUDA_CONTEXT_BYTES, GPUS, MIB, parse_budget
 from .generation_batch import SAME_IN_DISTRIBUTION, pieces_for_budget
 from .plan_check import RUN_ONLY_FIELDS, _global_state_kept, _peft_config, _unwrapped
 from .planner import _explicit_fields, plan_memory

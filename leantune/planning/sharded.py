@@ -13,7 +13,7 @@ reducer rebuilds them (`_BucketsOfDDP`). The planner's MemoryBreakdownCallback t
 breakdown measures (bench/plan_accuracy.py --engines: to the byte on CPU).
 
 What the fake group cannot show is what a real backend holds outside tensors (NCCL's buffers: a device term,
-planning/devices.py). Everything changed for the trace is put back afterwards: the group is destroyed, accelerate's
+metrics/devices.py). Everything changed for the trace is put back afterwards: the group is destroyed, accelerate's
 shared state reset, the environment and the patches restored, so `plan_memory` can be called again in-process.
 """
 

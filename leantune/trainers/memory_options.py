@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..planning.devices import parse_budget
+from ..metrics.devices import parse_budget
 from .config_fields import non_default
 
 
