@@ -197,7 +197,7 @@ def run_one(name, method, arch, vocab, layers, extra, tokenizer):
     from peft import LoraConfig
 
     from leantune.planning import plan_memory
-    from leantune.planning.planner import method_classes
+    from leantune.planning.planned_run import method_classes
 
     trainer_class, config_class = method_classes(method)
     fields = fields_for(method, extra)
@@ -392,7 +392,7 @@ def zero_worker(spec_path: str) -> None:
     torch.set_num_threads(1)
     from transformers import AutoTokenizer
 
-    from leantune.planning.planner import method_classes
+    from leantune.planning.planned_run import method_classes
 
     detail = []
     if os.environ.get("LEANTUNE_BENCH_PEAK_DETAIL") == "1":
@@ -545,7 +545,7 @@ def engine_worker(out: str, name: str) -> None:
     from peft import LoraConfig
     from transformers import AutoTokenizer
 
-    from leantune.planning.planner import method_classes
+    from leantune.planning.planned_run import method_classes
 
     quiet()
     torch.set_num_threads(1)

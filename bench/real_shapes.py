@@ -255,7 +255,8 @@ def _trace_trl(config, length: int, opts, tokenizer) -> int:
 
     from leantune.metrics.memory_breakdown import MemoryBreakdownCallback
     from leantune.planning.fake_step import fake_model_from_config
-    from leantune.planning.planner import _quiet, _train_quietly, planning_session
+    from leantune.planning.planned_run import planning_session
+    from leantune.planning.planner import _quiet, _train_quietly
 
     config_class, trainer_class = trainer_classes("trl")
     breakdowns = []

@@ -152,7 +152,7 @@ def measure(mode: str, prompt, completions, repeats: int, checkpointing: bool = 
     trainer = GRPOTrainer(model, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
                           args=args, train_dataset=Dataset.from_dict({"prompt": ["x"]}), processing_class=tokenizer)
     if checkpointing:
-        from leantune.trainers.config_utils import checkpointing_setting, enable_model_checkpointing
+        from leantune.models.checkpointing import checkpointing_setting, enable_model_checkpointing
 
         enable_model_checkpointing(trainer.model, checkpointing_setting(trainer.args)[1])
     trainer.create_optimizer()

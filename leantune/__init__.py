@@ -6,6 +6,7 @@ import importlib
 import logging
 
 from .methods import METHODS
+from .version import __version__
 
 
 def _drop_bitsandbytes_kernel_notice(record: logging.LogRecord) -> bool:
@@ -17,7 +18,6 @@ def _drop_bitsandbytes_kernel_notice(record: logging.LogRecord) -> bool:
 
 logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_drop_bitsandbytes_kernel_notice)
 
-__version__ = "0.1.0"
 
 _EXPORTS = {
     "pack_dataset": "leantune.data.packing",

@@ -20,7 +20,7 @@ PROMPT_DATA = "prompt"  # prompts only: completions are generated during trainin
 TEACHER = "teacher"  # GKD's teacher_model / teacher_model_name_or_path
 REWARD_MODELS = "reward_models"  # reward models among the online methods' reward_funcs
 
-# How a method's loss runs under context parallelism (trainers/context_parallel.py), each process holding part of
+# How a method's loss runs under context parallelism (trainers/parts/context_parallel.py), each process holding part of
 # every sequence: a sum over tokens, each process's part of it (the parts add up over the group); or a loss over
 # per-sequence sums, made whole over the group first (the loss is then the same on each process of it).
 TOKEN_SUMS = "token_sums"

@@ -6,7 +6,7 @@ import pytest
 import leantune
 from leantune import methods
 from leantune.cli.main import COMMANDS
-from leantune.planning.planner import method_classes
+from leantune.planning.planned_run import method_classes
 
 pytestmark = pytest.mark.quick  # the quick tier (tests/quick_tier.py): this file's tests take seconds
 

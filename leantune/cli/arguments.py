@@ -1,8 +1,15 @@
-"""Arguments the command line adds to a trainer config: where the data and the model come from."""
+"""The command line's argument classes: what it adds to a trainer config (where the data and the model come from),
+and the flags of `leantune plan`, `profile` and `vllm-serve`; `argument_types` and `plan_argument_types`: a command's
+classes, as its parser and its `--help` (help_render.py, without the commands' own modules) take them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+
+from peft import LoraConfig
+
+from ..methods import BY_COMMAND, Method
+from ..utils import imports
 
 
 @dataclass
@@ -45,7 +52,6 @@ class ScriptArguments(ColumnArguments):
     )
 
 
-
 @dataclass
 class ModelConfig:
     model_name_or_path: str | None = field(default=None, metadata={"help": "Model id on the Hub or a local folder."})
@@ -71,9 +77,7 @@ class ModelConfig:
         if (self.load_in_8bit or self.load_in_4bit) and not self.use_peft:
             raise ValueError("A 4/8-bit model can only be trained through an adapter: add `use_peft`.")
         if self.load_in_8bit or self.load_in_4bit:
-            from ..utils.imports import is_available
-
-            if not is_available("bitsandbytes"):  # before any model or data is loaded
+            if not imports.is_available("bitsandbytes"):  # before any model or data is loaded
                 flag = "load_in_4bit" if self.load_in_4bit else "load_in_8bit"
                 raise ValueError(f"`{flag}` needs bitsandbytes, which is not installed: "
                                  "pip install 'leantune[bitsandbytes]'")
@@ -105,7 +109,6 @@ def model_init_kwargs_from(model_args: ModelConfig) -> dict:
 def peft_config_from(model_args: ModelConfig):
     if not model_args.use_peft:
         return None
-    from peft import LoraConfig
 
     return LoraConfig(
         r=model_args.lora_r,
@@ -123,3 +126,112 @@ def _target_modules(names):
     if names is not None and len(names) == 1 and names[0] == "all-linear":
         return "all-linear"
     return names
+
+
+@dataclass
+class RewardArguments:
+    reward_funcs: list[str] | None = field(
+        default=None,
+        metadata={"help": "Reward functions: built-in names (correct_answer, characters_in_place), "
+                  "package.module:function, or reward models (Hub id or folder). Needed with --dataset_name."},
+    )
+
+
+def argument_types(method: Method) -> tuple:
+    if method.online:
+        return (ScriptArguments, RewardArguments, ModelConfig, method.config_class)
+    return (ScriptArguments, ModelConfig, method.config_class)
+
+
+@dataclass
+class PlanArguments:
+    method: str = field(default="sft", metadata={"help": f"{', '.join(BY_COMMAND)} (any leantune trainer); --help "
+                                                         "then lists its fields."})
+    num_processes: int = field(default=1, metadata={"help": "Processes of the launch (per-process plan)."})
+    engine: str = field(default="ddp", metadata={"help": "ddp, fsdp2, zero2, zero3 (with --deepspeed: the run's "
+                                                          "DeepSpeed config file); cp: not planned yet."})
+    rank: int = field(default=0, metadata={"help": "With --num_processes > 1: the process whose batches the "
+                                           "measured step's plan uses."})
+    device: str | None = field(
+        default=None, metadata={"help": "A GPU name (h100, a100-40gb, l4, ...) to list its terms beyond the trace."})
+    memory_budget: str | None = field(
+        default=None, metadata={"help": "24GiB or a GPU name: also plan the candidates that learn the same thing and "
+                                "name the fastest that fits."})
+    tokenizer: str | None = field(
+        default=None, metadata={"help": "Tokenizer id or folder, when --model_name_or_path holds only config.json."})
+    plan_json: str | None = field(default=None, metadata={"help": "Also write the plan as JSON to this file."})
+    lengths: str | None = field(
+        default=None, metadata={"help": "leantune profile's JSON: plan rows of its lengths instead of --dataset_name."})
+    solve: str | None = field(
+        default=None, metadata={"help": "max_completion_length or max_completions_per_generate (online methods, "
+                                "with --memory_budget): the largest that fits the budget, the prompt groups and "
+                                "global batch kept."})
+
+
+def plan_argument_types(method: Method) -> tuple:
+    """The flags of `leantune plan --method <method>`: the plan's own, then the method's command's (online methods'
+    --reward_funcs too)."""
+    return (PlanArguments, *argument_types(method))
+
+
+FIGURE_NAME = "length_profile.png"
+JSON_NAME = "length_profile.json"
+
+
+@dataclass
+class ProfileArguments(ColumnArguments):
+    dataset_name: str | None = field(
+        default=None,
+        metadata={"help": "Hub dataset name, local folder, or json/jsonl/parquet/csv file (comma-separate several)."},
+    )
+    dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
+    dataset_train_split: str = field(default="train", metadata={"help": "Split to profile."})
+    tokenizer: str | None = field(default=None, metadata={"help": "Tokenizer id on the Hub or local folder."})
+    model_name_or_path: str | None = field(
+        default=None, metadata={"help": "Used as the tokenizer when --tokenizer is not given."}
+    )
+    chat_template_path: str | None = field(
+        default=None, metadata={"help": "A Jinja chat-template file (or tokenizer dir) to use instead of the tokenizer's."}
+    )
+    dataset_text_field: str = field(default="text", metadata={"help": "Column holding text for language-modelling data."})
+    eos_token: str | None = field(default=None, metadata={"help": "EOS token appended to each example (default: tokenizer's)."})
+    max_lengths: list[int] | None = field(
+        default=None, metadata={"help": "Candidate max_length values (default: powers of two around the data)."}
+    )
+    batch_size: int = field(default=8, metadata={"help": "Examples per batch (per_device_train_batch_size)."})
+    keep_threshold: float = field(
+        default=0.99,
+        metadata={"help": "Recommend the smallest multiple of 64 keeping at least this share of tokens (0.99 = 99%%)."},
+    )
+    pad_to_multiple_of: int | None = field(default=None, metadata={"help": "Pad each batch to a multiple of this."})
+    num_proc: int | None = field(default=None, metadata={"help": "Tokenisation processes (default: all cores)."})
+    seed: int = field(default=42, metadata={"help": "Seed of the random batches used for padding numbers."})
+    max_examples: int | None = field(default=None, metadata={"help": "Profile only the first N examples."})
+    output_dir: str = field(
+        default="leantune-output/profile", metadata={"help": f"Where {FIGURE_NAME} and {JSON_NAME} are written."}
+    )
+    figure: bool = field(default=True, metadata={"help": f"Write {FIGURE_NAME} (false: only the JSON)."})
+
+
+@dataclass
+class VLLMServeArguments:
+    model: str | None = field(default=None, metadata={"help": "Model id on the Hub or a local folder (the policy's "
+                                                               "starting checkpoint; trainers sync their weights)."})
+    host: str = field(default="127.0.0.1", metadata={"help": "Address to listen on. Other than loopback, it needs a "
+                                                             "token in $LEANTUNE_VLLM_SERVER_TOKEN."})
+    port: int = field(default=8000, metadata={"help": "Port to listen on."})
+    engine: str = field(default="vllm", metadata={"help": "vllm, or transformers (CPU; for tests and debugging)."})
+    dtype: str = field(default="auto", metadata={"help": "auto, bfloat16, float16 or float32."})
+    gpu_memory_utilization: float = field(default=0.9, metadata={"help": "vLLM: share of GPU memory it may take."})
+    max_model_len: int | None = field(default=None, metadata={"help": "vLLM: context length (default: model's)."})
+    tensor_parallel_size: int = field(default=1, metadata={"help": "vLLM: GPUs to shard the model over."})
+    enforce_eager: bool = field(default=False, metadata={"help": "vLLM: no CUDA graphs (faster start, slower decode)."})
+    trust_remote_code: bool = field(default=False, metadata={"help": "vLLM: allow custom model code from the Hub."})
+    seed: int = field(default=0, metadata={"help": "Seed of the engine's sampling."})
+    max_request_mb: int = field(default=8192, metadata={"help": "Largest request body (a weight chunk) accepted, MiB "
+                                                                "(at most the model's size plus 64 MiB)."})
+    max_prompts: int = field(default=1024, metadata={"help": "Most prompts one /generate request may carry."})
+    max_new_tokens: int | None = field(default=None, metadata={"help": "Most new tokens a request may ask per "
+                                                                        "prompt (default: the context length)."})
+    max_connections: int = field(default=32, metadata={"help": "Requests served at once; more get HTTP 503."})
+    socket_timeout: float = field(default=60.0, metadata={"help": "Seconds a connection may stall a read or write."})

@@ -5,15 +5,20 @@ warm-up, and the offline demos' train -> evaluate -> save -> summary."""
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 
+import torch
+from transformers import AutoModelForCausalLM, TrainerCallback
+
+from ..defaults import build_default_model_config, build_default_tokenizer, evaluate_exact_match
+from ..trainers.sft_config import SFTConfig
+from ..trainers.sft_trainer import SFTTrainer
 from .arguments import peft_config_from
 
 
 def apply_demo_settings(args, explicit: set[str], defaults: dict) -> None:
     """Demo defaults for every field not set by a flag or the YAML file; single-threaded torch on a small CPU run."""
-    import torch
-
     if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)  # spin-waiting OpenMP threads on shared cores slow a tiny model down
     settings = {"save_strategy": "no", "logging_first_step": True, **defaults}
@@ -26,10 +31,6 @@ def apply_demo_settings(args, explicit: set[str], defaults: dict) -> None:
 
 def demo_model(model_args):
     """The SFT demo's character tokenizer and a small Llama from its config, random weights."""
-    from transformers import AutoModelForCausalLM
-
-    from ..defaults import build_default_model_config, build_default_tokenizer
-
     tokenizer = build_default_tokenizer()
     model = AutoModelForCausalLM.from_config(build_default_model_config(tokenizer))
     return tokenizer, model, peft_config_from(model_args)
@@ -58,14 +59,6 @@ def supervised_warm_up(model, tokenizer, examples, seed: int, max_steps: int = 1
     """SFT on prompt-completion examples for `max_steps`, or until greedy exact match on `held_out` first reaches
     `target_exact_match` (checked every `check_every` steps): the online demo starts from a model that is right
     part of the time, so its rewards have room to rise."""
-    import tempfile
-
-    from transformers import TrainerCallback
-
-    from ..defaults import evaluate_exact_match
-    from ..trainers.sft_config import SFTConfig
-    from ..trainers.sft_trainer import SFTTrainer
-
     class StopAtExactMatch(TrainerCallback):
         def on_step_end(self, args, state, control, model=None, **kwargs):
             if state.global_step % check_every == 0:

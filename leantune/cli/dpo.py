@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from ..defaults.preferences import build_default_preference_dataset
+from ..trainers.dpo_trainer import DPOTrainer
 from .demos import apply_demo_settings, demo_model, sft_warm_up, train_and_save
 from .runner import print_run_summary
 
@@ -23,9 +25,6 @@ DEMO_PAIRS = {"train": 4800, "eval": 200}
 
 def run_demo(args, model_args, explicit: set[str]) -> int:
     """Held-out reward accuracy and margin before and after DPO on bundled pairs (right vs wrong reversals)."""
-    from ..defaults.preferences import build_default_preference_dataset
-    from ..trainers.dpo_trainer import DPOTrainer
-
     print("leantune dpo: no model or dataset given, so running the built-in demo (bundled pairs, small model).")
     apply_demo_settings(args, explicit, DEMO_TRAINING)
     data = build_default_preference_dataset(DEMO_PAIRS["train"], DEMO_PAIRS["eval"], seed=args.seed)

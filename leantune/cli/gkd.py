@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+from ..defaults import build_default_dataset, evaluate_exact_match
+from ..trainers.gkd_trainer import GKDTrainer
 from .demos import apply_demo_settings, demo_model, supervised_warm_up, train_and_save
 from .runner import print_run_summary
 
@@ -31,9 +33,6 @@ TEACHER_STEPS, TEACHER_TARGET = 300, 0.9
 
 def run_demo(args, model_args, explicit: set[str]) -> int:
     """Held-out JSD to the teacher and exact match before and after distilling into a fresh student."""
-    from ..defaults import build_default_dataset, evaluate_exact_match
-    from ..trainers.gkd_trainer import GKDTrainer
-
     print("leantune gkd: no model or dataset given, so running the built-in demo (bundled task, small models).")
     apply_demo_settings(args, explicit, DEMO_TRAINING)
     data = build_default_dataset(DEMO_EXAMPLES["train"], DEMO_EXAMPLES["eval"], seed=args.seed)

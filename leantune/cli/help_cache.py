@@ -18,6 +18,8 @@ import tempfile
 from importlib import metadata
 from pathlib import Path
 
+from ..version import __version__
+
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 
 
@@ -39,8 +41,6 @@ def source_fingerprint() -> str:
 
 
 def cache_key() -> dict:
-    from leantune import __version__
-
     try:
         transformers_version = metadata.version("transformers")
     except metadata.PackageNotFoundError:
@@ -96,39 +96,3 @@ def help_entry(command: str, argv: list[str]) -> str:
     """The cache entry of a command line's help: `plan` lists the fields of the method it plans, one entry each."""
     method = method_flag(argv).lower().replace("_", "-")
     return command if command != "plan" or method == "sft" else f"plan --method {method}"
-
-
-def argument_types(command: str) -> tuple:
-    from ..methods import BY_COMMAND
-    from .runner import argument_types as method_types
-
-    if command in BY_COMMAND:
-        return method_types(BY_COMMAND[command])
-    if command == "plan" or command.startswith("plan --method "):
-        from .plan import plan_argument_types
-
-        return plan_argument_types(BY_COMMAND[command.removeprefix("plan").removeprefix(" --method ") or "sft"])
-    if command == "profile":
-        from .profile import ProfileArguments
-
-        return (ProfileArguments,)
-    if command == "vllm-serve":
-        from .vllm_serve import VLLMServeArguments
-
-        return (VLLMServeArguments,)
-    raise KeyError(command)
-
-
-def render_help(command: str) -> str:
-    from .parser import make_parser
-
-    return make_parser(f"leantune {command.split(' --')[0]}", argument_types(command)).format_help()
-
-
-def help_text(entry: str) -> str:
-    """The help of one entry, from the cache or rendered live and kept for next time."""
-    text = cached_help(entry)
-    if text is None:
-        text = render_help(entry)
-        store_help(entry, text)
-    return text

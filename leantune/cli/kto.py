@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from ..trainers.batches import placed
+from ..defaults.preferences import build_default_preference_dataset, unpaired
+from ..trainers.kto_trainer import KTOTrainer
+from ..trainers.parts.batches import placed
 from .demos import apply_demo_settings, demo_model, sft_warm_up, train_and_save
 from .dpo import DEMO_TRAINING as DPO_DEMO_TRAINING
 from .dpo import print_summary as print_preference_summary
@@ -21,9 +23,6 @@ DEMO_PAIRS = {"train": 2400, "eval": 200}
 def run_demo(args, model_args, explicit: set[str]) -> int:
     """Held-out reward margin and pairwise reward accuracy before and after KTO on bundled examples (right vs wrong
     reversals, unpaired)."""
-    from ..defaults.preferences import build_default_preference_dataset, unpaired
-    from ..trainers.kto_trainer import KTOTrainer
-
     print("leantune kto: no model or dataset given, so running the built-in demo (bundled examples, small model).")
     apply_demo_settings(args, explicit, DEMO_TRAINING)
     data = build_default_preference_dataset(DEMO_PAIRS["train"], DEMO_PAIRS["eval"], seed=args.seed)

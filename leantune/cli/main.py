@@ -13,6 +13,7 @@ import sys
 
 from ..methods import METHODS
 from ..utils.faults import TrainingFault
+from ..version import __version__
 from .errors import USER_MISTAKES, one_line, report, take_debug_flag
 
 # The commands that train nothing: (module with run(argv), help). Every method's command is its entry in
@@ -53,8 +54,6 @@ def run_command(argv: list[str]) -> int:
         _print_usage()
         return 0
     if argv[0] in ("-V", "--version"):
-        from leantune import __version__
-
         print(f"leantune {__version__}")
         return 0
     command, rest = argv[0], argv[1:]
@@ -63,12 +62,17 @@ def run_command(argv: list[str]) -> int:
         print(f"\nleantune: unknown command {command!r}.", file=sys.stderr)
         return 2
     if "-h" in rest or "--help" in rest:
-        from .help_cache import help_entry, help_text
+        from .help_cache import cached_help, help_entry
 
-        try:  # from the user's cache without importing torch and transformers, else rendered once and kept
-            text = help_text(help_entry(command, rest))
-        except KeyError:  # not a command line with help of its own (`plan --method nope`): the command says why
-            text = None
+        entry = help_entry(command, rest)
+        text = cached_help(entry)  # from the user's cache, without importing torch and transformers
+        if text is None:  # else rendered once and kept
+            from .help_render import help_text
+
+            try:
+                text = help_text(entry)
+            except KeyError:  # not a command line with help of its own (`plan --method nope`): the command says why
+                text = None
         if text is not None:
             print(text, end="")
             return 0

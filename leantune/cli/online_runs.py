@@ -1,12 +1,13 @@
-"""What the online commands (`leantune grpo`, `rloo`, `online-dpo`, `ppo`) share: the --reward_funcs flag (reward
-functions or reward models; PPO's stands for TRL's `reward_model`), the built-in demo (an SFT warm-up, then online RL
-with a checked answer as the reward) and the summary."""
+"""What the online commands (`leantune grpo`, `rloo`, `online-dpo`, `ppo`) share: the built-in demo (an SFT warm-up,
+then online RL with a checked answer as the reward) and the summary. Their --reward_funcs flag (reward functions or
+reward models; PPO's stands for TRL's `reward_model`) is arguments.RewardArguments."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
+from ..defaults import as_prompts_with_answers, build_default_dataset, evaluate_exact_match
+from ..rewards import resolve_reward_funcs
 from .demos import apply_demo_settings, demo_model, supervised_warm_up
 from .runner import print_run_summary
 
@@ -46,20 +47,8 @@ def demo_training(command: str) -> dict:
     return {**shared, **DEMO_METHOD_TRAINING.get(command, {})}
 
 
-@dataclass
-class RewardArguments:
-    reward_funcs: list[str] | None = field(
-        default=None,
-        metadata={"help": "Reward functions: built-in names (correct_answer, characters_in_place), "
-                  "package.module:function, or reward models (Hub id or folder). Needed with --dataset_name."},
-    )
-
-
 def run_demo(method, args, model_args, reward_args, explicit) -> int:
     """Held-out exact match (greedy) and sampled reward before and after online RL on a bundled task."""
-    from ..defaults import as_prompts_with_answers, build_default_dataset, evaluate_exact_match
-    from ..rewards import resolve_reward_funcs
-
     command = method.command
 
     print(f"leantune {command}: no model or dataset given, so running the built-in demo (bundled task with a checked "

@@ -4,10 +4,17 @@ abbreviations, YAML defaults from --config, and every parsing mistake as one lin
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import difflib
 import os
+import types
+from typing import get_type_hints
 
+import yaml
+from transformers import HfArgumentParser
+
+from ..utils import imports
 from .errors import UsageError, as_flags
 
 HELP_WIDTH = 110
@@ -38,8 +45,6 @@ def _with_own_help(field: dataclasses.Field) -> dataclasses.Field:
     """The field with leantune's help text where transformers' would mislead (a copy: the class keeps its own)."""
     if field.name not in HELP_OVERRIDES:
         return field
-    import copy
-    import types
 
     field = copy.copy(field)
     field.metadata = types.MappingProxyType({**field.metadata, "help": HELP_OVERRIDES[field.name]})
@@ -90,8 +95,6 @@ def _group_title(klass: type, dtype: type) -> str:
 
 
 def make_parser(prog: str, dataclass_types: tuple):
-    from transformers import HfArgumentParser
-
     class CommandParser(HfArgumentParser):
         """HfArgumentParser with fields grouped by the class that declares them, and one-line errors."""
 
@@ -111,8 +114,6 @@ def make_parser(prog: str, dataclass_types: tuple):
                             seen.add(field.name)
 
         def _add_dataclass_arguments(self, dtype):
-            from typing import get_type_hints
-
             hints = get_type_hints(dtype)
             groups: dict[str, argparse._ArgumentGroup] = {}
             inherited = []
@@ -176,8 +177,6 @@ def flag_names(parser) -> set[str]:
 
 
 def _read_yaml(path: str, parser) -> dict:
-    import yaml
-
     if not os.path.isfile(path):
         raise UsageError(f"--config {path}: no such file.")
     try:
@@ -226,8 +225,6 @@ def parse_command_args(prog: str, dataclass_types: tuple, argv: list[str]):
 def _check_config_files(argv: list[str], yaml_values: dict) -> None:
     """A DeepSpeed or FSDP config named by a path that is not there: one line naming the flag (transformers' own
     message does not)."""
-    import os
-
     for name in ("deepspeed", "fsdp_config"):
         value = yaml_values.get(name)
         for index, arg in enumerate(argv):
@@ -238,8 +235,6 @@ def _check_config_files(argv: list[str], yaml_values: dict) -> None:
         if isinstance(value, str) and value.endswith(".json") and not os.path.isfile(value):
             raise UsageError(f"--{name} {value}: no such file (a JSON config the engine reads).")
         if name == "deepspeed" and value:  # transformers imports it while parsing: check before, in one line
-            from ..utils.imports import is_available
-
-            if not is_available("deepspeed"):
+            if not imports.is_available("deepspeed"):
                 raise UsageError("--deepspeed needs deepspeed, which is not installed: "
                                  "pip install \"leantune[deepspeed]\".")

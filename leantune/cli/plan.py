@@ -8,38 +8,34 @@ import json
 import logging
 import sys
 import time
-from dataclasses import dataclass, field
 
-from ..methods import BY_COMMAND, Method, find
-from .arguments import model_init_kwargs_from, peft_config_from
+import torch
+from datasets.utils.tqdm import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+from ..methods import find
+from ..metrics.devices import GPUS, parse_budget
+from ..models.loading import load_tokenizer
+from ..planning import plan_memory
+from ..planning.completion_length import solve_max_completion_length
+from ..planning.generation_batch import pieces_for_budget, solve_generation_batch
+from ..planning.length_profile import dataset_from_lengths, keep_threshold_of, sequence_lengths_of
+from ..planning.length_suggestion import data_lengths, suggest_for_budget
+from ..planning.planned_run import filler_token, model_config_of
+from ..planning.qlora_suggestion import suggest_qlora
+from ..planning.recommend import (
+    VARIED,
+    Candidate,
+    Recommendation,
+    as_configured,
+    micro_batch_group,
+    recommend,
+    size_words,
+)
+from .arguments import model_init_kwargs_from, peft_config_from, plan_argument_types
 from .errors import UsageError
 from .help_cache import method_flag as _method_of
 from .parser import parse_command_args
-
-
-@dataclass
-class PlanArguments:
-    method: str = field(default="sft", metadata={"help": f"{', '.join(BY_COMMAND)} (any leantune trainer); --help "
-                                                         "then lists its fields."})
-    num_processes: int = field(default=1, metadata={"help": "Processes of the launch (per-process plan)."})
-    engine: str = field(default="ddp", metadata={"help": "ddp, fsdp2, zero2, zero3 (with --deepspeed: the run's "
-                                                          "DeepSpeed config file); cp: not planned yet."})
-    rank: int = field(default=0, metadata={"help": "With --num_processes > 1: the process whose batches the "
-                                           "measured step's plan uses."})
-    device: str | None = field(
-        default=None, metadata={"help": "A GPU name (h100, a100-40gb, l4, ...) to list its terms beyond the trace."})
-    memory_budget: str | None = field(
-        default=None, metadata={"help": "24GiB or a GPU name: also plan the candidates that learn the same thing and "
-                                "name the fastest that fits."})
-    tokenizer: str | None = field(
-        default=None, metadata={"help": "Tokenizer id or folder, when --model_name_or_path holds only config.json."})
-    plan_json: str | None = field(default=None, metadata={"help": "Also write the plan as JSON to this file."})
-    lengths: str | None = field(
-        default=None, metadata={"help": "leantune profile's JSON: plan rows of its lengths instead of --dataset_name."})
-    solve: str | None = field(
-        default=None, metadata={"help": "max_completion_length or max_completions_per_generate (online methods, "
-                                "with --memory_budget): the largest that fits the budget, the prompt groups and "
-                                "global batch kept."})
+from .runner import load_splits, online_reward_funcs
 
 
 class _EachLineOnce(logging.Filter):
@@ -60,12 +56,9 @@ class _EachLineOnce(logging.Filter):
 def device_planned_for(plan_args) -> tuple[str | None, str | None]:
     """(the device whose terms the plan adds, a note saying why when it was assumed). A budget given as a size on a
     machine without a GPU is this machine's CPU memory: no CUDA context or allocator terms."""
-    from ..planning.devices import GPUS
-
     named = plan_args.device or plan_args.memory_budget
     if plan_args.device is not None or named is None or str(named).strip().lower() in GPUS:
         return named, None
-    import torch
 
     if torch.cuda.is_available():
         return named, None
@@ -78,7 +71,6 @@ def run(argv: list[str]) -> int:
     filters = {handler: _EachLineOnce() for handler in logging.getLogger().handlers}  # each handler its own
     for handler, once in filters.items():
         handler.addFilter(once)
-    from datasets.utils.tqdm import are_progress_bars_disabled, enable_progress_bars
 
     bars_were_on = not are_progress_bars_disabled()
     try:
@@ -88,14 +80,6 @@ def run(argv: list[str]) -> int:
             handler.removeFilter(once)
         if bars_were_on:
             enable_progress_bars()
-
-
-def plan_argument_types(method: Method) -> tuple:
-    """The flags of `leantune plan --method <method>`: the plan's own, then the method's command's (online methods'
-    --reward_funcs too)."""
-    from .runner import argument_types
-
-    return (PlanArguments, *argument_types(method))
 
 
 def _run(argv: list[str], started: float) -> int:
@@ -110,8 +94,6 @@ def _run(argv: list[str], started: float) -> int:
     plan_args, script_args, model_args, config, explicit = *parsed[:2], *parsed[-3:]
     rewards = {}
     if method.online and parsed[2].reward_funcs:  # reward models among them are planned from their config.json
-        from .runner import online_reward_funcs
-
         rewards["reward_funcs"] = online_reward_funcs(parsed[2])
     explicit.discard("use_cpu")
     if model_args.model_name_or_path is None or (script_args.dataset_name is None and plan_args.lengths is None):
@@ -124,8 +106,6 @@ def _run(argv: list[str], started: float) -> int:
         raise UsageError("--lengths and --dataset_name: give one (the profile's row lengths, or the data).")
     if plan_args.solve is not None:
         _check_solve(plan_args, method, config)
-    from ..planning.devices import parse_budget
-    from .runner import load_splits
 
     budget = parse_budget(plan_args.memory_budget) if plan_args.memory_budget else None
     device, assumed = device_planned_for(plan_args)
@@ -139,11 +119,8 @@ def _run(argv: list[str], started: float) -> int:
     fields.pop("eval_strategy", None)
     config.eval_strategy = "no"
     if plan_args.lengths:
-        from ..planning.length_profile import dataset_from_lengths
-        from ..planning.planner import _filler_token, model_config_of
-
         try:
-            filler = _filler_token(model_config_of(model_args.model_name_or_path))
+            filler = filler_token(model_config_of(model_args.model_name_or_path))
         except ValueError as error:
             raise UsageError(f"--model_name_or_path {model_args.model_name_or_path}: {str(error).split(': ', 1)[-1]}") \
                 from error
@@ -153,12 +130,9 @@ def _run(argv: list[str], started: float) -> int:
             raise UsageError(f"--lengths {plan_args.lengths}: {str(error).split(': ', 1)[-1]}") from error
     else:
         train, _ = load_splits(script_args, config)
-    from ..planning import plan_memory
 
     tokenizer = None
     if plan_args.tokenizer:
-        from ..models.loading import load_tokenizer
-
         try:
             tokenizer = load_tokenizer(plan_args.tokenizer)
         except (OSError, ValueError) as error:
@@ -178,8 +152,6 @@ def _run(argv: list[str], started: float) -> int:
     if assumed:
         print(f"note: {assumed}")
     if plan_args.solve == "max_completions_per_generate":
-        from ..planning.generation_batch import solve_generation_batch
-
         print("\n".join(solve_generation_batch(plan, budget, config.num_generations).lines()))
     elif plan_args.solve is not None:
         _quiet_progress_bars()
@@ -188,8 +160,6 @@ def _run(argv: list[str], started: float) -> int:
     _quiet_progress_bars()  # the search prepares the same data again: its bars once are enough
     nothing_fits = None
     if budget is not None:
-        from ..planning.recommend import Candidate, Recommendation, as_configured, micro_batch_group, recommend
-
         pieces = _round_pieces(plan, budget, config, plan_args.solve)
         configured = plan if not pieces else plan.with_generation_batch(pieces["max_completions_per_generate"])
         if pieces and configured.device_total_bytes <= budget:  # as a run sizing itself: the pieces were all it took
@@ -243,9 +213,6 @@ def _check_solve(plan_args, method, config) -> None:
 def _solved_completion_length(plan, budget, config, fields, planned, model):
     """The largest max_completion_length within the budget (planning/completion_length.py): each length planned
     whole, up to what the model's context leaves beside the longest prompt."""
-    from ..planning.completion_length import solve_max_completion_length
-    from ..planning.planner import model_config_of
-
     context = getattr(model_config_of(model), "max_position_embeddings", None)
     if context is None or plan.generation is None:
         raise UsageError("--solve max_completion_length: the model's config names no max_position_embeddings.")
@@ -259,9 +226,6 @@ def _round_pieces(plan, budget, config, solve) -> dict:
     """As a run sizing itself does (planning/self_sizing.py): where transformers' generation round is what exceeds
     the budget, the search plans its candidates with the round generated in the largest pieces that fit; where not
     even one prompt group per call fits, no candidate can (one line, exit 2)."""
-    from ..planning.generation_batch import pieces_for_budget
-    from ..planning.recommend import size_words
-
     pieces = pieces_for_budget(plan, budget, getattr(config, "num_generations", 1))
     if pieces is None:
         return {}
@@ -288,8 +252,6 @@ def _kept_on_cpu(config, device):
 
 def _nothing_fits(recommendation, configured) -> str:
     """The one line of `leantune plan --memory_budget` when no candidate fits: the budget and the least need."""
-    from ..planning.recommend import VARIED, size_words
-
     least = recommendation.least()
     smallest = "" if least is None else (
         f"; the least a candidate needs is {size_words(least.total_bytes)} on the device, with " +
@@ -300,8 +262,6 @@ def _nothing_fits(recommendation, configured) -> str:
 
 
 def _quiet_progress_bars() -> None:
-    from datasets.utils.tqdm import disable_progress_bars
-
     disable_progress_bars()
 
 
@@ -309,15 +269,9 @@ def _max_length_suggestion(recommendation, plan, budget, model_args, plan_args, 
                            fields, tokenizer):
     """leantune profile's keep-threshold max_length, apart from the same-result candidates (planning/
     length_suggestion.py); lengths from --lengths, else from the data through the trainer's tokenisation."""
-    from ..planning.length_profile import keep_threshold_of, sequence_lengths_of
-    from ..planning.length_suggestion import data_lengths, suggest_for_budget
-    from ..planning.recommend import recommend
-
     if plan_args.lengths:
         lengths, threshold = sequence_lengths_of(plan_args.lengths), keep_threshold_of(plan_args.lengths)
     else:
-        from ..models.loading import load_tokenizer
-
         try:
             lengths = data_lengths(train, tokenizer or load_tokenizer(model_args.model_name_or_path))
         except (OSError, ValueError) as error:
@@ -334,9 +288,6 @@ def _max_length_suggestion(recommendation, plan, budget, model_args, plan_args, 
 
 def _qlora_suggestion(recommendation, plan, budget, model_args, plan_args, train, trainer_class, fields, tokenizer):
     """A 4-bit base for a LoRA run, apart from the same-result candidates (planning/qlora_suggestion.py)."""
-    from ..planning.qlora_suggestion import suggest_qlora
-    from ..planning.recommend import recommend
-
     def search(quantized):
         return recommend(plan, budget, model_args.model_name_or_path, train, trainer_class,
                          peft_config_from(model_args), plan_args, quantized, tokenizer, limit=4)

@@ -9,7 +9,9 @@ import logging
 import os
 import shutil
 
-from ..trainers.checkpoint_files import (
+from huggingface_hub import model_info, try_to_load_from_cache
+
+from ..trainers.parts.checkpoint_files import (
     any_checkpoints,
     complete_checkpoints,
     incomplete_checkpoints,
@@ -117,8 +119,6 @@ def check_model_source(name: str, flag: str = "--model_name_or_path") -> None:
     if looks_like_path(name):
         raise UsageError(f"{flag} {name}: no such folder.")
     try:
-        from huggingface_hub import try_to_load_from_cache
-
         if isinstance(try_to_load_from_cache(name, "config.json"), str):
             return
     except Exception:  # an id the cache cannot even look up is judged below
@@ -126,8 +126,6 @@ def check_model_source(name: str, flag: str = "--model_name_or_path") -> None:
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
         raise UsageError(f"{flag} {name}: no such local folder, and not in the Hub cache (HF_HUB_OFFLINE is set).")
     try:
-        from huggingface_hub import model_info
-
         model_info(name, timeout=10)
     except Exception as error:  # not found, gated, or no network: all end the run the same way
         kind = type(error).__name__

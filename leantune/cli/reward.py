@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+from ..defaults import build_default_model_config, build_default_tokenizer
+from ..defaults.preferences import build_default_preference_dataset
+from ..models.checkpointing import set_checkpointing
+from ..trainers.reward_trainer import RewardTrainer
 from .arguments import peft_config_from
 from .demos import apply_demo_settings, sft_warm_up, train_and_save
 from .dpo import print_summary as print_preference_summary
@@ -25,10 +31,6 @@ DEMO_NEW_LAYERS = 2
 
 def run_demo(args, model_args, explicit: set[str]) -> int:
     """Held-out pairwise accuracy before (chance) and after training on bundled pairs (right vs wrong reversals)."""
-    from ..defaults.preferences import build_default_preference_dataset
-    from ..trainers.config_utils import set_checkpointing
-    from ..trainers.reward_trainer import RewardTrainer
-
     print("leantune reward: no model or dataset given, so running the built-in demo (bundled pairs, small model).")
     if not explicit & {"gradient_checkpointing", "activation_checkpointing"}:
         # a 1M-parameter model's activations are tiny: recomputing only costs time (the name this transformers reads)
@@ -60,10 +62,6 @@ def demo_reward_model(pairs, seed: int):
     the backbone first learns the task by SFT (which reads each letter of the prompt in the right place); it is then
     frozen, and new layers on top learn to compare and combine, with the reward head.
     """
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    from ..defaults import build_default_model_config, build_default_tokenizer
-
     tokenizer = build_default_tokenizer()
     config = build_default_model_config(tokenizer)
     language_model = sft_warm_up(AutoModelForCausalLM.from_config(config), tokenizer, pairs, seed,

@@ -13,22 +13,24 @@ import importlib
 import logging
 import time
 
+from datasets import Dataset, IterableDataset
+
+from .. import methods
+from ..data.formats import detect_sft_format
+from ..data.kto_preparation import detect_kto_format
+from ..data.loading import load_dataset_source, rename_columns
+from ..data.preference_formats import detect_preference_format
+from ..generation.backend import check_backend_requirements
 from ..methods import BY_COMMAND, KTO_DATA, PREFERENCE_DATA, PROMPT_DATA, SFT_DATA, Method
-from .arguments import ModelConfig, ScriptArguments, model_init_kwargs_from, peft_config_from
+from ..rewards import resolve_reward_funcs
+from ..trainers.parts.checkpoint_files import NoRoomError, is_no_room, no_room_error
+from .arguments import argument_types, model_init_kwargs_from, peft_config_from
 from .errors import UsageError, one_line
 from .optional_packages import check_optional_packages
 from .parser import parse_command_args
 from .preflight import check_model_source, check_output_dir, clear_checkpoints, resolve_resume
 
 logger = logging.getLogger("leantune.cli")
-
-
-def argument_types(method: Method) -> tuple:
-    if method.online:
-        from .online_runs import RewardArguments
-
-        return (ScriptArguments, RewardArguments, ModelConfig, method.config_class)
-    return (ScriptArguments, ModelConfig, method.config_class)
 
 
 def run_method(command: str, argv: list[str]) -> int:
@@ -44,8 +46,6 @@ def run_method(command: str, argv: list[str]) -> int:
                          "for the built-in demo).")
     check_optional_packages(args, model_args)  # a missing tracker or kernel package: one line, before any load
     if method.online:  # a generation backend that cannot run here fails now, not after a demo's warm-up
-        from ..generation.backend import check_backend_requirements
-
         check_backend_requirements(args)
     if model_args.model_name_or_path is None:
         if args.resume_from_checkpoint:
@@ -99,8 +99,6 @@ def train_on_data(method: Method, module, script_args, model_args, args, reward_
 @contextlib.contextmanager
 def no_room_as_usage_error(folder: str | None = None, trainer=None):
     """A write that fails for want of disk space ends the run in one line (where, how much, what to do), exit 2."""
-    from ..trainers.checkpoint_files import NoRoomError, is_no_room, no_room_error
-
     try:
         yield
     except NoRoomError as error:
@@ -115,8 +113,6 @@ def no_room_as_usage_error(folder: str | None = None, trainer=None):
 def print_run_summary(trainer, result, seconds: float, lines: list[str]) -> None:
     """The summary every training command ends with: its steps and time, the method's own `lines`, peak memory and
     where the model went."""
-    from .. import methods
-
     metrics = result.metrics
     print("\n".join(["", f"=== leantune {methods.of(trainer).command} summary ===", f"steps: {trainer.state.global_step} in {seconds:.1f} s",
                      *lines, f"peak memory: {metrics['peak_memory_mb']:.0f} MiB ({metrics['peak_memory_kind']})",
@@ -124,8 +120,6 @@ def print_run_summary(trainer, result, seconds: float, lines: list[str]) -> None
 
 
 def online_reward_funcs(reward_args):
-    from ..rewards import resolve_reward_funcs
-
     if not reward_args.reward_funcs:
         raise UsageError("--reward_funcs is required with --dataset_name (built-ins: correct_answer, "
                          "characters_in_place; or package.module:function; or a reward model).")
@@ -137,8 +131,6 @@ def online_reward_funcs(reward_args):
 
 def load_splits(script_args, args):
     """(train, eval or None) from --dataset_name, columns renamed by the --<name>_column flags."""
-    from ..data.loading import load_dataset_source, rename_columns
-
     if script_args.dataset_streaming and args.max_steps <= 0:
         raise UsageError("--dataset_streaming true reads the data as a stream, whose length is not known: set "
                          "--max_steps to the number of optimizer steps to train.")
@@ -167,22 +159,14 @@ COLUMN_FLAGS = "--prompt_column, --completion_column, --messages_column, --chose
 def check_columns(kind: str, dataset, args, split: str) -> None:
     """The method's format check on the raw data (columns and value types), before any model or tokenizer; a stream
     is checked on its first rows."""
-    from datasets import Dataset, IterableDataset
-
     if isinstance(dataset, IterableDataset):
         dataset = Dataset.from_list(list(dataset.take(64)))
     try:
         if kind == SFT_DATA:
-            from ..data.formats import detect_sft_format
-
             detect_sft_format(dataset, args.dataset_text_field)
         elif kind == PREFERENCE_DATA:
-            from ..data.preference_formats import detect_preference_format
-
             detect_preference_format(dataset)
         elif kind == KTO_DATA:
-            from ..data.kto_preparation import detect_kto_format
-
             detect_kto_format(dataset)
         elif kind == PROMPT_DATA and "prompt" not in dataset.column_names:
             raise ValueError(f"no 'prompt' column (text or a list of chat messages); columns found: "

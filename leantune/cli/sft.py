@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
+from ..defaults import DEFAULT_TRAINING, RUN_ONLY_KEYS, build_default_dataset, evaluate_exact_match
+from ..trainers.sft_trainer import SFTTrainer
 from .demos import apply_demo_settings, demo_model, train_and_save
 from .runner import print_run_summary
 
 
 def run_demo(sft_args, model_args, explicit: set[str]) -> int:
     """Train a small model from scratch on bundled data, and show it learned: exact match before vs after."""
-    from ..defaults import DEFAULT_TRAINING, RUN_ONLY_KEYS, build_default_dataset, evaluate_exact_match
-    from ..trainers.sft_trainer import SFTTrainer
-
     print("leantune sft: no model or dataset given, so running the built-in demo (bundled data, small model).")
     training = {name: value for name, value in DEFAULT_TRAINING.items() if name not in RUN_ONLY_KEYS}
     apply_demo_settings(sft_args, explicit, training)

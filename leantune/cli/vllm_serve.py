@@ -16,35 +16,13 @@ It listens on 127.0.0.1 unless `--host` says otherwise; a non-loopback host need
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
 
+from ..generation.server_access import TOKEN_ENV, access_line, is_loopback, server_token
+from ..generation.vllm_server import TransformersEngine, VLLMEngine, make_server, serve
+from .arguments import VLLMServeArguments
 from .parser import parse_command_args
 
 ENGINES = ("vllm", "transformers")
-
-
-@dataclass
-class VLLMServeArguments:
-    model: str | None = field(default=None, metadata={"help": "Model id on the Hub or a local folder (the policy's "
-                                                               "starting checkpoint; trainers sync their weights)."})
-    host: str = field(default="127.0.0.1", metadata={"help": "Address to listen on. Other than loopback, it needs a "
-                                                             "token in $LEANTUNE_VLLM_SERVER_TOKEN."})
-    port: int = field(default=8000, metadata={"help": "Port to listen on."})
-    engine: str = field(default="vllm", metadata={"help": "vllm, or transformers (CPU; for tests and debugging)."})
-    dtype: str = field(default="auto", metadata={"help": "auto, bfloat16, float16 or float32."})
-    gpu_memory_utilization: float = field(default=0.9, metadata={"help": "vLLM: share of GPU memory it may take."})
-    max_model_len: int | None = field(default=None, metadata={"help": "vLLM: context length (default: model's)."})
-    tensor_parallel_size: int = field(default=1, metadata={"help": "vLLM: GPUs to shard the model over."})
-    enforce_eager: bool = field(default=False, metadata={"help": "vLLM: no CUDA graphs (faster start, slower decode)."})
-    trust_remote_code: bool = field(default=False, metadata={"help": "vLLM: allow custom model code from the Hub."})
-    seed: int = field(default=0, metadata={"help": "Seed of the engine's sampling."})
-    max_request_mb: int = field(default=8192, metadata={"help": "Largest request body (a weight chunk) accepted, MiB "
-                                                                "(at most the model's size plus 64 MiB)."})
-    max_prompts: int = field(default=1024, metadata={"help": "Most prompts one /generate request may carry."})
-    max_new_tokens: int | None = field(default=None, metadata={"help": "Most new tokens a request may ask per "
-                                                                        "prompt (default: the context length)."})
-    max_connections: int = field(default=32, metadata={"help": "Requests served at once; more get HTTP 503."})
-    socket_timeout: float = field(default=60.0, metadata={"help": "Seconds a connection may stall a read or write."})
 
 
 def run(argv: list[str]) -> int:
@@ -56,8 +34,6 @@ def run(argv: list[str]) -> int:
         print(f"leantune vllm-serve: --engine must be one of {', '.join(ENGINES)}, got {args.engine!r}.",
               file=sys.stderr)
         return 2
-    from ..generation.server_access import TOKEN_ENV, access_line, is_loopback, server_token
-    from ..generation.vllm_server import make_server, serve
 
     token = server_token()
     if not is_loopback(args.host) and token is None:
@@ -91,8 +67,6 @@ def run(argv: list[str]) -> int:
 
 
 def build_engine(args: VLLMServeArguments):
-    from ..generation.vllm_server import TransformersEngine, VLLMEngine
-
     if args.engine == "transformers":
         return TransformersEngine(args.model, dtype=args.dtype, seed=args.seed)
     return VLLMEngine(args.model, dtype=args.dtype, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,

@@ -6,6 +6,8 @@ import json
 import os
 import re
 
+from transformers import AutoTokenizer
+
 GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
@@ -25,8 +27,6 @@ def require_chat_template(tokenizer, purpose: str = "conversational data") -> No
 def load_chat_template(tokenizer, path: str) -> None:
     """Set tokenizer.chat_template from a .jinja file or from a tokenizer folder."""
     if os.path.isdir(path):
-        from transformers import AutoTokenizer
-
         template = AutoTokenizer.from_pretrained(path).chat_template
         if not template:
             raise ValueError(f"The tokenizer in {path!r} has no chat template.")

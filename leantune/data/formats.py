@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import warnings
 from enum import Enum
 from pathlib import Path
 
@@ -124,7 +125,6 @@ def rename_legacy_token_columns(dataset):
     renames = {old: new for old, new in LEGACY_TOKEN_COLUMNS.items() if old in columns and new not in columns}
     if not renames:
         return dataset
-    import warnings
 
     listed = ", ".join(f"`{old}` -> `{new}`" for old, new in renames.items())
     warnings.warn(f"Pre-tokenised columns under their old names are read as the new ones ({listed}); the old names "

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from datasets import concatenate_datasets
 
 from .chat_template import require_chat_template, row_template_kwargs
 from .collators import CausalLMCollator, layout_like, prompt_completion_row
@@ -390,8 +391,6 @@ def kl_partners_in_blocks(prompt_keys: np.ndarray, block: int) -> tuple[np.ndarr
 def add_kl_completions(dataset, max_length, seed: int, report: KTOReport, num_proc, block: int | None = None):
     """Add KL_completion_ids (unless given): a partner's completion (kl_partners, or kl_partners_in_blocks of
     `block`), cut (keeping its start) to fit max_length after the example's own prompt."""
-    from datasets import concatenate_datasets
-
     if KL_COLUMN not in dataset.column_names:
         keys = dataset.map(lambda b: {"__key__": [hash(tuple(p)) for p in b["prompt_ids"]]}, batched=True,
                            remove_columns=dataset.column_names, num_proc=num_proc, desc="Hashing prompts")["__key__"]

@@ -6,11 +6,14 @@ UTF-8, an empty file), instead of the JSON reader's chained tracebacks.
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import gzip
 import json
 import logging
 import os
+
+import datasets
 
 from .report import report_blank_lines
 
@@ -27,8 +30,6 @@ def load_dataset_source(name: str, config: str | None = None, streaming: bool = 
     """Return a DatasetDict for whatever `name` points at (an IterableDatasetDict with `streaming`: rows are read as
     they are consumed; files are still checked for being empty or undecodable first, as that costs one pass of
     reading, not of memory)."""
-    import datasets
-
     files = [p.strip() for p in name.split(",") if p.strip()]
     if not files:
         raise ValueError("The dataset name is empty; give a file, a folder or a Hub dataset name.")
@@ -75,8 +76,6 @@ def load_dataset_source(name: str, config: str | None = None, streaming: bool = 
 
 def _load_named(name: str, config: str | None, streaming: bool = False):
     """A folder of data files or a Hub dataset; a failure is one line saying which it was taken for."""
-    import datasets
-
     try:
         return datasets.load_dataset(name, config, streaming=streaming)
     except (FileNotFoundError, ConnectionError, ValueError) as error:
@@ -118,8 +117,6 @@ def _check_not_empty(path: str) -> None:
 
 
 def _check_utf8(path: str, chunk_size: int = 1 << 24) -> None:
-    import codecs
-
     decoder = codecs.getincrementaldecoder("utf-8")()
     offset, lines, last_newline = 0, 0, -1
     with _open_bytes(path) as handle:

@@ -26,9 +26,13 @@ import bisect
 import logging
 from dataclasses import dataclass
 
+import datasets
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+from datasets.fingerprint import Hasher
+
+from . import streaming
 
 logger = logging.getLogger(__name__)
 
@@ -379,8 +383,6 @@ def pack_dataset(dataset, seq_length: int, strategy: str = "bfd", map_kwargs: di
     every segment). `map_kwargs` is accepted for signature compatibility with TRL; packing does not
     go through `Dataset.map`, so it is not used.
     """
-    import datasets
-
     _check_strategy(strategy)
     _check_seq_length(seq_length)
     if map_kwargs:
@@ -395,8 +397,6 @@ def pack_dataset(dataset, seq_length: int, strategy: str = "bfd", map_kwargs: di
              for name, split in dataset.items()}
         )
     if isinstance(dataset, datasets.IterableDataset):
-        from .streaming import pack_stream
-
         return pack_stream(dataset, seq_length, strategy, buffer_rows)
     if not isinstance(dataset, datasets.Dataset):
         raise TypeError(f"pack_dataset needs a datasets.Dataset or DatasetDict, got {type(dataset).__name__}.")
@@ -418,6 +418,23 @@ def pack_dataset(dataset, seq_length: int, strategy: str = "bfd", map_kwargs: di
     columns["seq_lengths"] = _list_array(plan.row_offsets, plan.segment_length.astype(np.int32))
     columns["position_ids"] = _list_array(row_token_offsets, _segment_positions(plan.segment_length, seq_length))
     return _to_dataset(pa.table(columns), dataset, seq_length, strategy)
+
+
+def pack_stream(stream, seq_length: int, strategy: str = "bfd", buffer_rows: int | None = None):
+    """`pack_dataset` of each buffer of `buffer_rows` sequences (default `streaming.STREAM_BUFFER_ROWS`), as a stream: the
+    packing plan of a buffer is `plan_packing`'s over that buffer (see the module docstring for why bounded)."""
+    buffer_rows = buffer_rows or streaming.STREAM_BUFFER_ROWS
+    features = stream.features
+
+    def pack_buffer(batch: dict) -> dict:  # not quiet: each buffer's truncations (strategy "bfd") are logged
+        buffer = streaming.buffer_dataset(batch, features)
+        return pack_dataset(buffer, seq_length, strategy).to_dict() if len(buffer) else {}
+
+    columns = stream.column_names
+    if columns is None:
+        first = next(iter(stream.take(1)), None)
+        columns = list(first) if first is not None else []
+    return stream.map(pack_buffer, batched=True, batch_size=buffer_rows, remove_columns=columns)
 
 
 def _check_strategy(strategy: str) -> None:
@@ -676,9 +693,6 @@ def _list_array(offsets: np.ndarray, values, large: bool = False) -> pa.Array:
 
 def _to_dataset(table: pa.Table, source, seq_length: int, strategy: str):
     """Wrap the packed table in a Dataset that keeps the source's info and output format."""
-    import datasets
-    from datasets.fingerprint import Hasher
-
     info = source.info.copy()
     info.features = None  # re-inferred from the packed table
     fingerprint = Hasher.hash(("leantune.pack_dataset/1", getattr(source, "_fingerprint", None), seq_length, strategy))

@@ -10,6 +10,7 @@ from .chat_template import require_chat_template
 from .collators import IGNORE_INDEX
 from .formats import SFTFormat, detect_sft_format, from_sharegpt
 from .lengths import length_summary_line
+from .packing import pack_dataset
 from .report import NothingLeft, SFTReport
 from .sft_tokenization import SFTTokenizer, is_empty_example
 from .streaming import STREAM_BUFFER_ROWS, without_shuffle
@@ -84,8 +85,6 @@ def prepare_sft_dataset(dataset, tokenizer, args, split: str = "train", formatti
     if args.shuffle_dataset and split == "train":
         dataset = dataset.shuffle(seed=args.seed)
     if packing:
-        from .packing import pack_dataset
-
         dataset = pack_dataset(dataset, args.max_length, strategy=args.packing_strategy)
     report.num_rows_out = len(dataset)
     report.log()

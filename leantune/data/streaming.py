@@ -30,6 +30,8 @@ import copy
 import dataclasses
 import logging
 
+import datasets
+
 from .report import STREAM_BUFFER, NothingLeft
 
 logger = logging.getLogger("leantune.data")
@@ -40,10 +42,6 @@ STREAM_BUFFER_ROWS = 1000
 
 
 def is_stream(dataset) -> bool:
-    try:
-        import datasets
-    except ImportError:  # pragma: no cover - datasets is a dependency
-        return False
     return isinstance(dataset, datasets.IterableDataset)
 
 
@@ -78,12 +76,10 @@ def check_own_stream_reads(args) -> None:
 def quiet_buffer():
     """One buffer's preparation: its own log lines and progress bars are silenced (the summed counts are logged
     instead), and the recipes know they see a buffer (`report.in_stream_buffer`)."""
-    import datasets as datasets_bars
-
     data_logger = logging.getLogger("leantune.data")
-    level, bars = data_logger.level, not datasets_bars.are_progress_bars_disabled()
+    level, bars = data_logger.level, not datasets.are_progress_bars_disabled()
     data_logger.setLevel(logging.ERROR)
-    datasets_bars.disable_progress_bars()
+    datasets.disable_progress_bars()
     token = STREAM_BUFFER.set(True)
     try:
         yield
@@ -91,7 +87,7 @@ def quiet_buffer():
         STREAM_BUFFER.reset(token)
         data_logger.setLevel(level)
         if bars:
-            datasets_bars.enable_progress_bars()
+            datasets.enable_progress_bars()
 
 
 def add_counts(total, part) -> None:
@@ -115,9 +111,7 @@ def log_stream_report(report) -> None:
     report.log(*getattr(report, "log_args", ()))
 
 
-def _buffer_dataset(rows_or_batch, features):
-    import datasets
-
+def buffer_dataset(rows_or_batch, features):
     if isinstance(rows_or_batch, list):
         return datasets.Dataset.from_list(rows_or_batch, features=features)
     return datasets.Dataset.from_dict(rows_or_batch, features=features)
@@ -134,7 +128,7 @@ def prepare_stream(stream, prepare, split: str, buffer_rows: int | None = None):
     features = stream.features
     with quiet_buffer():
         try:
-            sample, sample_report = prepare(_buffer_dataset(first, features))
+            sample, sample_report = prepare(buffer_dataset(first, features))
         except NothingLeft as nothing:
             raise ValueError(f"The first {len(first)} rows of the {split} stream leave no example after "
                              f"preparation: {nothing.report.as_dict()}.") from nothing
@@ -144,7 +138,7 @@ def prepare_stream(stream, prepare, split: str, buffer_rows: int | None = None):
     def prepare_buffer(batch: dict) -> dict:
         with quiet_buffer():
             try:
-                prepared, part = prepare(_buffer_dataset(batch, features))
+                prepared, part = prepare(buffer_dataset(batch, features))
             except NothingLeft as nothing:
                 add_counts(report, nothing.report)
                 return {}
@@ -161,22 +155,3 @@ def without_shuffle(args):
     args = copy.copy(args)
     args.shuffle_dataset = False
     return args
-
-
-def pack_stream(stream, seq_length: int, strategy: str = "bfd", buffer_rows: int | None = None):
-    """`pack_dataset` of each buffer of `buffer_rows` sequences (default `STREAM_BUFFER_ROWS`), as a stream: the
-    packing plan of a buffer is `plan_packing`'s over that buffer (see the module docstring for why bounded)."""
-    from .packing import pack_dataset
-
-    buffer_rows = buffer_rows or STREAM_BUFFER_ROWS
-    features = stream.features
-
-    def pack_buffer(batch: dict) -> dict:  # not quiet: each buffer's truncations (strategy "bfd") are logged
-        buffer = _buffer_dataset(batch, features)
-        return pack_dataset(buffer, seq_length, strategy).to_dict() if len(buffer) else {}
-
-    columns = stream.column_names
-    if columns is None:
-        first = next(iter(stream.take(1)), None)
-        columns = list(first) if first is not None else []
-    return stream.map(pack_buffer, batched=True, batch_size=buffer_rows, remove_columns=columns)

@@ -18,6 +18,9 @@ from __future__ import annotations
 from typing import Protocol
 
 from .sampling import Completions, SamplingSettings
+from .transformers_backend import TransformersBackend
+from .vllm_client import VLLMServerBackend
+from .vllm_colocate import VLLMColocateBackend, require_colocated_vllm
 
 
 class GenerationBackend(Protocol):
@@ -51,8 +54,6 @@ def generation_engine(args) -> str:
 def check_backend_requirements(args) -> None:
     """Fail when the trainer is built, not at the first generation round, if the chosen backend cannot run here."""
     if generation_engine(args) == VLLM_COLOCATE:
-        from .vllm_colocate import require_colocated_vllm
-
         require_colocated_vllm(sleep_mode=bool(args.vllm_enable_sleep_mode))
 
 
@@ -61,13 +62,8 @@ def make_backend(args, model, tokenizer, accelerator) -> GenerationBackend:
     server (`vllm_mode="server"`) with `use_vllm=True`."""
     engine = generation_engine(args)
     if engine == TRANSFORMERS:
-        from .transformers_backend import TransformersBackend
-
         return TransformersBackend(model, accelerator, args.ds3_gather_for_generation, args.max_completions_per_generate)
     if engine == VLLM_COLOCATE:
-        from .vllm_colocate import VLLMColocateBackend
-
         return VLLMColocateBackend(args, model, tokenizer, accelerator)
-    from .vllm_client import VLLMServerBackend
 
     return VLLMServerBackend(args, model, tokenizer, accelerator)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
 # float dtype -> the float dtypes it casts to exactly (every value representable)
 EXACT_FLOAT_CASTS = {
@@ -37,8 +38,6 @@ def expected_weights(state_dict: dict[str, torch.Tensor], float_dtype: torch.dty
 
 def checkpoint_weights_on_meta(model_path: str, float_dtype: torch.dtype, trust_remote_code: bool = False) -> dict:
     """The expected table of a checkpoint without loading it: its transformers model built on the meta device."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)

@@ -21,8 +21,10 @@ import logging
 import time
 import urllib.error
 import urllib.request
+from urllib.parse import urlparse
 
 import torch
+from safetensors.torch import save
 
 from .sampling import Completions, SamplingSettings, cut_completion
 from .server_access import authorization_header
@@ -92,8 +94,6 @@ class VLLMServerClient:
 
     def update_weights(self, named_tensors, dtype: str | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
         """Send `(name, tensor)` pairs in safetensors chunks of about `chunk_bytes` (a bigger tensor goes alone)."""
-        from safetensors.torch import save
-
         target = getattr(torch, dtype) if dtype else None
         chunk: dict[str, torch.Tensor] = {}
         size = sent = 0
@@ -203,8 +203,6 @@ def server_url(args) -> str:
 
 
 def _port(base_url: str, args) -> int:
-    from urllib.parse import urlparse
-
     return urlparse(base_url).port or args.vllm_server_port
 
 

@@ -31,6 +31,9 @@ each sync, sampling log-probs equal to transformers' within float32 rounding. Ve
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
+import gc
 import inspect
 import logging
 import os
@@ -39,7 +42,8 @@ import tempfile
 
 import torch
 
-from ..utils.imports import require, require_cuda
+from ..utils.cuda import require_cuda
+from ..utils.imports import require
 from .sampling import Completions, SamplingSettings, cut_completion
 from .weight_sync import base_model_name_or_path, checkpoint_model, policy_weights_for_sync
 from .zero3 import is_zero3
@@ -171,7 +175,6 @@ class VLLMColocateBackend:
             with contextlib.suppress(Exception):
                 llm.llm_engine.engine_core.shutdown()
             del llm
-            import gc
 
             gc.collect()
             torch.cuda.empty_cache()
@@ -218,8 +221,6 @@ class VLLMColocateBackend:
 
     def _scratch_checkpoint(self, model, tokenizer) -> str:
         """A config-only checkpoint (and the tokenizer) for a policy that was never saved."""
-        import copy
-
         root = checkpoint_model(model, self.accelerator)
         config = copy.deepcopy(root.config)
         if not getattr(config, "architectures", None):
@@ -335,8 +336,6 @@ def processed_logprobs_kwargs(warn: bool = True) -> dict:
     i.e. of the distribution each token was sampled from (the default, raw_logprobs, is before them and would bias
     the importance-sampling correction). Older vLLM: a warning, and its raw log-probs."""
     try:
-        import dataclasses
-
         from vllm.engine.arg_utils import EngineArgs
 
         supported = "logprobs_mode" in {f.name for f in dataclasses.fields(EngineArgs)}

@@ -51,11 +51,26 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load
+from transformers import AutoModelForCausalLM
 
+from ..utils.cuda import require_cuda
+from ..utils.imports import require
 from .sampling import Completions, SamplingSettings, cut_completion
 from .served_weights import StagedUpdate, WeightUpdateError, checkpoint_weights_on_meta, expected_weights, table_bytes
 from .server_access import authorized
 from .server_requests import GenerationLimits, RequestError, checked_prompts, checked_sampling, engine_extra
+from .transformers_backend import sampled_logprobs
+from .vllm_colocate import (
+    completions_of,
+    engine_reloads_in_place,
+    load_weights_on_worker,
+    processed_logprobs_kwargs,
+    reload_engine_weights,
+    vllm_runs_on_cpu,
+    vllm_sampling_params,
+)
 
 logger = logging.getLogger("leantune.generation")
 
@@ -92,8 +107,6 @@ class TransformersEngine:
     name = "transformers"
 
     def __init__(self, model_path: str, dtype: str = "auto", seed: int = 0):
-        from transformers import AutoModelForCausalLM
-
         torch.manual_seed(seed)
         torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
         self.model_path = model_path
@@ -105,8 +118,6 @@ class TransformersEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> Completions:
-        from .transformers_backend import sampled_logprobs
-
         if sampling.seed is not None:
             torch.manual_seed(sampling.seed)
         by_length: dict[int, list[int]] = {}
@@ -161,9 +172,6 @@ class VLLMEngine:
     def __init__(self, model_path: str, dtype: str = "auto", seed: int = 0, tensor_parallel_size: int = 1,
                  gpu_memory_utilization: float = 0.9, max_model_len: int | None = None, enforce_eager: bool = False,
                  trust_remote_code: bool = False):
-        from ..utils.imports import require, require_cuda
-        from .vllm_colocate import processed_logprobs_kwargs, vllm_runs_on_cpu
-
         require("vllm", "leantune vllm-serve")
         on_cpu = vllm_runs_on_cpu()
         if not on_cpu:
@@ -188,8 +196,6 @@ class VLLMEngine:
         self.expected_weights = checkpoint_weights_on_meta(model_path, model_config.dtype, trust_remote_code)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> Completions:
-        from .vllm_colocate import completions_of, vllm_sampling_params
-
         if not prompts:
             return Completions([], [] if sampling.logprobs else None)
         sampling = dataclasses.replace(sampling, extra=engine_extra(sampling.extra, self.name))
@@ -201,8 +207,6 @@ class VLLMEngine:
         """Load a checked update at once: vLLM's in-place reload takes each layer whole, and a layer's tensors may
         have come in different chunks. (A vLLM without `reload_weights` gets them through the model's
         `load_weights`.)"""
-        from .vllm_colocate import engine_reloads_in_place, load_weights_on_worker, reload_engine_weights
-
         if tensors:
             if engine_reloads_in_place(self.llm):
                 reload_engine_weights(self.llm, iter(tensors.items()))
@@ -386,9 +390,6 @@ class _Handler(BaseHTTPRequestHandler):
                      "logprobs": logprobs_to_json(getattr(completions, "logprobs", None))})
 
     def _update_weights(self, body: bytes) -> None:
-        from safetensors import SafetensorError
-        from safetensors.torch import load
-
         try:
             tensors = load(body)
         except SafetensorError as error:

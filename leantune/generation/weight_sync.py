@@ -31,6 +31,15 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 import torch
+from accelerate.utils import extract_model_from_parallel
+from peft import PeftModel
+from peft.tuners.tuners_utils import BaseTunerLayer
+from peft.utils import ModulesToSaveWrapper
+
+try:
+    from peft.utils.other import AuxiliaryTrainingWrapper
+except ImportError:  # older PEFT: no such wrappers
+    AuxiliaryTrainingWrapper = ()
 
 from .zero3 import is_zero3
 
@@ -50,7 +59,6 @@ def unwrap_training_model(model, accelerator=None):
     """The model inside DDP / DeepSpeed / accelerate wrappers (a PEFT model stays a PEFT model)."""
     if accelerator is not None:
         return accelerator.unwrap_model(model)
-    from accelerate.utils import extract_model_from_parallel
 
     return extract_model_from_parallel(model)
 
@@ -68,10 +76,6 @@ def checkpoint_model(model, accelerator=None):
 
 
 def _checkpoint_root(model):
-    try:
-        from peft import PeftModel
-    except ImportError:
-        return model
     if not isinstance(model, PeftModel):
         return model
     config = model.peft_config.get(model.active_adapter)
@@ -158,17 +162,8 @@ def _refuse_quantized(base, prefix: str) -> None:
 
 
 def _peft_kind(module) -> str | None:
-    try:
-        from peft.tuners.tuners_utils import BaseTunerLayer
-        from peft.utils import ModulesToSaveWrapper
-    except ImportError:
-        return None
     if isinstance(module, ModulesToSaveWrapper):
         return "modules_to_save"
-    try:
-        from peft.utils.other import AuxiliaryTrainingWrapper
-    except ImportError:
-        AuxiliaryTrainingWrapper = ()  # noqa: N806 (older PEFT: no such wrappers)
     if AuxiliaryTrainingWrapper and isinstance(module, AuxiliaryTrainingWrapper):
         return "unsupported"
     if isinstance(module, BaseTunerLayer):

@@ -63,7 +63,7 @@ class TargetSequences:
     """Which sequence each target belongs to and its 0-based rank among that sequence's targets, and `total`, which
     turns per-sequence partial sums into whole-sequence sums. A process holding whole sequences needs no `total`;
     under context parallelism each process holds part of every sequence, so its sums are partial and `total` sums
-    them over the context-parallel group (trainers/context_parallel.py), before any loss reads them."""
+    them over the context-parallel group (trainers/parts/context_parallel.py), before any loss reads them."""
 
     sequence: torch.Tensor
     rank: torch.Tensor

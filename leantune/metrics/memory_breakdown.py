@@ -23,8 +23,14 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
+from torch._guards import active_fake_mode
+from torch.distributed._tools.common_utils import get_untyped_storages
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState, _RefType
 from torch.utils._pytree import tree_flatten
 from transformers import TrainerCallback
+
+from .op_scratch import scratch_bytes
+from .quantized_weights import quantization_state_tensors, visible_dequantization
 
 logger = logging.getLogger("leantune.memory")
 
@@ -88,7 +94,6 @@ class StepMemoryMeter:
             for tensor in tensors:  # a storage the tracker already files (a parameter's) keeps its part
                 if tensor.untyped_storage() not in tracker._WINFO:
                     tracker._update_and_maybe_create_winfos(tensor, part)
-        from .quantized_weights import quantization_state_tensors, visible_dequantization
 
         for tensor in quantization_state_tensors(model):  # bitsandbytes' scales: held beside the weights
             if tensor.untyped_storage() not in tracker._WINFO:
@@ -165,18 +170,11 @@ def _frozen_ref_type():
     """MemTracker's reference types with one more: frozen models' weights (its enum cannot be extended)."""
     global _FROZEN_REF_TYPE
     if _FROZEN_REF_TYPE is None:
-        from torch.distributed._tools.mem_tracker import _RefType
-
         _FROZEN_REF_TYPE = _RefType("FrozenRefType", {"FROZEN": "Frozen models"})
     return _FROZEN_REF_TYPE.FROZEN
 
 
 def _tracker_class():
-    from torch._guards import active_fake_mode
-    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState
-
-    from .op_scratch import scratch_bytes
-
     frozen = _frozen_ref_type()
 
     class FrozenParameterSafeTracker(MemTracker):
@@ -281,14 +279,10 @@ class GradHookLedger:
 
 
 def _param_kind():
-    from torch.distributed._tools.mem_tracker import _MemRefType
-
     return _MemRefType.PARAM
 
 
 def _storages(tensor):
-    from torch.distributed._tools.common_utils import get_untyped_storages
-
     return get_untyped_storages(tensor)
 
 
@@ -309,8 +303,6 @@ def _engine_tensors(model: torch.nn.Module, optimizer) -> dict:
     (optimizer states, as in ZeRO's own accounting; it exists even when the model trains in fp32). FSDP2 needs nothing:
     its parameters, gradients and states are DTensors, which MemTracker counts by their local shard. DDP's gradient
     buckets live in C++ and are not visible."""
-    from torch.distributed._tools.mem_tracker import _MemRefType
-
     found: dict = {_MemRefType.PARAM: [], _MemRefType.GRAD: [], _MemRefType.OPT: []}
     for param in model.parameters():
         if isinstance(getattr(param, "ds_tensor", None), torch.Tensor):

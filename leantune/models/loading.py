@@ -8,6 +8,9 @@ import os
 import warnings
 
 import torch
+from accelerate import PartialState
+from peft import PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from ..utils.imports import require
 
@@ -47,8 +50,6 @@ def _quantized_device_map(bitsandbytes) -> dict:
     """Where a 4/8-bit model is loaded: the trainer's device (accelerate's), as one block, because the Trainer never
     moves a quantised model: on CUDA the current device; on CPU (recent bitsandbytes runs there; tested: 0.50.2)
     "cpu"."""
-    from accelerate import PartialState
-
     device = PartialState().device
     supported = set(getattr(bitsandbytes, "supported_torch_devices", {"cuda"}))
     if device.type not in supported:
@@ -70,8 +71,6 @@ def _resolve_quantization(kwargs: dict) -> None:
         return
     bitsandbytes = _import_bitsandbytes()
     if isinstance(config, dict):
-        from transformers import BitsAndBytesConfig
-
         kwargs["quantization_config"] = BitsAndBytesConfig(**config)
     if "device_map" not in kwargs:
         kwargs["device_map"] = _quantized_device_map(bitsandbytes)
@@ -140,8 +139,6 @@ def load_causal_lm(model, model_init_kwargs=None, auto_class=None, trust_remote_
     A name or path loads in float32 unless `model_init_kwargs` gives `dtype` (or `torch_dtype`), as TRL's trainers do
     ('auto' = the checkpoint's dtype); with `bf16=True` the Trainer then trains under bf16 autocast.
     """
-    from transformers import AutoModelForCausalLM
-
     auto_class = auto_class or AutoModelForCausalLM
     kwargs = parse_kwargs(model_init_kwargs)
     if not isinstance(model, str):
@@ -160,8 +157,6 @@ def load_causal_lm(model, model_init_kwargs=None, auto_class=None, trust_remote_
 
 
 def load_tokenizer(model, processing_class=None, trust_remote_code: bool = False):
-    from transformers import AutoTokenizer
-
     if processing_class is not None:
         return processing_class
     name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", None)
@@ -188,10 +183,6 @@ def is_quantized(model) -> bool:
 
 def has_adapter(model) -> bool:
     """A PEFT model (e.g. a 4-bit base with its LoRA adapter already attached): it trains through that adapter."""
-    try:
-        from peft import PeftModel
-    except ImportError:
-        return False
     return isinstance(model, PeftModel)
 
 
@@ -206,7 +197,6 @@ def apply_peft(model, peft_config, checkpointed: bool):
                              "model that already has one (a PeftModel).")
         return model
     require("peft", "peft_config")
-    from peft import get_peft_model
 
     # A quantized base is prepared as any other: no `prepare_model_for_kbit_training`, whose cast of every
     # unquantized weight (embeddings, head, norms) to fp32 makes the residual stream fp32 and doubles every

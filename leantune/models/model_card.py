@@ -14,6 +14,11 @@ import logging
 import os
 import re
 
+import peft
+import transformers
+
+from .. import methods
+from ..version import __version__
 from .loading import resolve_source
 
 logger = logging.getLogger("leantune.models")
@@ -47,8 +52,6 @@ def may_write(output_dir: str) -> bool:
 def method_of(trainer) -> tuple[str, str]:
     """(trainer class name, method name) the card states, from the method's entry in leantune/methods.py (a subclass
     of a leantune trainer is its parent's method): SFTTrainer -> sft."""
-    from .. import methods
-
     try:
         method = methods.of(trainer)
     except ValueError:
@@ -86,7 +89,7 @@ def shown_folder(folder: str) -> str:
     path, which means nothing on another machine and would be published by push_to_hub."""
     parts = os.path.normpath(folder).split(os.sep)
     if len(parts) > 2 and CHECKPOINT_FOLDER.match(parts[-1]) and STAGING_FOLDER.match(parts[-2]):
-        parts = parts[:-2] + parts[-1:]  # written while staged (trainers/checkpoint_files.py): named as renamed
+        parts = parts[:-2] + parts[-1:]  # written while staged (trainers/parts/checkpoint_files.py): named as renamed
     if len(parts) > 1 and CHECKPOINT_FOLDER.match(parts[-1]) and parts[-2]:
         return f"{parts[-2]}/{parts[-1]}"
     return parts[-1] or folder
@@ -99,20 +102,14 @@ def shown_source(source: str) -> str:
 
 def describe(trainer, model, output_dir: str) -> dict:
     """The facts the card states, as a dict (also handy for tests)."""
-    import transformers
-
-    import leantune
-
     trainer_class, method = method_of(trainer)
     folder = os.path.abspath(output_dir)
-    facts = {"trainer": trainer_class, "method": method, "folder": folder, "leantune": leantune.__version__,
+    facts = {"trainer": trainer_class, "method": method, "folder": folder, "leantune": __version__,
              "transformers": transformers.__version__, "step": getattr(getattr(trainer, "state", None),
                                                                        "global_step", None)}
     facts["tokenizer"] = getattr(trainer, "processing_class", None) is not None
     peft_model = _peft_model(model)
     if peft_model is not None:
-        import peft
-
         adapter = getattr(peft_model, "active_adapter", "default")
         adapter = adapter if isinstance(adapter, str) else adapter[0]
         config = peft_model.peft_config[adapter]

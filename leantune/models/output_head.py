@@ -17,6 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch build without distributed support: no FSDP2 shards
+    DTensor = None
+
 
 def unwrap_model(model):
     """The transformers model under accelerate/DDP and PEFT wrappers."""
@@ -204,8 +209,4 @@ def _is_zero3_partitioned(module: torch.nn.Module) -> bool:
 
 def _is_dtensor(tensor) -> bool:
     """An FSDP2 shard (torch.distributed's DTensor; absent from builds without distributed support)."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        return False
-    return isinstance(tensor, DTensor)
+    return DTensor is not None and isinstance(tensor, DTensor)

@@ -15,13 +15,18 @@ on CPU (one thread, 4 heads of 64, forward + backward): a 160:160 branch 4.1 ms 
 causal row, 256:64 2.0 against 6.9 ms, 64:256 5.8 against 6.4 ms (the upper triangle of the branch's own block is
 computed and masked). Each branch's call is recomputed in the backward (`recomputed`): SDPA would otherwise keep its
 cat(prompt, branch) keys and values, the prompt's G times per layer. Under context parallelism a shared row takes
-the all-gather form instead (`gathered_segment_attention`, trainers/online/shared_prompt_ring.py).
+the all-gather form instead (`gathered_segment_attention`, trainers/parts/shared_prompt_ring.py).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 SEGMENT_SDPA = "leantune_segment_sdpa"
 # The model input that says a shared-prompt row is split over a context-parallel group (trainers/online/
@@ -35,8 +40,6 @@ _registered = False
 
 def segment_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """Drop-in for transformers' sdpa attention; uses per-sequence calls when cu_seq_lens_q is given."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     cu_seq_lens = kwargs.get("cu_seq_lens_q")
     if kwargs.get(RING_SEGMENTS) is not None:  # a shared-prompt row split over a context-parallel group
         return gathered_segment_attention(module, query, key, value, kwargs[RING_SEGMENTS], dropout, scaling)
@@ -106,7 +109,6 @@ def recomputed(attention, *inputs):
     -> 223.6 MiB of activations, the update step's CPU time within the machine's noise)."""
     if not torch.is_grad_enabled():
         return attention(*inputs)
-    from torch.utils.checkpoint import checkpoint
 
     return checkpoint(attention, *inputs, use_reentrant=False)
 
@@ -117,8 +119,6 @@ class _GatherAlongTime(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, local, group):
-        import torch.distributed as dist
-
         ctx.group, ctx.size, ctx.rank = group, dist.get_world_size(group), dist.get_rank(group)
         parts = [torch.empty_like(local) for _ in range(ctx.size)]
         dist.all_gather(parts, local.contiguous(), group=group)
@@ -126,8 +126,6 @@ class _GatherAlongTime(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        import torch.distributed as dist
-
         grad = grad.contiguous()
         dist.all_reduce(grad, group=ctx.group)
         return grad.chunk(ctx.size, dim=2)[ctx.rank], None
@@ -157,9 +155,6 @@ def register_segment_attention() -> str:
     """Register the attention (and, for padded batches, sdpa's mask builder) under one name."""
     global _registered
     if not _registered:
-        from transformers import AttentionInterface
-        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-
         AttentionInterface.register(SEGMENT_SDPA, segment_sdpa_attention)
         ALL_MASK_ATTENTION_FUNCTIONS.register(SEGMENT_SDPA, sdpa_mask)
         _registered = True

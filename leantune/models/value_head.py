@@ -18,6 +18,7 @@ import contextlib
 import os
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from .output_head import OutputHead, text_config_of, unwrap_model
 
@@ -109,8 +110,6 @@ def detached_value_function(policy: torch.nn.Module):
 def save_value_function(value: ValueFunction, output_dir: str, state_dict: dict | None = None) -> str:
     """`state_dict`: the value function's full weights where a sharding engine gathered them (its own
     parameters are then this process's shards)."""
-    from safetensors.torch import save_file
-
     path = os.path.join(output_dir, VALUE_WEIGHTS_NAME)
     state = value.state_dict() if state_dict is None else state_dict
     save_file({name: tensor.detach().contiguous().cpu() for name, tensor in state.items()}, path)
@@ -122,7 +121,6 @@ def load_value_function(value: ValueFunction, folder: str) -> bool:
     path = os.path.join(folder, VALUE_WEIGHTS_NAME)
     if not os.path.exists(path):
         return False
-    from safetensors.torch import load_file
 
     value.load_state_dict(load_file(path, device=str(next(value.parameters()).device)))
     return True

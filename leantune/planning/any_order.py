@@ -12,14 +12,15 @@ without decoding them.
 
 from __future__ import annotations
 
+import datasets
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 
 def longest_rows_batches(trainer) -> list:
     """[(batch, words)] collated as the trainer's loader collates, or [] where the loader's batches are not rows of a
     map-style dataset (online methods' prompts, streams)."""
-    import datasets
-
     dataset = trainer.train_dataset
     size = int(getattr(trainer.args, "per_device_train_batch_size", 1) or 1)
     if not isinstance(dataset, datasets.Dataset) or len(dataset) == 0 or getattr(trainer, "data_collator", None) is None:
@@ -51,22 +52,15 @@ def longest_rows_batches(trainer) -> list:
 
 
 def _is_list(column) -> bool:
-    import pyarrow as pa
-
     return pa.types.is_list(column.type) or pa.types.is_large_list(column.type)
 
 
 def _lengths(column) -> np.ndarray:
-    import pyarrow.compute as pc
-
     return np.asarray(pc.fill_null(pc.list_value_length(column), 0).to_numpy(zero_copy_only=False), dtype=np.int64)
 
 
 def _counts_not(column, value) -> np.ndarray:
     """Per row, how many entries of a list column differ from `value`."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
     column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
     lengths = _lengths(column)
     flat = np.asarray(pc.list_flatten(column).to_numpy(zero_copy_only=False))

@@ -17,21 +17,19 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+from transformers import AutoModelForCausalLM
 
 aten = torch.ops.aten
 
 
 def _fake_tensor_mode():
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
 def _is_fake(value) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
     return isinstance(value, FakeTensor)
 
 
@@ -92,8 +90,6 @@ def _zero_of(dtype):
 
 def fake_model_from_config(config, mode: WeightlessMode, model_class=None, dtype=None):
     """The model of `config` with fake parameters (no weights read, nothing allocated)."""
-    from transformers import AutoModelForCausalLM
-
     model_class = model_class or AutoModelForCausalLM
     with mode.building():
         kwargs = {"dtype": dtype} if dtype is not None else {}
@@ -167,8 +163,6 @@ def fake_tensors_copyable():
     of a tensor subclass also deep-copies its `__dict__`, which for a FakeTensor holds its FakeTensorMode and that
     mode's native state; copying it corrupted the heap after a few plans (a segfault or malloc abort, later, in
     unrelated code). A fake tensor's copy is its clone, in the same mode."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
     had = "__deepcopy__" in FakeTensor.__dict__
     original = FakeTensor.__dict__.get("__deepcopy__")
 

@@ -12,8 +12,11 @@ from __future__ import annotations
 import copy
 
 import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, PretrainedConfig
 
+from ..methods import REWARD_MODELS, TEACHER, of
 from .fake_step import WeightlessMode, fake_model_from_config
+from .planned_run import dtype_of, model_config_of
 
 
 def fake_frozen_sources(trainer_class, fields: dict, trainer_kwargs: dict, mode: WeightlessMode,
@@ -21,8 +24,6 @@ def fake_frozen_sources(trainer_class, fields: dict, trainer_kwargs: dict, mode:
     """(config fields, trainer keyword arguments) with every frozen model given by name or config replaced by a fake
     model object; the fields that named them are consumed (the trainer gets the object instead). Which frozen models
     a method takes is its entry's `frozen_models` (leantune/methods.py)."""
-    from ..methods import REWARD_MODELS, TEACHER, of
-
     takes = of(trainer_class).frozen_models
     fields, kwargs = dict(fields), dict(trainer_kwargs)
     teacher = None
@@ -43,25 +44,17 @@ def fake_frozen_sources(trainer_class, fields: dict, trainer_kwargs: dict, mode:
 
 
 def _is_model_source(value) -> bool:
-    from transformers import PretrainedConfig
-
     return isinstance(value, (str, PretrainedConfig)) or (isinstance(value, torch.nn.Module) and
                                                           hasattr(value, "config"))
 
 
 def _fake(source, mode, model_class, dtype):
-    from .planner import model_config_of
-
     return fake_model_from_config(model_config_of(source), mode, model_class, dtype)
 
 
 def _fake_reward(source, mode):
     """A reward model as RewardFunctions loads one (a one-label sequence classifier, in its checkpoint's dtype: the
     trainers pass no dtype for it, and transformers loads "auto")."""
-    from transformers import AutoModelForSequenceClassification
-
-    from .planner import model_config_of
-
     config = copy.deepcopy(model_config_of(source))
     config.num_labels = 1
     dtype = getattr(config, "dtype", None) or torch.float32
@@ -77,8 +70,6 @@ def _reward_tokenizer(source, tokenizer):
     """The reward model's own tokenizer when it names a checkpoint (no weights read), else the policy's."""
     if isinstance(source, str):
         try:
-            from transformers import AutoTokenizer
-
             return AutoTokenizer.from_pretrained(source)
         except (OSError, ValueError):
             pass
@@ -88,8 +79,6 @@ def _reward_tokenizer(source, tokenizer):
 
 
 def _teacher_dtype(teacher, init_kwargs):
-    """As the planner's policy (planner._dtype_of): an object's own dtype; a name in float32 unless
+    """As the planner's policy (planned_run.dtype_of): an object's own dtype; a name in float32 unless
     teacher_model_init_kwargs gives one ("auto": its checkpoint's)."""
-    from .planner import _dtype_of
-
-    return _dtype_of({"model_init_kwargs": init_kwargs if isinstance(init_kwargs, (dict, str)) else None}, teacher)
+    return dtype_of({"model_init_kwargs": init_kwargs if isinstance(init_kwargs, (dict, str)) else None}, teacher)

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..data.prompt_preparation import PROMPT_IDS
+
 MIB = 1024 * 1024
 HELD_PARTS = ("parameters", "buffers", "optimizer_states", "frozen_models")  # live between update steps
 
@@ -85,8 +87,6 @@ def decode_logits_bytes(config, batch: int, dtype: torch.dtype) -> int:
 def round_shape_of(trainer) -> dict:
     """What sizes an online trainer's round: sequences per process and per `generate` call, the longest prompt, the
     completion limit and the backend (read from the planned trainer: its resolved config and prepared prompts)."""
-    from ..data.prompt_preparation import PROMPT_IDS
-
     args = trainer.args
     prompts = trainer.train_dataset[PROMPT_IDS] if PROMPT_IDS in trainer.train_dataset.column_names else [[]]
     whole = max(trainer.round_size // trainer.accelerator.num_processes, 1)

@@ -12,7 +12,10 @@ from __future__ import annotations
 import json
 import os
 
+import datasets
 import numpy as np
+
+from ..methods import METHODS, Method, find
 
 # The rows a method's entry in leantune/methods.py says it is planned from (`profile_rows`), by the profile's kind.
 ROWS_OF_KIND = {"sft": ("sequences",), "preference": ("pairs", "whole_pairs")}
@@ -38,10 +41,6 @@ def read_length_profile(source) -> dict:
 def dataset_from_lengths(source, method, filler_token: int = 100):
     """A `datasets.Dataset` of pre-tokenised rows with the profile's lengths, in the profile's row order, for `method`
     (its entry in leantune/methods.py, or a name such as "sft" or "dpo")."""
-    import datasets
-
-    from ..methods import METHODS, Method, find
-
     method = method if isinstance(method, Method) else find(method)
     profile = read_length_profile(source)
     rows, kind = profile["row_lengths"], profile.get("kind", "sft")

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..profiling.lengths import tokenize_lengths
 from ..profiling.numbers import SortedLengths, smallest_length_keeping
 
 LENGTH_MULTIPLE = 64  # the profiler's RECOMMENDATION_MULTIPLE
@@ -59,8 +60,6 @@ def suggest_max_length(lengths, current: int | None, keep_threshold: float = 0.9
 
 def data_lengths(train_dataset, tokenizer) -> np.ndarray:
     """The lengths the trainer truncates, from the data through the trainer's tokenisation (leantune profile's)."""
-    from ..profiling.lengths import tokenize_lengths
-
     return tokenize_lengths(train_dataset, tokenizer).sequences
 
 

@@ -16,9 +16,15 @@ import contextlib
 import logging
 import random
 
+import datasets
+import numpy as np
+import psutil
 import torch
+from accelerate.state import AcceleratorState, GradientState, PartialState
 
+from ..metrics.devices import SEGMENT_BYTES
 from ..metrics.memory_breakdown import MIB
+from .planner import _explicit_fields, plan_memory
 
 logger = logging.getLogger("leantune.plan")
 GIB = 1024 * MIB
@@ -29,16 +35,7 @@ def available_memory(device: torch.device) -> int:
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return int(free)
-    try:
-        import psutil
-
-        return int(psutil.virtual_memory().available)
-    except ImportError:
-        with open("/proc/meminfo", encoding="ascii") as handle:
-            for line in handle:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    raise RuntimeError("no free-memory figure on this machine (neither psutil nor /proc/meminfo)")
+    return int(psutil.virtual_memory().available)
 
 
 def held_by_model(model: torch.nn.Module, device: torch.device) -> int:
@@ -55,8 +52,6 @@ def plan_of_trainer(trainer):
 
 
 def _plan_of_trainer(trainer):
-    from .planner import _explicit_fields, plan_memory
-
     args = trainer.args
     fields = {name: getattr(args, name) for name in _explicit_fields(args)}
     for name in RUN_ONLY_FIELDS:
@@ -64,7 +59,6 @@ def _plan_of_trainer(trainer):
     model = _unwrapped(trainer.model)
     if getattr(model, "is_quantized", False) or getattr(getattr(model, "config", None), "quantization_config", None):
         raise ValueError("quantized (4/8-bit) models are not planned yet")
-    import datasets
 
     if isinstance(trainer.train_dataset, datasets.IterableDataset):
         raise ValueError("a streamed train dataset is not planned (its rows are not all known before training)")
@@ -123,7 +117,6 @@ def device_terms_of_run(plan, device: torch.device) -> int:
     and is outside the free memory, so it is not added). None on CPU."""
     if device.type != "cuda":
         return 0
-    from .devices import SEGMENT_BYTES
 
     return SEGMENT_BYTES
 
@@ -152,9 +145,6 @@ def _peft_config(model):
 @contextlib.contextmanager
 def _global_state_kept():
     """Random number generators, accelerate's shared state and leantune's log level, as they were."""
-    import numpy as np
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-
     shared = [(state._shared_state, dict(state._shared_state))
               for state in (PartialState, AcceleratorState, GradientState)]
     rng = (random.getstate(), np.random.get_state(), torch.get_rng_state(),

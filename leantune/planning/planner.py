@@ -19,44 +19,43 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import io
 import logging
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-from ..metrics.memory_breakdown import MIB, PARTS, MemoryBreakdown
+from ..metrics.devices import device_terms
+from ..metrics.memory_breakdown import MIB, PARTS
+from . import zero as zero_plan
+from .any_order import longest_rows_batches
+from .engines import check_engine, per_rank_notes
 from .fake_step import (
     WeightlessMode,
     fake_model_from_config,
-    fake_parameters_convertible,
-    fake_tensors_copyable,
-    triton_launches_skipped_on_fake,
 )
 from .frozen import fake_frozen_sources
 from .generation_round import GenerationRound, generation_round, held_between_steps, round_shape_of
+from .length_profile import dataset_from_lengths
+from .planned_run import (
+    TracedStep,
+    dtype_of,
+    filler_token,
+    is_fake_tensor,
+    method_classes,
+    method_of,
+    model_class_of,
+    model_config_of,
+    planning_session,
+)
+from .quantized import parameter_count, quantization_from_fields, quantize_fake_model
+from .sharded import each_rank, traced_launch
 
 logger = logging.getLogger("leantune.plan")
 GIB = 1024 * MIB
-
-
-@dataclass
-class TracedStep:
-    """One traced optimizer step: its peak, the peak's parts, and the batch it ran."""
-
-    peak_bytes: int
-    parts: dict[str, int]
-    batch: str  # the batch's shape, in words
-    step: int | None = None  # the optimizer step (1-based) at which this batch arrives in the first epoch
-    micro_batch: int | None = None  # its micro-batch within that step (0-based), with gradient accumulation
-    any_order: bool = False  # the longest rows together (planning/any_order.py): no step, a bound of every order
-    backward_beside_gradients: dict[str, int] | None = None  # MemoryBreakdown's: ZeRO-2's backward (zero.py)
-
-    @classmethod
-    def of(cls, breakdown: MemoryBreakdown, batch: str, step=None, micro_batch=None) -> TracedStep:
-        beside = breakdown.backward_beside_gradients
-        return cls(breakdown.peak_bytes, dict(breakdown.parts), batch, step, micro_batch,
-                   backward_beside_gradients=dict(beside) if beside is not None else None)
 
 
 def _step_dict(step: TracedStep | None) -> dict | None:
@@ -151,61 +150,6 @@ def _mib(size: int) -> str:
     return f"{size / MIB:,.1f} MiB" if size < 10 * GIB else f"{size / GIB:,.2f} GiB"
 
 
-# --- methods: a trainer class and its config, from the method's entry in leantune/methods.py --------------------------
-
-def method_of(method):
-    """The entry of leantune/methods.py a plan is for: given as itself, a name ("sft", "online-dpo", ...) or a trainer
-    class (a subclass of a leantune trainer plans as its parent's method)."""
-    from .. import methods
-
-    if isinstance(method, methods.Method):
-        return method
-    return methods.of(method) if isinstance(method, type) else methods.find(method)
-
-
-def method_classes(method):
-    """(trainer class, config class) of a method (as `method_of` takes it); a trainer class is kept as given."""
-    spec = method_of(method)
-    return (method if isinstance(method, type) else spec.trainer_class), spec.config_class
-
-
-# --- the model, from its configuration only ----------------------------------------------------------------------------
-
-def model_config_of(model):
-    """A transformers config from a Hub id or local folder (config.json only: no weights are read), a config, or a
-    model (its config)."""
-    from transformers import AutoConfig, PretrainedConfig
-
-    if isinstance(model, PretrainedConfig):
-        return model
-    if isinstance(model, torch.nn.Module):
-        return model.config
-    if isinstance(model, str):
-        try:
-            return AutoConfig.from_pretrained(model)
-        except (OSError, ValueError) as error:
-            raise ValueError(f"`model`: no model configuration found for {model!r} ({str(error).splitlines()[0]})") \
-                from error
-    raise TypeError(f"`model`: expected a Hub id, a local folder, a transformers config or a model, got "
-                    f"{type(model).__name__}.")
-
-
-def _dtype_of(fields: dict, model=None):
-    """The dtype the weights train in, as the trainers get them: an instantiated model's own; a name loads in float32
-    unless model_init_kwargs gives a dtype ("auto": the checkpoint's, from its config)."""
-    if isinstance(model, torch.nn.Module):
-        return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    from ..models.loading import parse_kwargs
-
-    kwargs = parse_kwargs(fields.get("model_init_kwargs"))
-    dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
-    if dtype == "auto" and model is not None:
-        dtype = getattr(model_config_of(model), "dtype", None)
-    if dtype in (None, "auto"):
-        return torch.float32
-    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
-
-
 # --- the traced run ----------------------------------------------------------------------------------------------------
 
 PLANNING_FIELDS = dict(max_steps=2, save_strategy="no", report_to=[], disable_tqdm=True, memory_breakdown=True,
@@ -218,8 +162,6 @@ def _planning_trainer_class(trainer_class, mode: WeightlessMode):
         forced_batches: list | None = None
 
         def load_models(self, *args, **kwargs):  # the model, its adapters and references: all fake
-            import warnings
-
             with mode.building(), warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="model_init_kwargs are ignored")  # applied when built
                 return super().load_models(*args, **kwargs)
@@ -236,78 +178,6 @@ def _planning_trainer_class(trainer_class, mode: WeightlessMode):
 
     Planned.__name__ = Planned.__qualname__ = trainer_class.__name__
     return Planned
-
-
-@contextlib.contextmanager
-def planning_session():
-    """The dispatch mode of fake weights, the module conversion it needs, and generation that runs to its length
-    limit with nothing to decode from fake tokens."""
-    from ..memory import offloading
-
-    mode = WeightlessMode()
-    storage_ptr = offloading._storage_ptr
-    # a fake storage has no address (reading one is undefined behaviour): offloading keeps such tensors as it does
-    # any subclass without a plain storage
-    offloading._storage_ptr = lambda tensor: None if _is_fake_tensor(tensor) else storage_ptr(tensor)
-    try:
-        with (mode, fake_parameters_convertible(), fake_tensors_copyable(), triton_launches_skipped_on_fake(),
-              _generation_to_length_limit(mode)):
-            yield mode
-    finally:
-        offloading._storage_ptr = storage_ptr
-
-
-@contextlib.contextmanager
-def _generation_to_length_limit(mode: WeightlessMode):
-    from transformers.generation.utils import GenerationMixin
-
-    from ..generation import transformers_backend
-
-    original_generate = GenerationMixin.generate
-    original_logprobs = transformers_backend.sampled_logprobs
-
-    def generate(self, *args, **kwargs):
-        kwargs["eos_token_id"] = None  # no sequence ends early: the worst case for memory
-        output = original_generate(self, *args, **kwargs)
-        sequences = output.sequences if hasattr(output, "sequences") else output
-        prompt = kwargs.get("input_ids", args[0] if args else None)
-        filler = _filler_token(self.config)
-        real = torch.full(tuple(sequences.shape), filler, dtype=torch.long)
-        if prompt is not None and not _is_fake_tensor(prompt):
-            real[:, :prompt.shape[1]] = prompt
-        if hasattr(output, "sequences"):
-            output.sequences = real
-            return output
-        return real
-
-    def sampled_logprobs(scores, tokens):
-        return torch.zeros(tuple(tokens.shape), dtype=torch.float32)
-
-    GenerationMixin.generate = generate
-    transformers_backend.sampled_logprobs = sampled_logprobs
-    try:
-        yield
-    finally:
-        GenerationMixin.generate = original_generate
-        transformers_backend.sampled_logprobs = original_logprobs
-
-
-def _is_fake_tensor(value) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(value, FakeTensor)
-
-
-def _filler_token(config) -> int:
-    """A token id that no special token uses, for completions generated by a fake model."""
-    special = set()
-    for name in ("eos_token_id", "pad_token_id", "bos_token_id"):
-        value = getattr(config, name, None)
-        special.update(value if isinstance(value, (list, tuple)) else [value])
-    token = 100
-    while token in special:
-        token += 1
-    return min(token, getattr(config, "vocab_size", token + 1) - 1)
 
 
 def _batch_description(batch) -> tuple[tuple[int, int], str]:
@@ -329,8 +199,6 @@ def _batch_description(batch) -> tuple[tuple[int, int], str]:
 
 
 def _first_epoch_batches(trainer, limit: int | None = None):
-    from .sharded import each_rank
-
     for rank in each_rank():  # a traced launch (planning/sharded.py): every rank's own micro-batches
         loader = trainer.get_train_dataloader()
         if rank and type(loader).__name__ == "DataLoaderDispatcher":
@@ -349,15 +217,11 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
 
     `model`: Hub id, local folder (config.json is read, no weights), a transformers config, or a model (its config).
     `train_dataset`: the data as the trainer reads it. `args`: a config of the method (or pass its fields as keyword
-    arguments). `device`: a GPU name of `planning.devices.GPUS` or a size ("24GiB"), to add the device's terms.
+    arguments). `device`: a GPU name of `metrics.devices.GPUS` or a size ("24GiB"), to add the device's terms.
     `lengths`: instead of `train_dataset`, `leantune profile`'s JSON (path or dict): rows of the profiled lengths
     (planning/length_profile.py).
     `rank`: with `num_processes` > 1, the process whose own step 2 `measured_step` is (each rank sees its own
     batches: under DDP/FSDP2 a traced launch's loader, planning/sharded.py; under ZeRO every N-th batch)."""
-    from .devices import device_terms
-    from .engines import check_engine, per_rank_notes
-    from .sharded import traced_launch
-
     started = time.perf_counter()
     spec = method_of(method)
     trainer_class, config_class = method_classes(method)
@@ -365,24 +229,19 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
     if not 0 <= rank < num_processes:
         raise ValueError(f"`rank`: {rank} is not a process of {num_processes} (0 to {num_processes - 1}).")
     if train_dataset is None and lengths is not None:
-        from .length_profile import dataset_from_lengths
-
-        train_dataset = dataset_from_lengths(lengths, spec, _filler_token(model_config_of(model)))
+        train_dataset = dataset_from_lengths(lengths, spec, filler_token(model_config_of(model)))
     if train_dataset is None:
         raise ValueError("`train_dataset` is required (the data as the trainer reads it, or a length profile).")
     fields = dict(config_fields)
     if args is not None:
         fields = {**{k: v for k, v in args.to_dict().items() if k in _explicit_fields(args)}, **fields}
-    from .quantized import quantization_from_fields
 
     quantization = quantization_from_fields(fields)  # 4/8-bit (QLoRA): planning/quantized.py
     quantized = {"quantization": quantization} if quantization is not None else {}
     config = model_config_of(model)
-    dtype = _dtype_of(fields, model)
+    dtype = dtype_of(fields, model)
     zero = None
     if engine in ("zero2", "zero3"):  # the one-process trace in DeepSpeed's dtype, a rank's states put in (zero.py)
-        from . import zero as zero_plan
-
         zero = zero_plan.zero_settings(engine, fields, num_processes, config, dtype)
         fields = zero_plan.traced_fields(fields, zero)
     # ZeRO is not traced as a launch: a rank's micro-batches are every N-th of the one-process loader
@@ -452,10 +311,8 @@ def _trace(config, trainer_class, config_class, train_dataset, fields, trainer_k
     # PEFT resolves "all-linear" in the config it is given to this model's module names: each trace gets a copy
     trainer_kwargs = {**trainer_kwargs, "peft_config": copy.deepcopy(trainer_kwargs.get("peft_config"))}
     with planning_session() as mode:
-        fake = fake_model_from_config(config, mode, _model_class(trainer_class), dtype)
+        fake = fake_model_from_config(config, mode, model_class_of(trainer_class), dtype)
         if quantization is not None:
-            from .quantized import quantize_fake_model
-
             fake = quantize_fake_model(fake, quantization, mode)
         fields, trainer_kwargs = fake_frozen_sources(trainer_class, fields, trainer_kwargs, mode,
                                                      trainer_kwargs.get("processing_class"))
@@ -464,10 +321,9 @@ def _trace(config, trainer_class, config_class, train_dataset, fields, trainer_k
         accumulation = run_args.gradient_accumulation_steps
         trainer = _planning_trainer_class(trainer_class, mode)(model=fake, args=run_args,
                                                                train_dataset=train_dataset, **trainer_kwargs)
-        trainer.nonfinite.checks_steps = False  # fake values decide nothing (trainers/nonfinite.py)
+        trainer.nonfinite.checks_steps = False  # fake values decide nothing (trainers/parts/nonfinite.py)
         _quiet(trainer)
         _real_reward_weights(trainer)
-        from .quantized import parameter_count
 
         num_parameters = sum(parameter_count(p) for p in trainer.model.parameters())
         trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
@@ -558,29 +414,6 @@ def _no_reward(completions, **kwargs):
     return [float(i % 2) for i in range(len(completions))]
 
 
-def _model_class(trainer_class):
-    """The Auto class the fake model is built with (None: a causal LM)."""
-    return _sequence_classifier() if method_of(trainer_class).sequence_classifier else None
-
-
-def _sequence_classifier():
-    from transformers import AutoModelForSequenceClassification
-
-    return _WithOneLabel(AutoModelForSequenceClassification)
-
-
-class _WithOneLabel:
-    """The reward trainer's model: a sequence classifier with one output."""
-
-    def __init__(self, auto):
-        self.auto = auto
-
-    def from_config(self, config, **kwargs):
-        config = copy.deepcopy(config)
-        config.num_labels = 1
-        return self.auto.from_config(config, **kwargs)
-
-
 def _worst_candidates(trainer, max_batches):
     """The first epoch's batches with the most token slots and with the most targets: (index, batch, words)."""
     best_slots = best_targets = None
@@ -597,7 +430,6 @@ def _worst_candidates(trainer, max_batches):
         found.append(best_targets[1:])
     if max_batches is None and isinstance(best_slots[2], dict):  # the whole epoch of collated rows was read: add
         # the batches no order can beat (planning/any_order.py); online methods' batches are prompts, generated anew
-        from .any_order import longest_rows_batches
 
         found += [(None, batch, words) for batch, words in longest_rows_batches(trainer)]
     return found
@@ -608,7 +440,7 @@ def _real_reward_weights(trainer) -> None:
     their weights must be real for the round's bookkeeping (masks of NaN rewards)."""
     rewards = getattr(trainer, "rewards", None)
     for name, value in list(vars(rewards).items()) if rewards is not None else []:
-        if _is_fake_tensor(value):
+        if is_fake_tensor(value):
             given = getattr(trainer.args, "reward_weights", None)
             real = torch.tensor(given, dtype=value.dtype) if given else torch.ones(tuple(value.shape), dtype=value.dtype)
             setattr(rewards, name, real)
@@ -625,15 +457,11 @@ def _reset_for_trace(trainer) -> None:
 
 def _quiet(trainer) -> None:
     """Logging of a fake run prints zeros; keep only the trainer's warnings."""
-    from transformers.trainer_callback import PrinterCallback, ProgressCallback
-
     trainer.remove_callback(PrinterCallback)
     trainer.remove_callback(ProgressCallback)
     logging.getLogger("leantune").setLevel(logging.WARNING)
 
 
 def _train_quietly(trainer) -> None:
-    import io
-
     with contextlib.redirect_stdout(io.StringIO()):
         trainer.train()

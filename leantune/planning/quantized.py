@@ -14,6 +14,10 @@ quantization states and the dequantized weight inside bitsandbytes' fused 4-bit 
 from __future__ import annotations
 
 import torch
+from transformers import BitsAndBytesConfig
+from transformers.quantizers.auto import AutoHfQuantizer
+
+from ..models.loading import _import_bitsandbytes
 
 QUANTIZATION_FIELDS = ("load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant",
                        "use_bnb_nested_quant", "bnb_4bit_compute_dtype", "bnb_4bit_quant_storage",
@@ -45,10 +49,8 @@ def quantization_from_fields(fields: dict):
         if unused:
             raise ValueError(f"`{unused[0]}` has no effect without `load_in_4bit` or `load_in_8bit`.")
         return None
-    from ..models.loading import _import_bitsandbytes
 
     _import_bitsandbytes()  # a plan of a 4/8-bit model needs bitsandbytes, as the run does
-    from transformers import BitsAndBytesConfig
 
     if given is None:
         config = BitsAndBytesConfig(**{k: v for k, v in flags.items() if v is not None})
@@ -71,7 +73,6 @@ def quantize_fake_model(model, quantization_config, mode):
     a fake tensor, the attributes their forward reads are the same)."""
     import bitsandbytes as bnb
     from bitsandbytes import functional
-    from transformers.quantizers.auto import AutoHfQuantizer
 
     quantizer = AutoHfQuantizer.from_config(quantization_config, pre_quantized=False)
     if "dynamic" not in functional.name2qmap:  # bitsandbytes' cached code table of double quantization: made real,

@@ -15,7 +15,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .devices import GIB, MIB
+from ..losses.token_logprobs import chunk_tokens_for
+from ..methods import find
+from ..metrics.devices import GIB, MIB
+from ..models.checkpointing import checkpointing_setting
+from .planned_run import model_config_of
+from .planner import plan_memory
 
 CHECKPOINTING_COST = 1.33  # one more forward pass of the layers: forward ~1/3 of forward + backward
 OFFLOADING_COST = 1.10  # copies overlap compute on CUDA streams, not entirely
@@ -94,8 +99,6 @@ def micro_batch_group(args) -> int:
 def current_value(config, name: str):
     """A varied field's value in a run's config (checkpointing under whichever name transformers reads)."""
     if name == "gradient_checkpointing":
-        from ..trainers.config_utils import checkpointing_setting
-
         return checkpointing_setting(config)[0]
     return getattr(config, name, None)
 
@@ -117,7 +120,6 @@ def candidates(method: str, fields: dict, vocab_size: int | None = None, group: 
     batch = int(fields.get("per_device_train_batch_size", 8))
     accumulation = int(fields.get("gradient_accumulation_steps", 1))
     per_round = fields.get("steps_per_generation")
-    from ..methods import find
 
     layouts = [{}]
     if find(method).layouts == "packing":
@@ -142,8 +144,6 @@ def candidates(method: str, fields: dict, vocab_size: int | None = None, group: 
                     split *= 2
     chunked = fields.get("chunked_loss", True) and not (fields.get("use_liger_kernel") or fields.get("use_liger_loss"))
     if vocab_size and chunked and fields.get("loss_chunk_size") is None:
-        from ..losses.token_logprobs import chunk_tokens_for
-
         quarter = max(16, chunk_tokens_for(vocab_size) // 4)
         found += [Candidate({**c.fields, "loss_chunk_size": quarter}, c.relative_time * SMALLER_CHUNK_COST)
                   for c in list(found)]
@@ -158,8 +158,6 @@ def recommend(plan, budget: int, model, train_dataset, trainer_class, peft_confi
     test a candidate must pass to be planned (a run sizing itself keeps its own packing, planning/self_sizing.py);
     `known`: candidate -> its plan when already made (the run's own configuration), else None; `least`: when none
     planned fits, plan the most frugal too (it is the answer if it fits; if it is known and over, nothing is planned)."""
-    from .planner import model_config_of
-
     result = Recommendation(budget)
     vocab_size = getattr(model_config_of(model).get_text_config(), "vocab_size", None)
     ranked = [c for c in candidates(plan.method, fields, vocab_size, group) if keep is None or keep(c)]
@@ -219,8 +217,6 @@ def _plan(candidate, model, train_dataset, trainer_class, peft_config, processin
     """A candidate's plan. Its generation pieces are figured from the whole round's plan (generation_batch.py: the
     update steps are the same, the round's memory per sequence), not traced: tracing each piece's generate call
     costs a plan several times over, for the same numbers."""
-    from .planner import plan_memory
-
     fields = {k: v for k, v in candidate.fields.items() if k != PIECES}
     planned = plan_memory(model, train_dataset, trainer_class, peft_config=peft_config,
                           processing_class=processing_class, num_processes=plan_args.num_processes,

@@ -20,9 +20,14 @@ import os
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+import datasets
 import torch
 
-from .devices import CUDA_CONTEXT_BYTES, GPUS, MIB, parse_budget
+from ..metrics.devices import CUDA_CONTEXT_BYTES, GPUS, MIB, parse_budget
+from ..models.checkpointing import checkpointing_field
+from .generation_batch import SAME_IN_DISTRIBUTION, pieces_for_budget
+from .plan_check import RUN_ONLY_FIELDS, _global_state_kept, _peft_config, _unwrapped
+from .planner import _explicit_fields, plan_memory
 from .recommend import (
     VARIED,
     Candidate,
@@ -78,10 +83,6 @@ def fit_to_budget(trainer_class, model, args, train_dataset, processing_class=No
                   **frozen_sources):
     """(the run's config, a changed copy when the budget asked for one; the BudgetFit). `frozen_sources`: the
     method's frozen models as given (reward_funcs, teacher_model), which the plan builds fake."""
-    import datasets
-
-    from .plan_check import _global_state_kept
-
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError("`memory_budget` sizes a one-process run; for a launch of several processes run `leantune "
                          "plan --num_processes N --engine ENGINE --memory_budget SIZE` with the run's flags and set "
@@ -91,7 +92,6 @@ def fit_to_budget(trainer_class, model, args, train_dataset, processing_class=No
                          "has none until it is read; pass a datasets.Dataset, or leave `memory_budget` unset.")
     on_cuda = not args.use_cpu and torch.cuda.is_available()
     budget, device = budget_of(args.memory_budget, on_cuda)
-    from .planner import plan_memory
 
     with _global_state_kept():  # planning builds configs and trainers: RNGs, accelerate's state, the log level kept
         source, fields, peft_config = _planned_run(model, args, peft_config)
@@ -130,8 +130,6 @@ def fit_to_budget(trainer_class, model, args, train_dataset, processing_class=No
 def _round_in_pieces(fit: BudgetFit, planned, group: int):
     """(the plan, None), or where transformers' generation round is what exceeds the budget, (the plan with the
     largest piece of whole prompt groups per `generate` call whose round fits, its GenerationBatchSolve)."""
-    from .generation_batch import pieces_for_budget
-
     solved = pieces_for_budget(planned, fit.budget, group)
     if solved is None:
         return planned, None
@@ -146,9 +144,6 @@ def _round_in_pieces(fit: BudgetFit, planned, group: int):
 def _planned_run(model, args, peft_config):
     """(the model as the planner takes it, the run's explicit fields, its adapters): a model given by id or folder is
     planned from its config.json with the run's `model_init_kwargs`; a model object from its config, in its own dtype."""
-    from .plan_check import RUN_ONLY_FIELDS, _peft_config, _unwrapped
-    from .planner import _explicit_fields
-
     fields = {name: getattr(args, name) for name in _explicit_fields(args)}
     for name in (*RUN_ONLY_FIELDS, "activation_checkpointing", "activation_checkpointing_kwargs",
                  "gradient_checkpointing_kwargs"):
@@ -184,8 +179,6 @@ def _keeps_run(args, on_cuda: bool):
 def changed_config(args, fields: dict):
     """(a copy of `args` with the search's varied fields set from `fields`, {name: (old, new)} of those that
     differ). The user's config object is left as it was."""
-    from ..trainers.config_utils import checkpointing_field
-
     sized, changes = copy.copy(args), {}
     for name in VARIED:
         if name not in fields or fields[name] == current_value(args, name):
@@ -220,8 +213,6 @@ def _change_lines(fit: BudgetFit) -> list[str]:
            f"{_peak_words(chosen.peak_bytes, chosen.total_bytes)} (expected step time x{chosen.relative_time:.2f} "
            f"of the fastest candidate). Changed:"]
     if fit.pieces is not None:
-        from .generation_batch import SAME_IN_DISTRIBUTION
-
         pieces = fit.pieces
         out.insert(1, f"  (its generation round was over the budget: each generate call now takes at most "
                       f"{pieces.size} of the round's {pieces.round_sequences} completions per process, whole prompt "

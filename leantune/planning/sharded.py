@@ -13,7 +13,7 @@ reducer rebuilds them (`_BucketsOfDDP`). The planner's MemoryBreakdownCallback t
 breakdown measures (bench/plan_accuracy.py --engines: to the byte on CPU).
 
 What the fake group cannot show is what a real backend holds outside tensors (NCCL's buffers: a device term,
-planning/devices.py). Everything changed for the trace is put back afterwards: the group is destroyed, accelerate's
+metrics/devices.py). Everything changed for the trace is put back afterwards: the group is destroyed, accelerate's
 shared state reset, the environment and the patches restored, so `plan_memory` can be called again in-process.
 """
 
@@ -24,6 +24,12 @@ import logging
 import os
 
 import torch
+import torch.distributed as dist
+from accelerate import state as accelerate_state
+from accelerate.state import AcceleratorState, GradientState, PartialState
+from accelerate.utils import DistributedType
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 # What `accelerate launch --config_file examples/accelerate/fsdp2.yaml` exports to each process (accelerate's
 # prepare_multi_gpu_env), beside the launcher's rank and world size.
@@ -40,12 +46,9 @@ TRACED_ENGINES = ("fsdp2", "ddp")
 def rank_of(engine: str, num_processes: int, rank: int = 0, gloo: bool = True):
     """This process as `rank` of `num_processes` launched under `engine`, for the duration of one plan's traces.
     `gloo`: the launch's collectives are gloo's (a CPU launch), with the buffer its reduce-scatter stages."""
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         raise ValueError(f"`engine`: a {engine} plan of {num_processes} processes traces a rank in a process group "
                          "of its own; call plan_memory outside a launched run (this process already has a group).")
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     launch_env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(num_processes),
                   "LOCAL_WORLD_SIZE": str(num_processes), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}
@@ -70,8 +73,6 @@ def rank_of(engine: str, num_processes: int, rank: int = 0, gloo: bool = True):
 
 
 def _reset_accelerate() -> None:
-    from accelerate.state import AcceleratorState, GradientState
-
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
 
@@ -80,9 +81,6 @@ def switch_cpu_state_to_fsdp(state, fsdp_plugin=None) -> None:
     """accelerate turns FSDP on only for accelerator devices; the plan is of a GPU launch traced on CPU, so a MULTI_CPU
     state asked for FSDP becomes FSDP, as accelerate makes it on a GPU. The real CPU launches the plan is checked
     against apply the same rule (devkit/cpu_engines/sitecustomize.py)."""
-    from accelerate import state as accelerate_state
-    from accelerate.utils import DistributedType
-
     asked = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" or fsdp_plugin is not None
     if asked and state.distributed_type == DistributedType.MULTI_CPU:
         state.distributed_type = DistributedType.FSDP
@@ -95,8 +93,6 @@ def switch_cpu_state_to_fsdp(state, fsdp_plugin=None) -> None:
 
 @contextlib.contextmanager
 def _fsdp_on_cpu_state():
-    from accelerate import state as accelerate_state
-
     original = accelerate_state.AcceleratorState.__init__
 
     def init(self, *args, **kwargs):
@@ -115,8 +111,6 @@ def _fake_tensors_with_addresses():
     """accelerate maps the optimizer's parameters to their sharded versions by `data_ptr()`; every FakeTensor answers
     0, which would map them all to one. Each fake tensor answers its own object's id instead (a parameter is mapped
     from the same object on both sides)."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
     had = "data_ptr" in vars(FakeTensor)
     original = vars(FakeTensor).get("data_ptr")
     FakeTensor.data_ptr = lambda self: id(self)
@@ -208,7 +202,6 @@ def _gloo_reduce_scatter_staging(active: bool):
     if not active:
         yield
         return
-    import torch.distributed as dist
 
     original = dist.reduce_scatter_single
 
@@ -233,7 +226,7 @@ class _DropCpuFsdpWarning(logging.Filter):
 
 @contextlib.contextmanager
 def _without_cpu_fsdp_warning():
-    """trainers/distributed.py warns a real CPU launch that FSDP will not shard; the traced launch does shard."""
+    """trainers/parts/distributed.py warns a real CPU launch that FSDP will not shard; the traced launch does shard."""
     logger = logging.getLogger("leantune.trainer")
     dropped = _DropCpuFsdpWarning()
     logger.addFilter(dropped)
@@ -257,8 +250,6 @@ def each_rank():
     """Every rank of the traced launch in turn (one process: rank 0 only): while a rank is current, accelerate builds
     and iterates the data loader as that rank does, so the plan's worst batch is chosen among the micro-batches every
     rank will see, not rank 0's alone. A loader that dispatches from rank 0 (an iterable dataset's) yields rank 0's."""
-    import torch.distributed as dist
-
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     for rank in range(world):
         with _as_rank(rank):
@@ -267,8 +258,6 @@ def each_rank():
 
 @contextlib.contextmanager
 def _as_rank(rank: int):
-    from accelerate.state import AcceleratorState, PartialState
-
     shared = [PartialState._shared_state, AcceleratorState._shared_state]
     saved = [(state.get("process_index"), state.get("local_process_index")) for state in shared]
     for state in shared:

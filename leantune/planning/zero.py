@@ -31,6 +31,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from peft import get_peft_model
+from transformers.integrations import deepspeed as hf_deepspeed
+
+from ..models.output_head import unwrap_model
+from .fake_step import fake_model_from_config
+from .planned_run import TracedStep, model_class_of, planning_session
 
 STAGES = {"zero2": 2, "zero3": 3}
 DEFAULT_REDUCE_BUCKET_SIZE = 500_000_000  # deepspeed/runtime/zero/config.py `reduce_bucket_size`
@@ -127,8 +133,6 @@ def traced_fields(fields: dict, settings: ZeroSettings) -> dict:
 
 def parameter_shapes(model) -> ParameterShapes:
     """Sizes of a (fake) model's parameters, in the order DeepSpeed meets them."""
-    from ..models.output_head import unwrap_model
-
     params = list(model.parameters())
     base = unwrap_model(model)
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
@@ -189,7 +193,7 @@ def traced_moment(parts: dict, terms: RankTerms, shapes: ParameterShapes, settin
     moment["optimizer_states"] = terms.master_and_states
     grads = parts.get("gradients", 0)
     # frozen models (a reference copy, reward models): the trace holds them whole; ZeRO-2 gives them a plain replica
-    # (trainers/frozen_models.py), ZeRO-3 partitions them in an inference engine of their own
+    # (trainers/parts/frozen_models.py), ZeRO-3 partitions them in an inference engine of their own
     frozen = frozen_held(parts, shapes, settings)
     if frozen:
         moment["frozen_models"] = frozen
@@ -346,8 +350,6 @@ def notes(settings: ZeroSettings) -> list[str]:
 def deepspeed_init_off():
     """A config object holding a `deepspeed` field (the command line's) registers itself with transformers, which
     then builds every model under `deepspeed.zero.Init`; the plan builds its fake models without it."""
-    from transformers.integrations import deepspeed as hf_deepspeed
-
     registered = getattr(hf_deepspeed, "_hf_deepspeed_config_weak_ref", None)
     hf_deepspeed._hf_deepspeed_config_weak_ref = None
     try:
@@ -358,14 +360,9 @@ def deepspeed_init_off():
 
 def model_shapes(config, trainer_class, peft_config, dtype) -> ParameterShapes:
     """The whole model's parameter shapes (every layer, the adapter's if any), from fake weights."""
-    from .fake_step import fake_model_from_config
-    from .planner import _model_class, planning_session
-
     with deepspeed_init_off(), planning_session() as mode:
-        model = fake_model_from_config(config, mode, _model_class(trainer_class), dtype)
+        model = fake_model_from_config(config, mode, model_class_of(trainer_class), dtype)
         if peft_config is not None:
-            from peft import get_peft_model
-
             with mode.building():
                 model = get_peft_model(model, peft_config)
         return parameter_shapes(model)
@@ -374,8 +371,6 @@ def model_shapes(config, trainer_class, peft_config, dtype) -> ParameterShapes:
 def per_rank(config, trainer_class, peft_config, settings: ZeroSettings, trainable: int, second, traced: list,
              rank: int, device) -> tuple:
     """The traced steps with a rank's DeepSpeed model states in place of the one-process ones."""
-    from .planner import TracedStep
-
     shapes = model_shapes(config, trainer_class, peft_config, settings.compute_dtype)
     on_gloo = device is None or str(device).lower() == "cpu"
 

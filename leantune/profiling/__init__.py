@@ -5,14 +5,8 @@ draws it; `length_summary_line` is the one line the trainers log.
 """
 
 from ..data.lengths import length_summary_line
+from .figure import write_length_figure
 from .profiler import profile_dataset
 from .report import LengthProfile
-
-
-def write_length_figure(profile, path):
-    from .figure import write_length_figure as write
-
-    return write(profile, path)
-
 
 __all__ = ["LengthProfile", "length_summary_line", "profile_dataset", "write_length_figure"]

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..data.chat_template import require_chat_template
 from ..data.formats import SFTFormat, detect_sft_format
 from ..data.preference_formats import (
     ACCEPTED_PREFERENCE_FORMATS,
@@ -120,8 +121,6 @@ def tokenize_lengths(dataset, tokenizer, text_field: str = "text", eos_token: st
 
 
 def _require_chat_template(tokenizer) -> None:
-    from ..data.chat_template import require_chat_template
-
     require_chat_template(tokenizer)
 
 

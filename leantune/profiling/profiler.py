@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import time
 
+import datasets
 import numpy as np
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer
 
-from ..data.loading import rename_columns
+from ..data.chat_template import load_chat_template
+from ..data.loading import load_dataset_source, rename_columns
 from ..data.packing import STRATEGIES, plan_packing
 from .lengths import PREFERENCE_PARTS, DatasetLengths, tokenize_lengths
 from .numbers import (
@@ -73,12 +78,8 @@ def profile_dataset(
 
 def load_profile_dataset(dataset, config=None, split="train", max_examples=None, column_mapping=None):
     """(datasets.Dataset, description of where it came from)."""
-    import datasets
-
     source = "dataset"
     if isinstance(dataset, str):
-        from ..data.loading import load_dataset_source
-
         source = dataset
         dataset = load_dataset_source(dataset, config)
     if isinstance(dataset, (list, tuple)):
@@ -99,14 +100,10 @@ def load_profile_dataset(dataset, config=None, split="train", max_examples=None,
 
 def load_profile_tokenizer(tokenizer, chat_template_path: str | None = None):
     """(tokenizer, its name); a clear error when an id or path does not lead to one."""
-    import os
-
     if tokenizer is None:
         raise ValueError("A tokenizer is needed: pass its Hub id or local folder (--tokenizer).")
     name = tokenizer if isinstance(tokenizer, str) else getattr(tokenizer, "name_or_path", type(tokenizer).__name__)
     if isinstance(tokenizer, str):
-        from transformers import AutoTokenizer
-
         looks_local = tokenizer.startswith((".", "/", "~")) or os.sep * 2 in tokenizer or tokenizer.count("/") > 1
         if looks_local and not os.path.isdir(os.path.expanduser(tokenizer)):
             raise FileNotFoundError(f"Tokenizer folder not found: {tokenizer!r}.")
@@ -116,8 +113,6 @@ def load_profile_tokenizer(tokenizer, chat_template_path: str | None = None):
             raise ValueError(f"Could not load a tokenizer from {name!r}: it is not a local tokenizer folder and "
                              f"could not be loaded from the Hub ({type(error).__name__}: {error}).") from None
     if chat_template_path:
-        from ..data.chat_template import load_chat_template
-
         load_chat_template(tokenizer, chat_template_path)
     return tokenizer, os.path.basename(str(name).rstrip("/")) or str(name)
 
@@ -136,8 +131,6 @@ def build_profile(lengths: DatasetLengths, *, max_lengths=None, batch_size: int 
                   pad_to_multiple_of: int | None = None, seed: int = 42, source: str = "dataset",
                   tokenizer_name: str = "?", progress: bool | None = None) -> LengthProfile:
     """Every number of the profile from the lengths alone."""
-    from tqdm.auto import tqdm
-
     _check_settings(max_lengths, batch_size, keep_threshold, pad_to_multiple_of)
     if len(lengths.sequences) == 0:
         if lengths.kind == "preference":

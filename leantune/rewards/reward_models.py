@@ -4,14 +4,13 @@ frozen, and scored in right-padded chunks (logits[:, 0]), never truncated."""
 from __future__ import annotations
 
 import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
 REWARD_MODEL_BATCH_SIZE = 64
 """Texts per reward-model forward pass: bounds the activation memory of scoring a large generation round."""
 
 
 def is_reward_model(func) -> bool:
-    from transformers import PreTrainedModel
-
     return isinstance(func, PreTrainedModel)
 
 
@@ -35,8 +34,6 @@ def processing_classes_by_position(processing_classes, funcs) -> list:
 
 
 def _tokenizer_from_model_name(model, position: int):
-    from transformers import AutoTokenizer
-
     name_or_path = getattr(model.config, "_name_or_path", "") or ""
     no_tokenizer = (f"reward model {position} ({type(model).__name__}) has no tokenizer: pass it in "
                     "`reward_processing_classes` at the same position")
@@ -50,8 +47,6 @@ def _tokenizer_from_model_name(model, position: int):
 
 def prepared_reward_source(func, tokenizer, position: int, model_init_kwargs: dict):
     """Loads a reward model given by name, finds its tokenizer, and freezes it; callables pass through."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
     if isinstance(func, str):
         path = func
         func = AutoModelForSequenceClassification.from_pretrained(path, **{"num_labels": 1, **model_init_kwargs})

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 
+from datasets import Dataset
+
 from ..data.prompt_preparation import PROMPT_IDS, prompt_text
 from .environments import Environments, environment_methods, with_observation
 from .multi_turn import Rollout, run_tool_loop
@@ -62,8 +64,6 @@ class AgentRollouts:
     def placeholder_dataset(self, args):
         """The data of environments that own it (no `train_dataset`): rows of an empty user message, one round's
         worth, cycled for `max_steps` steps; each rollout's `reset()` supplies its prompt."""
-        from datasets import Dataset
-
         if self.environments is None:
             raise ValueError("`train_dataset` is required unless an `environment_factory` is provided.")
         if self.environments.multiple:

@@ -25,6 +25,8 @@ import json
 import re
 from dataclasses import dataclass
 
+from transformers.utils import get_json_schema
+
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 
 
@@ -34,8 +36,6 @@ def tool_name(tool) -> str:
 
 def tool_schemas(tools: list, keyword: str) -> list[dict]:
     """The JSON schema of each tool (what the chat template shows the policy); a clear error for one that has none."""
-    from transformers.utils import get_json_schema
-
     schemas = []
     for tool in tools:
         if not callable(tool):

@@ -1,7 +1,7 @@
 """What every leantune trainer shares on top of transformers' Trainer: one construction sequence, and the parts it
 holds (trainers/parts/): the resolved config, the split preparer, the log-prob engine, the step's loss normaliser,
 the run metrics and the staged checkpoints, plus context parallelism, the reference (trainers/reference.py: none
-held but for DPO, KTO and the online methods) and the non-finite guard (trainers/nonfinite.py), which Trainer's step
+held but for DPO, KTO and the online methods) and the non-finite guard (trainers/parts/nonfinite.py), which Trainer's step
 hooks below call in one line each.
 
 A method's trainer says what is its own (its models, its recipe for a split, its collator, its loss) and reads as
@@ -22,17 +22,19 @@ from .. import methods
 from ..data.streaming import is_stream, log_stream_report, reset_counts
 from ..metrics.memory import reset_peak_memory
 from ..metrics.memory_breakdown import MemoryBreakdownCallback
-from .batches import kept_columns
-from .context_parallel import ContextParallelism
-from .distributed import leave_process_group_at_exit, named_collective_timeouts
-from .frozen_models import prepare_frozen_model
+from ..planning.plan_check import check_before_training
+from ..planning.self_sizing import fit_to_budget
 from .gradient_check import GradientCheck
 from .method_hooks import MethodHooks
-from .nonfinite import NonFiniteGuard
+from .online.round_parts import RoundParts
+from .parts.batches import kept_columns
+from .parts.context_parallel import ContextParallelism
+from .parts.distributed import leave_process_group_at_exit, named_collective_timeouts
+from .parts.frozen_models import prepare_frozen_model
 from .parts.logprob_engine import LogProbEngine
+from .parts.nonfinite import NonFiniteGuard
 from .parts.oom_retry import OutOfMemoryRetry
 from .parts.resolved_config import resolve_config
-from .parts.round_parts import RoundParts
 from .parts.run_metrics import RunMetrics
 from .parts.saving import StagedCheckpoint, agreed_resume_checkpoint, model_files_saved, tag_model, write_hub_card
 from .parts.split_preparer import SplitPreparer
@@ -64,8 +66,6 @@ class LeantuneTrainer(MethodHooks, TrainerAttributes, Trainer):
         args = self.default_args(model, args)
         self.memory_budget_fit = None  # planning/self_sizing.py: what `memory_budget` planned and changed
         if getattr(args, "memory_budget", None) is not None:  # before any weight loads: the run sized to its budget
-            from ..planning.self_sizing import fit_to_budget
-
             args, self.memory_budget_fit = fit_to_budget(type(self), model, args, train_dataset, processing_class,
                                                          peft_config, **self.frozen_model_sources())
         args, logprob_path = resolve_config(type(self).__name__, args, train_dataset, eval_dataset,
@@ -88,7 +88,7 @@ class LeantuneTrainer(MethodHooks, TrainerAttributes, Trainer):
         self.callback_handler.callbacks.insert(0, GradientCheck(
             self.accelerator, lambda model, grad_norm: self.nonfinite.check_step(model, grad_norm)))
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            leave_process_group_at_exit()  # no abort at interpreter exit (trainers/distributed.py)
+            leave_process_group_at_exit()  # no abort at interpreter exit (trainers/parts/distributed.py)
         use_step_log_lines(self.callback_handler)  # trainers/step_logging.py: `step N/M | loss ...`
         self.trained_nothing = False
         self.settings = resolve_settings(args, self.generates_rounds, self.layout)  # each part's own (trainers/settings.py)
@@ -161,7 +161,7 @@ class LeantuneTrainer(MethodHooks, TrainerAttributes, Trainer):
         if not is_stream(dataset) or not self.args.dataloader_num_workers:
             return super().get_eval_dataloader(eval_dataset)
         collator = self.data_collator
-        if self.args.remove_unused_columns:  # as Trainer's own loader: the columns it keeps (batches.py)
+        if self.args.remove_unused_columns:  # as Trainer's own loader: the columns it keeps (parts/batches.py)
             collator = RemoveColumnsCollator(collator, kept_columns(self), transformers_logging.get_logger(
                 "transformers.trainer"), self.model.__class__.__name__, "Evaluation")
         return self.accelerator.prepare(DataLoader(dataset, self.args.eval_batch_size, collate_fn=collator,
@@ -200,7 +200,7 @@ class LeantuneTrainer(MethodHooks, TrainerAttributes, Trainer):
     def context_parallel_loss(self) -> str | None:
         """How the method's loss runs under context parallelism (its entry in leantune/methods.py; None: refused).
         With per-sequence sums each target's sequence travels with it through the split and those sums are made
-        whole over the group (trainers/context_parallel.py)."""
+        whole over the group (trainers/parts/context_parallel.py)."""
         method = methods.METHODS.get(self.method)
         return method.context_parallel if method is not None else None
 
@@ -240,8 +240,6 @@ class LeantuneTrainer(MethodHooks, TrainerAttributes, Trainer):
     def train(self, *args, **kwargs):
         self.reference.before_training(self)  # precomputed log-probs, TR-DPO's sync
         if getattr(self.args, "plan_check", False):
-            from ..planning.plan_check import check_before_training
-
             self.memory_plan = check_before_training(self)  # planning/plan_check.py: training itself is unchanged
         if args and "resume_from_checkpoint" not in kwargs:
             kwargs["resume_from_checkpoint"], args = args[0], args[1:]

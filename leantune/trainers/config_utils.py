@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import torch
 
-from .distributed import resolve_launch, start_cpu_process_group
+from ..models.checkpointing import checkpointing_field
+from .config_fields import non_default
 from .memory_options import validate_memory_options
+from .parts.distributed import resolve_launch, start_cpu_process_group
 
 
 def resolve_bf16(args) -> None:
     """bf16=None (TRL's default) means: on when a bf16-capable GPU is used and fp16 is off.
 
     Every config calls this before TrainingArguments sets up its devices, so the launch is resolved here first: a
-    multi-process launch without a GPU trains on CPU in all its processes, or stops (trainers/distributed.py)."""
+    multi-process launch without a GPU trains on CPU in all its processes, or stops (trainers/parts/distributed.py)."""
     resolve_launch(args)
     start_cpu_process_group(args)
     if args.bf16 is None:
@@ -33,15 +36,6 @@ def validate_batch_sizes(args) -> None:
         value = getattr(args, name)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"`{name}` must be a positive integer, got {value!r}; set `{name}` to 1 or more.")
-
-
-def non_default(args, *names: str) -> list[str]:
-    """The named fields whose values differ from their dataclass defaults (options that only matter when another
-    field switches them on are rejected when set without it)."""
-    import dataclasses
-
-    defaults = {f.name: f.default for f in dataclasses.fields(args)}
-    return [name for name in names if getattr(args, name) != defaults[name]]
 
 
 # TRL fields that leantune accepts with TRL's default but does not implement yet, each with the closest thing leantune
@@ -65,42 +59,11 @@ UNSUPPORTED_TRL_FIELDS: dict[str, str] = {
 
 def refuse_unsupported_trl_fields(args) -> None:
     """A value other than TRL's default for a field leantune does not implement yet is a one-line ValueError."""
-    import dataclasses
-
     implemented = set(getattr(type(args), "implemented_trl_fields", ()))  # a config that implements a listed name
     names = {f.name for f in dataclasses.fields(args)} - implemented
     for name in non_default(args, *(name for name in UNSUPPORTED_TRL_FIELDS if name in names)):
         raise ValueError(f"`{name}`={getattr(args, name)!r} is not supported by leantune yet; "
                          f"{UNSUPPORTED_TRL_FIELDS[name]}.")
-
-
-def checkpointing_field(args) -> str:
-    """The name this transformers reads: `activation_checkpointing` from 5.19 (the rename), else the old one.
-
-    A declared field, not `hasattr`: setting `args.activation_checkpointing` on an older transformers' config makes
-    the attribute exist without transformers ever reading it."""
-    declared = {field.name for field in dataclasses.fields(args)}
-    return "activation_checkpointing" if "activation_checkpointing" in declared else "gradient_checkpointing"
-
-
-def checkpointing_setting(args) -> tuple[bool, dict | None]:
-    """(on, kwargs) of activation checkpointing, after `resolve_checkpointing`, whichever name transformers reads."""
-    name = checkpointing_field(args)
-    return bool(getattr(args, name)), getattr(args, f"{name}_kwargs")
-
-
-def set_checkpointing(args, enabled: bool) -> None:
-    setattr(args, checkpointing_field(args), enabled)
-
-
-def enable_model_checkpointing(model, kwargs: dict | None) -> bool:
-    """Turn on a model's checkpointing under the method's new name or its old one; False when it has neither."""
-    enable = getattr(model, "activation_checkpointing_enable", None) or getattr(model, "gradient_checkpointing_enable",
-                                                                                None)
-    if enable is None:
-        return False
-    enable(kwargs)
-    return True
 
 
 def resolve_checkpointing(args, default: bool = True) -> None:
@@ -117,8 +80,6 @@ def resolve_checkpointing(args, default: bool = True) -> None:
         enabled = default
     kwargs = (args.activation_checkpointing_kwargs if renamed else None) or args.gradient_checkpointing_kwargs
     if isinstance(kwargs, str):
-        import json
-
         kwargs = json.loads(kwargs)
     if enabled:
         kwargs = {"use_reentrant": False, **(kwargs or {})}

@@ -16,8 +16,8 @@ from ..data.kto_preparation import KL_COLUMN, REFERENCE_COLUMNS, KTOCollator, kl
 from ..losses.kto import kl_estimate, kto_loss
 from ..losses.token_logprobs import per_sequence_sum, target_sequences
 from .base import LeantuneTrainer
-from .context_parallel import KL_PREFIX
 from .kto_config import KTOConfig
+from .parts.context_parallel import KL_PREFIX
 from .reference import ReferenceModelMixin
 
 logger = logging.getLogger("leantune.kto")

@@ -7,6 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
+from ..metrics.devices import parse_budget
+from .config_fields import non_default
+
 
 @dataclass
 class MemoryOptions:
@@ -66,17 +71,11 @@ class MemoryOptions:
 
 
 def validate_memory_options(args) -> None:
-    from .config_utils import non_default
-
     if args.loss_chunk_size is not None and args.loss_chunk_size <= 0:
         raise ValueError(f"`loss_chunk_size` must be a positive integer or None, got {args.loss_chunk_size!r}.")
     if args.memory_budget is not None and str(args.memory_budget).strip().lower() != "auto":
-        from ..planning.devices import parse_budget
-
         parse_budget(args.memory_budget)  # a size or a GPU name, else a ValueError naming `memory_budget`
     elif args.memory_budget is not None:
-        import torch
-
         if args.use_cpu or not torch.cuda.is_available():  # planning/self_sizing.py reads CUDA's free memory
             raise ValueError("`memory_budget`=auto reads a CUDA device's free memory, and this run has no CUDA "
                              "device; give the memory to fit as a size, e.g. 2GiB or 1500MiB.")

@@ -6,6 +6,7 @@ fields (MemoryOptions), `padding_free` scoring and the older `max_prompt_length`
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,8 +14,8 @@ from transformers import TrainingArguments
 
 from ..generation.backend import TRANSFORMERS, generation_engine
 from .config_utils import non_default, positive_or_none, resolve_shared_settings, validate_shared_options
-from .context_parallel import requested_cp_size, resolve_pad_to_multiple_of
 from .memory_options import MemoryOptions
+from .parts.context_parallel import requested_cp_size, resolve_pad_to_multiple_of
 from .trl_options import CausalLMOptions, ReferenceSyncOptions
 
 VLLM_MODES = ("colocate", "server")
@@ -168,8 +169,6 @@ class OnlineConfig(MemoryOptions, CausalLMOptions, ReferenceSyncOptions, Trainin
         for name in ("generation_kwargs", "chat_template_kwargs"):
             value = getattr(self, name)
             if isinstance(value, str):
-                import json
-
                 setattr(self, name, json.loads(value))
         super().__post_init__()
         validate_online_config(self)

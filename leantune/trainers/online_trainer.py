@@ -28,14 +28,14 @@ from ..losses.token_logprobs import TargetScores, per_sequence_sum
 from ..rewards import RewardFunctions
 from ..rollouts import AgentRollouts
 from .base import LeantuneTrainer
-from .context_parallel import ORDINAL_KEY, data_parallel_place
-from .frozen_models import prepare_frozen_model
 from .online.evaluation import evaluate_rounds
 from .online.generation_session import GenerationSession
 from .online.prompt_rounds import RoundLoader, RoundSampler, StreamRounds, as_rows, round_loader
 from .online.round_builder import RoundBuilder
 from .online.round_metrics import RoundMetrics
 from .online.shared_prompt import batch_target_sequences, batch_targets
+from .parts.context_parallel import ORDINAL_KEY, data_parallel_place
+from .parts.frozen_models import prepare_frozen_model
 from .reference import ReferenceModelMixin
 
 logger = logging.getLogger("leantune.online")
@@ -107,7 +107,7 @@ class OnlineMethod:
 
     def split_problem(self) -> str | None:
         """Why the method's loss would change if a micro-batch trained in parts of whole prompt groups (the
-        out-of-memory retry's, parts/round_parts.py); None: it would not."""
+        out-of-memory retry's, online/round_parts.py); None: it would not."""
         return None
 
 

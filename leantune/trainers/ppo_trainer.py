@@ -18,12 +18,14 @@ from __future__ import annotations
 import logging
 
 import torch
+from transformers import AutoModelForSequenceClassification
 
 from ..data.collators import MODEL_INPUTS, sequence_starts
 from ..losses.causal_lm import count_targets
 from ..losses.policy_gradient import clipped_surrogate
 from ..losses.ppo import clipped_value_loss, gae_advantages, kl_penalised_rewards, moments, token_kl, whiten
 from ..losses.token_logprobs import TargetScores, per_sequence_sum, select_targets, target_sequences
+from ..models.checkpointing import checkpointing_setting, enable_model_checkpointing
 from ..models.loading import load_causal_lm
 from ..models.output_head import text_config_of, unwrap_model
 from ..models.segment_attention import use_segment_attention
@@ -35,7 +37,6 @@ from ..models.value_head import (
     load_value_function,
     save_value_function,
 )
-from .config_utils import checkpointing_setting, enable_model_checkpointing
 from .online.round_builder import eos_penalised
 from .online_trainer import OnlineTrainer, ScoringNeeds
 
@@ -85,8 +86,6 @@ class PPOTrainer(OnlineTrainer):
         loaded = super().load_models(model, ref_model, processing_class, peft_config, args, quantization_config)
         value_model = self._value_source
         if isinstance(value_model, str):
-            from transformers import AutoModelForSequenceClassification
-
             value_model = load_causal_lm(value_model, args.model_init_kwargs, AutoModelForSequenceClassification,
                                          trust_remote_code=args.trust_remote_code)
         if value_model is not None:

@@ -18,11 +18,13 @@ import torch
 from transformers import TrainerCallback
 
 from .. import methods
+from ..data.streaming import is_stream
 from ..models.loading import apply_peft, ensure_pad_token, load_causal_lm, load_tokenizer, with_quantization_config
 from ..models.output_head import unwrap_model
 from ..models.segment_attention import SEGMENT_SDPA, use_segment_attention
-from .batches import placed
-from .frozen_models import zero3_enabled
+from .online.shared_prompt import shared_prompt_problem
+from .parts.batches import placed
+from .parts.frozen_models import zero3_enabled
 from .settings import checkpointing_of, reference_of
 
 logger = logging.getLogger("leantune.trainer")
@@ -201,7 +203,6 @@ class Reference:
         now, while the reference is still at hand (adapter disabled, or the untrained policy before any step)."""
         if not self.precomputes:
             return dataset
-        from ..data.streaming import is_stream
 
         if is_stream(dataset):
             raise ValueError("`precompute_ref_log_probs` is not supported with IterableDataset (a stream): the "
@@ -301,8 +302,6 @@ def mix_into(target: torch.nn.Module, source: torch.nn.Module, alpha: float) -> 
 
 
 def require_shared_prompt_attention(model) -> None:
-    from .online.shared_prompt import shared_prompt_problem
-
     problem = shared_prompt_problem(model)
     if problem is not None:
         raise ValueError(problem)

@@ -15,6 +15,8 @@ import logging
 
 import numpy as np
 import torch
+from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULTS
+from transformers import AutoModelForSequenceClassification
 
 from ..data.chat_template import load_chat_template
 from ..data.collators import MODEL_INPUTS
@@ -194,8 +196,6 @@ class RewardTrainer(LeantuneTrainer):
 
 def load_reward_model(model, model_init_kwargs=None, trust_remote_code: bool = False):
     """A sequence-classification model with one output (the reward), from an id, a path or an object."""
-    from transformers import AutoModelForSequenceClassification
-
     if isinstance(model, str):
         kwargs = {"dtype": "float32", **parse_kwargs(model_init_kwargs), "num_labels": 1}
         return load_causal_lm(model, kwargs, auto_class=AutoModelForSequenceClassification,
@@ -236,8 +236,6 @@ def reward_peft_config(peft_config, model=None):
             logger.info("PEFT: `%s` added to modules_to_save (the reward head is trained in full).", SCORE_HEAD)
         return config
     if targets is None and model is not None:
-        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULTS
-
         targets = DEFAULTS.get(getattr(unwrap_model(model).config, "model_type", None))
     if targets is not None and SCORE_HEAD not in targets:
         config.target_modules = [*targets, SCORE_HEAD]

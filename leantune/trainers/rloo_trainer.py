@@ -13,9 +13,9 @@ import torch
 from ..losses.advantages import leave_one_out_advantages
 from ..losses.policy_gradient import clipped_surrogate
 from ..losses.token_logprobs import TargetScores, per_sequence_sum
-from .context_parallel import gather_once_per_group
 from .online.shared_prompt import batch_target_sequences, batch_targets
 from .online_trainer import OnlineTrainer, sequence_sums
+from .parts.context_parallel import gather_once_per_group
 
 
 class RLOOTrainer(OnlineTrainer):

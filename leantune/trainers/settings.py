@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config_utils import checkpointing_setting
+from ..models.checkpointing import checkpointing_setting
+from ..planning.recommend import micro_batch_group
 
 
 @dataclass(frozen=True)
@@ -178,7 +179,5 @@ def reference_of(args) -> ReferenceSettings:
 def online_group(args) -> tuple[int, int]:
     """(rows of per_device_train_batch_size in one prompt group, completions per row: Online DPO's rows are
     prompts of two)."""
-    from ..planning.recommend import micro_batch_group
-
     completions, steps = args.generation_plan(1)
     return micro_batch_group(args), max(1, completions // (args.per_device_train_batch_size * steps))

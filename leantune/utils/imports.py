@@ -34,10 +34,3 @@ def require(module: str, feature: str) -> None:
             f"{feature} needs the optional package '{module}', which is not installed. "
             f"Install it with: pip install 'leantune[{extra}]'"
         )
-
-
-def require_cuda(feature: str) -> None:
-    import torch
-
-    if not torch.cuda.is_available():
-        raise NeedsGPUError(f"{feature} needs a CUDA GPU, and none is visible to PyTorch on this machine.")

@@ -123,14 +123,14 @@ def test_help_is_fast_grouped_and_starts_with_the_commands_own_fields(tmp_path, 
 def test_cached_help_is_the_live_rendering_and_an_edited_source_renders_again(tmp_path, monkeypatch):
     """The cache lives in the user's cache folder, keyed by versions and leantune's sources: nothing in git can go
     stale with another Python or transformers release, and an edited field shows at once."""
-    from leantune.cli import help_cache
+    from leantune.cli import help_cache, help_render
     from leantune.cli.main import COMMANDS
 
     monkeypatch.setenv("LEANTUNE_CACHE_DIR", str(tmp_path))
     for command in COMMANDS:
         assert help_cache.cached_help(command) is None
-        live = help_cache.help_text(command)
-        assert live == help_cache.render_help(command)
+        live = help_render.help_text(command)
+        assert live == help_render.render_help(command)
         assert help_cache.cached_help(command) == live, command
     monkeypatch.setattr(help_cache, "source_fingerprint", lambda: "an edited checkout")
     assert help_cache.cached_help("sft") is None

@@ -87,7 +87,7 @@ def test_a_missing_data_file_names_the_flag(model_and_data, tmp_path, capsys):
 
 
 def test_help_of_output_dir_and_resume_is_leantunes_own():
-    from leantune.cli.help_cache import render_help  # the live rendering (the user's --help cache keeps it)
+    from leantune.cli.help_render import render_help  # the live rendering (the user's --help cache keeps it)
 
     text = " ".join(render_help("sft").split())
     resume = text[text.index("--resume_from_checkpoint VALUE"):][:300]

@@ -50,7 +50,7 @@ Tolerances (SGD with momentum 0.9, no clipping, 2 steps, lr 1e-2; tests/scripts/
   losses within 1.9e-7 absolute, weights within 4.5% to 5.8% of the bound, logged metrics as below.
 - Shared-prompt rows (`shared_prompt=True`: GRPO as `grpo`, Online DPO; RLOO measured once, cp_run.py's
   `rloo_shared`) are not run through the ring: each process holds its share of every segment of the row and
-  attends to the group's gathered keys and values (trainers/online/shared_prompt_ring.py; the layout and its
+  attends to the group's gathered keys and values (trainers/parts/shared_prompt_ring.py; the layout and its
   attention are checked per token in one process above). Measured: weights within 3.8e-5 (GRPO), 3.9e-5 (Online
   DPO) and 8.1e-6 (RLOO) of their update relative, within the bound; Online DPO's step-2 loss within 1.4e-6 relative,
   GRPO's within 4.8e-8 absolute; GRPO's cp=2 shared weights are as close to one process's UNshared run (3.4e-5).
@@ -118,7 +118,7 @@ def test_each_process_holds_a_balanced_share_of_every_document():
     document's tail); targets are shifted before the split, padding inside a document has no target."""
     from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer
 
-    from leantune.trainers.context_parallel import lay_out_documents
+    from leantune.trainers.parts.context_parallel import lay_out_documents
 
     cp = 2
     lengths = [5, 8, 3]  # one row of three documents, none a multiple of 2 x cp
@@ -160,7 +160,7 @@ def test_each_process_part_of_every_sequence_sums_to_the_whole():
 
     from leantune.losses.preference import pair_sequence_logps, wpo_weights
     from leantune.losses.token_logprobs import select_targets
-    from leantune.trainers.context_parallel import lay_out_documents, target_sequence_grids
+    from leantune.trainers.parts.context_parallel import lay_out_documents, target_sequence_grids
 
     cp, lengths, prompts = 2, [9, 7, 6, 11], [4, 3, 4, 3]  # chosen 0, chosen 1, rejected 0, rejected 1
     generator = torch.Generator().manual_seed(0)
@@ -222,9 +222,9 @@ def test_a_shared_prompt_row_split_over_the_group_attends_as_one_process():
     from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer
 
     from leantune.models.segment_attention import RING_SEGMENTS, attend_gathered, segment_sdpa_attention
-    from leantune.trainers.context_parallel import ORDINAL_KEY
     from leantune.trainers.online.shared_prompt import shared_prompt_batch
-    from leantune.trainers.online.shared_prompt_ring import lay_out_shared_row
+    from leantune.trainers.parts.context_parallel import ORDINAL_KEY
+    from leantune.trainers.parts.shared_prompt_ring import lay_out_shared_row
 
     groups = [(5, [3, 6, 2]), (7, [4, 1])]  # (prompt length, completion lengths)
     examples, prompt_lengths, token = [], [], 10
@@ -288,7 +288,7 @@ def sums_on_each_process(laid: dict, split: torch.Tensor, whole_values: torch.Te
 
     from leantune.losses.preference import pair_sequence_logps, wpo_weights
     from leantune.losses.token_logprobs import TargetSequences, select_targets
-    from leantune.trainers.context_parallel import ORDINAL_KEY, RANK_KEY, SEQUENCE_KEY
+    from leantune.trainers.parts.context_parallel import ORDINAL_KEY, RANK_KEY, SEQUENCE_KEY
 
     cp = split.shape[0]
     partials, barrier, results = [None] * cp, threading.Barrier(cp), [None] * cp
@@ -340,7 +340,7 @@ def test_pad_to_multiple_of_follows_cp_size(monkeypatch):
 def test_models_the_ring_cannot_run_exactly_are_named():
     from transformers import MistralConfig, MistralForCausalLM
 
-    from leantune.trainers.context_parallel import attention_problem
+    from leantune.trainers.parts.context_parallel import attention_problem
 
     assert attention_problem(tiny_model()) is None
     assert "'eager'" in attention_problem(tiny_model(attn_implementation="eager"))
@@ -351,7 +351,7 @@ def test_models_the_ring_cannot_run_exactly_are_named():
 
 
 def test_only_right_padded_rows_pass():
-    from leantune.trainers.context_parallel import check_padded_rows
+    from leantune.trainers.parts.context_parallel import check_padded_rows
 
     check_padded_rows(torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]]))
     with pytest.raises(ValueError, match="padded on the right"):

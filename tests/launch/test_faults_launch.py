@@ -1,6 +1,6 @@
 """Faults of multi-process CPU runs: a stuck process, a killed process, a full disk, two "nodes" on one machine.
 
-- A process that stops answering: the others fail after `ddp_timeout` with one clear error (trainers/distributed.py
+- A process that stops answering: the others fail after `ddp_timeout` with one clear error (trainers/parts/distributed.py
   starts the gloo group with it; transformers dropped it on CPU, so they waited torch's default 30 minutes).
 - A full disk on one node, or a checkpoint that one node cannot read at resume: every process stops at once with
   the same line (the processes agree on a save's outcome and on the checkpoint to resume: parts/saving.py).

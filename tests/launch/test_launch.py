@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from leantune.trainers import distributed
+from leantune.trainers.parts import distributed
 
 from ..fixtures.launchers import (
     LAUNCH_VARIABLES,

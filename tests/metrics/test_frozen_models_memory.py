@@ -185,7 +185,8 @@ def test_frozen_storages_are_counted_once_and_by_their_partition():
 def test_plan_help_lists_the_planned_methods_fields(tmp_path, monkeypatch):
     """`leantune plan --method X --help` has an entry of its own with X's config fields, kept in the user's cache as
     it was rendered."""
-    from leantune.cli.help_cache import cached_help, help_entry, help_text, render_help
+    from leantune.cli.help_cache import cached_help, help_entry
+    from leantune.cli.help_render import help_text, render_help
 
     monkeypatch.setenv("LEANTUNE_CACHE_DIR", str(tmp_path))
     for method, title in [("dpo", "DPOConfig"), ("online_dpo", "OnlineDPOConfig"), ("ppo", "PPOConfig"),

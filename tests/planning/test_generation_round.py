@@ -10,7 +10,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from devkit.allocator_meter import block_peak
 from leantune.planning.generation_round import GenerationRound, generation_round
-from leantune.planning.planner import MemoryPlan, TracedStep
+from leantune.planning.planned_run import TracedStep
+from leantune.planning.planner import MemoryPlan
 
 pytestmark = pytest.mark.quick  # the quick tier (tests/quick_tier.py): this file's tests take seconds
 

@@ -10,8 +10,8 @@ import time
 import pytest
 
 from leantune.cli.main import main
+from leantune.metrics.devices import parse_budget
 from leantune.planning import plan_memory
-from leantune.planning.devices import parse_budget
 
 from ..fixtures.data import gsm8k_prompt_completion
 from ..fixtures.models import tiny_model

@@ -144,9 +144,8 @@ def test_plan_from_the_profile_json_is_the_plan_from_the_data(tokenizer, gsm8k_r
 
 def test_budget_search_chooses_a_config_that_fits_for_real(tokenizer, gsm8k_rows, capsys):
     from leantune import SFTConfig
-    from leantune.cli.arguments import ModelConfig, ScriptArguments
+    from leantune.cli.arguments import ModelConfig, PlanArguments, ScriptArguments
     from leantune.cli.parser import parse_command_args
-    from leantune.cli.plan import PlanArguments
     from leantune.planning.length_suggestion import data_lengths, suggest_for_budget
     from leantune.planning.recommend import candidates, recommend
 
@@ -227,9 +226,8 @@ def test_a_lora_run_that_does_not_fit_is_offered_qlora_apart(tokenizer, gsm8k_ro
     from peft import LoraConfig
 
     from leantune import SFTConfig
-    from leantune.cli.arguments import ModelConfig, ScriptArguments
+    from leantune.cli.arguments import ModelConfig, PlanArguments, ScriptArguments
     from leantune.cli.parser import parse_command_args
-    from leantune.cli.plan import PlanArguments
     from leantune.planning.qlora_suggestion import suggest_qlora
     from leantune.planning.recommend import candidates, recommend
 

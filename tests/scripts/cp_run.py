@@ -155,15 +155,15 @@ for case in cases:
         continue
     args = config(case, **CASES[case])
     if case.endswith("_unsummed"):  # the negative controls: partial sums (and counts) read as whole sequences
-        from leantune.trainers.context_parallel import ContextParallelism
+        from leantune.trainers.parts.context_parallel import ContextParallelism
 
         ContextParallelism.total = lambda self, partial: partial
     if case.endswith("_per_process"):  # negative control: each process's metrics logged as they are, not made whole
-        from leantune.trainers.context_parallel import ContextParallelism
+        from leantune.trainers.parts.context_parallel import ContextParallelism
 
         ContextParallelism.whole_means = lambda self, metrics, count: metrics
     if case.endswith("_prompt_padding_seen"):  # negative control: branches also attend to their prompt's padding
-        from leantune.trainers.online import shared_prompt_ring
+        from leantune.trainers.parts import shared_prompt_ring
 
         real_lengths = shared_prompt_ring.ring_segments
         shared_prompt_ring.ring_segments = lambda lengths, padded, *rest, real=real_lengths: real(padded, padded, *rest)

@@ -19,8 +19,8 @@ from leantune.losses.advantages import (
 )
 from leantune.losses.causal_lm import count_targets
 from leantune.losses.policy_gradient import clipped_surrogate, grpo_loss_items, grpo_loss_sum, k3_kl
+from leantune.models.checkpointing import checkpointing_setting, enable_model_checkpointing
 from leantune.rewards import RewardFunctionError
-from leantune.trainers.config_utils import checkpointing_setting, enable_model_checkpointing
 from leantune.trainers.parts.logprob_engine import LogProbPath
 
 from ..fixtures.data import count_a

@@ -19,7 +19,7 @@ from datasets import Dataset
 from leantune import KTOConfig, KTOTrainer
 from leantune.data.kto_preparation import KL_COLUMN, kl_partners
 from leantune.losses.kto import kl_estimate, kto_loss
-from leantune.trainers.config_utils import checkpointing_setting
+from leantune.models.checkpointing import checkpointing_setting
 
 from ..fixtures.comparisons import GradientRecorder, rel_diff
 from ..fixtures.models import char_model, lora, tiny_model

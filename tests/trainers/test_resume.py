@@ -154,7 +154,7 @@ def test_a_checkpoint_is_renamed_into_place_whole(tokenizer, gsm8k_rows, tmp_pat
     trainer.save_extra_state = extra_state
     (out / "tmp-checkpoint-2" / "checkpoint-2").mkdir(parents=True)
     (out / "tmp-checkpoint-2" / "checkpoint-2" / "half-written.bin").write_bytes(b"x")
-    monkeypatch.setattr("leantune.trainers.checkpoint_files.os.replace", replace)
+    monkeypatch.setattr("leantune.trainers.parts.checkpoint_files.os.replace", replace)
     trainer.train()
     assert [(s, t) for s, t, _ in seen] == [("checkpoint-2", "checkpoint-2")]
     files = seen[0][2]
@@ -168,7 +168,7 @@ def test_a_checkpoint_is_renamed_into_place_whole(tokenizer, gsm8k_rows, tmp_pat
 def test_the_latest_checkpoint_is_the_newest_complete_one_and_the_rest_are_named(tmp_path, caplog):
     from transformers.trainer_utils import get_last_checkpoint
 
-    from leantune.trainers.checkpoint_files import latest_complete_checkpoint
+    from leantune.trainers.parts.checkpoint_files import latest_complete_checkpoint
 
     for name in ("checkpoint-1", "checkpoint-2"):
         (tmp_path / name).mkdir()

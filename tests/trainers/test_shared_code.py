@@ -98,7 +98,7 @@ def test_the_rule_finds_what_it_forbids():
 
 
 def test_shared_trainer_code_names_no_method_and_reads_no_method_only_field():
-    assert len(SHARED) > 10 and TRAINERS / "parts" / "round_parts.py" in SHARED
+    assert len(SHARED) > 10 and TRAINERS / "online" / "round_parts.py" in SHARED
     fields, names = method_only_fields(), method_names()
     found = {path.relative_to(TRAINERS.parent).as_posix(): violations(path.read_text(), fields, names)
              for path in SHARED}

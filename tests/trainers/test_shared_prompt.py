@@ -15,8 +15,8 @@ from datasets import Dataset
 from devkit.liger_cpu import FusedKernelCalls, liger_kernels_interpreted
 from leantune import GRPOConfig, GRPOTrainer, OnlineDPOConfig, OnlineDPOTrainer, RLOOConfig, RLOOTrainer
 from leantune.models import segment_attention
+from leantune.models.checkpointing import checkpointing_setting, enable_model_checkpointing
 from leantune.trainers import grpo_trainer
-from leantune.trainers.config_utils import checkpointing_setting, enable_model_checkpointing
 from leantune.trainers.online.shared_prompt import batch_targets
 
 from ..fixtures.data import count_a, gsm8k_rows

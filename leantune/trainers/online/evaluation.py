@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..batches import placed
+from ..parts.batches import placed
 from .prompt_rounds import row_batches
 
 

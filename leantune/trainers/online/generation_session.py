@@ -14,7 +14,7 @@ import torch
 
 from ...generation import Completions, SamplingSettings, make_backend
 from ...generation.backend import TRANSFORMERS, generation_engine
-from ..context_parallel import cp_size_of, data_parallel_place, generate_in_group
+from ..parts.context_parallel import cp_size_of, data_parallel_place, generate_in_group
 
 logger = logging.getLogger("leantune.online")
 

@@ -15,8 +15,8 @@ from ...data.collators import MODEL_INPUTS, CausalLMCollator, prompt_completion_
 from ...data.prompt_preparation import PROMPT_IDS
 from ...generation import Completions
 from ...rewards import RewardScores
-from ..batches import placed
-from ..context_parallel import ORDINAL_KEY, data_parallel_place, gather_once_per_group
+from ..parts.batches import placed
+from ..parts.context_parallel import ORDINAL_KEY, data_parallel_place, gather_once_per_group
 from ..parts.oom_retry import EXAMPLES, KeptExamples
 from .shared_prompt import batch_targets, count_batch_targets, shared_prompt_batch
 

@@ -11,7 +11,7 @@ to set.
 
 The online methods' update steps (GRPO, RLOO, Online DPO) are retried alike: a round's micro-batch keeps its
 completions' examples, and its halves hold whole prompt groups, with their share of the round's inputs of the loss
-(round_parts.py); the generation round itself is not repeated. Where a half would split a group, or the method's
+(online/round_parts.py); the generation round itself is not repeated. Where a half would split a group, or the method's
 loss averages over each micro-batch (GRPO's `bnpo`, its entropy options), the error is raised again with what to set.
 
 On CUDA the allocator raises torch.OutOfMemoryError; on CPU, torch's DefaultCPUAllocator raises a RuntimeError
@@ -68,7 +68,7 @@ class OutOfMemoryRetry:
     `step_state()` returns a callable that puts the other parts' per-step records (metrics, non-finite flags, the
     router loss) back as they were, so a discarded attempt leaves nothing behind; `attempt_state()` one for what an
     attempt that fails leaves (its metrics and token counts: it flags nothing non-finite and its router loss is
-    dropped with the step's), taken before each attempt that may be retried. `rounds` (round_parts.py, online
+    dropped with the step's), taken before each attempt that may be retried. `rounds` (online/round_parts.py, online
     methods): splits a round's micro-batch into parts of whole prompt groups."""
 
     def __init__(self, settings, accelerator, is_main_process, step_state, attempt_state, rounds=None):

@@ -13,10 +13,10 @@ import copy
 import logging
 
 from ...data.streaming import is_stream, require_max_steps, use_own_stream_reads
-from ..cpu_loader import no_pinning_without_accelerator
-from ..distributed import check_world_size
-from ..nonfinite import validate_nonfinite_policy
+from .cpu_loader import no_pinning_without_accelerator
+from .distributed import check_world_size
 from .logprob_engine import LIGER_FLAGS, LogProbPath, choose_logprob_path
+from .nonfinite import validate_nonfinite_policy
 
 logger = logging.getLogger("leantune.trainer")
 
@@ -28,7 +28,7 @@ def resolve_config(trainer_name: str, args, train_dataset, eval_dataset, vocabul
         raise ValueError(f"`train_dataset` is required by {trainer_name} (as by TRL's): pass the dataset to train on, "
                          "and `eval_dataset` for evaluation.")
     args = copy.copy(args)
-    check_world_size(args)  # several launched processes never train as duplicates (trainers/distributed.py)
+    check_world_size(args)  # several launched processes never train as duplicates (trainers/parts/distributed.py)
     validate_nonfinite_policy(getattr(args, "nonfinite_policy", "stop"), getattr(args, "deepspeed", None))
     path = path_of_config(args, vocabulary_head)
     if getattr(args, "use_liger_kernel", False) and (path is not LogProbPath.LIGER or args.device.type != "cuda"):
@@ -38,7 +38,7 @@ def resolve_config(trainer_name: str, args, train_dataset, eval_dataset, vocabul
         if path is LogProbPath.LIGER:
             logger.info("use_liger_kernel=True on %s: Liger's fused linear cross-entropy computes the loss; its "
                         "model patches (RMSNorm, RoPE, SwiGLU) are applied on CUDA only.", args.device.type)
-    no_pinning_without_accelerator(args)  # trainers/cpu_loader.py: pinning on CPU only warns
+    no_pinning_without_accelerator(args)  # trainers/parts/cpu_loader.py: pinning on CPU only warns
     resolve_streams(args, train_dataset, eval_dataset)
     return args, path
 

@@ -16,7 +16,7 @@ import torch
 from ...metrics.memory import memory_kind, peak_memory_bytes
 from ...metrics.memory_breakdown import MemoryBreakdown
 from ...metrics.throughput import TokenThroughput
-from ..context_parallel import cp_size_of
+from .context_parallel import cp_size_of
 
 MIB = 1024 * 1024
 

@@ -22,8 +22,8 @@ from ... import methods
 from ...models import model_card
 from ...models.output_head import text_config_of, unwrap_model
 from ...utils.faults import TrainingFault
-from .. import checkpoint_files
-from ..distributed import gather_from_all, is_collective_timeout
+from . import checkpoint_files
+from .distributed import gather_from_all, is_collective_timeout
 
 logger = logging.getLogger("leantune.trainer")
 

@@ -1,5 +1,5 @@
 """The teacher of distillation (GKD): a frozen model the student learns from, loaded once beside the student and
-placed for the sharding engine like every frozen model (trainers/frozen_models.py)."""
+placed for the sharding engine like every frozen model (trainers/parts/frozen_models.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from ...losses.token_logprobs import vocab_size_of
 from ...models.loading import load_causal_lm
 from ...models.output_head import OutputHead, text_config_of
 from ...models.segment_attention import use_segment_attention
-from ..frozen_models import prepare_frozen_model
+from .frozen_models import prepare_frozen_model
 
 
 class Teacher:

@@ -29,7 +29,7 @@ import torch
 
 from ...data.collators import round_up
 from ...models.segment_attention import RING_SEGMENTS
-from ..context_parallel import ORDINAL_KEY, RANK_KEY, SEQUENCE_KEY, group_order
+from .ring_order import ORDINAL_KEY, RANK_KEY, SEQUENCE_KEY, group_order
 
 
 @dataclass

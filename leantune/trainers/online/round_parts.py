@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..online.shared_prompt import count_batch_targets
+from .shared_prompt import count_batch_targets
 
 PER_TARGET = ("old_logps", "ref_logps", "sampling_logps")  # the round's per-target inputs of the loss
 COUNTS = ("num_sequences", "loss_items")  # the micro-batch's own counts, counted again for each part

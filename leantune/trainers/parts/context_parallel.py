@@ -27,14 +27,15 @@ import os
 
 import torch
 import torch.nn.functional as F
+from accelerate.big_modeling import _attach_context_parallel_hooks  # what Accelerator.prepare runs for the policy
+from torch.distributed.nn.functional import all_reduce
 
-from ..data.collators import sequence_starts
-from ..losses.causal_lm import IGNORE_INDEX, shifted_targets
-from ..losses.token_logprobs import TargetSequences, select_targets
+from ...data.collators import sequence_starts
+from ...losses.causal_lm import IGNORE_INDEX, shifted_targets
+from ...losses.token_logprobs import TargetSequences, select_targets
+from .ring_order import ORDINAL_KEY, RANK_KEY, SEQUENCE_KEY, group_order
+from .shared_prompt_ring import lay_out_shared_row
 
-# The batch keys that carry each target's sequence, rank and place in the whole batch's flat target order through the
-# split (`target_sequence_grids`)
-SEQUENCE_KEY, RANK_KEY, ORDINAL_KEY = "cp_target_sequence", "cp_target_rank", "cp_target_ordinal"
 # The keys of one layout of a batch; KTO's batches hold a second one, of its mismatched sequences, under this prefix
 LAYOUT_KEYS = ("input_ids", "labels", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k",
                "max_length_q", "max_length_k")
@@ -167,19 +168,8 @@ def prepare_frozen_for_ring(accelerator, model: torch.nn.Module, role: str) -> N
     problem = attention_problem(accelerator.unwrap_model(model))
     if problem is not None:
         raise ValueError(f"Context parallelism (`cp_size={config.cp_size}`) cannot run the {role} exactly: {problem}.")
-    from accelerate.big_modeling import _attach_context_parallel_hooks  # what Accelerator.prepare runs for the policy
 
     _attach_context_parallel_hooks(model)
-
-
-def head_tail(length: int, cp: int) -> torch.Tensor:
-    """torch's default load balancing (head-tail): process r holds chunks r and 2cp-1-r of 2cp equal chunks."""
-    chunk = length // (2 * cp)
-    order = []
-    for rank in range(cp):
-        order += range(rank * chunk, (rank + 1) * chunk)
-        order += range((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk)
-    return torch.tensor(order, dtype=torch.long)
 
 
 def _segments(position_ids: torch.Tensor) -> list[list[int]]:
@@ -191,23 +181,6 @@ def _segments(position_ids: torch.Tensor) -> list[list[int]]:
             starts.insert(0, 0)
         rows.append([b - a for a, b in zip(starts, starts[1:]) if b > a])
     return rows
-
-
-def group_order(padded: list[int], cp: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """For a row of segments of `padded` lengths (each a multiple of 2 x cp): `wanted`, the row's positions in the
-    group's order (process after process; of every segment, its chunks k and 2cp-1-k, k the process's rank), and
-    `order`, the reordering after which torch's head-tail split gives each process exactly that: torch takes
-    row[head_tail] and splits it evenly, so row[order][head_tail] must be row[wanted]."""
-    multiple = 2 * cp
-    starts = torch.tensor([0] + padded[:-1]).cumsum(0).tolist()
-    wanted = []
-    for rank in range(cp):
-        for s, m in zip(starts, padded):
-            c = m // multiple
-            wanted += range(s + rank * c, s + (rank + 1) * c)
-            wanted += range(s + (multiple - 1 - rank) * c, s + (multiple - rank) * c)
-    wanted = torch.tensor(wanted, dtype=torch.long)
-    return wanted, wanted[torch.argsort(head_tail(sum(padded), cp))]
 
 
 def lay_out_documents(batch: dict, labels: torch.Tensor, cp: int, pad_token_id: int,
@@ -394,9 +367,7 @@ class ContextParallelism:
 
     def _lay_out_shared_row(self, inputs: dict, pad: int):
         """A shared-prompt row: not through the ring (a completion attends to another segment, its prompt) but
-        split alike, its attention over the group's gathered keys and values (online/shared_prompt_ring.py)."""
-        from .online.shared_prompt_ring import lay_out_shared_row
-
+        split alike, its attention over the group's gathered keys and values (parts/shared_prompt_ring.py)."""
         mesh = self.accelerator.torch_device_mesh["cp"]
         laid, positions = lay_out_shared_row(inputs, self.size, mesh.get_local_rank(), pad, mesh.get_group())
         self.batch_targets = inputs["target_index"].numel()
@@ -454,8 +425,6 @@ class ContextParallelism:
         it by cp_size (parts/step_loss.py: the all-reduce's backward sums the group's cp_size copies)."""
         group = self.accelerator.torch_device_mesh["cp"].get_group()
         if partial.requires_grad:
-            from torch.distributed.nn.functional import all_reduce
-
             return all_reduce(partial, group=group)
         whole = partial.clone()
         torch.distributed.all_reduce(whole, group=group)

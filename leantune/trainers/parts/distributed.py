@@ -26,7 +26,7 @@ import os
 
 import torch
 
-from ..utils.faults import TrainingFault
+from ...utils.faults import TrainingFault
 
 logger = logging.getLogger("leantune.trainer")
 

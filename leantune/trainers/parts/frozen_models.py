@@ -13,17 +13,14 @@ import copy
 
 import torch
 from accelerate.utils import DistributedType
+from transformers.integrations import is_deepspeed_zero3_enabled
 
-from ..models.output_head import text_config_of
+from ...models.output_head import text_config_of
 from .context_parallel import prepare_frozen_for_ring
 
 
 def zero3_enabled() -> bool:
     """Whether models loaded now are partitioned at load (a ZeRO-3 DeepSpeed config is active)."""
-    try:
-        from transformers.integrations import is_deepspeed_zero3_enabled
-    except ImportError:  # pragma: no cover - transformers always has it
-        return False
     return bool(is_deepspeed_zero3_enabled())
 
 

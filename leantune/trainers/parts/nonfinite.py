@@ -30,10 +30,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 
+import datasets
 import torch
+from transformers.trainer_utils import get_last_checkpoint
 
-from ..utils.faults import TrainingFault
+from ...utils.faults import TrainingFault
 
 logger = logging.getLogger("leantune.trainer")
 
@@ -78,8 +81,6 @@ class RowIndexCollator:
 
 def _with_row_index(dataset):
     """The dataset with a ROW_INDEX column (datasets.Dataset only), or None when it cannot carry one."""
-    import datasets
-
     if not isinstance(dataset, datasets.Dataset) or ROW_INDEX in dataset.column_names:
         return None
     return dataset.add_column(ROW_INDEX, list(range(len(dataset))))
@@ -206,10 +207,6 @@ class NonFiniteGuard:
         return f"train dataset rows {whose} (indices of trainer.train_dataset): [{shown}]"
 
     def _last_checkpoint_text(self) -> str:
-        import os
-
-        from transformers.trainer_utils import get_last_checkpoint
-
         folder = self.settings.output_dir
         last = get_last_checkpoint(folder) if folder and os.path.isdir(folder) else None
         if last is None:
