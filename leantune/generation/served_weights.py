@@ -115,21 +115,25 @@ class WeightUpdates:
             self._id, self._tensors, self._last_activity = update_id, {}, self.clock()
 
     def add(self, update_id: str, tensors: dict[str, torch.Tensor]) -> int:
-        """Check a whole chunk, then stage it; anything wrong discards the update."""
+        """Check a whole chunk (outside the lock: an abort need not wait for it), then stage it; anything wrong
+        discards the update."""
         with self._lock:
             self._require(update_id)
-            try:
-                checked = {}
-                for name, tensor in tensors.items():
-                    if name in self._tensors:
-                        raise WeightUpdateError(f"tensor {name}: sent twice in one update")
-                    checked[name] = checked_tensor(name, tensor, self.expected)
-            except WeightUpdateError as error:
+        try:
+            checked = {name: checked_tensor(name, tensor, self.expected) for name, tensor in tensors.items()}
+        except WeightUpdateError as error:
+            self.abort(update_id, reason=str(error))
+            raise WeightUpdateError(f"{error}; the update is discarded, nothing of it was applied") from None
+        except Exception as error:  # a fault while checking (an answer 500) ends the update too
+            self.abort(update_id, reason=f"{type(error).__name__} while staging")
+            raise
+        with self._lock:
+            self._require(update_id)  # aborted, replaced or expired meanwhile: nothing is staged
+            twice = sorted(set(checked) & set(self._tensors))
+            if twice:
                 self._discard()
-                raise WeightUpdateError(f"{error}; the update is discarded, nothing of it was applied") from None
-            except Exception:  # a fault while staging (an answer 500) ends the update too
-                self._discard()
-                raise
+                raise WeightUpdateError(f"tensor {twice[0]}: sent twice in one update; the update is discarded, "
+                                        "nothing of it was applied")
             self._tensors.update(checked)
             self._last_activity = self.clock()
             return len(checked)

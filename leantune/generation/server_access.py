@@ -43,7 +43,7 @@ def new_token() -> str:
 
 
 def write_token_file(port: int, token: str) -> Path:
-    """Write the token where only this user can read it (folder 0700, file 0600, never through a link)."""
+    """Write the token where only this user can read it (file 0600, a new folder 0700; never through a link)."""
     path = token_path(port)
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o600)

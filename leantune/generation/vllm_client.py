@@ -52,9 +52,10 @@ class VLLMServerError(RuntimeError):
 class VLLMServerClient:
     """HTTP calls to a `leantune vllm-serve` server."""
 
-    def __init__(self, base_url: str, request_timeout: float = DEFAULT_REQUEST_TIMEOUT):
+    def __init__(self, base_url: str, request_timeout: float = DEFAULT_REQUEST_TIMEOUT, token: str | None = None):
         self.base_url = base_url.rstrip("/")
         self.request_timeout = request_timeout
+        self.token = token  # None: the variable, else a loopback server's token file (server_access)
         self.server_info: dict = {}
 
     def wait_until_up(self, timeout: float, start_command: str | None = None) -> dict:
@@ -126,6 +127,9 @@ class VLLMServerClient:
     def close_server(self) -> None:
         self._call("POST", "/close", {})
 
+    def _authorization(self) -> dict:
+        return {"Authorization": f"Bearer {self.token}"} if self.token else authorization_header(self.base_url)
+
     def _post_bytes(self, path: str, data: bytes) -> dict:
         return self._call("POST", path, data=data, content_type="application/octet-stream")
 
@@ -139,7 +143,7 @@ class VLLMServerClient:
         url = self.base_url + path
         while True:
             try:
-                status, body = request(method, url, data, {**headers, **authorization_header(self.base_url)},
+                status, body = request(method, url, data, {**headers, **self._authorization()},
                                        max(0.001, deadline - time.monotonic()))
             except DeadlinePassed:
                 raise VLLMServerError(_timeout_message(method, url, timeout)) from None
