@@ -59,8 +59,13 @@ class ServerGuard:
         scope["path"] = scope["path"].rstrip("/") or "/"
         headers = _headers(scope)
         try:
-            length = self._checked_head(scope, headers)
+            self._check_access(headers)
         except Refusal as refusal:
+            return await refuse(send, refusal)
+        try:
+            length = self._checked_length(scope, headers)
+        except Refusal as refusal:
+            self.on_refused(scope)
             return await refuse(send, refusal)
         if self.active >= self.settings.max_connections:
             return await refuse(send, Refusal(503, "the server is busy (all request slots in use, "
@@ -76,8 +81,8 @@ class ServerGuard:
         finally:
             self.active -= 1
 
-    def _checked_head(self, scope, headers: dict) -> int:
-        """The body's length, or Refusal: every check that needs no body and holds nothing."""
+    def _check_access(self, headers: dict) -> None:
+        """Refusal unless the request names this server, comes from no browser page and carries the token."""
         settings = self.settings
         hosts = headers.get("host", [])
         if len(hosts) != 1 or not host_allowed(hosts[0], settings.bound_host, settings.host_names):
@@ -89,6 +94,10 @@ class ServerGuard:
         if len(tokens) != 1 or not authorized(tokens[0], settings.token):
             raise Refusal(401, "missing or wrong token: send the server's token as 'Authorization: Bearer <token>' "
                                "(LEANTUNE_VLLM_SERVER_TOKEN, or the token file the server named at start)")
+
+    def _checked_length(self, scope, headers: dict) -> int:
+        """The body's length, or Refusal: the route, its method, and how its body is framed and typed."""
+        settings = self.settings
         route = settings.routes.get(scope["path"])
         if route is None:
             raise Refusal(404, f"no such endpoint: {scope['method']} {scope['path']}")
