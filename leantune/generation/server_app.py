@@ -81,7 +81,7 @@ class GenerationServer:
                 continue  # its request went away
             try:
                 future.set_result(fn(*args))
-            except BaseException as error:  # handed back to the request that asked
+            except Exception as error:  # handed back to the request that asked
                 future.set_exception(error)
 
     def abort_refused_chunk(self, scope) -> None:
