@@ -257,3 +257,24 @@ def test_a_commit_must_declare_its_tensors(client):
     with pytest.raises(VLLMServerError, match="HTTP 400.*only"):
         client._call("POST", "/update_weights/begin", json.loads('{"update_id": "a", "names": []}'))
     assert client.generate(PROMPTS, greedy(6)) == original()
+
+
+def test_a_request_without_the_token_cannot_end_someone_elses_update(served, client):
+    """Only an authenticated refusal ends an update: a stranger's chunk, abort or oversized body for its id does
+    nothing, and the update commits."""
+    port = served[0].server_address[1]
+    begin(client, "mine")
+    norm = torch.full((64,), 0.25)
+    send(client, "mine", {"model.norm.weight": norm})
+    for head in ("POST /update_weights/chunk?update_id=mine HTTP/1.1\r\nContent-Type: application/octet-stream\r\n"
+                 "Content-Length: 999999999999\r\n",
+                 "POST /update_weights/abort HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: 21\r\n"):
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(f"{head}Host: 127.0.0.1\r\nAuthorization: Bearer wrong\r\n\r\n".encode()
+                         + b'{"update_id": "mine"}')
+            assert sock.recv(4096).startswith(b"HTTP/1.1 401")
+    assert served[0].updates.in_progress == "mine"
+    commit(client, "mine", ["model.norm.weight"])
+    only_norm = tiny_model().eval()
+    only_norm.model.norm.weight.data.copy_(norm)
+    assert client.generate(PROMPTS, greedy(6)) == local_greedy(only_norm, PROMPTS, greedy(6))
