@@ -47,6 +47,11 @@ FUNCTION_IMPORTS_ALLOWED: dict[tuple[str, str], str] = {
     ("leantune.cli.main", "leantune.cli.help_cache"): "`leantune --help` without the help cache",
     # a `--help` the user's cache does not hold yet is rendered from the configs (5.5 s), once
     ("leantune.cli.main", "leantune.cli.help_render"): "the command line's help without torch",
+    # The generation server's HTTP stack is the optional `server` extra (uvicorn, Starlette): the modules that import it
+    # are imported when a server is made, so the trainer's client and `vllm_mode="server"` need none of it, and a
+    # missing extra is one line naming it (generation/vllm_server.py's require_server_extra, tested)
+    ("leantune.generation.vllm_server", "leantune.generation.server_app"): "the optional server extra, when serving",
+    ("leantune.generation.vllm_server", "leantune.generation.server_http"): "the optional server extra, when serving",
     # matplotlib's Figure and Agg canvas (0.36 s) only when `leantune profile` draws its figure, not wherever
     # leantune.profiling is imported (the planner's and the trainers' length lines)
     ("leantune.profiling.figure", "matplotlib"): "a figure drawn only when asked for",

@@ -219,6 +219,8 @@ class VLLMServeArguments:
                                                                "starting checkpoint; trainers sync their weights)."})
     host: str = field(default="127.0.0.1", metadata={"help": "Address to listen on. Other than loopback, it needs a "
                                                              "token in $LEANTUNE_VLLM_SERVER_TOKEN."})
+    allowed_hosts: str = field(default="", metadata={"help": "Other names clients reach it by, comma-separated (a "
+                                                             "request's Host must name the server)."})
     port: int = field(default=8000, metadata={"help": "Port to listen on."})
     engine: str = field(default="vllm", metadata={"help": "vllm, or transformers (CPU; for tests and debugging)."})
     dtype: str = field(default="auto", metadata={"help": "auto, bfloat16, float16 or float32."})
@@ -233,5 +235,12 @@ class VLLMServeArguments:
     max_prompts: int = field(default=1024, metadata={"help": "Most prompts one /generate request may carry."})
     max_new_tokens: int | None = field(default=None, metadata={"help": "Most new tokens a request may ask per "
                                                                         "prompt (default: the context length)."})
-    max_connections: int = field(default=32, metadata={"help": "Requests served at once; more get HTTP 503."})
-    socket_timeout: float = field(default=60.0, metadata={"help": "Seconds a connection may stall a read or write."})
+    max_connections: int = field(default=32, metadata={"help": "Authenticated requests served at once; more get "
+                                                               "HTTP 503."})
+    max_open_connections: int = field(default=512, metadata={"help": "Connections open at once, idle ones included; "
+                                                                     "more get HTTP 503."})
+    socket_timeout: float = field(default=60.0, metadata={"help": "Seconds a request body may stall."})
+    head_timeout: float = field(default=10.0, metadata={"help": "Seconds a connection has to send a whole request "
+                                                                "head (also between requests)."})
+    update_expiry: float = field(default=600.0, metadata={"help": "Seconds after its last chunk that an unfinished "
+                                                                  "weight update is discarded."})

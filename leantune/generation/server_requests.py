@@ -165,3 +165,25 @@ def _number(value, where: str, kind: type, minimum, maximum):
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+# --- the JSON of a request's sampling and an answer's log-probs (server and client) ------------------------------
+
+
+def sampling_to_json(sampling: SamplingSettings) -> dict:
+    data = dataclasses.asdict(sampling)
+    data["eos_token_ids"] = list(sampling.eos_token_ids)
+    return data
+
+
+def logprobs_to_json(logprobs: list[list[float]] | None) -> list[list[float | None]] | None:
+    """NaN (not reported) and -inf travel as null: JSON has neither."""
+    if logprobs is None:
+        return None
+    return [[v if math.isfinite(v) else None for v in row] for row in logprobs]
+
+
+def logprobs_from_json(rows: list[list[float | None]] | None) -> list[list[float]] | None:
+    if rows is None:
+        return None
+    return [[float("nan") if v is None else float(v) for v in row] for row in rows]

@@ -1,15 +1,18 @@
 """The trainer's side of `leantune vllm-serve` (`use_vllm=True, vllm_mode="server"`): generation and weight sync
 over HTTP (the protocol is in `vllm_server`).
 
-Each process posts its own prompts. The weight sync streams `policy_weights_for_sync` from the main process as
-safetensors chunks of bounded size (cast to the server's dtype), then tells the server the update is done (it resets
-its prefix cache); under ZeRO-3 every process takes part in the gathering, and all wait for the update to land
-before any generates again. The server never sleeps, so `sleep` and `wake_up` do nothing.
+Each process posts its own prompts. The weight sync is one update transaction: it begins an update under a new id,
+streams `policy_weights_for_sync` from the main process as safetensors chunks of bounded size (cast to the server's
+dtype) tagged with that id, then commits it with the names sent and their count (the server applies it whole and
+resets its prefix cache). On any failure (an error answer, a timeout, an exception while gathering the weights, an
+interrupt) it aborts the update, never commits it, and raises. Under ZeRO-3 every process takes part in the
+gathering, and all wait for the update to land before any generates again. The server never sleeps, so `sleep` and
+`wake_up` do nothing.
 
-Every request carries the server's token when `LEANTUNE_VLLM_SERVER_TOKEN` is set (server_access), waits at most
-`vllm_server_request_timeout` seconds for an answer (a timeout is a VLLMServerError naming the server), and is sent
-again while the server answers 503 (busy), within that time. A refused weight chunk ends its update on the server
-(nothing of it is applied) before the error is raised.
+Every request carries the server's token (`LEANTUNE_VLLM_SERVER_TOKEN`, else for a loopback URL the token file the
+server wrote; server_access), goes direct for a loopback or `no_proxy` host, must be answered whole within
+`vllm_server_request_timeout` seconds (a deadline over connect, send and every read: server_transport; past it, a
+VLLMServerError naming the server), and is sent again while the server answers 503 (busy), within that time.
 
 Verified on CPU (tests/generation/test_vllm_server.py) against the server's transformers engine.
 """
@@ -19,8 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-import urllib.error
-import urllib.request
+import uuid
 from urllib.parse import urlparse
 
 import torch
@@ -28,7 +30,8 @@ from safetensors.torch import save
 
 from .sampling import Completions, SamplingSettings, cut_completion
 from .server_access import authorization_header
-from .vllm_server import logprobs_from_json, sampling_to_json
+from .server_requests import logprobs_from_json, sampling_to_json
+from .server_transport import DeadlinePassed, request
 from .weight_sync import base_model_name_or_path, policy_weights_for_sync
 from .zero3 import is_zero3
 
@@ -37,6 +40,7 @@ logger = logging.getLogger("leantune.generation")
 DEFAULT_CHUNK_BYTES = 256 * 2**20
 DEFAULT_REQUEST_TIMEOUT = 1800.0  # a long generation round (many prompts, long completions) must fit in it
 BUSY_RETRY_SECONDS = 0.5
+ABORT_SECONDS = 10.0
 
 
 class VLLMServerError(RuntimeError):
@@ -50,9 +54,10 @@ class VLLMServerError(RuntimeError):
 class VLLMServerClient:
     """HTTP calls to a `leantune vllm-serve` server."""
 
-    def __init__(self, base_url: str, request_timeout: float = DEFAULT_REQUEST_TIMEOUT):
+    def __init__(self, base_url: str, request_timeout: float = DEFAULT_REQUEST_TIMEOUT, token: str | None = None):
         self.base_url = base_url.rstrip("/")
         self.request_timeout = request_timeout
+        self.token = token  # None: the variable, else a loopback server's token file (server_access)
         self.server_info: dict = {}
 
     def wait_until_up(self, timeout: float, start_command: str | None = None) -> dict:
@@ -63,7 +68,7 @@ class VLLMServerClient:
             try:
                 self.server_info = self._call("GET", "/health", timeout=max(0.1, min(5.0, remaining)))
                 return self.server_info
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, VLLMServerError) as error:
+            except (OSError, VLLMServerError) as error:
                 if getattr(error, "status", None) is not None:
                     raise  # it answered, with an error (a wrong token, say)
                 if time.monotonic() + 1.0 > deadline:
@@ -93,31 +98,37 @@ class VLLMServerClient:
         return Completions(ids, kept_logprobs if sampling.logprobs else None)
 
     def update_weights(self, named_tensors, dtype: str | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
-        """Send `(name, tensor)` pairs in safetensors chunks of about `chunk_bytes` (a bigger tensor goes alone)."""
-        target = getattr(torch, dtype) if dtype else None
-        chunk: dict[str, torch.Tensor] = {}
-        size = sent = 0
+        """Send `(name, tensor)` pairs as one update, in safetensors chunks of about `chunk_bytes` (a bigger tensor
+        goes alone); the number of tensors applied. Any failure aborts the update (nothing of it applied)."""
+        update_id = uuid.uuid4().hex
+        self._call("POST", "/update_weights/begin", {"update_id": update_id})
+        names: list[str] = []
         try:
-            for name, tensor in named_tensors:
-                cast = target if target is not None and tensor.is_floating_point() else tensor.dtype
-                chunk[name] = tensor.detach().to(device="cpu", dtype=cast, copy=True).contiguous()
-                size += chunk[name].numel() * chunk[name].element_size()
-                if size >= chunk_bytes:
-                    sent += self._post_bytes("/update_weights", save(chunk))["loaded"]
-                    chunk, size = {}, 0
-            if chunk:
-                sent += self._post_bytes("/update_weights", save(chunk))["loaded"]
-        except VLLMServerError:
-            try:  # end the refused update on the server, so the next sync starts a new one
-                self._call("POST", "/update_weights/done", {})
-            except VLLMServerError:
-                pass
+            for chunk in _chunks(named_tensors, getattr(torch, dtype) if dtype else None, chunk_bytes):
+                self._call("POST", f"/update_weights/chunk?update_id={update_id}", data=save(chunk),
+                           content_type="application/octet-stream")
+                names.extend(chunk)
+            self._call("POST", "/update_weights/commit", {"update_id": update_id, "names": names,
+                                                           "count": len(names)})
+        except BaseException:
+            self.abort_update(update_id)
             raise
-        self._call("POST", "/update_weights/done", {})
-        return sent
+        return len(names)
+
+    def abort_update(self, update_id: str) -> None:
+        """Discard an update on the server (best effort: a server that is gone expires it on its own)."""
+        try:
+            self._call("POST", "/update_weights/abort", {"update_id": update_id},
+                       timeout=min(ABORT_SECONDS, self.request_timeout))
+        except (OSError, VLLMServerError) as error:
+            logger.warning("Could not abort weight update %s on %s (%s); the server discards it when it expires.",
+                           update_id, self.base_url, error)
 
     def close_server(self) -> None:
         self._call("POST", "/close", {})
+
+    def _authorization(self) -> dict:
+        return {"Authorization": f"Bearer {self.token}"} if self.token else authorization_header(self.base_url)
 
     def _post_bytes(self, path: str, data: bytes) -> dict:
         return self._call("POST", path, data=data, content_type="application/octet-stream")
@@ -129,25 +140,20 @@ class VLLMServerClient:
         headers = {"Content-Type": content_type} if data is not None else {}
         timeout = timeout or self.request_timeout
         deadline = time.monotonic() + timeout
+        url = self.base_url + path
         while True:
-            request = urllib.request.Request(self.base_url + path, data=data, method=method,
-                                             headers={**headers, **authorization_header()})
             try:
-                with urllib.request.urlopen(request, timeout=timeout) as response:
-                    return json.loads(response.read() or b"{}")
-            except urllib.error.HTTPError as error:
-                if error.code == 503 and time.monotonic() + BUSY_RETRY_SECONDS < deadline:
-                    error.close()
-                    time.sleep(BUSY_RETRY_SECONDS)  # busy: all its request slots are taken
-                    continue
-                raise VLLMServerError(f"{method} {self.base_url}{path} failed with HTTP {error.code}: "
-                                      f"{_server_message(error)}", status=error.code) from None
-            except TimeoutError as error:
-                raise VLLMServerError(_timeout_message(method, self.base_url + path, timeout)) from error
-            except urllib.error.URLError as error:
-                if isinstance(error.reason, TimeoutError):
-                    raise VLLMServerError(_timeout_message(method, self.base_url + path, timeout)) from None
-                raise
+                status, body = request(method, url, data, {**headers, **self._authorization()},
+                                       max(0.001, deadline - time.monotonic()))
+            except DeadlinePassed:
+                raise VLLMServerError(_timeout_message(method, url, timeout)) from None
+            if status == 503 and time.monotonic() + BUSY_RETRY_SECONDS < deadline:
+                time.sleep(BUSY_RETRY_SECONDS)  # busy: all its request slots are taken
+                continue
+            if status >= 400:
+                raise VLLMServerError(f"{method} {url} failed with HTTP {status}: {_server_message(body)}",
+                                      status=status)
+            return json.loads(body or b"{}")
 
 
 class VLLMServerBackend:
@@ -211,12 +217,26 @@ def _timeout_message(method: str, url: str, timeout: float) -> str:
             "it may be stuck or overloaded: check its log, or raise the timeout for very long generations.")
 
 
-def _server_message(error: urllib.error.HTTPError) -> str:
+def _server_message(body: bytes) -> str:
     try:
-        body = error.read()
         return json.loads(body).get("error") or body.decode(errors="replace")
     except Exception:
-        return error.reason if isinstance(error.reason, str) else str(error)
+        return body.decode(errors="replace")
+
+
+def _chunks(named_tensors, dtype: torch.dtype | None, chunk_bytes: int):
+    """CPU copies of the tensors (floats cast to `dtype`), grouped into dicts of about `chunk_bytes`."""
+    chunk: dict[str, torch.Tensor] = {}
+    size = 0
+    for name, tensor in named_tensors:
+        cast = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+        chunk[name] = tensor.detach().to(device="cpu", dtype=cast, copy=True).contiguous()
+        size += chunk[name].numel() * chunk[name].element_size()
+        if size >= chunk_bytes:
+            yield chunk
+            chunk, size = {}, 0
+    if chunk:
+        yield chunk
 
 
 def _reason(error: Exception) -> str:

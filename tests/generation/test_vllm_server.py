@@ -11,15 +11,18 @@ import copy
 import dataclasses
 import os
 import socket
+import stat
 import subprocess
 import sys
 import time
 from types import SimpleNamespace
+from urllib.parse import urlparse
 
 import pytest
 import torch
 
 from leantune.generation.sampling import SamplingSettings, cut_at_eos
+from leantune.generation.server_access import TOKEN_ENV, token_path
 from leantune.generation.vllm_client import VLLMServerBackend, VLLMServerClient, VLLMServerError
 from leantune.utils.imports import is_available
 
@@ -44,23 +47,33 @@ def model_dir(tmp_path_factory, tokenizer_dir):
 
 
 @pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
-    """`leantune vllm-serve --engine transformers` on a free port; its base URL."""
+def served(model_dir, tmp_path_factory):
+    """`leantune vllm-serve --engine transformers` on a free port, started as the README says (no token given: it
+    makes one, in its token file); (base URL, its log path)."""
     log_path = tmp_path_factory.mktemp("server") / "server.log"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = {key: value for key, value in os.environ.items() if key != TOKEN_ENV}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     with open(log_path, "w") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "leantune.cli.main", "vllm-serve", "--model", str(model_dir), "--engine",
              "transformers", "--host", "127.0.0.1", "--port", "0", "--seed", "0"],
             stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     url = wait_for_url(log_path, process)
-    yield url
+    yield url, log_path
     try:
         VLLMServerClient(url).close_server()
         assert process.wait(timeout=30) == 0  # POST /close stops the server
+        assert not token_path(urlparse(url).port).exists()  # its token file goes with it
     finally:
         if process.poll() is None:
             process.kill()
+
+
+@pytest.fixture
+def server(served, monkeypatch):
+    """The served URL, for a client that finds the token in the server's file (not in the variable)."""
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    return served[0]
 
 
 def server_args(url: str, timeout: float = 30.0):
@@ -75,6 +88,25 @@ def free_port() -> int:
 
 
 # --- the server and its client ------------------------------------------------------------------------------------
+
+
+def test_a_token_is_made_and_written_for_this_user_only(served, monkeypatch):
+    """No token given: the server makes one, writes it 0600 where its start line says, and refuses requests
+    without it; the trainer's client reads it (the variable, when set, wins)."""
+    url, log_path = served
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    path = token_path(urlparse(url).port)
+    assert f"with the token written to {path} (mode 0600" in log_path.read_text()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and path.stat().st_uid == os.getuid()
+    assert len(path.read_text()) >= 40  # secrets.token_urlsafe(32)
+    parts = urlparse(url)
+    with socket.create_connection((parts.hostname, parts.port), timeout=10) as sock:
+        sock.sendall(f"GET /health HTTP/1.1\r\nHost: {parts.netloc}\r\nConnection: close\r\n\r\n".encode())
+        assert sock.recv(4096).startswith(b"HTTP/1.1 401")
+    assert VLLMServerClient(url).wait_until_up(10)["status"] == "ok"
+    monkeypatch.setenv(TOKEN_ENV, "another-token")
+    with pytest.raises(VLLMServerError, match="HTTP 401"):
+        VLLMServerClient(url).wait_until_up(10)
 
 
 def test_health_names_the_engine(server, model_dir):
@@ -177,6 +209,16 @@ def test_vllm_serve_needs_a_model():
     assert run(["--model", "x", "--engine", "tensorrt"]) == 2
 
 
+def test_vllm_serve_without_the_server_extra_names_it(monkeypatch, capsys):
+    from leantune.cli.vllm_serve import run
+    from leantune.utils import imports
+
+    monkeypatch.setattr(imports, "is_available", lambda module: module != "uvicorn")
+    assert run(["--model", "x", "--engine", "transformers"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "pip install 'leantune[server]'" in err
+
+
 @pytest.mark.skipif(is_available("vllm"), reason="vllm is installed")
 def test_vllm_serve_without_vllm_names_the_extra(capsys):
     from leantune.cli.vllm_serve import run
@@ -189,6 +231,7 @@ def test_vllm_serve_without_vllm_names_the_extra(capsys):
 
 
 def test_grpo_trains_against_the_server_and_syncs_each_optimizer_step(server, model_dir):
+    """The trainer's client finds the server's token in its file (no variable set)."""
     from datasets import Dataset
     from transformers import AutoTokenizer
 

@@ -14,10 +14,11 @@ from accelerate import Accelerator
 
 from leantune import GRPOConfig, GRPOTrainer
 from leantune.generation.sampling import Completions, SamplingSettings
+from leantune.generation.server_requests import logprobs_from_json, logprobs_to_json
 from leantune.generation.transformers_backend import TransformersBackend
 from leantune.generation.vllm_client import VLLMServerClient
 from leantune.generation.vllm_colocate import completions_of
-from leantune.generation.vllm_server import TransformersEngine, logprobs_from_json, logprobs_to_json, make_server, serve
+from leantune.generation.vllm_server import TransformersEngine, make_server, serve
 from leantune.losses.policy_gradient import (
     GRPOObjective,
     grpo_loss_items,
