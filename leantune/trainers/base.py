@@ -11,10 +11,12 @@ config -> parts -> loss.
 from __future__ import annotations
 
 import itertools
+import os
 
 import torch
 from torch.utils.data import DataLoader
 from transformers import Trainer
+from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_utils import RemoveColumnsCollator
 from transformers.utils import logging as transformers_logging
 
@@ -36,7 +38,14 @@ from .parts.nonfinite import NonFiniteGuard
 from .parts.oom_retry import OutOfMemoryRetry
 from .parts.resolved_config import resolve_config
 from .parts.run_metrics import RunMetrics
-from .parts.saving import StagedCheckpoint, agreed_resume_checkpoint, model_files_saved, tag_model, write_hub_card
+from .parts.saving import (
+    StagedCheckpoint,
+    agreed_resume_checkpoint,
+    model_files_saved,
+    save_arguments,
+    tag_model,
+    write_hub_card,
+)
 from .parts.split_preparer import SplitPreparer
 from .parts.step_loss import StepLoss
 from .reference import Reference
@@ -225,6 +234,9 @@ class LeantuneTrainer(MethodHooks, TrainerAttributes, Trainer):
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         with model_files_saved(self):  # the model's files by `write_model_files`, and its card (parts/saving.py)
             super().save_model(output_dir, _internal_call)
+        folder = output_dir if output_dir is not None else self.args.output_dir
+        if self.args.should_save and os.path.exists(os.path.join(folder, TRAINING_ARGS_NAME)):
+            save_arguments(self.args, folder)  # Trainer's copy held the Hub token: written again without it
 
     def _save_checkpoint(self, model, trial) -> None:
         """transformers' seam (docs/transformers_seam.md): Trainer's checkpoint written into a staging folder, fsynced

@@ -27,6 +27,24 @@ from .distributed import gather_from_all, is_collective_timeout
 
 logger = logging.getLogger("leantune.trainer")
 
+# Config fields that hold a credential: blanked in every training_args.bin leantune leaves (checkpoints, the final
+# model), which push_to_hub uploads; the run itself keeps them
+SECRET_FIELDS = ("hub_token",)
+
+
+def without_secrets(args):
+    """A copy of the config with its credentials blanked (None), for a file that outlives the run."""
+    safe = copy.copy(args)
+    for name in SECRET_FIELDS:
+        if getattr(safe, name, None) is not None:
+            setattr(safe, name, None)
+    return safe
+
+
+def save_arguments(args, folder: str) -> None:
+    """The run's config, as Trainer saves it beside a model, without its credentials (SECRET_FIELDS)."""
+    torch.save(without_secrets(args), os.path.join(folder, TRAINING_ARGS_NAME))
+
 
 class CheckpointSaveFault(TrainingFault):
     """Another process's part of a checkpoint save failed: this one stops with it (its error is in that log)."""
@@ -141,7 +159,7 @@ class StagedCheckpoint:
         if self.trainer.args.should_save:
             arguments = os.path.join(self.staged, TRAINING_ARGS_NAME)
             if os.path.exists(arguments):  # the run's own arguments, as Trainer saves them (not the staging copy)
-                torch.save(self.trainer.args, arguments)
+                save_arguments(self.trainer.args, self.staged)
             self._point_best_checkpoint_at()
             self.trainer.save_extra_state(self.staged)
             checkpoint_files.publish(self.staged, self.final)
