@@ -190,6 +190,12 @@ def _tracker_class():
             modules = self._mod_tracker  # its hooks are looked up on the instance when it is entered
             modules._fw_pre_hook = self.grad_hooks.wrap(modules._fw_pre_hook, lambda module, args: args)
             modules._fw_post_hook = self.grad_hooks.wrap(modules._fw_post_hook, lambda module, args, out: out)
+            self.fake_mode_on_entry = None  # torch 2.13's MemTracker records it too; 2.11's does not (the lower bound)
+
+        def __enter__(self):
+            if getattr(self, "_depth", 0) == 0:  # a fake mode already on (the planner's trace) is not a nested one
+                self.fake_mode_on_entry = active_fake_mode()
+            return super().__enter__()
 
         def _update_and_maybe_create_winfos(self, t, reftype, update_existing=False):
             if reftype is not frozen and any(self._WINFO.get(st, (None,))[0] is not None and
@@ -206,7 +212,7 @@ def _tracker_class():
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             result = super().__torch_dispatch__(func, types, args, kwargs)
             scratch = scratch_bytes(func, args, kwargs, result)
-            if scratch and result is not NotImplemented and active_fake_mode() is self._fake_mode_on_entry:
+            if scratch and result is not NotImplemented and active_fake_mode() is self.fake_mode_on_entry:
                 self._count_scratch(result.device, scratch)
             return result
 
