@@ -175,6 +175,7 @@ def test_a_browser_page_cannot_close_the_server(server, client, with_token):
         assert raw(url, f"GET /health HTTP/1.1\r\n{auth()}Connection: close\r\n\r\n", host=host)[0] == 200
 
 
+@pytest.mark.quick
 def test_a_non_loopback_host_without_a_token_is_refused_at_start(monkeypatch, capsys):
     from leantune.cli.vllm_serve import VLLMServeArguments, run
 
