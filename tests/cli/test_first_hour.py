@@ -86,6 +86,7 @@ def test_a_missing_data_file_names_the_flag(model_and_data, tmp_path, capsys):
 # --- --help says what leantune does with transformers' fields ---------------------------------------------------------
 
 
+@pytest.mark.quick  # enters cli/help_render.py whatever the user's --help cache holds
 def test_help_of_output_dir_and_resume_is_leantunes_own():
     from leantune.cli.help_render import render_help  # the live rendering (the user's --help cache keeps it)
 
