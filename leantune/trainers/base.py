@@ -11,12 +11,10 @@ config -> parts -> loss.
 from __future__ import annotations
 
 import itertools
-import os
 
 import torch
 from torch.utils.data import DataLoader
 from transformers import Trainer
-from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_utils import RemoveColumnsCollator
 from transformers.utils import logging as transformers_logging
 
@@ -42,8 +40,8 @@ from .parts.saving import (
     StagedCheckpoint,
     agreed_resume_checkpoint,
     model_files_saved,
-    save_arguments,
     tag_model,
+    without_secrets,
     write_hub_card,
 )
 from .parts.split_preparer import SplitPreparer
@@ -232,11 +230,12 @@ class LeantuneTrainer(MethodHooks, TrainerAttributes, Trainer):
     # --- saving: staged checkpoints, each saved folder with its model card (parts/saving.py) ----------------------
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        with model_files_saved(self):  # the model's files by `write_model_files`, and its card (parts/saving.py)
-            super().save_model(output_dir, _internal_call)
-        folder = output_dir if output_dir is not None else self.args.output_dir
-        if self.args.should_save and os.path.exists(os.path.join(folder, TRAINING_ARGS_NAME)):
-            save_arguments(self.args, folder)  # Trainer's copy held the Hub token: written again without it
+        args, self.args = self.args, without_secrets(self.args)  # Trainer saves its args beside the model: no token
+        try:
+            with model_files_saved(self):  # the model's files by `write_model_files`, and its card (parts/saving.py)
+                super().save_model(output_dir, _internal_call)
+        finally:
+            self.args = args
 
     def _save_checkpoint(self, model, trial) -> None:
         """transformers' seam (docs/transformers_seam.md): Trainer's checkpoint written into a staging folder, fsynced

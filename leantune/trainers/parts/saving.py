@@ -124,7 +124,7 @@ class StagedCheckpoint:
         trainer, args = self.trainer, self.trainer.args
         self._together(self._open_staging)
         self._warn_if_not_shared()
-        trainer.args = copy.copy(args)  # Trainer's save reads the run's folder and the push from its args
+        trainer.args = without_secrets(args)  # a copy: Trainer's save reads the run's folder and the push from it
         trainer.args.output_dir, trainer.args.push_to_hub = self.staging_root, False
         try:
             self._together(lambda: save_checkpoint(model, trial))  # every process's files (rng_state_<i>.pth) are in
