@@ -436,6 +436,7 @@ def tokens_ratio_cell(library: str, libraries: dict) -> str:
 def render_markdown(header: dict, rows: list[dict]) -> str:
     lines = [f"# leantune GPU kit ({'dry, CPU' if header.get('dry') else 'GPU'})", "",
              "; ".join(f"{k}: {v}" for k, v in header.get("versions", {}).items()), "",
+             *([header["cuda_tests_line"], ""] if header.get("cuda_tests_line") else []),
              "| row | status | library | peak alloc GiB | reserved GiB | plan GiB | tok/s | leantune/TRL tok/s | losses "
              "| note |",
              "|---|---|---|---|---|---|---|---|---|---|"]

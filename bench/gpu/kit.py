@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import platform
 import sys
@@ -141,6 +142,17 @@ def run_row(ctx: R.Context, row: dict, dry: bool) -> None:
                   + (f" - {row['error']}" if row.get("error") else ""))
 
 
+def cuda_tests_of_this_call(out: Path) -> dict:
+    """What `run.sh --tests` ran before the kit in this call (run.sh removes an older file first)."""
+    path = out / "cuda_tests.json"
+    if not path.exists():
+        return {}
+    from bench.gpu.cuda_tests import markdown_line
+
+    result = json.loads(path.read_text())
+    return {"cuda_tests": result, "cuda_tests_line": markdown_line(result)}
+
+
 def main(argv=None) -> int:
     opts = parse_args(argv)
     if opts.list_rows:
@@ -158,7 +170,7 @@ def main(argv=None) -> int:
         print(f"error: --rows: unknown {sorted(unknown)}; choose from {ROW_NAMES}", file=sys.stderr)
         return 2
     header = {"dry": opts.dry, "versions": versions(), "machine": f"{platform.node()} {os.cpu_count()} CPUs",
-              "total_s": settings.total_s}
+              "total_s": settings.total_s, **cuda_tests_of_this_call(settings.out)}
     log(settings, "versions: " + ", ".join(f"{k} {v}" for k, v in header["versions"].items()))
     # --rows keeps its order and repeats: a row named twice measures what the first run's warm-up cost.
     results = [{"name": name, "status": "not_run", "note": "not started yet"}

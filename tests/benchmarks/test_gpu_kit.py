@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -57,7 +58,7 @@ def test_dry_run_trains_every_row_and_losses_agree(tmp_path):
            # measured on an idle machine; see bench/gpu/README.md).
            "GPUKIT_TOTAL_S": "900", "GPUKIT_DRY_TIMEOUT_S": "960"}
     env.pop("TRITON_INTERPRET", None)  # run.sh sets it before triton's first import in the kit's own process
-    done = subprocess.run(["bash", str(REPO / "bench/gpu/run.sh"), "--dry"], env=env, capture_output=True, text=True,
+    done = subprocess.run(["bash", str(REPO / "bench/gpu/run.sh"), "--dry", "--tests"], env=env, capture_output=True, text=True,
                           timeout=1000)
     results = json.loads((tmp_path / "results.json").read_text())
     rows = {row["name"]: row for row in results["rows"]}
@@ -94,6 +95,15 @@ def test_dry_run_trains_every_row_and_losses_agree(tmp_path):
     search = longest["libraries"]
     assert all(search[lib]["probes"] and search[lib]["longest_fitting_max_length"] > 0 for lib in ("leantune", "trl"))
     assert (tmp_path / "results.md").read_text().count("| ok |") >= len(row_names)
+    # --tests: the suite's CUDA tests ran first, all skipped on CPU, and the table says how many. The functions
+    # decorated @cuda are read from the source (not through pytest's markers, which the selection uses).
+    decorated = {(path.relative_to(REPO).as_posix(), name) for path in (REPO / "tests").rglob("test_*.py")
+                 for name in re.findall(r"^@cuda\n(?:@.*\n)*def (\w+)", path.read_text(), flags=re.MULTILINE)}
+    tests = results["cuda_tests"]
+    selected = {(nodeid.split("::")[0], nodeid.split("::")[1].split("[")[0]) for nodeid in tests["tests"]}
+    assert selected == decorated and len(decorated) >= 15, (selected ^ decorated)
+    assert tests["selected"] == tests["skipped"] >= 18 and tests["failed"] == tests["not_run"] == 0, tests
+    assert f"{tests['selected']} selected, 0 passed, 0 failed" in (tmp_path / "results.md").read_text()
 
 
 def test_carried_size_stays_under_the_limit():
