@@ -14,8 +14,9 @@ from datasets import Dataset
 
 from devkit.liger_cpu import FusedKernelCalls, liger_kernels_interpreted
 from leantune import GRPOConfig, GRPOTrainer, OnlineDPOConfig, OnlineDPOTrainer, RLOOConfig, RLOOTrainer
-from leantune.models import segment_attention
+from leantune.models import prefix_blocks
 from leantune.models.checkpointing import checkpointing_setting, enable_model_checkpointing
+from leantune.models.prefix_blocks import build_prefix_blocks
 from leantune.trainers import grpo_trainer
 from leantune.trainers.online.shared_prompt import batch_targets
 
@@ -130,17 +131,18 @@ def test_shared_prompt_scores_equal_unshared_and_a_wrong_mask_does_not(tokenizer
     # the mean |advantage| (its terms cancel between a group's positive and negative advantages)
     assert_scored_alike(shared_side, unshared_side, loss_atol=1e-5 * float(shared["advantages"].abs().mean()))
 
-    # Negative control: branches that miss the prompt's first key give other log-probs, and the comparison fails.
-    def missing_first_prompt_key(prompt_length, branch_length, device):
-        seen = torch.ones(branch_length, prompt_length + branch_length, dtype=torch.bool, device=device)
-        seen[:, prompt_length:] = seen[:, prompt_length:].tril()
-        seen[:, 0] = False
-        return seen
+    # Negative control: completions that miss the prompt's first key give other log-probs, and the comparison fails.
+    def missing_first_prompt_key(lengths, prompt_of, device=None):
+        blocks = build_prefix_blocks(lengths, prompt_of, device)
+        with_prefix = blocks.mask[:, 0, 0, 0].clone()  # key 0 is a prefix key: seen by a block with a prefix
+        blocks.mask[with_prefix, :, :, 0] = False
+        return blocks
 
-    monkeypatch.setattr(segment_attention, "branch_mask", missing_first_prompt_key)
+    monkeypatch.setattr(prefix_blocks, "build_prefix_blocks", missing_first_prompt_key)
     model = trainer.model.eval()
     inputs = {k: v for k, v in shared.items() if k in ("input_ids", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k",
-                                                       "max_length_q", "max_length_k", "shared_prompt_of")}
+                                                       "max_length_q", "max_length_k")}
+    inputs["shared_prompt_of"] = shared["shared_prompt_of"].clone()  # a new batch: its blocks built anew
     with torch.no_grad():
         wrong = trainer.logprobs.target_logprobs(model, inputs, batch_targets(shared), trainer.args.temperature).logps
         expected = unshared_trainer.logprobs.target_logprobs(
