@@ -237,3 +237,44 @@ def test_shared_prompt_is_refused_where_there_are_no_groups():
 
     with pytest.raises(ValueError, match="shared_prompt=True.*groups"):
         PPOConfig(output_dir="/tmp/x", use_cpu=True, shared_prompt=True)
+
+
+@pytest.mark.parametrize("config, fields, expected, logged", [
+    (GRPOConfig, {}, True, None),
+    (RLOOConfig, {}, True, None),
+    (OnlineDPOConfig, {"num_generations": 2}, True, None),
+    (GRPOConfig, {"use_vllm": True}, True, None),  # generation's backend does not matter: scoring is the trainer's
+    (GRPOConfig, {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 4}, False, "one completion"),
+    (GRPOConfig, {"shared_prompt": False}, False, None),
+    (GRPOConfig, {"shared_prompt": True, "per_device_train_batch_size": 1, "gradient_accumulation_steps": 4}, True,
+     None),
+    ("PPOConfig", {}, False, "one completion per prompt"),
+], ids=["grpo", "rloo", "online_dpo", "grpo-vllm", "one-per-micro-batch", "explicit-off", "explicit-on", "ppo"])
+def test_shared_prompt_default_resolves_once_with_the_config(config, fields, expected, logged, caplog):
+    """On by default where a micro-batch holds completions of one prompt; off with one log line where it holds
+    nothing to share; an explicit value is kept."""
+    if config == "PPOConfig":
+        from leantune import PPOConfig as config
+    settings = dict(output_dir="/tmp/leantune-test-shared", use_cpu=True, report_to=[], num_generations=4,
+                    per_device_train_batch_size=4)
+    settings.update(fields)
+    if config.__name__ == "PPOConfig":
+        settings.pop("num_generations")
+    with caplog.at_level("INFO", logger="leantune.trainer"):
+        args = config(**settings)
+    assert args.shared_prompt is expected
+    notes = [r.getMessage() for r in caplog.records if r.getMessage().startswith("shared_prompt: off")]
+    assert len(notes) == (logged is not None) and (logged is None or logged in notes[0])
+
+
+def test_the_default_turns_off_for_a_model_without_segment_attention(tokenizer, caplog):
+    """Left at its default, a model loaded with eager attention runs unshared, said in one line (an explicit True is
+    refused: test_shared_prompt_needs_segment_attention)."""
+    with caplog.at_level("INFO", logger="leantune.trainer"):
+        trainer = GRPOTrainer(tiny_model("llama", attn_implementation="eager"), count_a, args=grpo_config(),
+                              train_dataset=gsm8k_prompts(), processing_class=tokenizer)
+    assert trainer.args.shared_prompt is False
+    assert [r.getMessage() for r in caplog.records if "shared_prompt: off" in r.getMessage()] == [
+        "shared_prompt: off for this run (the model's attention is 'eager'; shared rows need 'sdpa')."]
+    batch = one_round(trainer)[0]
+    assert "shared_prompt_of" not in batch
