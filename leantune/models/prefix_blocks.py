@@ -3,33 +3,38 @@ its prefix (its group's prompt) and itself.
 
 A shared-prompt row (trainers/online/shared_prompt.py) is [prompt, completion_1, ..., completion_G] per group, and
 `shared_prompt_of` names, for each segment, the prompt its queries see before their own keys (-1: none). Here every
-segment becomes query blocks of one length, Lq = the longest completion's: a completion is one block whose prefix is
-its group's prompt; a prompt (or the padding segment) is cut into blocks of Lq whose prefix is the same segment's
-earlier blocks. The blocks are the batch of one SDPA call: queries [E, heads, Lq], keys and values
-[E, heads, P + Lq] gathered from the row (the longest prefix P, then the block's own keys), and one boolean mask
-[E, 1, Lq, P + Lq] (every key of the prefix; its own keys causally). `index_select`'s backward sums a prompt key's
-gradient over every block that read it. The work is E x Lq x (P + Lq): per completion as in its unshared row and in
-the G-call form, plus about Lp x (Lp + Lq) for a prompt where its causal call was Lp^2 / 2.
+segment is cut into query blocks of one length Lq (the longest completion's, or a half, a quarter... of it where that
+is less work: `block_length`); a block's prefix is its group's prompt (for a completion's blocks) and its segment's
+earlier blocks. The blocks are the batch of one SDPA call: queries [E, heads, Lq], keys and values [E, heads, P + Lq]
+gathered from the row (the longest prefix P, then the block's own keys), and one boolean mask [E, 1, Lq, P + Lq]
+(every key of its prefix; its own keys causally). `index_select`'s backward sums a prompt key's gradient over every
+block that read it. The work is E x Lq x (P + Lq): per completion about its unshared row's, masked scores included.
 
-Why this layout, measured (CPU, one thread, 4 heads of 64, the attention's forward + backward, 2026-11-29;
-prompt:completion x G):
+Why this layout, measured (`python bench/shared_prompt.py --attention --repeats 3`: one layer of 4 heads of 64, the
+attention's forward + backward, CPU seconds, one thread, 2026-11-29; prompt:completion x G):
 
-| shape | G calls (a completion's SDPA each) | one call, these blocks | one call, dense [L, L] mask | unshared causal rows |
+| shape | one call, these blocks | G calls (a completion's SDPA each, recomputed) | one call, dense [L, L] mask | unshared causal rows |
 |---|---|---|---|---|
-| 1024:256 x 16 | 0.247 s | 0.188 s | 1.05 s | 0.690 s |
-| 64:256 x 16 | 0.057 s | 0.047 s | 0.68 s | 0.065 s |
-| 256:64 x 8 | 0.011 s | 0.008 s | 0.022 s | 0.033 s |
+| 1024:256 x 16 | 0.307 | 0.382 | 1.930 | 0.686 |
+| 64:256 x 16 | 0.064 | 0.080 | 1.164 | 0.064 |
+| 256:64 x 8 | 0.015 | 0.016 | 0.026 | 0.032 |
+| 1024:256 x 2 | 0.100 | 0.094 | 0.163 | 0.088 |
+| 64:256 x 2 | 0.013 | 0.011 | 0.017 | 0.008 |
+| 64:256 x 1 | 0.008 | 0.006 | 0.004 | 0.004 |
 
 The dense mask over the whole row (L = Lp + G x Lb) is small as booleans (25 MiB at 1,024 + 16 x 256) but SDPA
-computes every masked score, L^2: at 1:4 that is ~11x the unshared rows' attention, so a shared row would be
-slower than the unshared one. FlexAttention's block mask skips the masked blocks but has no backward on CPU in
-torch 2.13, and the same blocks run through SDPA on every device (CUDA's memory-efficient kernel takes the mask).
-No [L, L] mask is made: the mask is E x Lq x (P + Lq) booleans (6.25 MiB at 1,024:256 x 16), built once per batch
-(`blocks_of`, cached on the batch's `shared_prompt_of` tensor) and read by every layer.
+computes every masked score, L^2: at 1:4 x 16 that is 18x the unshared rows' attention, so a shared row would be
+slower than the unshared one. The blocks cost most where a group is small: a block's upper triangle and a short
+prompt's padded queries are computed and masked (G = 1: 2x the unshared row's attention, so a micro-batch of one
+completion runs unshared by default: trainers/online/shared_prompt.py's `nothing_to_share`). FlexAttention's block
+mask would skip the masked blocks, but it has no backward on CPU in torch 2.13; these blocks run through SDPA on
+every device (on CUDA a masked call takes the memory-efficient kernel; leantune had no mask-free varlen path for
+shared rows to keep). No [L, L] mask is made: the mask is E x Lq x (P + Lq) booleans (6.25 MiB at 1,024:256 x 16),
+built once per batch (`BlockCache`, on the first layer) and read by every layer.
 
 The gathered keys and values repeat the prompt's once per block (E x (P + Lq) against the row's L: 5x at
-1,024:256 x 16), so the call is recomputed in the backward (`recomputed`, segment_attention.py): only the row's
-own queries, keys and values are kept for it.
+1,024:256 x 16), so they are not kept for the backward but gathered again, and the SDPA kernel's results are kept
+(segment_attention.py's `recomputed_but_attention`): the row's own queries, keys and values are what stays.
 """
 
 from __future__ import annotations
@@ -58,27 +63,49 @@ class PrefixBlocks:
         return self.mask.shape[0]
 
 
-def prefix_block_spans(lengths: list[int], prompt_of: list[int]) -> tuple[list[tuple[int, int, int, int]], int]:
-    """(query start, query length, prefix start, prefix length) of every block, and the block length Lq."""
+def prefix_block_spans(lengths: list[int], prompt_of: list[int], block: int) -> list[tuple[int, int, list]]:
+    """(query start, query length, prefix ranges [(start, length), ...]) of every block of length `block`: a segment
+    cut into blocks, each block's prefix its group's prompt (a completion's) and the segment's earlier blocks."""
     starts = [0]
     for length in lengths[:-1]:
         starts.append(starts[-1] + length)
-    branches = [length for length, prompt in zip(lengths, prompt_of) if prompt >= 0]
-    block = max(branches) if branches else max(lengths)
     spans = []
     for start, length, prompt in zip(starts, lengths, prompt_of):
-        if prompt >= 0:
-            spans.append((start, length, starts[prompt], lengths[prompt]))
-            continue
+        shared = [(starts[prompt], lengths[prompt])] if prompt >= 0 else []
         for offset in range(0, length, block):
-            spans.append((start + offset, min(block, length - offset), start, offset))
-    return spans, block
+            spans.append((start + offset, min(block, length - offset), shared + [(start, offset)]))
+    return spans
 
 
-def build_prefix_blocks(lengths: list[int], prompt_of: list[int], device=None) -> PrefixBlocks:
-    """The blocks of a row of segments (`lengths`) whose prompts `prompt_of` names (per segment, or -1)."""
-    spans, block = prefix_block_spans(lengths, prompt_of)
-    prefix = max(span[3] for span in spans)
+# What a gathered key and value cost against the scores of one query row (their copies forward and backward):
+# about 16 scores, fitted to the timings of `bench/shared_prompt.py --attention` at 64:256 x 2 and x 16, 1024:256 x 2
+# and x 16, 256:64 x 8 (the fastest block length of 256, 128, 64, 32 chosen in each)
+GATHER_COST = 16
+
+
+def block_length(lengths: list[int], prompt_of: list[int], smallest: int = 16) -> int:
+    """The block length with the least attention work, E x (P + Lq) x (Lq + GATHER_COST) (masked scores included):
+    the longest completion, or a half, a quarter... of it where that pads less than it repeats prefixes (a short
+    prompt before few long completions: its one block is mostly padding at the completions' length)."""
+    branches = [length for length, prompt in zip(lengths, prompt_of) if prompt >= 0]
+    longest = max(branches) if branches else max(lengths)
+    candidates = [longest]
+    while candidates[-1] // 2 >= smallest:
+        candidates.append(-(-candidates[-1] // 2))
+
+    def work(block: int) -> int:
+        spans = prefix_block_spans(lengths, prompt_of, block)
+        return len(spans) * (max(sum(n for _, n in span[2]) for span in spans) + block) * (block + GATHER_COST)
+
+    return min(candidates, key=lambda block: (work(block), -block))
+
+
+def build_prefix_blocks(lengths: list[int], prompt_of: list[int], device=None, block: int | None = None) -> PrefixBlocks:
+    """The blocks of a row of segments (`lengths`) whose prompts `prompt_of` names (per segment, or -1); `block`:
+    their length (default: `block_length`'s)."""
+    block = block or block_length(lengths, prompt_of)
+    spans = prefix_block_spans(lengths, prompt_of, block)
+    prefix = max(sum(n for _, n in span[2]) for span in spans)
     width = prefix + block
     queries = torch.zeros(len(spans), block, dtype=torch.long)
     keys = torch.zeros(len(spans), width, dtype=torch.long)
@@ -86,11 +113,12 @@ def build_prefix_blocks(lengths: list[int], prompt_of: list[int], device=None) -
     output = torch.empty(sum(lengths), dtype=torch.long)
     own = torch.arange(block)
     causal = own[:, None] >= own[None, :]
-    for n, (start, length, prefix_start, prefix_length) in enumerate(spans):
+    for n, (start, length, ranges) in enumerate(spans):
         queries[n, :length] = own[:length] + start
-        keys[n, :prefix_length] = torch.arange(prefix_start, prefix_start + prefix_length)
+        seen = torch.cat([torch.arange(first, first + count) for first, count in ranges])
+        keys[n, :len(seen)] = seen
         keys[n, prefix:prefix + length] = own[:length] + start
-        mask[n, 0, :, :prefix_length] = True
+        mask[n, 0, :, :len(seen)] = True
         # its own keys up to itself; a padding query (past `length`) sees the block's keys, so no row is all masked
         mask[n, 0, :, prefix:prefix + length] = causal[:, :length]
         mask[n, 0, length:, prefix:prefix + length] = True

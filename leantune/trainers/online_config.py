@@ -53,7 +53,7 @@ class OnlineConfig(MemoryOptions, CausalLMOptions, ReferenceSyncOptions, Trainin
     pad_to_multiple_of: int | None = field(default=None, metadata={"help": "Pad each scored batch to a multiple of this."})
     shared_prompt: bool | None = field(
         default=None,
-        metadata={"help": "Score each group's prompt once: one row per group [prompt, completion_1, ..., completion_G], "
+        metadata={"nargs": "?", "const": True, "help": "Score each group's prompt once: one row per group [prompt, completion_1, ..., completion_G], "
                   "each completion attending to that one prompt (one attention call per layer; the prompt's gradients "
                   "summed over the G completions), in the policy, reference and old-policy forwards. Same log-probs, "
                   "losses and gradients as scoring every completion with its own prompt copy, with less compute and "

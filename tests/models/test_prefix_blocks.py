@@ -50,14 +50,18 @@ def unshared_attention(query, key, value):
 
 
 @pytest.mark.quick
-def test_prefix_blocks_equal_unshared_attention_and_its_gradients():
+@pytest.mark.parametrize("block", [None, 4])
+def test_prefix_blocks_equal_unshared_attention_and_its_gradients(block):
+    """The chosen block length, and blocks of 4 that cut completions too (their prefix: prompt + earlier blocks)."""
     generator = torch.Generator().manual_seed(0)
     length = sum(LENGTHS)
     query, key, value = (torch.randn(heads, length, 16, generator=generator, requires_grad=True)
                          for heads in (4, 2, 2))
-    blocks = build_prefix_blocks(LENGTHS, PROMPT_OF)
-    # Lq = the longest completion (9): the 12-token prompt is 2 blocks, the second seeing the first as its prefix
-    assert blocks.block_length == 9 and blocks.count == 1 + 3 + 2 + 2 + 1
+    blocks = build_prefix_blocks(LENGTHS, PROMPT_OF, block=block)
+    if block is None:  # Lq = the longest completion (9): the 12-token prompt is 2 blocks, the second after the first
+        assert blocks.block_length == 9 and blocks.count == 1 + 3 + 2 + 2 + 1
+    else:
+        assert blocks.count == sum(-(-n // 4) for n in LENGTHS)
     weights = torch.randn(4, length, 16, generator=generator)
     got = prefix_block_attention(query, key, value, blocks.queries, blocks.keys, blocks.mask, blocks.output)
     got_grads = torch.autograd.grad((got * weights).sum(), (query, key, value))
