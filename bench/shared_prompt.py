@@ -1,6 +1,7 @@
 """Shared-prompt scoring (`shared_prompt=True`) against the unshared layouts: the GRPO update step, one run.
 
     python bench/shared_prompt.py [--rows 256:64:8,160:160:8,...] [--repeats 2] [--json out.json]
+    python bench/shared_prompt.py --attention --rows 1024:256:16,64:256:16 --repeats 3   # one layer's attention
 
 Each row is prompt tokens : completion tokens : G (num_generations). One micro-batch = one group (G completions of
 one prompt). Modes, each a GRPOTrainer built the same way on the same model (fp32, `use_cpu`, beta 0, loss "dapo",
@@ -46,7 +47,7 @@ from bench.common import (  # noqa: E402
 )
 
 DEFAULT_ROWS = "256:64:8,160:160:8,64:256:8,256:64:16,160:160:16,64:256:16"
-MODES = {"unshared padded": {}, "unshared padding-free": {"padding_free": True},
+MODES = {"unshared padded": {"shared_prompt": False}, "unshared padding-free": {"padding_free": True, "shared_prompt": False},
          "shared": {"shared_prompt": True}, "TRL 1.16 (unshared padded)": None}
 TRL = "TRL 1.16 (unshared padded)"
 
@@ -223,6 +224,56 @@ def cuda_timed(mode: str, trainer, batch, repeats: int) -> dict:
             "peak_mib": peak / MIB, "activations_mib": (peak - held) / MIB}
 
 
+def attention_paths(prompt_length: int, completion_length: int, group: int, repeats: int, heads: int = 4,
+                    dim: int = 64) -> dict:
+    """One layer's attention of a shared group alone, forward + backward, process CPU seconds (best of `repeats`
+    after a warm-up), in each form a shared row could take: one SDPA call over prefix blocks (leantune's, with its
+    selective recompute), a call per completion over cat(prompt, completion) recomputed in the backward (leantune's
+    form before), one call with a dense [L, L] boolean mask over the whole row, and the unshared causal rows."""
+    import torch
+    import torch.nn.functional as F
+
+    from leantune.models.prefix_blocks import build_prefix_blocks, prefix_block_attention
+    from leantune.models.segment_attention import recomputed, recomputed_but_attention
+
+    lengths, prompt_of = [prompt_length] + [completion_length] * group, [-1] + [0] * group
+    row = sum(lengths)
+    query, key, value = (torch.randn(heads, row, dim, requires_grad=True) for _ in range(3))
+    blocks = build_prefix_blocks(lengths, prompt_of)
+    positions = torch.arange(row)
+    segment = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    dense = (positions[:, None] >= positions[None, :]) & ((segment[:, None] == segment[None, :]) | (segment[None, :] == 0))
+    branch = torch.ones(completion_length, row - completion_length * (group - 1), dtype=torch.bool)
+    branch[:, prompt_length:] = branch[:, prompt_length:].tril()
+
+    def per_completion(q, k, v, p_k, p_v):
+        return F.scaled_dot_product_attention(q, torch.cat((p_k, k), 1), torch.cat((p_v, v), 1), attn_mask=branch)
+
+    def g_calls():
+        qs, ks, vs = (states.split(lengths, dim=1) for states in (query, key, value))
+        pieces = [F.scaled_dot_product_attention(qs[0], ks[0], vs[0], is_causal=True)]
+        pieces += [recomputed(per_completion, qs[i], ks[i], vs[i], ks[0], vs[0]) for i in range(1, group + 1)]
+        return torch.cat(pieces, dim=1)
+
+    unshared = torch.randn(group, heads, prompt_length + completion_length, dim, requires_grad=True)
+    forms = {
+        "one call, prefix blocks": lambda: recomputed_but_attention(
+            prefix_block_attention, query, key, value, blocks.queries, blocks.keys, blocks.mask, blocks.output),
+        "G calls": g_calls,
+        "one call, dense [L, L] mask": lambda: F.scaled_dot_product_attention(query, key, value, attn_mask=dense),
+        "unshared causal rows": lambda: F.scaled_dot_product_attention(unshared, unshared, unshared, is_causal=True),
+    }
+    seconds = {}
+    for name, form in forms.items():
+        times = []
+        for _ in range(repeats + 1):
+            start = time.process_time()
+            form().sum().backward()
+            times.append(time.process_time() - start)
+        seconds[name] = min(times[1:])
+    return {"dense_mask_mib": dense.numel() / MIB, "block_mask_mib": blocks.mask.numel() / MIB, **seconds}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default=DEFAULT_ROWS, help="prompt:completion:G, comma-separated")
@@ -231,10 +282,16 @@ def main() -> None:
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--json", default=None)
     parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing on (leantune's default)")
+    parser.add_argument("--attention", action="store_true",
+                        help="time one layer's attention in each form a shared row could take (attention_paths)")
     options = parser.parse_args()
     import torch
 
     torch.set_num_threads(options.threads)
+    if options.attention:
+        for spec in options.rows.split(","):
+            print(json.dumps({"row": spec, **attention_paths(*(int(v) for v in spec.split(":")), options.repeats)}))
+        return
     quiet()
     tokenizer = load_tokenizer()
     results, table = [], []

@@ -6,27 +6,26 @@ causal SDPA call, so the work is sum(length^2) and no mask is read. The segment 
 `cu_seq_lens_q` offsets that FlashAttention's varlen kernels take, so one batch layout serves both backends.
 
 Shared-prompt rows (trainers/online/shared_prompt.py) add `shared_prompt_of`: for each segment, the segment whose
-keys and values it reads before its own (its group's prompt), or -1. Such a segment (a completion, a "branch") runs
-one SDPA call with K/V = cat(prompt, branch) and a [L_b, L_p + L_b] boolean mask (every prompt key, its own keys
-causally): L_b x (L_p + L_b) work per branch, the prompt's K/V gradients summed from every branch by cat's
-backward. Batching a group's branches in one call would attend over every branch's keys (G^2 x L_b^2 work, mostly
-masked), and a prompt-then-branch split needs two calls and a log-sum-exp merge that SDPA does not expose. Measured
-on CPU (one thread, 4 heads of 64, forward + backward): a 160:160 branch 4.1 ms against 6.4 ms for its unshared
-causal row, 256:64 2.0 against 6.9 ms, 64:256 5.8 against 6.4 ms (the upper triangle of the branch's own block is
-computed and masked). Each branch's call is recomputed in the backward (`recomputed`): SDPA would otherwise keep its
-cat(prompt, branch) keys and values, the prompt's G times per layer. Under context parallelism a shared row takes
-the all-gather form instead (`gathered_segment_attention`, trainers/parts/shared_prompt_ring.py).
+keys and values it reads before its own (its group's prompt), or -1. Such a row runs as one SDPA call per layer over
+equal query blocks, each with its prefix's keys and its own (models/prefix_blocks.py: the layout, and why it was
+chosen by measurement over a call per completion and over one dense mask), its gathered keys and values not kept for
+the backward (`recomputed_but_attention`). Under context parallelism a shared row takes the all-gather form instead
+(`gathered_segment_attention`, trainers/parts/shared_prompt_ring.py).
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+from .prefix_blocks import BlockCache, prefix_block_attention
 
 SEGMENT_SDPA = "leantune_segment_sdpa"
 # The model input that says a shared-prompt row is split over a context-parallel group (trainers/online/
@@ -36,6 +35,7 @@ RING_SEGMENTS = "shared_prompt_ring"
 # with its ring; the gathered form below computes its attention locally
 local_sdpa = torch._C._nn.scaled_dot_product_attention
 _registered = False
+_blocks = BlockCache()  # the shared row being scored: its blocks, built on the first layer
 
 
 def segment_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -46,33 +46,26 @@ def segment_sdpa_attention(module, query, key, value, attention_mask, dropout=0.
     if cu_seq_lens is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     batch, heads, length, dim = query.shape
-    # Segments never cross rows, so the rows can be laid end to end and cut once with split(): one view per
-    # sequence, and a backward that writes each piece's gradient into the shared buffer.
-    lengths = torch.diff(cu_seq_lens).tolist()
 
-    def flat(states):
-        return states.transpose(0, 1).reshape(1, states.shape[1], batch * length, dim).split(lengths, dim=2)
+    def rows(states):  # [heads, batch x length, dim]: the rows end to end (segments never cross rows)
+        return states.transpose(0, 1).reshape(states.shape[1], batch * length, dim)
 
-    gqa = key.shape[1] != heads
     dropout_p = dropout if module.training else 0.0
-    queries, keys, values = flat(query), flat(key), flat(value)
     prompt_of = kwargs.get("shared_prompt_of")
-    if prompt_of is None:
-        pieces = [
-            F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, scale=scaling, enable_gqa=gqa)
-            for q, k, v in zip(queries, keys, values)
-        ]
-    else:
-        pieces = []
-        for i, prompt in enumerate(prompt_of.tolist()):
-            q, k, v = queries[i], keys[i], values[i]
-            if prompt < 0:
-                pieces.append(F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p,
-                                                             scale=scaling, enable_gqa=gqa))
-                continue
-            mask = branch_mask(keys[prompt].shape[2], q.shape[2], q.device)
-            pieces.append(recomputed(branch_attention, q, keys[prompt], k, values[prompt], v, mask, dropout_p,
-                                     scaling, gqa))
+    if prompt_of is not None:  # a shared-prompt row: one call over its prefix blocks (prefix_blocks.py)
+        blocks = _blocks.blocks_of(prompt_of, cu_seq_lens, query.device)
+        output = recomputed_but_attention(prefix_block_attention, rows(query), rows(key), rows(value), blocks.queries,
+                                          blocks.keys, blocks.mask, blocks.output, dropout_p, scaling)
+        return output.unflatten(1, (batch, length)).permute(1, 2, 0, 3).contiguous(), None
+    # Cut once with split(): one view per sequence, and a backward that writes each piece's gradient into the
+    # shared buffer.
+    lengths = torch.diff(cu_seq_lens).tolist()
+    queries, keys, values = (rows(states).unsqueeze(0).split(lengths, dim=2) for states in (query, key, value))
+    gqa = key.shape[1] != heads
+    pieces = [
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, scale=scaling, enable_gqa=gqa)
+        for q, k, v in zip(queries, keys, values)
+    ]
     output = torch.cat(pieces, dim=2).reshape(heads, batch, length, dim).transpose(0, 1)
     return output.transpose(1, 2).contiguous(), None
 
@@ -99,6 +92,28 @@ def segment_attention(query, keys, values, index, mask, dropout_p, scaling, gqa)
     """A segment's local queries against the gathered keys and values at `index`, through `mask`."""
     return local_sdpa(query, keys.index_select(2, index), values.index_select(2, index), attn_mask=mask,
                       dropout_p=dropout_p, scale=scaling, enable_gqa=gqa)
+
+
+def recomputed_but_attention(attention, *inputs):
+    """`attention(*inputs)` with only the attention kernel's results kept for the backward (selective activation
+    checkpointing): the keys and values it gathers, which repeat the prompt's once per block, are gathered again in
+    the backward, and the kernel is not run again (measured on CPU, forward + backward at 1,024:256 x 16, one thread:
+    85.4 MiB kept -> 21.5 MiB, 0.283 s either way; recomputing the whole call instead took 0.368 s)."""
+    if not torch.is_grad_enabled():
+        return attention(*inputs)
+    return checkpoint(attention, *inputs, use_reentrant=False,
+                      context_fn=partial(create_selective_checkpoint_contexts, _keep_attention_kernels))
+
+
+def _keep_attention_kernels(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in _attention_kernels() else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _attention_kernels() -> set:
+    """SDPA's fused kernels, by the names this torch build has (the math fallback's ops are recomputed)."""
+    names = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+    return {getattr(torch.ops.aten, name).default for name in names if hasattr(torch.ops.aten, name)}
 
 
 def recomputed(attention, *inputs):
@@ -133,22 +148,6 @@ class _GatherAlongTime(torch.autograd.Function):
 
 def gather_along_time(local: torch.Tensor, group) -> torch.Tensor:
     return _GatherAlongTime.apply(local, group)
-
-
-def branch_attention(query, prompt_keys, keys, prompt_values, values, mask, dropout_p, scaling, gqa):
-    """A completion's queries against its prompt's keys and values, then its own (causally: `mask`)."""
-    return F.scaled_dot_product_attention(query, torch.cat((prompt_keys, keys), dim=2),
-                                          torch.cat((prompt_values, values), dim=2), attn_mask=mask,
-                                          dropout_p=dropout_p, scale=scaling, enable_gqa=gqa)
-
-
-def branch_mask(prompt_length: int, branch_length: int, device) -> torch.Tensor:
-    """[L_b, L_p + L_b] booleans: a branch's queries see every prompt key and their own keys up to themselves (the
-    causal mask aligned to the bottom right). Not torch's `causal_lower_right` bias: creating that tensor subclass
-    fails under a tensor-tracking mode such as leantune's memory meter (MemTracker), which runs by default."""
-    seen = torch.ones(branch_length, prompt_length + branch_length, dtype=torch.bool, device=device)
-    seen[:, prompt_length:] = seen[:, prompt_length:].tril()
-    return seen
 
 
 def register_segment_attention() -> str:

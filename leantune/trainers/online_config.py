@@ -15,6 +15,7 @@ from transformers import TrainingArguments
 from ..generation.backend import TRANSFORMERS, generation_engine
 from .config_utils import non_default, positive_or_none, resolve_shared_settings, validate_shared_options
 from .memory_options import MemoryOptions
+from .online.shared_prompt import resolve_shared_prompt
 from .parts.context_parallel import requested_cp_size, resolve_pad_to_multiple_of
 from .trl_options import CausalLMOptions, ReferenceSyncOptions
 
@@ -50,13 +51,15 @@ class OnlineConfig(MemoryOptions, CausalLMOptions, ReferenceSyncOptions, Trainin
         metadata={"help": "Score the completions of a batch in one row with restarting position_ids (no padding)."},
     )
     pad_to_multiple_of: int | None = field(default=None, metadata={"help": "Pad each scored batch to a multiple of this."})
-    shared_prompt: bool = field(
-        default=False,
-        metadata={"help": "Score each group's prompt once: one row per group [prompt, completion_1, ..., completion_G], "
-                  "each completion attending to that one prompt (the prompt's gradients summed over the G "
-                  "completions), in the policy, reference and old-policy forwards. Same log-probs, losses and "
-                  "gradients as scoring every completion with its own prompt copy, with less compute and activation "
-                  "memory. Needs attn_implementation='sdpa' (leantune's segment attention)."},
+    shared_prompt: bool | None = field(
+        default=None,
+        metadata={"nargs": "?", "const": True, "help": "Score each group's prompt once: one row per group [prompt, completion_1, ..., completion_G], "
+                  "each completion attending to that one prompt (one attention call per layer; the prompt's gradients "
+                  "summed over the G completions), in the policy, reference and old-policy forwards. Same log-probs, "
+                  "losses and gradients as scoring every completion with its own prompt copy, with less compute and "
+                  "activation memory. Default (None): on where a micro-batch holds completions of one prompt to "
+                  "share (GRPO, RLOO, Online DPO with an sdpa model), off otherwise, said in the log. Needs "
+                  "attn_implementation='sdpa' (leantune's segment attention)."},
     )
     chat_template_kwargs: dict[str, Any] | str | None = field(
         default=None, metadata={"help": "Extra arguments of the chat template for conversational prompts."}
@@ -236,18 +239,10 @@ def validate_online_config(args: OnlineConfig) -> None:
                          f"{args.world_size} processes x `steps_per_generation`, default `gradient_accumulation_steps`)"
                          f" must be a multiple of num_generations ({args.num_generations}); change one of them or "
                          f"`num_generations`.")
-    if args.shared_prompt:
-        validate_shared_prompt(args)
+    resolve_shared_prompt(args)  # the default: on where it has something to share, else off (logged)
     if args.num_completions_to_print is not None and not args.log_completions:
         raise ValueError("`num_completions_to_print` has no effect without `log_completions=True`; set "
                          "`log_completions=True` or leave `num_completions_to_print` unset.")
-
-
-def validate_shared_prompt(args: OnlineConfig) -> None:
-    """What shared-prompt rows cannot run with, refused by name (the model's attention is checked when it loads)."""
-    if getattr(args, "min_num_generations", 2) < 2:
-        raise ValueError("`shared_prompt=True` is for methods that sample groups of completions per prompt (GRPO, "
-                         "RLOO, Online DPO); set `shared_prompt=False`.")
 
 
 def validate_vllm_options(args: OnlineConfig) -> None:

@@ -22,7 +22,7 @@ from ..data.streaming import is_stream
 from ..models.loading import apply_peft, ensure_pad_token, load_causal_lm, load_tokenizer, with_quantization_config
 from ..models.output_head import unwrap_model
 from ..models.segment_attention import SEGMENT_SDPA, use_segment_attention
-from .online.shared_prompt import shared_prompt_problem
+from .online.shared_prompt import shared_prompt_for
 from .parts.batches import placed
 from .parts.frozen_models import zero3_enabled
 from .settings import checkpointing_of, reference_of
@@ -70,8 +70,7 @@ def load_policy_and_reference(model, ref_model, processing_class, peft_config, a
     shared_prompt = getattr(args, "shared_prompt", False)  # online methods: prompt-sharing rows need it too
     if (padding_free or shared_prompt) and use_segment_attention(model):
         logger.info("Padding-free batches: attention runs per sequence (%s).", SEGMENT_SDPA)
-    if shared_prompt:
-        require_shared_prompt_attention(model)
+    shared_prompt = shared_prompt_for(model, args)  # refused, or (the default) off for a model that cannot
     model = apply_peft(model, peft_config, checkpointing_of(args).enabled)
     adapter_reference = needs_reference and ref_model is None and hasattr(model, "disable_adapter")
     if not needs_reference:
@@ -86,7 +85,7 @@ def load_policy_and_reference(model, ref_model, processing_class, peft_config, a
         if padding_free or shared_prompt:
             use_segment_attention(ref_model)
         if shared_prompt:
-            require_shared_prompt_attention(ref_model)
+            shared_prompt_for(ref_model, args)
         ref_model.requires_grad_(False).eval()
     if args.disable_dropout:
         for module in (model, ref_model):
@@ -299,9 +298,3 @@ def mix_into(target: torch.nn.Module, source: torch.nn.Module, alpha: float) -> 
     sources = dict(source.named_parameters())
     for name, parameter in target.named_parameters():
         parameter.mul_(1.0 - alpha).add_(sources[name].to(parameter.dtype), alpha=alpha)
-
-
-def require_shared_prompt_attention(model) -> None:
-    problem = shared_prompt_problem(model)
-    if problem is not None:
-        raise ValueError(problem)

@@ -178,6 +178,7 @@ def _train_against_server(trainer_cls, config_cls, model_dir, url, tmp_path, **c
                           args=args, train_dataset=data, processing_class=tokenizer)
     backend = trainer.generation.open_backend()
     assert backend.name == "vllm-server"
+    assert trainer.args.shared_prompt  # the default: vLLM's groups scored with their prompt once
     checks = []
     original = backend.sync_weights
 

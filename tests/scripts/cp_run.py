@@ -63,7 +63,8 @@ CASES["kto_padding_free"] = dict(CASES["dpo_padding_free"], config_class=leantun
 # every sequence. 4 prompts' completions per step, 16 tokens at most, reference beta > 0. GRPO padded: one round of
 # 2 micro-batches (steps_per_generation=2), so step 2 is off-policy (old log-probs, ratios != 1); padding-free: a round
 # per step (generated after the update) with loss_type="grpo" (per-sequence means over whole token counts).
-ONLINE = dict(num_generations=2, max_completion_length=16, temperature=1.0, max_length=None)
+# the unshared layouts (torch's ring) unless a case asks for shared-prompt rows
+ONLINE = dict(num_generations=2, max_completion_length=16, temperature=1.0, max_length=None, shared_prompt=False)
 CASES["grpo"] = dict(ONLINE, config_class=leantune.GRPOConfig, beta=0.04, steps_per_generation=2)
 CASES["grpo_padding_free"] = dict(ONLINE, config_class=leantune.GRPOConfig, beta=0.04, loss_type="grpo",
                                   padding_free=True)

@@ -107,6 +107,7 @@ def dpo(case, **fields):
 
 
 def online(config_class, trainer_class, case, reward=length_reward, **fields):
+    fields.setdefault("shared_prompt", False)  # the unshared layouts, unless a case asks for shared-prompt rows
     args = config_class(**common(case, num_generations=2, max_completion_length=8, temperature=1.0, **fields))
     return trainer_class(model_dir, reward, args=args, train_dataset=data("prompts"))
 

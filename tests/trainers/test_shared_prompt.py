@@ -14,8 +14,9 @@ from datasets import Dataset
 
 from devkit.liger_cpu import FusedKernelCalls, liger_kernels_interpreted
 from leantune import GRPOConfig, GRPOTrainer, OnlineDPOConfig, OnlineDPOTrainer, RLOOConfig, RLOOTrainer
-from leantune.models import segment_attention
+from leantune.models import prefix_blocks
 from leantune.models.checkpointing import checkpointing_setting, enable_model_checkpointing
+from leantune.models.prefix_blocks import build_prefix_blocks
 from leantune.trainers import grpo_trainer
 from leantune.trainers.online.shared_prompt import batch_targets
 
@@ -130,17 +131,18 @@ def test_shared_prompt_scores_equal_unshared_and_a_wrong_mask_does_not(tokenizer
     # the mean |advantage| (its terms cancel between a group's positive and negative advantages)
     assert_scored_alike(shared_side, unshared_side, loss_atol=1e-5 * float(shared["advantages"].abs().mean()))
 
-    # Negative control: branches that miss the prompt's first key give other log-probs, and the comparison fails.
-    def missing_first_prompt_key(prompt_length, branch_length, device):
-        seen = torch.ones(branch_length, prompt_length + branch_length, dtype=torch.bool, device=device)
-        seen[:, prompt_length:] = seen[:, prompt_length:].tril()
-        seen[:, 0] = False
-        return seen
+    # Negative control: completions that miss the prompt's first key give other log-probs, and the comparison fails.
+    def missing_first_prompt_key(lengths, prompt_of, device=None):
+        blocks = build_prefix_blocks(lengths, prompt_of, device)
+        with_prefix = blocks.mask[:, 0, 0, 0].clone()  # key 0 is a prefix key: seen by a block with a prefix
+        blocks.mask[with_prefix, :, :, 0] = False
+        return blocks
 
-    monkeypatch.setattr(segment_attention, "branch_mask", missing_first_prompt_key)
+    monkeypatch.setattr(prefix_blocks, "build_prefix_blocks", missing_first_prompt_key)
     model = trainer.model.eval()
     inputs = {k: v for k, v in shared.items() if k in ("input_ids", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k",
-                                                       "max_length_q", "max_length_k", "shared_prompt_of")}
+                                                       "max_length_q", "max_length_k")}
+    inputs["shared_prompt_of"] = shared["shared_prompt_of"].clone()  # a new batch: its blocks built anew
     with torch.no_grad():
         wrong = trainer.logprobs.target_logprobs(model, inputs, batch_targets(shared), trainer.args.temperature).logps
         expected = unshared_trainer.logprobs.target_logprobs(
@@ -235,3 +237,44 @@ def test_shared_prompt_is_refused_where_there_are_no_groups():
 
     with pytest.raises(ValueError, match="shared_prompt=True.*groups"):
         PPOConfig(output_dir="/tmp/x", use_cpu=True, shared_prompt=True)
+
+
+@pytest.mark.parametrize("config, fields, expected, logged", [
+    (GRPOConfig, {}, True, None),
+    (RLOOConfig, {}, True, None),
+    (OnlineDPOConfig, {"num_generations": 2}, True, None),
+    (GRPOConfig, {"use_vllm": True}, True, None),  # generation's backend does not matter: scoring is the trainer's
+    (GRPOConfig, {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 4}, False, "one completion"),
+    (GRPOConfig, {"shared_prompt": False}, False, None),
+    (GRPOConfig, {"shared_prompt": True, "per_device_train_batch_size": 1, "gradient_accumulation_steps": 4}, True,
+     None),
+    ("PPOConfig", {}, False, "one completion per prompt"),
+], ids=["grpo", "rloo", "online_dpo", "grpo-vllm", "one-per-micro-batch", "explicit-off", "explicit-on", "ppo"])
+def test_shared_prompt_default_resolves_once_with_the_config(config, fields, expected, logged, caplog):
+    """On by default where a micro-batch holds completions of one prompt; off with one log line where it holds
+    nothing to share; an explicit value is kept."""
+    if config == "PPOConfig":
+        from leantune import PPOConfig as config
+    settings = dict(output_dir="/tmp/leantune-test-shared", use_cpu=True, report_to=[], num_generations=4,
+                    per_device_train_batch_size=4)
+    settings.update(fields)
+    if config.__name__ == "PPOConfig":
+        settings.pop("num_generations")
+    with caplog.at_level("INFO", logger="leantune.trainer"):
+        args = config(**settings)
+    assert args.shared_prompt is expected
+    notes = [r.getMessage() for r in caplog.records if r.getMessage().startswith("shared_prompt: off")]
+    assert len(notes) == (logged is not None) and (logged is None or logged in notes[0])
+
+
+def test_the_default_turns_off_for_a_model_without_segment_attention(tokenizer, caplog):
+    """Left at its default, a model loaded with eager attention runs unshared, said in one line (an explicit True is
+    refused: test_shared_prompt_needs_segment_attention)."""
+    with caplog.at_level("INFO", logger="leantune.trainer"):
+        trainer = GRPOTrainer(tiny_model("llama", attn_implementation="eager"), count_a, args=grpo_config(),
+                              train_dataset=gsm8k_prompts(), processing_class=tokenizer)
+    assert trainer.args.shared_prompt is False
+    assert [r.getMessage() for r in caplog.records if "shared_prompt: off" in r.getMessage()] == [
+        "shared_prompt: off for this run (the model's attention is 'eager'; shared rows need 'sdpa')."]
+    batch = one_round(trainer)[0]
+    assert "shared_prompt_of" not in batch

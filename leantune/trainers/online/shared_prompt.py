@@ -21,6 +21,8 @@ attention work per branch is L_b x (L_p + L_b) as in the unshared row.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
@@ -30,6 +32,10 @@ from ...models.segment_attention import SEGMENT_SDPA
 
 SHARED_PROMPT_OF = "shared_prompt_of"  # the model input segment attention reads (per segment: its prompt, or -1)
 TARGET_KEYS = ("target_index", "target_tokens", "target_sequence")
+# Set on a config whose `shared_prompt` was left at its default and resolved on: a model that cannot score shared
+# rows then turns it off (logged) instead of being refused
+BY_DEFAULT = "shared_prompt_by_default"
+logger = logging.getLogger("leantune.trainer")
 
 
 def shared_prompt_batch(examples: list[dict], prompt_lengths: list[int], pad_token_id: int,
@@ -117,3 +123,48 @@ def shared_prompt_problem(model) -> str | None:
     return (f"`shared_prompt=True` needs attn_implementation='sdpa' (leantune's segment attention runs each "
             f"completion against its group's prompt), but the model uses {implementation!r}; load it with "
             f"attn_implementation='sdpa' or set `shared_prompt=False`.")
+
+
+def resolve_shared_prompt(args) -> None:
+    """`shared_prompt`'s default (None), resolved once when the config is built: on where a micro-batch holds several
+    completions of one prompt, else off with one log line. An explicit False or True is kept; an explicit True
+    without groups (PPO: one completion per prompt) is refused."""
+    requested = args.shared_prompt
+    if requested is not None:
+        if requested and getattr(args, "min_num_generations", 2) < 2:
+            raise ValueError("`shared_prompt=True` is for methods that sample groups of completions per prompt "
+                             "(GRPO, RLOO, Online DPO); set `shared_prompt=False`.")
+        setattr(args, BY_DEFAULT, False)
+        return
+    reason = nothing_to_share(args)
+    args.shared_prompt = reason is None
+    setattr(args, BY_DEFAULT, args.shared_prompt)
+    if reason is not None:
+        logger.info("shared_prompt: off for this run (%s).", reason)
+
+
+def nothing_to_share(args) -> str | None:
+    """Why a run's micro-batches hold no prompt to share (a shared row there is a prompt and one completion, whose
+    blocks cost more attention than the unshared row: bench/shared_prompt.py --attention, docs/benchmarks.md)."""
+    if getattr(args, "min_num_generations", 2) < 2:
+        return "one completion per prompt: nothing to share"
+    if args.per_device_train_batch_size < 2:
+        return "per_device_train_batch_size=1: a micro-batch holds one completion, nothing to share"
+    return None
+
+
+def shared_prompt_for(model, args) -> bool:
+    """Whether `model` scores shared-prompt rows in this run: needs leantune's segment attention; where the default
+    turned them on, a model without it turns them off for the run (logged), where the user asked, it is refused."""
+    if not getattr(args, "shared_prompt", False):
+        return False
+    problem = shared_prompt_problem(model)
+    if problem is None:
+        return True
+    if not getattr(args, BY_DEFAULT, False):
+        raise ValueError(problem)
+    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    args.shared_prompt = False
+    logger.info("shared_prompt: off for this run (the model's attention is %r; shared rows need 'sdpa').",
+                implementation)
+    return False
