@@ -161,9 +161,10 @@ def updater(url: str, token: str, names_and_shapes: dict, tally: Tally, until: f
             committed.append(tensors)
             with tally.lock:
                 tally.updates += 1
-        except VLLMServerError:  # displaced by a crashed trainer's begin (409), or busy: the next one goes whole
+        except VLLMServerError:  # displaced by a crashed trainer's begin (409), or busy: sent again at once
             with tally.lock:
                 tally.update_failures += 1
+            continue
         time.sleep(every)
 
 
@@ -232,7 +233,9 @@ def hostile(kind: str, url: str, token: str, tally: Tally, until: float, args, n
             }
             answer = raw(url, heads[kind])
         tally.attack(kind, answer)
-        time.sleep(random.uniform(0.1, 0.5))
+        # a crashed trainer's update comes now and then (each begin displaces the update in progress: a second
+        # trainer flooding begins would starve the real one by design, one trainer per server); the rest keep at it
+        time.sleep(random.uniform(2.0, 4.0) if kind == "half_update" else random.uniform(0.1, 0.5))
 
 
 def half_update(url: str, token: str, names_and_shapes: dict) -> str:
