@@ -39,9 +39,8 @@ from .parts.run_metrics import RunMetrics
 from .parts.saving import (
     StagedCheckpoint,
     agreed_resume_checkpoint,
-    model_files_saved,
+    save_final_model,
     tag_model,
-    without_secrets,
     write_hub_card,
 )
 from .parts.split_preparer import SplitPreparer
@@ -230,12 +229,8 @@ class LeantuneTrainer(MethodHooks, TrainerAttributes, Trainer):
     # --- saving: staged checkpoints, each saved folder with its model card (parts/saving.py) ----------------------
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        args, self.args = self.args, without_secrets(self.args)  # Trainer saves its args beside the model: no token
-        try:
-            with model_files_saved(self):  # the model's files by `write_model_files`, and its card (parts/saving.py)
-                super().save_model(output_dir, _internal_call)
-        finally:
-            self.args = args
+        # staged and moved in, with its card and without the Hub token (parts/saving.py)
+        save_final_model(self, output_dir, _internal_call, super().save_model)
 
     def _save_checkpoint(self, model, trial) -> None:
         """transformers' seam (docs/transformers_seam.md): Trainer's checkpoint written into a staging folder, fsynced

@@ -13,6 +13,7 @@ import contextlib
 import copy
 import logging
 import os
+import shutil
 
 import torch
 from transformers.trainer import TRAINING_ARGS_NAME
@@ -22,7 +23,7 @@ from ... import methods
 from ...models import model_card
 from ...models.output_head import text_config_of, unwrap_model
 from ...utils.faults import TrainingFault
-from . import checkpoint_files
+from . import checkpoint_files, model_files
 from .distributed import gather_from_all, is_collective_timeout
 
 logger = logging.getLogger("leantune.trainer")
@@ -44,6 +45,49 @@ def without_secrets(args):
 def save_arguments(args, folder: str) -> None:
     """The run's config, as Trainer saves it beside a model, without its credentials (SECRET_FIELDS)."""
     torch.save(without_secrets(args), os.path.join(folder, TRAINING_ARGS_NAME))
+
+
+def save_final_model(trainer, output_dir: str | None, internal_call: bool, save_model) -> None:
+    """Trainer's `save_model` (`save_model`: transformers' own) of the final model into `output_dir`, staged and
+    moved in as model_files.py says: a kill at any moment leaves the old final model or the new one loading from
+    output_dir, whole; checkpoint-N and the logs beside it untouched. The saved config has no credentials. A
+    checkpoint's model is written directly (its whole folder is being staged, checkpoint_files.py). The push that
+    transformers' `save_model` makes when the user calls it comes after the model is in place."""
+    target = output_dir if output_dir is not None else trainer.args.output_dir
+    args, trainer.args = trainer.args, without_secrets(trainer.args)  # Trainer saves its args beside the model
+    try:
+        with model_files_saved(trainer):  # the model's files by `write_model_files`, and its card
+            if checkpoint_files.STAGING.match(os.path.basename(os.path.dirname(os.path.abspath(target)))):
+                save_model(target, internal_call)
+                return
+            _staged_model_save(trainer, os.fspath(target), save_model)
+    finally:
+        trainer.args = args
+    if args.push_to_hub and not internal_call:
+        trainer.push_to_hub(commit_message="Model save", revision=args.hub_revision)
+
+
+def _staged_model_save(trainer, target: str, save_model) -> None:
+    staged = model_files.staged_folder(target)
+    writer = trainer.args.should_save
+    if writer:
+        checkpoint_files.remove_tree(staged)  # a final save that a kill cut short
+        os.makedirs(staged)
+        readme = os.path.join(target, "README.md")
+        if os.path.isfile(readme) and not model_card.may_write(target):  # the user's own card is kept
+            shutil.copy2(readme, staged)
+    try:
+        save_model(staged, True)
+        if writer:
+            model_files.publish_model(staged, target)
+    except Exception as error:
+        if not writer:
+            raise
+        written = checkpoint_files.folder_bytes(staged)
+        checkpoint_files.remove_tree(staged)  # the old final model, if any, is as it was
+        if checkpoint_files.is_no_room(error, target):
+            raise checkpoint_files.no_room_error(target, written, "the final model") from error
+        raise
 
 
 class CheckpointSaveFault(TrainingFault):
