@@ -163,9 +163,10 @@ class PlanArguments:
     lengths: str | None = field(
         default=None, metadata={"help": "leantune profile's JSON: plan rows of its lengths instead of --dataset_name."})
     solve: str | None = field(
-        default=None, metadata={"help": "max_completion_length or max_completions_per_generate (online methods, "
-                                "with --memory_budget): the largest that fits the budget, the prompt groups and "
-                                "global batch kept."})
+        default=None, metadata={"help": "With --memory_budget, the largest that fits: max_length (offline methods, "
+                                "up to the data's longest row), or max_completion_length or "
+                                "max_completions_per_generate (online methods: the prompt groups and global batch "
+                                "kept)."})
 
 
 def plan_argument_types(method: Method) -> tuple:

@@ -20,6 +20,7 @@ from ..planning.completion_length import solve_max_completion_length
 from ..planning.generation_batch import pieces_for_budget, solve_generation_batch
 from ..planning.length_profile import dataset_from_lengths, keep_threshold_of, sequence_lengths_of
 from ..planning.length_suggestion import data_lengths, suggest_for_budget
+from ..planning.max_length import solve_max_length
 from ..planning.planned_run import filler_token, model_config_of
 from ..planning.qlora_suggestion import suggest_qlora
 from ..planning.recommend import (
@@ -153,6 +154,10 @@ def _run(argv: list[str], started: float) -> int:
         print(f"note: {assumed}")
     if plan_args.solve == "max_completions_per_generate":
         print("\n".join(solve_generation_batch(plan, budget, config.num_generations).lines()))
+    elif plan_args.solve == "max_length":
+        _quiet_progress_bars()
+        print("\n".join(_solved_max_length(plan, budget, fields, planned, plan_args, model_args, train,
+                                            tokenizer).lines()))
     elif plan_args.solve is not None:
         _quiet_progress_bars()
         print("\n".join(_solved_completion_length(plan, budget, config, fields, planned,
@@ -194,13 +199,17 @@ def _run(argv: list[str], started: float) -> int:
     return 0
 
 
-SOLVABLE = ("max_completion_length", "max_completions_per_generate")
+SOLVABLE = ("max_length", "max_completion_length", "max_completions_per_generate")
 
 
 def _check_solve(plan_args, method, config) -> None:
     if plan_args.solve not in SOLVABLE:
         raise UsageError(f"--solve {plan_args.solve}: not solvable; choose one of {', '.join(SOLVABLE)}.")
-    if not method.online:
+    if plan_args.solve == "max_length" and (method.online or not hasattr(config, "max_length")):
+        raise UsageError(f"--solve max_length: for the methods that truncate rows to max_length (sft, dpo, kto, "
+                         f"reward, gkd); {method.card_name}'s length is its completions': --solve "
+                         f"max_completion_length.")
+    if plan_args.solve != "max_length" and not method.online:
         raise UsageError(f"--solve {plan_args.solve}: only for the online methods (grpo, rloo, online_dpo, ppo), "
                          f"which generate completions.")
     if plan_args.memory_budget is None:
@@ -220,6 +229,21 @@ def _solved_completion_length(plan, budget, config, fields, planned, model):
     return solve_max_completion_length(
         lambda length: planned({**fields, "max_completion_length": length}).device_total_bytes, budget, limit,
         int(config.max_completion_length), plan.device_total_bytes)
+
+
+def _solved_max_length(plan, budget, fields, planned, plan_args, model_args, train, tokenizer):
+    """The longest max_length within the budget (planning/max_length.py), up to the data's longest row."""
+    if plan_args.lengths:
+        lengths = sequence_lengths_of(plan_args.lengths)
+    else:
+        try:
+            lengths = data_lengths(train, tokenizer or load_tokenizer(model_args.model_name_or_path))
+        except (OSError, ValueError) as error:
+            raise UsageError(f"--solve max_length: the data's lengths are unknown ({str(error).splitlines()[0]}); "
+                             f"--tokenizer names the tokenizer.") from error
+    limit = int(max(lengths))
+    known = {fields["max_length"]: plan} if fields.get("max_length") else {}
+    return solve_max_length(lambda length: planned({**fields, "max_length": length}), budget, limit, known=known)
 
 
 def _round_pieces(plan, budget, config, solve) -> dict:

@@ -20,6 +20,7 @@ import math
 import torch
 
 from ..models.output_head import OutputHead
+from .chunk_order import chunk_starts
 from .token_logprobs import HeadGradients, Targets, chunk_tokens_for, vocab_size_of
 
 
@@ -127,7 +128,7 @@ class _ChunkedJSDSum(torch.autograd.Function):
         head_grads = HeadGradients(student_head, wanted, torch.get_autocast_dtype(device_type)
                                    if torch.is_autocast_enabled(device_type) else student.dtype)
         total = torch.zeros((), dtype=torch.float32, device=student.device)
-        for start in range(0, student.shape[0], chunk_size):
+        for start in chunk_starts(student, chunk_size):
             end = start + chunk_size
             piece = student[start:end].detach().requires_grad_(want_hidden)
             inputs = ([piece] if want_hidden else []) + head_grads.by_autograd
@@ -169,7 +170,7 @@ class _ChunkedJSD(torch.autograd.Function):
     @staticmethod
     def forward(ctx, student, teacher, student_head, teacher_head, beta, chunk_size, *params):
         out = torch.empty(student.shape[0], dtype=torch.float32, device=student.device)
-        for start in range(0, student.shape[0], chunk_size):
+        for start in chunk_starts(student, chunk_size):
             end = start + chunk_size
             student_logps = torch.log_softmax(student_head.logits(student[start:end]), -1)
             out[start:end] = generalized_jsd(student_logps, _teacher_logps(teacher_head, teacher[start:end]), beta)
@@ -189,7 +190,7 @@ class _ChunkedJSD(torch.autograd.Function):
         grad_hidden = torch.zeros_like(student) if want_hidden else None
         device_type, autocast_on, autocast_dtype = ctx.autocast
         head_grads = HeadGradients(student_head, wanted, autocast_dtype if autocast_on else student.dtype)
-        for start in range(0, student.shape[0], ctx.chunk_size):
+        for start in chunk_starts(student, ctx.chunk_size):
             end = start + ctx.chunk_size
             piece = student[start:end].detach().requires_grad_(want_hidden)
             inputs = ([piece] if want_hidden else []) + head_grads.by_autograd

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from ..models.output_head import OutputHead
 from .causal_lm import IGNORE_INDEX, shifted_targets
+from .chunk_order import chunk_starts
 
 # One chunk of fp32 logits is at most this large (x3 while its gradient is formed); vocabulary-independent.
 CHUNK_BYTES = 64 * 1024 * 1024
@@ -278,7 +279,7 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
         logps = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         entropy = torch.empty_like(logps) if with_entropy else logps.new_empty(0)
         values = logps.new_empty(hidden.shape[0], len(stats))
-        for start in range(0, hidden.shape[0], chunk_size):
+        for start in chunk_starts(hidden, chunk_size):
             end = start + chunk_size
             logits = head.logits(hidden[start:end])
             logps[start:end], chunk_entropy, chunk_values = _chunk_scores(logits, tokens[start:end], with_entropy,
@@ -308,7 +309,7 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
         grad_hidden = torch.zeros_like(hidden) if want_hidden else None
         device_type, autocast_on, autocast_dtype = ctx.autocast
         head_grads = HeadGradients(ctx.head, wanted, autocast_dtype if autocast_on else hidden.dtype)
-        for start in range(0, hidden.shape[0], ctx.chunk_size):
+        for start in chunk_starts(hidden, ctx.chunk_size):
             end = start + ctx.chunk_size
             piece = hidden[start:end].detach().requires_grad_(want_hidden)
             inputs = ([piece] if want_hidden else []) + head_grads.by_autograd

@@ -15,6 +15,7 @@ from transformers.generation.utils import GenerationMixin
 
 from .. import methods
 from ..generation import transformers_backend
+from ..losses.chunk_order import repeated_chunks_skipped
 from ..memory import offloading
 from ..metrics.memory_breakdown import MemoryBreakdown
 from ..models.loading import parse_kwargs
@@ -95,10 +96,15 @@ def dtype_of(fields: dict, model=None):
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
+# A chunked loss runs the chunks whose memory can differ, not every repeat of them (losses/chunk_order.py): the trace's
+# time does not grow with the number of targets, its peak is the same to the byte (tests/planning/test_plan_length.py)
+SKIP_REPEATED_CHUNKS = True
+
+
 @contextlib.contextmanager
 def planning_session():
-    """The dispatch mode of fake weights, the module conversion it needs, and generation that runs to its length
-    limit with nothing to decode from fake tokens."""
+    """The dispatch mode of fake weights, the module conversion it needs, generation that runs to its length limit
+    with nothing to decode from fake tokens, and chunked losses without their repeated chunks."""
     mode = WeightlessMode()
     storage_ptr = offloading._storage_ptr
     # a fake storage has no address (reading one is undefined behaviour): offloading keeps such tensors as it does
@@ -106,7 +112,7 @@ def planning_session():
     offloading._storage_ptr = lambda tensor: None if is_fake_tensor(tensor) else storage_ptr(tensor)
     try:
         with (mode, fake_parameters_convertible(), fake_tensors_copyable(), triton_launches_skipped_on_fake(),
-              _generation_to_length_limit(mode)):
+              _generation_to_length_limit(mode), repeated_chunks_skipped(SKIP_REPEATED_CHUNKS)):
             yield mode
     finally:
         offloading._storage_ptr = storage_ptr

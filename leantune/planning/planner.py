@@ -338,17 +338,21 @@ def _trace(config, trainer_class, config_class, train_dataset, fields, trainer_k
             trainer.forced_batches = None
             second = TracedStep.of(trainer.memory_breakdown, "the trainer's own second step" + (
                 f" on rank {shard[1]}" if shard is not None else ""), 2)
-        traced = []
+        traced, seen = [], []  # seen: (batch, its trace) for a batch met again (one long row is every candidate)
         for index, batch, words in _worst_candidates(trainer, max_batches):
-            _reset_for_trace(trainer)
-            trainer.forced_batches = [batch] * (2 * accumulation)
-            _train_quietly(trainer)
+            again = next((step for other, step in seen if _same_batch(batch, other)), None)
+            if again is None:
+                _reset_for_trace(trainer)
+                trainer.forced_batches = [batch] * (2 * accumulation)
+                _train_quietly(trainer)
+                seen.append((batch, TracedStep.of(trainer.memory_breakdown, words)))
+            step = again or seen[-1][1]
             if index is None:  # the longest rows together: a bound, at no step
-                traced.append(dataclasses.replace(TracedStep.of(trainer.memory_breakdown, words), any_order=True))
+                traced.append(dataclasses.replace(step, batch=words, any_order=True))
                 continue
             processes = shard[0] if shard is not None else 1  # each step of N processes takes N loader batches
-            traced.append(TracedStep.of(trainer.memory_breakdown, words, index // (accumulation * processes) + 1,
-                                        index // processes % accumulation))
+            traced.append(dataclasses.replace(step, batch=words, step=index // (accumulation * processes) + 1,
+                                              micro_batch=index // processes % accumulation))
         round_shape = round_shape_of(trainer) if trainer.generates_rounds else None
     return num_parameters, trainable, second, traced, round_shape
 
@@ -433,6 +437,25 @@ def _worst_candidates(trainer, max_batches):
 
         found += [(None, batch, words) for batch, words in longest_rows_batches(trainer)]
     return found
+
+
+def _same_batch(batch, other) -> bool:
+    """Whether two collated batches are the same (keys, shapes, values): a batch traced once is not traced again, the
+    same trainer on the same batch arriving at the same bytes."""
+    if not (isinstance(batch, dict) and isinstance(other, dict)) or batch.keys() != other.keys():
+        return False
+    for key, value in batch.items():
+        given = other[key]
+        if torch.is_tensor(value) != torch.is_tensor(given):
+            return False
+        if torch.is_tensor(value):
+            same = value.shape == given.shape and value.dtype == given.dtype and torch.equal(value, given)
+        else:  # a number or a word; anything else is taken as different (traced again: never wrong, only slower)
+            same = isinstance(value, (int, float, str, bool, type(None))) and type(value) is type(given) and \
+                value == given
+        if not same:
+            return False
+    return True
 
 
 def _real_reward_weights(trainer) -> None:

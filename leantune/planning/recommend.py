@@ -50,6 +50,27 @@ def size_words(size: int) -> str:
     return f"{size / GIB:.2f} GiB" if size >= GIB else f"{size / MIB:.1f} MiB"
 
 
+KEEP = object()  # a technique's `off` that leaves the field as the run gives it
+
+
+@dataclass(frozen=True)
+class Technique:
+    """A technique the search may turn on, in order of cost: `value` (or value(fields, vocab_size), None where it does
+    not apply) turns it on at `cost` times the step time; `off` is its value otherwise; `why` is what it saves, as the
+    run's log line says it when a budget turned it on (planning/self_sizing.py). Adding one is one entry here."""
+
+    field: str
+    value: object
+    cost: float
+    why: str
+    off: object = False
+
+
+def why_turned_on(name: str) -> str | None:
+    """What a technique the search turned on saves, for the log line that names it (None: not a technique)."""
+    return next((technique.why for technique in TECHNIQUES if technique.field == name), None)
+
+
 VARIED = ("gradient_checkpointing", "activation_offloading", "per_device_train_batch_size",
           "gradient_accumulation_steps", "steps_per_generation", "packing", "padding_free", "loss_chunk_size")
 PIECES = "max_completions_per_generate"  # set before the search when the generation round is over (generation_batch.py)
@@ -130,25 +151,56 @@ def candidates(method: str, fields: dict, vocab_size: int | None = None, group: 
     found = []
     for layout in layouts:
         padded = not (layout.get("packing") or layout.get("padding_free"))
-        for checkpointing in (False, True):
-            for offloading in (False, True):
-                split = 1
-                while batch // split >= 1 and batch % split == 0 and (split == 1 or (batch // split) % group == 0):
-                    time = (PADDED_COST if padded else 1.0) * (CHECKPOINTING_COST if checkpointing else 1.0) * \
-                        (OFFLOADING_COST if offloading else 1.0) * HALVING_COST ** (split.bit_length() - 1)
-                    rounds = {} if per_round is None else {"steps_per_generation": per_round * split}
-                    found.append(Candidate({**fields, **layout, "gradient_checkpointing": checkpointing,
-                                            "activation_offloading": offloading,
-                                            "per_device_train_batch_size": batch // split,
-                                            "gradient_accumulation_steps": accumulation * split, **rounds}, time))
-                    split *= 2
-    chunked = fields.get("chunked_loss", True) and not (fields.get("use_liger_kernel") or fields.get("use_liger_loss"))
-    if vocab_size and chunked and fields.get("loss_chunk_size") is None:
-        quarter = max(16, chunk_tokens_for(vocab_size) // 4)
-        found += [Candidate({**c.fields, "loss_chunk_size": quarter}, c.relative_time * SMALLER_CHUNK_COST)
-                  for c in list(found)]
-    found.sort(key=lambda c: c.relative_time)
+        for techniques in _technique_settings(fields, vocab_size):
+            split = 1
+            while batch // split >= 1 and batch % split == 0 and (split == 1 or (batch // split) % group == 0):
+                time = (PADDED_COST if padded else 1.0) * HALVING_COST ** (split.bit_length() - 1)
+                for _, _, cost in techniques:
+                    time *= cost
+                rounds = {} if per_round is None else {"steps_per_generation": per_round * split}
+                found.append(Candidate({**fields, **layout, **{name: value for name, value, _ in techniques},
+                                        "per_device_train_batch_size": batch // split,
+                                        "gradient_accumulation_steps": accumulation * split, **rounds}, time))
+                split *= 2
+    found.sort(key=lambda c: (c.relative_time, _technique_rank(c.fields, fields)))
     return found
+
+
+def _technique_settings(fields: dict, vocab_size: int | None) -> list[list[tuple]]:
+    """Every combination of the techniques' settings, [(field, value, cost)] each: a technique off (its `off` value;
+    none where it keeps the field as given) or on (when it applies to this run)."""
+    combinations = [[]]
+    for technique in TECHNIQUES:
+        on = technique.value(fields, vocab_size) if callable(technique.value) else technique.value
+        settings = [[] if technique.off is KEEP else [(technique.field, technique.off, 1.0)]]
+        if on is not None:
+            settings.append([(technique.field, on, technique.cost)])
+        combinations = [done + setting for done in combinations for setting in settings]
+    return combinations
+
+
+def _technique_rank(candidate: dict, fields: dict) -> tuple:
+    """Among equally fast candidates, the order TECHNIQUES lists them in: a later technique's on after an earlier
+    one's (ties are rare: the costs are distinct)."""
+    return tuple(candidate.get(t.field) != fields.get(t.field) for t in reversed(TECHNIQUES))
+
+
+def _quarter_chunk(fields: dict, vocab_size: int | None):
+    """A quarter of the chunked loss's default chunk, where the chunked loss runs with its default chunk."""
+    chunked = fields.get("chunked_loss", True) and not (fields.get("use_liger_kernel") or fields.get("use_liger_loss"))
+    if not vocab_size or not chunked or fields.get("loss_chunk_size") is not None:
+        return None
+    return max(16, chunk_tokens_for(vocab_size) // 4)
+
+
+TECHNIQUES = (
+    Technique("gradient_checkpointing", True, CHECKPOINTING_COST,
+              "each layer keeps its input only and recomputes its activations in the backward"),
+    Technique("activation_offloading", True, OFFLOADING_COST,
+              "the activations saved for the backward wait in host memory"),
+    Technique("loss_chunk_size", _quarter_chunk, SMALLER_CHUNK_COST,
+              "the loss's fp32 logits are formed a quarter as many tokens at a time", KEEP),
+)
 
 
 def recommend(plan, budget: int, model, train_dataset, trainer_class, peft_config, plan_args, fields: dict,

@@ -37,6 +37,7 @@ from .recommend import (
     micro_batch_group,
     recommend,
     size_words,
+    why_turned_on,
 )
 
 logger = logging.getLogger("leantune.plan")
@@ -124,7 +125,16 @@ def fit_to_budget(trainer_class, model, args, train_dataset, processing_class=No
         fit.changes["max_completions_per_generate"] = (args.max_completions_per_generate, fit.pieces.size)
         sized.max_completions_per_generate = fit.pieces.size
     logger.info("\n".join(_change_lines(fit)))
+    for line in turned_on_lines(fit):
+        logger.info(line)
     return sized, fit
+
+
+def turned_on_lines(fit: BudgetFit) -> list[str]:
+    """One line per technique the budget turned on (recommend.TECHNIQUES): what and why."""
+    return [f"turned on {name}={new} by memory_budget {size_words(fit.budget)}: {why_turned_on(name)} (the run as "
+            f"configured plans {size_words(fit.planned.device_total_bytes)} on the device, over the budget)"
+            for name, (old, new) in fit.changes.items() if why_turned_on(name) and new not in (None, False)]
 
 
 def _round_in_pieces(fit: BudgetFit, planned, group: int):

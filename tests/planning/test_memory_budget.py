@@ -15,6 +15,7 @@ from transformers import TrainerCallback
 from devkit.allocator_meter import AllocatorMeter
 from leantune import SFTConfig, SFTTrainer
 from leantune.planning import plan_memory
+from leantune.planning.recommend import TECHNIQUES
 
 from ..fixtures.data import gsm8k_prompt_completion
 from ..fixtures.models import tiny_model
@@ -66,6 +67,13 @@ def test_a_run_under_its_budget_sizes_itself_fits_and_learns_the_same(tokenizer,
     for name, (old, new) in fit.changes.items():
         assert f"  {name}: {old} -> {new}" in blocks[0].splitlines()
     assert f"{chosen.peak_bytes / 2**20:.1f} MiB" in blocks[0] and f"{budget / 2**20:.1f} MiB" in blocks[0]
+    # each technique it turned on (planning/recommend.py's TECHNIQUES), one line more: what and why
+    turned_on = [r.getMessage() for r in caplog.records if r.getMessage().startswith("turned on ")]
+    techniques = {t.field: t.why for t in TECHNIQUES}
+    expected = [(name, new) for name, (_, new) in fit.changes.items() if name in techniques and new]
+    assert expected and len(turned_on) == len(expected)
+    for line, (name, new) in zip(turned_on, expected):
+        assert line.startswith(f"turned on {name}={new} by memory_budget ") and techniques[name] in line
     global_batch = sized.args.per_device_train_batch_size * sized.args.gradient_accumulation_steps
     assert global_batch == fields["per_device_train_batch_size"]  # the same global batch
     # (b) the step's peak at the CPU allocator (torch.profiler's memory events: every allocation and free, op-internal

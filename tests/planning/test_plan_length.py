@@ -1,0 +1,121 @@
+"""The planner's time does not grow with the length: a chunked loss in the fake step runs only the chunks whose memory
+can differ (losses/chunk_order.py), and the plan is the same to the byte as the trace of every chunk."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from transformers import LlamaConfig
+
+from leantune.losses.chunk_order import chunk_starts, repeated_chunks_skipped
+from leantune.losses.token_logprobs import chunk_tokens_for
+from leantune.planning import plan_memory, planned_run
+
+# The tiny test models' shape with a longer context; its 32k vocabulary makes the chunked loss's chunk 524 tokens
+# (64 MiB of fp32 logits), so 4,096 and 8,192 tokens are 8 and 16 chunks: most of them are repeats
+TINY_LONG = dict(vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=16384, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def _profile(method: str, length: int) -> dict:
+    if method == "sft":  # one row, its first quarter prompt: targets are a part of the row, as in real data
+        return {"kind": "sft", "row_lengths": {"sequences": [length], "prompts": [length // 4]}}
+    # a pair whose prompt + chosen and prompt + rejected are `length` and a little less
+    return {"kind": "preference", "row_lengths": {"prompt": [length // 4], "chosen": [length - length // 4],
+                                                  "rejected": [length - length // 4 - 100]}}
+
+
+@pytest.mark.quick
+def test_only_a_fake_tensor_skips_its_repeated_chunks():
+    real = torch.zeros(10 * 16, 4)
+    assert list(chunk_starts(real, 16)) == list(range(0, 160, 16))
+    with repeated_chunks_skipped():
+        assert list(chunk_starts(real, 16)) == list(range(0, 160, 16))  # a real loss always runs every chunk
+        with FakeTensorMode() as mode:
+            fake = mode.from_tensor(torch.zeros(10 * 16 + 3, 4))
+            assert list(chunk_starts(fake, 16)) == [0, 16, 160]  # the first, the first steady one, the short last
+            assert list(chunk_starts(fake[:48], 16)) == [0, 16, 32]
+    with FakeTensorMode() as mode:  # outside the planner a fake tensor runs every chunk too
+        assert len(chunk_starts(mode.from_tensor(torch.zeros(160, 4)), 16)) == 10
+
+
+@pytest.mark.parametrize("method", ["sft", "dpo"])
+def test_skipping_repeated_chunks_plans_the_same_bytes(method, tokenizer, monkeypatch):
+    config = LlamaConfig(**TINY_LONG)
+    for length in (4096, 8192):
+        fields = dict(processing_class=tokenizer, lengths=_profile(method, length), max_length=length,
+                      per_device_train_batch_size=1, measured_step=False, max_batches=1)
+        skipped = plan_memory(config, None, method, **fields)
+        monkeypatch.setattr(planned_run, "SKIP_REPEATED_CHUNKS", False)
+        every_chunk = plan_memory(config, None, method, **fields)
+        monkeypatch.undo()
+        # peak and every part, to the byte: skipping the steady chunk too (runs [0, last]) plans 4,192 bytes less at
+        # 4,096 tokens of SFT (negative control), so a chunk whose memory differs is seen here
+        assert skipped.worst == every_chunk.worst, (method, length)
+    assert 3 * chunk_tokens_for(TINY_LONG["vocab_size"]) < length // 2  # most chunks are repeats: skips happened
+
+
+def test_solve_max_length_finds_the_longest_that_fits(tokenizer, tmp_path, capsys):
+    from leantune.cli.main import main
+    from leantune.planning.length_profile import dataset_from_lengths
+
+    model_dir, profile = tmp_path / "model", tmp_path / "lengths.json"
+    config = LlamaConfig(**TINY_LONG)
+    config.save_pretrained(model_dir)
+    profile.write_text(json.dumps(_profile("sft", 2048)))
+    rows = dataset_from_lengths(str(profile), "sft")
+
+    def device_total(length):  # the plan of the run as the command plans it: one process, this machine's CPU
+        return plan_memory(config, rows, "sft", processing_class=tokenizer, per_device_train_batch_size=1,
+                           max_length=length, device="cpu").device_total_bytes
+
+    budget = device_total(1000) + 1  # between the totals at 1,000 and 2,048 tokens: the answer is in between
+    capsys.readouterr()
+    assert main(["plan", "--model_name_or_path", str(model_dir), "--tokenizer", str(tokenizer.name_or_path),
+                 "--lengths", str(profile), "--per_device_train_batch_size", "1", "--max_length", "512",
+                 "--memory_budget", f"{budget}B", "--solve", "max_length"]) == 0
+    out = capsys.readouterr().out
+    found = re.search(r"longest max_length within .*: (\d+) \(peak .*; (\d+) plans .*most of the peak: "
+                      r"(\w[\w ]*) .*lengths in steps of (\d+)", out)
+    assert found, out
+    length, beyond, part, step = int(found[1]), int(found[2]), found[3], int(found[4])
+    assert step == 16 and beyond == length + step and 1000 <= length < 2048
+    assert device_total(length) <= budget < device_total(length + step)
+    assert part in ("activations", "parameters", "temporaries", "optimizer states")
+
+
+def test_solve_max_length_refuses_an_online_method(tmp_path, capsys):
+    from leantune.cli.main import main
+
+    model_dir = tmp_path / "model"
+    LlamaConfig(**TINY_LONG).save_pretrained(model_dir)
+    assert main(["plan", "--method", "grpo", "--model_name_or_path", str(model_dir), "--dataset_name", "x.jsonl",
+                 "--memory_budget", "1GiB", "--solve", "max_length"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--solve max_completion_length" in err[0]
+
+
+@pytest.mark.quick
+def test_the_length_search_is_exact_at_its_step():
+    from types import SimpleNamespace
+
+    from leantune.planning.max_length import length_step, solve_max_length
+
+    assert [length_step(n) for n in (100, 8192, 500_000)] == [16, 32, 1024]
+
+    def plan_at(length):  # a step whose memory grows with the square of the length, as attention's scores do
+        total = 1000 + 3 * length + length * length // 64
+        return SimpleNamespace(device_total_bytes=total, peak_bytes=total, worst=SimpleNamespace(
+            parts={"activations": total - 1000, "parameters": 1000}))
+
+    budget = plan_at(5000).device_total_bytes
+    solved = solve_max_length(plan_at, budget, 500_000, step=16)
+    assert solved.length == 5000 // 16 * 16 and solved.beyond == solved.length + 16
+    assert plan_at(solved.length).device_total_bytes <= budget < solved.beyond_total
+    assert solved.plans <= 16 and "longest max_length" in solved.lines()[0] and "activations" in solved.lines()[0]
+    assert solve_max_length(plan_at, 10**12, 2048).length == 2048  # all of the longest row fits
+    assert solve_max_length(plan_at, 10, 2048).length is None  # not even one step
