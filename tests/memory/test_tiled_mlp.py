@@ -204,6 +204,34 @@ def test_4bit_qlora_adapters_get_the_untiled_gradients(tmp_path):
     assert_exact(tiled, untiled)
 
 
+@pytest.mark.liger_interpreter  # TRITON_INTERPRET=1 kept for this test (tests/conftest.py): Liger's kernel on CPU
+def test_liger_swiglu_bound_after_tiling_is_tiled_too(monkeypatch):
+    """Trainer.train() binds Liger's SwiGLU forward onto each MLP after the trainer tiled it: the tiles then run
+    Liger's kernel, with the gradients of Liger's untiled MLP."""
+    pytest.importorskip("liger_kernel", reason="needs leantune[liger]")
+    from devkit.liger_cpu import bridge_interpreter_gaps, liger_kernels_interpreted
+
+    if (reason := liger_kernels_interpreted()) is not None:
+        pytest.skip(f"Liger's kernels do not run on CPU here: {reason}")
+    from liger_kernel.transformers.monkey_patch import _patch_swiglu_module
+    from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
+
+    bridge_interpreter_gaps(monkeypatch)  # the SwiGLU kernel's float argument, as compiled Triton passes it
+    model = lora_model(mlp_model())
+    mlps = [module.mlp for module in model.modules() if hasattr(module, "self_attn")]
+    for mlp in mlps:
+        _patch_swiglu_module(mlp, LigerSwiGLUMLP)
+    input_ids = torch.randint(3, 32000, (1, 40), generator=torch.Generator().manual_seed(6))
+    untiled = token_losses_and_grads(model, input_ids)
+    install_tiled_mlp(model, TILE)
+    for mlp in mlps:  # again, as Trainer.train() does after the trainer was built
+        _patch_swiglu_module(mlp, LigerSwiGLUMLP)
+    with LargestIntermediate() as meter:
+        tiled = token_losses_and_grads(model, input_ids)
+    assert meter.rows == TILE and all(mlp._get_name() == "LigerSwiGLUMLP" for mlp in mlps)
+    assert_exact(tiled, untiled)
+
+
 def test_tile_rule_is_a_share_of_the_budget_above_the_launch_floor():
     gib = 1 << 30
     # 16 GiB free, bf16, Llama-8B's 14,336: 1 GiB / 28,672 B = 37,449 tokens a tile
