@@ -20,6 +20,7 @@ from transformers.utils import logging as transformers_logging
 
 from .. import methods
 from ..data.streaming import is_stream, log_stream_report, reset_counts
+from ..memory.tiled_mlp import tile_mlps
 from ..metrics.memory import reset_peak_memory
 from ..metrics.memory_breakdown import MemoryBreakdownCallback
 from ..planning.plan_check import check_before_training
@@ -47,7 +48,7 @@ from .parts.split_preparer import SplitPreparer
 from .parts.step_loss import StepLoss
 from .reference import Reference
 from .run_bounds import RunBounds, report_run_end
-from .settings import layout_of, resolve_settings
+from .settings import layout_of, resolve_settings, tiled_mlp_of
 from .step_logging import use_step_log_lines
 from .trainer_attributes import TrainerAttributes
 
@@ -98,6 +99,7 @@ class LeantuneTrainer(MethodHooks, TrainerAttributes, Trainer):
         use_step_log_lines(self.callback_handler)  # trainers/step_logging.py: `step N/M | loss ...`
         self.trained_nothing = False
         self.settings = resolve_settings(args, self.generates_rounds, self.layout)  # each part's own (trainers/settings.py)
+        tile_mlps(self.model, tiled_mlp_of(args))  # memory/tiled_mlp.py: off unless `tiled_mlp`
         self.nonfinite = NonFiniteGuard(self.settings.nonfinite, self.accelerator, self.is_world_process_zero,
                                         lambda: self.state.global_step)
         tag_model(self)  # the Hub tags of TRL's trainer of the method (parts/saving.py)

@@ -68,6 +68,16 @@ class MemoryOptions:
                   "l4, ...) or auto (the CUDA device's free memory). The plan (leantune plan) picks the fastest "
                   "configuration that fits and learns the same thing, and the log says what it changed."},
     )
+    tiled_mlp: bool = field(
+        default=False,
+        metadata={"help": "Run each decoder layer's MLP over tiles of the sequence, in the forward and the backward's "
+                  "recompute, never holding [tokens, intermediate] at once (exact; per-token, so any row layout)."},
+    )
+    tiled_mlp_tile_size: int | None = field(
+        default=None,
+        metadata={"help": "Tokens per tile of `tiled_mlp` (default: from the plan, a share of the device's free "
+                  "memory, never below 1,024 tokens on a GPU)."},
+    )
 
 
 def validate_memory_options(args) -> None:
@@ -79,6 +89,9 @@ def validate_memory_options(args) -> None:
         if args.use_cpu or not torch.cuda.is_available():  # planning/self_sizing.py reads CUDA's free memory
             raise ValueError("`memory_budget`=auto reads a CUDA device's free memory, and this run has no CUDA "
                              "device; give the memory to fit as a size, e.g. 2GiB or 1500MiB.")
+    if args.tiled_mlp_tile_size is not None and (not args.tiled_mlp or args.tiled_mlp_tile_size <= 0):
+        raise ValueError(f"`tiled_mlp_tile_size` needs `tiled_mlp=True` and a positive number of tokens, got "
+                         f"tiled_mlp={args.tiled_mlp}, tiled_mlp_tile_size={args.tiled_mlp_tile_size!r}.")
     if args.activation_offloading_min_bytes < 0:
         raise ValueError("`activation_offloading_min_bytes` must be >= 0.")
     # TRL spells the Liger request use_liger_kernel (SFT; a TrainingArguments field) or use_liger_loss.

@@ -181,3 +181,16 @@ def online_group(args) -> tuple[int, int]:
     prompts of two)."""
     completions, steps = args.generation_plan(1)
     return micro_batch_group(args), max(1, completions // (args.per_device_train_batch_size * steps))
+
+
+@dataclass(frozen=True)
+class TiledMlpSettings:
+    """The sequence-tiled MLP's (memory/tiled_mlp.py): on or off, and the tokens per tile (None: from its rule,
+    `tile_tokens`, against the device's free memory)."""
+
+    enabled: bool
+    tile_size: int | None = None
+
+
+def tiled_mlp_of(args) -> TiledMlpSettings:
+    return TiledMlpSettings(bool(getattr(args, "tiled_mlp", False)), getattr(args, "tiled_mlp_tile_size", None))
