@@ -181,3 +181,15 @@ def online_group(args) -> tuple[int, int]:
     prompts of two)."""
     completions, steps = args.generation_plan(1)
     return micro_batch_group(args), max(1, completions // (args.per_device_train_batch_size * steps))
+
+
+@dataclass(frozen=True)
+class OptimizerInBackwardSettings:
+    """The optimizer step inside the backward's (parts/optimizer_in_backward.py): on or off (the config refused what
+    it cannot do: clipping, DeepSpeed, FSDP, fp16, nonfinite_policy='skip')."""
+
+    enabled: bool
+
+
+def optimizer_in_backward_of(args) -> OptimizerInBackwardSettings:
+    return OptimizerInBackwardSettings(bool(getattr(args, "optimizer_in_backward", False)))
