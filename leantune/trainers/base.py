@@ -35,6 +35,7 @@ from .parts.frozen_models import prepare_frozen_model
 from .parts.logprob_engine import LogProbEngine
 from .parts.nonfinite import NonFiniteGuard
 from .parts.oom_retry import OutOfMemoryRetry
+from .parts.optimizer_in_backward import OptimizerInBackward
 from .parts.resolved_config import resolve_config
 from .parts.run_metrics import RunMetrics
 from .parts.saving import (
@@ -48,7 +49,7 @@ from .parts.split_preparer import SplitPreparer
 from .parts.step_loss import StepLoss
 from .reference import Reference
 from .run_bounds import RunBounds, report_run_end
-from .settings import layout_of, resolve_settings, tiled_mlp_of
+from .settings import layout_of, optimizer_in_backward_of, resolve_settings, tiled_mlp_of
 from .step_logging import use_step_log_lines
 from .trainer_attributes import TrainerAttributes
 
@@ -89,6 +90,7 @@ class LeantuneTrainer(MethodHooks, TrainerAttributes, Trainer):
                          train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=loaded.tokenizer,
                          **trainer_kwargs)
         self._signature_columns = kept_columns(self)  # what Trainer keeps of a dataset for the collator
+        self.optimizer_in_backward = OptimizerInBackward(optimizer_in_backward_of(args), self.accelerator)
         self.run_bounds = RunBounds(self.load_extra_state)  # run_bounds.py: a run's start, a finished run resumed
         self.add_callback(self.run_bounds)
         # gradient_check.py: each step's NaN/inf check before the optimizer, ahead of every other callback
@@ -223,9 +225,17 @@ class LeantuneTrainer(MethodHooks, TrainerAttributes, Trainer):
         return self.oom_retry.training_step(  # parts/oom_retry.py: out of memory -> half the micro-batch
             lambda *arguments: self.nonfinite.training_step(step, *arguments), model, inputs, num_items_in_batch)
 
+    def create_optimizer(self, model=None):
+        """Trainer's optimizer, or one per parameter stepped inside the backward (parts/optimizer_in_backward.py)."""
+        built = super().create_optimizer(model)
+        cls, kwargs = self.optimizer_cls_and_kwargs or self.get_optimizer_cls_and_kwargs(self.args, model or self.model)
+        self.optimizer = self.optimizer_in_backward.install(built, cls, kwargs)
+        return self.optimizer
+
     def step_state(self):
         """A callable that puts the parts' records of the step so far back (an attempt that ran out of memory)."""
-        back = [self.run_metrics.mark(), self.nonfinite.mark(), self.step_loss.drop_router_loss]
+        back = [self.run_metrics.mark(), self.nonfinite.mark(), self.step_loss.drop_router_loss,
+                self.optimizer_in_backward.mark()]
         return lambda: [restore() for restore in back]
 
     # --- saving: staged checkpoints, each saved folder with its model card (parts/saving.py) ----------------------

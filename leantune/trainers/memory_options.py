@@ -78,6 +78,13 @@ class MemoryOptions:
         metadata={"help": "Tokens per tile of `tiled_mlp` (default: from the plan, a share of the device's free "
                   "memory, never below 1,024 tokens on a GPU)."},
     )
+    optimizer_in_backward: bool = field(
+        default=False,
+        metadata={"help": "Step the optimizer inside the backward pass: one optimizer per parameter, each stepped and "
+                  "its gradient freed as soon as that gradient is complete (on the last micro-batch of a step), so "
+                  "the step never holds every gradient at once. Exact; needs max_grad_norm=0 (no clipping), one "
+                  "process, no DeepSpeed or FSDP."},
+    )
 
 
 def validate_memory_options(args) -> None:
@@ -107,3 +114,34 @@ def validate_memory_options(args) -> None:
         for name in non_default(args, "activation_offloading_use_streams", "activation_offloading_min_bytes"):
             raise ValueError(f"`{name}` has no effect without `activation_offloading=True`; set "
                              f"`activation_offloading=True` or leave `{name}` at its default.")
+    if args.optimizer_in_backward:
+        validate_optimizer_in_backward(args)
+
+
+def validate_optimizer_in_backward(args) -> None:
+    """What the optimizer step inside the backward cannot do, refused before anything loads
+    (trainers/parts/optimizer_in_backward.py says why each)."""
+    if args.max_grad_norm:  # None or 0: no clipping
+        raise ValueError(f"`optimizer_in_backward=True` steps each parameter before the whole gradient's norm is known, "
+                         f"so it cannot clip it; set `max_grad_norm=0` (off) or `optimizer_in_backward=False` (got "
+                         f"`max_grad_norm={args.max_grad_norm}`).")
+    engines = {"deepspeed": args.deepspeed, "fsdp": args.fsdp}
+    for name, engine in engines.items():
+        if engine:
+            raise ValueError(f"`optimizer_in_backward=True` does not work with `{name}` (its engine owns the "
+                             f"gradients and the optimizer step); set one of them off.")
+    if args.fp16:
+        raise ValueError("`optimizer_in_backward=True` does not work with `fp16=True` (the loss scaler unscales and "
+                         "checks every gradient before the step); use `bf16=True` or fp32.")
+    if args.nonfinite_policy == "skip":
+        raise ValueError("`optimizer_in_backward=True` does not work with `nonfinite_policy='skip'` (each parameter "
+                         "is updated before the step's gradient norm is known); use `nonfinite_policy='stop'`.")
+    optim = str(getattr(args.optim, "value", args.optim))
+    if any(kind in optim for kind in OPTIMIZERS_OF_THEIR_OWN):
+        raise ValueError(f"`optimizer_in_backward=True` builds one optimizer per parameter, which `optim={optim!r}` "
+                         f"cannot be (it steps the model or its groups itself); use an AdamW/SGD/Adafactor/bitsandbytes "
+                         f"optim or `optimizer_in_backward=False`.")
+
+
+OPTIMIZERS_OF_THEIR_OWN = ("lomo", "galore", "apollo", "schedule_free", "grokadamw")
+"""`optim` kinds that step over the model or their own parameter groups, never one parameter at a time."""
