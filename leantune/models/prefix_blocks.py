@@ -15,17 +15,17 @@ attention's forward + backward, CPU seconds, one thread, 2026-11-29; prompt:comp
 
 | shape | one call, these blocks | G calls (a completion's SDPA each, recomputed) | one call, dense [L, L] mask | unshared causal rows |
 |---|---|---|---|---|
-| 1024:256 x 16 | 0.307 | 0.382 | 1.930 | 0.686 |
-| 64:256 x 16 | 0.064 | 0.080 | 1.164 | 0.064 |
-| 256:64 x 8 | 0.015 | 0.016 | 0.026 | 0.032 |
-| 1024:256 x 2 | 0.100 | 0.094 | 0.163 | 0.088 |
-| 64:256 x 2 | 0.013 | 0.011 | 0.017 | 0.008 |
-| 64:256 x 1 | 0.008 | 0.006 | 0.004 | 0.004 |
+| 1024:256 x 16 | 0.292 | 0.388 | 1.846 | 0.680 |
+| 64:256 x 16 | 0.065 | 0.082 | 1.172 | 0.065 |
+| 256:64 x 8 | 0.017 | 0.020 | 0.026 | 0.032 |
+| 1024:256 x 2 | 0.094 | 0.089 | 0.135 | 0.087 |
+| 64:256 x 2 | 0.012 | 0.011 | 0.015 | 0.008 |
+| 64:256 x 1 | 0.007 | 0.006 | 0.005 | 0.004 |
 
 The dense mask over the whole row (L = Lp + G x Lb) is small as booleans (25 MiB at 1,024 + 16 x 256) but SDPA
 computes every masked score, L^2: at 1:4 x 16 that is 18x the unshared rows' attention, so a shared row would be
 slower than the unshared one. The blocks cost most where a group is small: a block's upper triangle and a short
-prompt's padded queries are computed and masked (G = 1: 2x the unshared row's attention, so a micro-batch of one
+prompt's padded queries are computed and masked (G = 1: 1.7x the unshared row's attention, so a micro-batch of one
 completion runs unshared by default: trainers/online/shared_prompt.py's `nothing_to_share`). FlexAttention's block
 mask would skip the masked blocks, but it has no backward on CPU in torch 2.13; these blocks run through SDPA on
 every device (on CUDA a masked call takes the memory-efficient kernel; leantune had no mask-free varlen path for

@@ -120,7 +120,7 @@ def test_a_round_is_grouped_scored_and_split_into_micro_batches(char_tokenizer):
         seen.update(prompts=prompts, completions=completions, answer=answer, ids=completion_ids)
         return [float(len(c)) for c in completions]
 
-    args = config(gradient_accumulation_steps=2)
+    args = config(gradient_accumulation_steps=2, shared_prompt=False)  # the padded layout's rows, read below
     trainer = GRPOTrainer(char_model(char_tokenizer), reward, args=args, train_dataset=prompts(),
                           processing_class=char_tokenizer)
     assert trainer.round_size == 16 and trainer.steps_per_generation == 2
@@ -220,7 +220,7 @@ def test_on_policy_first_iteration_matches_and_later_iterations_use_generation_t
 
 
 def test_generation_batch_size_sets_micro_batches_per_round_and_they_train_off_policy(char_tokenizer):
-    args = config(generation_batch_size=24, per_device_train_batch_size=8, num_generations=4)
+    args = config(generation_batch_size=24, per_device_train_batch_size=8, num_generations=4, shared_prompt=False)
     trainer = GRPOTrainer(char_model(char_tokenizer), count_a, args=args, train_dataset=prompts(),
                           processing_class=char_tokenizer)
     assert (trainer.round_size, trainer.steps_per_generation) == (24, 3)
@@ -286,8 +286,8 @@ def test_peft_reference_is_the_adapter_disabled_and_beta_zero_loads_none(char_to
     from peft import LoraConfig
 
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    trainer = GRPOTrainer(char_model(char_tokenizer), count_a, args=config(beta=0.1), train_dataset=prompts(),
-                          processing_class=char_tokenizer, peft_config=lora)
+    trainer = GRPOTrainer(char_model(char_tokenizer), count_a, args=config(beta=0.1, shared_prompt=False),
+                          train_dataset=prompts(), processing_class=char_tokenizer, peft_config=lora)
     assert trainer.ref_model is None and trainer.uses_adapter_as_reference
     with torch.no_grad():
         for name, p in trainer.model.named_parameters():
@@ -340,7 +340,7 @@ def test_conversational_prompts_use_the_chat_template_and_completions_arrive_as_
 
 
 def test_masked_truncated_completions_have_no_targets(char_tokenizer):
-    args = config(max_completion_length=2, mask_truncated_completions=True)
+    args = config(max_completion_length=2, mask_truncated_completions=True, shared_prompt=False)  # padded rows
     trainer = GRPOTrainer(char_model(char_tokenizer), count_a, args=args, train_dataset=prompts(),
                           processing_class=char_tokenizer)
     rows = [trainer.train_dataset[0]] * 3

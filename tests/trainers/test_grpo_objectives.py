@@ -211,7 +211,8 @@ def test_new_loss_types_give_the_same_loss_and_gradients_padded_and_padding_free
                    importance_sampling_level="sequence" if loss_type == "luspo" else "token")
     results = []
     for padding_free, path in ((False, LogProbPath.FULL), (True, LogProbPath.CHUNKED)):
-        trainer = GRPOTrainer(char_model(char_tokenizer), count_a, args=config(padding_free=padding_free, **options),
+        trainer = GRPOTrainer(char_model(char_tokenizer), count_a,
+                              args=config(padding_free=padding_free, shared_prompt=False, **options),
                               train_dataset=prompts(), processing_class=char_tokenizer)
         torch.manual_seed(5)
         batch = off_policy_batch(trainer, one_round(trainer)[0])
@@ -251,7 +252,8 @@ def test_new_options_give_the_same_loss_and_gradients_on_every_path(char_tokeniz
     fp32 terms of order 1); gradients: `assert_grads_close` (rel 1e-5 of each tensor's largest entry)."""
     results = {}
     for padding_free in (False, True):
-        trainer = GRPOTrainer(char_model(char_tokenizer), count_a, args=config(padding_free=padding_free, **OPTIONS),
+        trainer = GRPOTrainer(char_model(char_tokenizer), count_a,
+                              args=config(padding_free=padding_free, shared_prompt=False, **OPTIONS),
                               train_dataset=prompts(), processing_class=char_tokenizer)
         assert trainer.model.get_output_embeddings()._leantune_fp32
         torch.manual_seed(5)
@@ -267,7 +269,8 @@ def test_new_options_give_the_same_loss_and_gradients_on_every_path(char_tokeniz
         torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-7)
         assert_grads_close(grads, expected_grads)
     # the options matter: the plain objective on the same (padded, full-logits) batch gives another loss
-    plain = GRPOTrainer(char_model(char_tokenizer), count_a, args=config(loss_type="grpo", beta=0.1),
+    plain = GRPOTrainer(char_model(char_tokenizer), count_a, args=config(loss_type="grpo", beta=0.1,
+                                                                        shared_prompt=False),
                         train_dataset=prompts(), processing_class=char_tokenizer)
     plain.logprob_path = LogProbPath.FULL
     torch.manual_seed(5)
@@ -488,8 +491,8 @@ def test_entropy_bonus_is_coef_times_mean_entropy_on_every_path(char_tokenizer):
             losses = {}
             for coef in (0.0, 0.5):
                 trainer = GRPOTrainer(char_model(char_tokenizer), count_a,
-                                      args=config(padding_free=padding_free, loss_type=loss_type, entropy_coef=coef,
-                                                  beta=0.1),
+                                      args=config(padding_free=padding_free, shared_prompt=False, loss_type=loss_type,
+                                                  entropy_coef=coef, beta=0.1),
                                       train_dataset=prompts(), processing_class=char_tokenizer)
                 trainer.current_gradient_accumulation_steps = 1
                 torch.manual_seed(5)
