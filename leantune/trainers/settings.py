@@ -196,6 +196,7 @@ def tiled_mlp_of(args) -> TiledMlpSettings:
     return TiledMlpSettings(bool(getattr(args, "tiled_mlp", False)), getattr(args, "tiled_mlp_tile_size", None))
 
 
+@dataclass(frozen=True)
 class OptimizerInBackwardSettings:
     """The optimizer step inside the backward's (parts/optimizer_in_backward.py): on or off (the config refused what
     it cannot do: clipping, DeepSpeed, FSDP, fp16, nonfinite_policy='skip')."""
