@@ -326,6 +326,8 @@ def run_soak(args) -> dict:
         "samples": [(round(t, 1), n, round(r, 1)) for t, n, r in samples],
         "weights_gap": largest_gap(served, expected), "previous_gap": largest_gap(served, previous),
         "server_exit": exit_code, "traceback_in_log": "Traceback" in log_text,
+        "server_log_lines": len(log_text.splitlines()), "server_log_kib": round(len(log_text.encode()) / 1024, 1),
+        "server_log_sample": sorted(set(log_text.splitlines()))[:12],
     }
 
 
@@ -355,6 +357,7 @@ def print_table(result: dict) -> None:
                                              f"{result['threads_end']}"),
         ("server RSS MiB start / max / end", f"{result['rss_start_mib']:.0f} / {result['rss_max_mib']:.0f} / "
                                              f"{result['rss_end_mib']:.0f}"),
+        ("server log lines (KiB)", f"{result['server_log_lines']} ({result['server_log_kib']})"),
         ("served log-probs vs last update / previous", f"{result['weights_gap']:.1e} / {result['previous_gap']:.1e}"),
     ]
     rows += [(f"attack {kind}", ", ".join(f"{answer} x{count}" for answer, count in sorted(answers.items())))

@@ -82,6 +82,7 @@ def _is_hub_id(source: str | None) -> bool:
 
 CHECKPOINT_FOLDER = re.compile(r"^checkpoint-\d+$")
 STAGING_FOLDER = re.compile(r"^tmp-checkpoint-\d+$")
+STAGED_MODEL_FOLDER = "_staged-model"  # where a final model is written before it is moved in (trainers/parts/model_files.py)
 
 
 def shown_folder(folder: str) -> str:
@@ -90,6 +91,8 @@ def shown_folder(folder: str) -> str:
     parts = os.path.normpath(folder).split(os.sep)
     if len(parts) > 2 and CHECKPOINT_FOLDER.match(parts[-1]) and STAGING_FOLDER.match(parts[-2]):
         parts = parts[:-2] + parts[-1:]  # written while staged (trainers/parts/checkpoint_files.py): named as renamed
+    if len(parts) > 1 and parts[-1] == STAGED_MODEL_FOLDER:
+        parts = parts[:-1]  # a final model written while staged: named as the folder it is moved into
     if len(parts) > 1 and CHECKPOINT_FOLDER.match(parts[-1]) and parts[-2]:
         return f"{parts[-2]}/{parts[-1]}"
     return parts[-1] or folder

@@ -24,9 +24,9 @@ import json
 import os
 import re
 
+from ...models.model_card import STAGED_MODEL_FOLDER as STAGED_MODEL
 from . import checkpoint_files
 
-STAGED_MODEL = "_staged-model"
 INDEX = re.compile(r"^.+\.index\.json$")
 # A single weights file, in the order they go in: a full model's (safetensors preferred over .bin by
 # transformers), PPO's value function, a PEFT adapter's weights, and last the adapter config
