@@ -166,7 +166,9 @@ def test_an_online_round_over_its_budget_is_generated_in_pieces_and_trains_as_se
                          pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
                          eos_token_id=tokenizer.eos_token_id)
     prompts = as_prompts_with_answers(build_default_dataset(16, 0, seed=0, task="reverse")["train"])
-    fields = dict(per_device_train_batch_size=4, steps_per_generation=4, gradient_checkpointing=True)
+    # unshared rows: the update step this test sizes the round against (a shared row's step is another size)
+    fields = dict(per_device_train_batch_size=4, steps_per_generation=4, gradient_checkpointing=True,
+                  shared_prompt=False)
     plan = plan_memory(config, prompts, "grpo", processing_class=tokenizer, measured_step=False, num_generations=4,
                        max_completion_length=8, **fields)
     step_total = solve_generation_batch(plan, plan.device_total_bytes, 4).step_total
@@ -217,7 +219,7 @@ def _plan_command_agrees(sized, plan, budget, config, tokenizer, prompts, tmp_pa
     assert main(["plan", "--method", "grpo", "--model_name_or_path", str(tmp_path / "model"), "--dataset_name",
                  str(tmp_path / "prompts.jsonl"), "--num_generations", "4", "--max_completion_length", "8",
                  "--per_device_train_batch_size", "4", "--steps_per_generation", "4", "--gradient_checkpointing",
-                 "true", "--memory_budget", f"{budget}B"]) == 0
+                 "true", "--shared_prompt", "false", "--memory_budget", f"{budget}B"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert "the candidates below generate the round in pieces: --max_completions_per_generate 4" in out
     chosen = plan.with_generation_batch(4)  # the run as configured, in pieces: the run's choice and the command's

@@ -135,7 +135,7 @@ def test_loss_and_gradients_equal_plain_torch_in_every_layout_and_path(char_toke
     for padding_free in (False, True):
         reward = RecordingReward()
         trainer = OnlineDPOTrainer(char_model(char_tokenizer), reward_funcs=reward,
-                                   args=config(padding_free=padding_free, **settings),
+                                   args=config(padding_free=padding_free, shared_prompt=False, **settings),
                                    train_dataset=prompts(), processing_class=char_tokenizer)
         moved_policy(trainer)
         rows, batches = one_round(trainer)
@@ -172,8 +172,8 @@ def test_peft_reference_is_the_adapter_disabled(char_tokenizer):
     from peft import LoraConfig
 
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    trainer = OnlineDPOTrainer(char_model(char_tokenizer), reward_funcs=count_a, args=config(), train_dataset=prompts(),
-                               processing_class=char_tokenizer, peft_config=lora)
+    trainer = OnlineDPOTrainer(char_model(char_tokenizer), reward_funcs=count_a, args=config(shared_prompt=False),
+                               train_dataset=prompts(), processing_class=char_tokenizer, peft_config=lora)  # padded
     assert trainer.ref_model is None and trainer.uses_adapter_as_reference
     with torch.no_grad():
         for name, p in trainer.model.named_parameters():

@@ -245,11 +245,13 @@ def test_shared_prompt_is_refused_where_there_are_no_groups():
     (OnlineDPOConfig, {"num_generations": 2}, True, None),
     (GRPOConfig, {"use_vllm": True}, True, None),  # generation's backend does not matter: scoring is the trainer's
     (GRPOConfig, {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 4}, False, "one completion"),
+    (OnlineDPOConfig, {"num_generations": 2, "per_device_train_batch_size": 1}, True, None),  # a prompt's pair
     (GRPOConfig, {"shared_prompt": False}, False, None),
     (GRPOConfig, {"shared_prompt": True, "per_device_train_batch_size": 1, "gradient_accumulation_steps": 4}, True,
      None),
     ("PPOConfig", {}, False, "one completion per prompt"),
-], ids=["grpo", "rloo", "online_dpo", "grpo-vllm", "one-per-micro-batch", "explicit-off", "explicit-on", "ppo"])
+], ids=["grpo", "rloo", "online_dpo", "grpo-vllm", "one-per-micro-batch", "online_dpo-one-pair", "explicit-off",
+        "explicit-on", "ppo"])
 def test_shared_prompt_default_resolves_once_with_the_config(config, fields, expected, logged, caplog):
     """On by default where a micro-batch holds completions of one prompt; off with one log line where it holds
     nothing to share; an explicit value is kept."""

@@ -148,8 +148,9 @@ def nothing_to_share(args) -> str | None:
     blocks cost more attention than the unshared row: bench/shared_prompt.py --attention, docs/benchmarks.md)."""
     if getattr(args, "min_num_generations", 2) < 2:
         return "one completion per prompt: nothing to share"
-    if args.per_device_train_batch_size < 2:
-        return "per_device_train_batch_size=1: a micro-batch holds one completion, nothing to share"
+    completions, steps = args.generation_plan(1)  # Online DPO's micro-batch rows are prompts of 2 completions
+    if completions // steps < 2:
+        return "a micro-batch holds one completion (per_device_train_batch_size=1): nothing to share"
     return None
 
 
