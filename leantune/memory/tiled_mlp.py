@@ -95,8 +95,8 @@ class TiledMLPFunction(torch.autograd.Function):
         device_type = hidden.device.type
         ctx.autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
         ctx.save_for_backward(hidden, *params)
-        with torch.no_grad():
-            return tiled_forward(run_tile, hidden, tile)
+        with torch.no_grad():  # detached: a view of an input that requires grad would too, without a grad_fn
+            return tiled_forward(run_tile, hidden.detach(), tile)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
@@ -169,7 +169,7 @@ class TiledMLP:
             return run_whole(hidden)
         params = [param for param in self.parameters() if param.requires_grad]
         if not torch.is_grad_enabled() or not (hidden.requires_grad or params):
-            return tiled_forward(run_whole, hidden, tile)
+            return tiled_forward(run_whole, hidden.detach() if not torch.is_grad_enabled() else hidden, tile)
         return TiledMLPFunction.apply(run_whole, tile, hidden, *params)
 
     def tile_for(self, tokens: int, hidden: torch.Tensor) -> int:

@@ -328,3 +328,21 @@ def test_grpo_update_step_is_the_same_with_tiled_mlp(char_tokenizer, tmp_path):
     install_tiled_mlp(trainer.model, 4)
     trainer.train()  # real optimizer steps on rounds generated and scored by the tiled model
     assert trainer.state.global_step == 2
+
+
+def test_the_plan_traces_the_tiled_mlp_and_predicts_its_step_peak(tokenizer, gsm8k_rows):
+    """The planner builds the trainer, so its fake step runs the tiled MLP (fake tensors through the autograd
+    function, MemTracker's module hooks on every tile): its prediction is the measured peak (MemTracker's sums of
+    the same tensors, fake and real: 2%, the plan's promise). What tiling saves at length: bench/tiled_mlp.py."""
+    from leantune import SFTConfig, SFTTrainer
+    from leantune.planning import plan_memory
+
+    from ..fixtures.planning import measured_breakdown
+
+    dataset = gsm8k_prompt_completion(gsm8k_rows, 8)
+    model = mlp_model()
+    fields = dict(per_device_train_batch_size=8, max_length=128, tiled_mlp=True, tiled_mlp_tile_size=TILE)
+    plan = plan_memory(model.config, dataset, "sft", processing_class=tokenizer, **fields)
+    measured = measured_breakdown(SFTTrainer, SFTConfig, model, dataset, tokenizer, fields)
+    predicted = plan.measured_step
+    assert abs(predicted.peak_bytes - measured.peak_bytes) <= 0.02 * measured.peak_bytes
