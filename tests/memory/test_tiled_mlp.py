@@ -346,3 +346,21 @@ def test_the_plan_traces_the_tiled_mlp_and_predicts_its_step_peak(tokenizer, gsm
     measured = measured_breakdown(SFTTrainer, SFTConfig, model, dataset, tokenizer, fields)
     predicted = plan.measured_step
     assert abs(predicted.peak_bytes - measured.peak_bytes) <= 0.02 * measured.peak_bytes
+
+
+def test_reward_model_trains_the_same_with_tiled_mlp(tokenizer, hh_pairs, tmp_path):
+    """A sequence-classification model's decoder layers tile alike (its score is read after the last layer)."""
+    from leantune import RewardConfig, RewardTrainer
+
+    from ..fixtures.models import tiny_reward_model
+
+    def run(tiled: bool, folder: str):
+        tiling = dict(tiled_mlp=True, tiled_mlp_tile_size=TILE) if tiled else {}
+        args = RewardConfig(output_dir=str(tmp_path / folder), report_to=[], use_cpu=True, disable_tqdm=True,
+                            save_strategy="no", max_length=128, per_device_train_batch_size=4, memory_breakdown=False,
+                            max_steps=2, max_grad_norm=0.0, seed=0, logging_steps=1, **tiling)
+        trainer = RewardTrainer(tiny_reward_model(), args=args, train_dataset=hh_pairs, processing_class=tokenizer)
+        assert sum(isinstance(module, TiledMLP) for module in trainer.model.modules()) == (2 if tiled else 0)
+        return trained(trainer)
+
+    assert_runs_equal(run(True, "t"), run(False, "u"), 2)
