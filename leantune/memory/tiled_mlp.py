@@ -27,7 +27,7 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 # Below these many tokens a tile's matmuls are too small to keep the device busy: the launches, not the bytes, then
-# set the time (GPU: a [1024, 4096] x [4096, 14336] matmul is ~0.1 ms on an H100, the launch ~5 us; CPU: a few
+# set the time (GPU: a [1024, 4096] x [4096, 14336] matmul is ~0.2 ms on an H100, a launch ~5 us; CPU: a few
 # hundred rows already fill a core's blocking).
 MIN_TILE_TOKENS = {"cuda": 1024, "cpu": 256}
 # The share of the budget one tile's [tile, intermediate] may take: the recompute holds ~4 such tensors at once (the
