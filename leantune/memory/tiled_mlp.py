@@ -27,7 +27,7 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 # Below these many tokens a tile's matmuls are too small to keep the device busy: the launches, not the bytes, then
-# set the time (GPU: a [1024, 4096] x [4096, 14336] matmul is ~0.1 ms on an H100, the launch ~5 us; CPU: a few
+# set the time (GPU: a [1024, 4096] x [4096, 14336] matmul is ~0.2 ms on an H100, a launch ~5 us; CPU: a few
 # hundred rows already fill a core's blocking).
 MIN_TILE_TOKENS = {"cuda": 1024, "cpu": 256}
 # The share of the budget one tile's [tile, intermediate] may take: the recompute holds ~4 such tensors at once (the
@@ -95,8 +95,8 @@ class TiledMLPFunction(torch.autograd.Function):
         device_type = hidden.device.type
         ctx.autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
         ctx.save_for_backward(hidden, *params)
-        with torch.no_grad():
-            return tiled_forward(run_tile, hidden, tile)
+        with torch.no_grad():  # detached: a view of an input that requires grad would too, without a grad_fn
+            return tiled_forward(run_tile, hidden.detach(), tile)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
@@ -169,7 +169,7 @@ class TiledMLP:
             return run_whole(hidden)
         params = [param for param in self.parameters() if param.requires_grad]
         if not torch.is_grad_enabled() or not (hidden.requires_grad or params):
-            return tiled_forward(run_whole, hidden, tile)
+            return tiled_forward(run_whole, hidden.detach() if not torch.is_grad_enabled() else hidden, tile)
         return TiledMLPFunction.apply(run_whole, tile, hidden, *params)
 
     def tile_for(self, tokens: int, hidden: torch.Tensor) -> int:

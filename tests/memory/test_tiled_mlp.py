@@ -328,3 +328,39 @@ def test_grpo_update_step_is_the_same_with_tiled_mlp(char_tokenizer, tmp_path):
     install_tiled_mlp(trainer.model, 4)
     trainer.train()  # real optimizer steps on rounds generated and scored by the tiled model
     assert trainer.state.global_step == 2
+
+
+def test_the_plan_traces_the_tiled_mlp_and_predicts_its_step_peak(tokenizer, gsm8k_rows):
+    """The planner builds the trainer, so its fake step runs the tiled MLP (fake tensors through the autograd
+    function, MemTracker's module hooks on every tile): its prediction is the measured peak (MemTracker's sums of
+    the same tensors, fake and real: 2%, the plan's promise). What tiling saves at length: bench/tiled_mlp.py."""
+    from leantune import SFTConfig, SFTTrainer
+    from leantune.planning import plan_memory
+
+    from ..fixtures.planning import measured_breakdown
+
+    dataset = gsm8k_prompt_completion(gsm8k_rows, 8)
+    model = mlp_model()
+    fields = dict(per_device_train_batch_size=8, max_length=128, tiled_mlp=True, tiled_mlp_tile_size=TILE)
+    plan = plan_memory(model.config, dataset, "sft", processing_class=tokenizer, **fields)
+    measured = measured_breakdown(SFTTrainer, SFTConfig, model, dataset, tokenizer, fields)
+    predicted = plan.measured_step
+    assert abs(predicted.peak_bytes - measured.peak_bytes) <= 0.02 * measured.peak_bytes
+
+
+def test_reward_model_trains_the_same_with_tiled_mlp(tokenizer, hh_pairs, tmp_path):
+    """A sequence-classification model's decoder layers tile alike (its score is read after the last layer)."""
+    from leantune import RewardConfig, RewardTrainer
+
+    from ..fixtures.models import tiny_reward_model
+
+    def run(tiled: bool, folder: str):
+        tiling = dict(tiled_mlp=True, tiled_mlp_tile_size=TILE) if tiled else {}
+        args = RewardConfig(output_dir=str(tmp_path / folder), report_to=[], use_cpu=True, disable_tqdm=True,
+                            save_strategy="no", max_length=128, per_device_train_batch_size=4, memory_breakdown=False,
+                            max_steps=2, max_grad_norm=0.0, seed=0, logging_steps=1, **tiling)
+        trainer = RewardTrainer(tiny_reward_model(), args=args, train_dataset=hh_pairs, processing_class=tokenizer)
+        assert sum(isinstance(module, TiledMLP) for module in trainer.model.modules()) == (2 if tiled else 0)
+        return trained(trainer)
+
+    assert_runs_equal(run(True, "t"), run(False, "u"), 2)
