@@ -125,6 +125,10 @@ def sft_settings(library: str, opts, length: int, output_dir: str, steps: int) -
     )
     if library == "leantune":
         settings["memory_breakdown"] = False  # the benchmark attaches the same meter to both libraries
+    if getattr(opts, "optimizer_in_backward", False):  # clipping off on both sides: the same training
+        settings["max_grad_norm"] = 0.0
+        if library == "leantune":
+            settings["optimizer_in_backward"] = True
     return settings
 
 
@@ -403,6 +407,8 @@ def parse_args(argv=None):
                         help="do not run a measurement predicted above this (GiB; default 20): the machine is shared")
     parser.add_argument("--budget-gib", type=float, default=24.0, help="the memory whose longest length is searched")
     parser.add_argument("--no-longest", action="store_true", help="skip the longest-length search")
+    parser.add_argument("--optimizer-in-backward", action="store_true",
+                        help="leantune steps the optimizer inside the backward; gradient clipping off on both sides")
     parser.add_argument("--out", default=None, help="write the JSON report here")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--lr", type=float, default=1e-5)

@@ -86,6 +86,9 @@ def test_resume_gives_the_uninterrupted_run(tokenizer, gsm8k_rows, tmp_path):
     resumed = make_trainer(tmp_path / "whole", tokenizer, gsm8k_rows, True, **settings)
     resumed.train(resume_from_checkpoint=str(tmp_path / "whole" / "checkpoint-2"))
     assert_same_parameters(whole.model, resumed.model)
+    inner = resumed.optimizer.optimizer.per_parameter.values()  # the scheduler still reaches the loaded optimizers
+    assert {group["lr"] for optimizer in inner for group in optimizer.param_groups} == {
+        resumed.lr_scheduler.get_last_lr()[0]}
     assert logged(resumed, "loss")[-2:] == pytest.approx(logged(whole, "loss")[-2:], rel=1e-6)
 
 
