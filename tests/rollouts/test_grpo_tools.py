@@ -38,8 +38,8 @@ def config(**overrides) -> GRPOConfig:
     settings = dict(output_dir="/tmp/leantune-test-grpo-tools", use_cpu=True, report_to=[], save_strategy="no",
                     per_device_train_batch_size=3, num_generations=3, max_completion_length=64, max_steps=1,
                     learning_rate=0.05, logging_steps=1, disable_tqdm=True, memory_breakdown=False, seed=0,
-                    shuffle_dataset=False)
-    settings.update(overrides)
+                    shuffle_dataset=False, shared_prompt=False)  # the tests read the padded rows' labels (the shared
+    settings.update(overrides)  # rows' tool turns: tests/trainers/test_shared_prompt.py)
     return GRPOConfig(**settings)
 
 

@@ -76,7 +76,8 @@ def grpo_run(rows, tokenizer, out, batch: int, accumulation: int):
     args = GRPOConfig(output_dir=str(out), report_to=[], save_strategy="no", use_cpu=True, max_steps=2, seed=0,
                       per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation, num_generations=4,
                       max_completion_length=16, learning_rate=1e-3, logging_steps=1, chunked_loss=False,
-                      memory_breakdown=False, disable_tqdm=True)
+                      memory_breakdown=False, disable_tqdm=True,
+                      shared_prompt=False)  # the unshared step, which the cap refuses at 8 (a shared one fits)
     prompts = Dataset.from_list([{"prompt": row["question"]} for row in rows[:16]])
     return GRPOTrainer(model=tiny_model(), reward_funcs=count_a, args=args, train_dataset=prompts,
                        processing_class=tokenizer)
