@@ -93,6 +93,8 @@ class OptimizerInBackward:
             raise ValueError(f"`optimizer_in_backward=True` runs on one process (each process would step its "
                              f"parameters before the gradients are reduced); this run has "
                              f"{self.accelerator.num_processes}. Set `optimizer_in_backward=False`.")
+        if self.optimizer is not None and getattr(optimizer, "optimizer", optimizer) is self.optimizer:
+            return optimizer  # a later train() of the same trainer: installed already
         if type(optimizer) is not optimizer_cls or not issubclass(optimizer_cls, torch.optim.Optimizer):
             raise ValueError(f"`optimizer_in_backward=True` builds one optimizer per parameter from `optim`, and this "
                              f"trainer's optimizer ({type(optimizer).__name__}) was given or built otherwise; pass no "
