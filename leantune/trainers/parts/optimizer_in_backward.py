@@ -19,8 +19,26 @@ parameters already stepped, and each part's backward would step them again).
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 
 import torch
+
+
+class PerParameterStates(Mapping):
+    """{parameter: its state}, read through from the per-parameter optimizers (MemTracker counts the optimizer's
+    states through `optimizer.state` when a step's measure starts, before any of them steps)."""
+
+    def __init__(self, per_parameter: dict):
+        self.per_parameter = per_parameter
+
+    def __getitem__(self, parameter):
+        return self.per_parameter[parameter].state[parameter]
+
+    def __iter__(self):
+        return (p for p, optimizer in self.per_parameter.items() if p in optimizer.state)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 class StepsInBackward(torch.optim.Optimizer):
@@ -33,6 +51,7 @@ class StepsInBackward(torch.optim.Optimizer):
         first = next(iter(per_parameter.values()))
         super().__init__(list(per_parameter), dict(first.defaults))
         self.param_groups = self.inner_groups()
+        self.state = PerParameterStates(per_parameter)  # what a memory tracker finds of the optimizer's states
 
     def inner_groups(self) -> list[dict]:
         """The per-parameter optimizers' own group dicts, so what a scheduler sets (`lr`) is what they step with."""
