@@ -175,11 +175,6 @@ class OptimizerInBackward:
         return refuse
 
 
-def largest_parameter_bytes(parameters) -> int:
-    """The gradient memory a step inside the backward holds at most at once: the largest trainable parameter's."""
-    return max((p.numel() * p.element_size() for p in parameters if p.requires_grad), default=0)
-
-
 def with_own_override_index(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """bitsandbytes files its per-parameter overrides (Trainer's 32-bit states for embeddings) in one process-wide
     manager, indexed by (group, position) in the optimizer: with one optimizer per parameter every index is (0, 0),
