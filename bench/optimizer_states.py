@@ -6,7 +6,7 @@ MemTracker breakdown and by the CPU allocator (devkit/allocator_meter.py), and `
 weights (bench/plan_accuracy.py's row runner). Gradient clipping is off in every row (`max_grad_norm=0`), so the
 rows without the step inside the backward are the same training as those with it.
 
-    PYTHONPATH=. OMP_NUM_THREADS=2 python bench/optimizer_states.py [--hidden 256] [--layers 2] [--vocab 32000]
+    PYTHONPATH=. OMP_NUM_THREADS=2 python bench/optimizer_states.py [--hidden 64] [--batch 1] [--max-length 32]
 
 What to read: `gradients` (planned) falls to about the largest parameter's gradient with the step inside the
 backward; `optimizer_states` (planned) falls from 8 bytes per parameter (AdamW's two fp32 moments) to ~2 bytes plus
@@ -57,7 +57,8 @@ def run_row(fields: dict, opts, tokenizer) -> dict:
     from leantune import SFTConfig, SFTTrainer
     from leantune.planning import plan_memory
 
-    fields = dict(per_device_train_batch_size=4, max_steps=2, seed=0, learning_rate=1e-4, max_length=256, **fields)
+    fields = dict(per_device_train_batch_size=opts.batch, max_steps=2, seed=0, learning_rate=1e-4,
+                  max_length=opts.max_length, loss_chunk_size=opts.loss_chunk_size, **fields)
     dataset = data("sft", 64)
     plan = plan_memory(model_config(opts), dataset, "sft", processing_class=tokenizer, **fields)
     torch.manual_seed(0)
@@ -77,7 +78,10 @@ def run_row(fields: dict, opts, tokenizer) -> dict:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--max-length", type=int, default=32)
+    parser.add_argument("--loss-chunk-size", type=int, default=8, help="small: the step peaks where gradients live")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--only", default=None, help="rows whose name holds this")
@@ -86,7 +90,7 @@ def main(argv=None) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
-    print(f"llama, hidden {opts.hidden}, {opts.layers} layers, vocabulary {opts.vocab}, fp32, batch 4 x <=256 tokens")
+    print(f"llama, hidden {opts.hidden}, {opts.layers} layers, vocabulary {opts.vocab}, fp32, batch {opts.batch} x <={opts.max_length} tokens")
     print(f"{'row':<24} {'planned':>8} {'MemTracker':>10} {'allocator':>9} {'plan/alloc':>10} "
           f"{'grads':>7} {'states':>7} {'B/param':>7} {'loss':>10}  (MiB)")
     for name, fields in ROWS:

@@ -126,3 +126,17 @@ def test_deepspeed_is_refused_when_the_config_is_built(tmp_path):
     config.deepspeed = {"zero_optimization": {"stage": 2}}
     with pytest.raises(ValueError, match="optimizer_in_backward=True.*deepspeed"):
         validate_optimizer_in_backward(config)
+
+
+def test_the_memory_breakdown_counts_the_per_parameter_states_from_the_steps_start(tokenizer, gsm8k_rows, tmp_path):
+    # batch 2 x <=128 tokens: the step peaks in the forward (the loss's chunk of logits), before any gradient, with
+    # the states already held: the same bytes with or without the step in the backward, to the byte (one trace each)
+    peaks = {}
+    for in_backward in (False, True):
+        trainer = make_trainer(tmp_path / str(in_backward), tokenizer, gsm8k_rows, in_backward, max_steps=2,
+                               memory_breakdown=True)
+        trainer.train()
+        peaks[in_backward] = trainer.memory_breakdown.peak_bytes
+        moments = 2 * 4 * sum(p.numel() for p in trainer.model.parameters())  # AdamW's two fp32 moments
+        assert trainer.memory_breakdown.parts["optimizer_states"] >= moments
+    assert peaks[True] == peaks[False]

@@ -19,8 +19,26 @@ parameters already stepped, and each part's backward would step them again).
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 
 import torch
+
+
+class PerParameterStates(Mapping):
+    """{parameter: its state}, read through from the per-parameter optimizers (MemTracker counts the optimizer's
+    states through `optimizer.state` when a step's measure starts, before any of them steps)."""
+
+    def __init__(self, per_parameter: dict):
+        self.per_parameter = per_parameter
+
+    def __getitem__(self, parameter):
+        return self.per_parameter[parameter].state[parameter]
+
+    def __iter__(self):
+        return (p for p, optimizer in self.per_parameter.items() if p in optimizer.state)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 class StepsInBackward(torch.optim.Optimizer):
@@ -33,6 +51,7 @@ class StepsInBackward(torch.optim.Optimizer):
         first = next(iter(per_parameter.values()))
         super().__init__(list(per_parameter), dict(first.defaults))
         self.param_groups = self.inner_groups()
+        self.state = PerParameterStates(per_parameter)  # what a memory tracker finds of the optimizer's states
 
     def inner_groups(self) -> list[dict]:
         """The per-parameter optimizers' own group dicts, so what a scheduler sets (`lr`) is what they step with."""
@@ -93,6 +112,8 @@ class OptimizerInBackward:
             raise ValueError(f"`optimizer_in_backward=True` runs on one process (each process would step its "
                              f"parameters before the gradients are reduced); this run has "
                              f"{self.accelerator.num_processes}. Set `optimizer_in_backward=False`.")
+        if self.optimizer is not None and getattr(optimizer, "optimizer", optimizer) is self.optimizer:
+            return optimizer  # a later train() of the same trainer: installed already
         if type(optimizer) is not optimizer_cls or not issubclass(optimizer_cls, torch.optim.Optimizer):
             raise ValueError(f"`optimizer_in_backward=True` builds one optimizer per parameter from `optim`, and this "
                              f"trainer's optimizer ({type(optimizer).__name__}) was given or built otherwise; pass no "
@@ -152,11 +173,6 @@ class OptimizerInBackward:
                 f"gradient_accumulation_steps (the same global batch), or let `memory_budget` size the run.")
 
         return refuse
-
-
-def largest_parameter_bytes(parameters) -> int:
-    """The gradient memory a step inside the backward holds at most at once: the largest trainable parameter's."""
-    return max((p.numel() * p.element_size() for p in parameters if p.requires_grad), default=0)
 
 
 def with_own_override_index(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
