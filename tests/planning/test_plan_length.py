@@ -1,5 +1,6 @@
-"""The planner's time does not grow with the length: a chunked loss in the fake step runs only the chunks whose memory
-can differ (losses/chunk_order.py), and the plan is the same to the byte as the trace of every chunk."""
+"""Planning long rows: a chunked loss in the fake step runs only the chunks whose memory can differ
+(losses/chunk_order.py), so the planner's time does not grow with the length, and the plan is the same to the byte
+as the trace of every chunk; `--solve max_length` finds the longest that fits a budget (planning/max_length.py)."""
 
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ def test_solve_max_length_finds_the_longest_that_fits(tokenizer, tmp_path, capsy
     model_dir, profile = tmp_path / "model", tmp_path / "lengths.json"
     config = LlamaConfig(**TINY_LONG)
     config.save_pretrained(model_dir)
-    profile.write_text(json.dumps(_profile("sft", 2048)))
+    profile.write_text(json.dumps({"kind": "sft", "row_lengths": {"sequences": [2048]}}))  # every token a target
     rows = dataset_from_lengths(str(profile), "sft")
 
     def device_total(length):  # the plan of the run as the command plans it: one process, this machine's CPU
@@ -83,7 +84,7 @@ def test_solve_max_length_finds_the_longest_that_fits(tokenizer, tmp_path, capsy
                       r"(\w[\w ]*) .*lengths in steps of (\d+)", out)
     assert found, out
     length, beyond, part, step = int(found[1]), int(found[2]), found[3], int(found[4])
-    assert step == 16 and beyond == length + step and 1000 <= length < 2048
+    assert step == 16 and beyond == length + step and 1000 - step < length <= 1000  # the budget: 1,000 tokens + 1 byte
     assert device_total(length) <= budget < device_total(length + step)
     assert part in ("activations", "parameters", "temporaries", "optimizer states")
 
