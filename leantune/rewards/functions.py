@@ -57,6 +57,11 @@ class RewardScores:
                              "or the weights down.")
         return torch.where(scored.any(dim=1), total, torch.full_like(total, float("nan")))
 
+    @property
+    def complete(self) -> bool:
+        """Every function scored every completion: no missing or NaN reward to count."""
+        return not any(self.missing) and not any(self.nan)
+
     def unscored(self) -> torch.Tensor:
         """[N] bool: completions that no function scored."""
         return torch.isnan(self.per_function).all(dim=1)

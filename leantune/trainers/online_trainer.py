@@ -27,7 +27,7 @@ from ..data.collators import MODEL_INPUTS
 from ..data.prompt_preparation import PROMPT_IDS, context_limit_of, prepare_prompt_dataset
 from ..data.streaming import is_stream
 from ..generation import SamplingSettings
-from ..generation.backend import backend_factory, check_backend_requirements
+from ..generation.backend import TRANSFORMERS, backend_factory, check_backend_requirements, generation_engine
 from ..losses.token_logprobs import TargetScores, per_sequence_sum
 from ..rewards import RewardFunctions
 from ..rollouts import AgentRollouts
@@ -319,7 +319,7 @@ class OnlineTrainer(OnlineMethod, ReferenceModelMixin, LeantuneTrainer):
     def context_parallel_problem(self, args) -> str | None:
         """The options context parallelism cannot run exactly for an online method (None: it can): generation
         with vLLM or agents, evaluation rounds."""
-        if getattr(args, "use_vllm", False):
+        if generation_engine(args) != TRANSFORMERS:
             return "`use_vllm=True` (its engine generates apart from the ring's groups); generate with transformers"
         if self.agent is not None:
             return "tools, environments or a rollout function (each process of a group would run them)"

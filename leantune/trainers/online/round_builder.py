@@ -156,14 +156,11 @@ class RoundBuilder:
         completions = [[{"role": "assistant", "content": text}] for text in texts] if conversational else texts
         columns = {name: [row[name] for row in rows] for name in rows[0] if name not in ("prompt", PROMPT_IDS)}
         if rollout is not None:
-            if rollout.completions is not None:
-                completions = rollout.completions
-            if rollout.environments is not None:
-                columns["environments"] = rollout.environments
-            columns.update(rollout.extra_columns)
+            completions = self.rollout_columns(rollout, completions, columns)
         scores = self.rewards.score([row["prompt"] for row in rows], completions, completion_ids, columns,
                                     trainer_state=self.trainer_state(), **self.metrics.reward_logging(training))
-        self.metrics.count_reward_gaps(scores, rows, texts)
+        if not scores.complete:
+            self.metrics.count_reward_gaps(scores, rows, texts)
         eos = set(self.session.sampling.eos_token_ids)
         terminated = [bool(ids) and ids[-1] in eos for ids in completion_ids]
         per_function = self.gather(scores.per_function).float()
@@ -179,6 +176,15 @@ class RoundBuilder:
             self.metrics.log_examples(rows, texts, rewards[self.local_slice(len(rewards))])
         return {"rewards": rewards, "terminated": terminated, "ended": ended, "per_function": per_function,
                 "store": self.metrics.store(training)}
+
+    @staticmethod
+    def rollout_columns(rollout, completions: list, columns: dict) -> list:
+        """What agent rollouts give the reward functions: their messages as the completions (tool calls and results
+        included), their `environments` and a rollout function's extra columns (into `columns`)."""
+        if rollout.environments is not None:
+            columns["environments"] = rollout.environments
+        columns.update(rollout.extra_columns)
+        return completions if rollout.completions is None else rollout.completions
 
     # --- scored micro-batches --------------------------------------------------------------------------------------
 
