@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 
+from ..generation.backend import VLLM_COLOCATE, generation_engine
+from ..trainers.online_config import OnlineConfig
 from ..utils.imports import is_available
 from .errors import UsageError
 
@@ -59,8 +61,8 @@ def missing_packages(args, model_args=None) -> list[str]:
     deepspeed = _deepspeed_requested(args)
     if deepspeed and not is_available("deepspeed"):
         problems.append(f"{deepspeed} needs deepspeed, which is not installed: pip install 'leantune[deepspeed]'.")
-    if getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", "colocate") == "colocate" and \
-            not is_available("vllm"):
+    colocated = isinstance(args, OnlineConfig) and generation_engine(args) == VLLM_COLOCATE
+    if colocated and not is_available("vllm"):
         problems.append("--use_vllm with --vllm_mode colocate needs vllm, which is not installed: "
                         "pip install 'leantune[vllm]' (or serve it elsewhere: --vllm_mode server).")
     return problems

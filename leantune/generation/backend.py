@@ -15,12 +15,15 @@ token's log-prob under the distribution it was sampled from (GRPO's vLLM importa
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from typing import Protocol
 
 from .sampling import Completions, SamplingSettings
 from .transformers_backend import TransformersBackend
 from .vllm_client import VLLMServerBackend
 from .vllm_colocate import VLLMColocateBackend, require_colocated_vllm
+from .zero3 import gathered_for_generation, is_zero3
 
 
 class GenerationBackend(Protocol):
@@ -57,13 +60,23 @@ def check_backend_requirements(args) -> None:
         require_colocated_vllm(sleep_mode=bool(args.vllm_enable_sleep_mode))
 
 
-def make_backend(args, model, tokenizer, accelerator) -> GenerationBackend:
-    """transformers `generate` by default; vLLM in this process (`vllm_mode="colocate"`) or a `leantune vllm-serve`
+def backend_factory(args, tokenizer, accelerator):
+    """What makes the run's backend from the policy (`factory(model)`), chosen once from the config when the trainer
+    is built (the backend itself is made at the first round: the Trainer wraps the model first). transformers
+    `generate` by default, its weights gathered once per call under ZeRO-3 (`ds3_gather_for_generation`, zero3.py;
+    elsewhere no gathering scope at all); vLLM in this process (`vllm_mode="colocate"`) or a `leantune vllm-serve`
     server (`vllm_mode="server"`) with `use_vllm=True`."""
     engine = generation_engine(args)
     if engine == TRANSFORMERS:
-        return TransformersBackend(model, accelerator, args.ds3_gather_for_generation, args.max_completions_per_generate)
-    if engine == VLLM_COLOCATE:
-        return VLLMColocateBackend(args, model, tokenizer, accelerator)
+        gathers = args.ds3_gather_for_generation and is_zero3(accelerator)
+        scope = functools.partial(gathered_for_generation, accelerator=accelerator) if gathers \
+            else contextlib.nullcontext
+        return functools.partial(TransformersBackend, accelerator=accelerator,
+                                 max_batch_size=args.max_completions_per_generate, generation_scope=scope)
+    backend = VLLMColocateBackend if engine == VLLM_COLOCATE else VLLMServerBackend
+    return functools.partial(backend, args, tokenizer=tokenizer, accelerator=accelerator)
 
-    return VLLMServerBackend(args, model, tokenizer, accelerator)
+
+def make_backend(args, model, tokenizer, accelerator) -> GenerationBackend:
+    """The run's backend for `model` (see `backend_factory`)."""
+    return backend_factory(args, tokenizer, accelerator)(model)

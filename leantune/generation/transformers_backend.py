@@ -16,18 +16,21 @@ slowest row runs), only tokens from the same distribution.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .sampling import Completions, SamplingSettings, cut_completion
-from .zero3 import gathered_for_generation
 
 
 class TransformersBackend:
     name = "transformers"
 
-    def __init__(self, model, accelerator, gather_for_generation: bool = True, max_batch_size: int | None = None):
+    def __init__(self, model, accelerator, max_batch_size: int | None = None, generation_scope=contextlib.nullcontext):
+        """`generation_scope(model)`: what the calls run inside (under ZeRO-3 the weights gathered once per call:
+        zero3.py, chosen by backend.py's `backend_factory`; otherwise nothing)."""
         self.accelerator = accelerator
-        self.gather_for_generation = gather_for_generation
+        self.generation_scope = generation_scope
         self.max_batch_size = max_batch_size
         self.model = model
 
@@ -51,7 +54,7 @@ class TransformersBackend:
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         try:
             with torch.random.fork_rng(devices=devices, enabled=sampling.seed is not None), \
-                    gathered_for_generation(model, self.accelerator, self.gather_for_generation):
+                    self.generation_scope(model):
                 if sampling.seed is not None:
                     torch.manual_seed(sampling.seed)  # the round's own stream; each row samples its own tokens
                 generator = self.accelerator.unwrap_model(model)  # a PEFT model stays one (its generate)

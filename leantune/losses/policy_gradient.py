@@ -151,64 +151,87 @@ class GRPOObjective:
                    args.vespo_k_pos, args.vespo_lambda_pos, args.vespo_k_neg, args.vespo_lambda_neg)
 
 
+@dataclass(frozen=True)
+class RatioUnits:
+    """What the ratio is taken over (`importance_sampling_level`): each token, or (GSPO's "sequence") each completion,
+    one ratio exp(mean over its tokens of logp - old_logp) differentiable through every token's log-prob. At the
+    sequence level `sequence` gives each token its completion's value and `scored` marks the completions with scored
+    tokens, the units the metrics average over."""
+
+    log_ratio: torch.Tensor
+    advantages: torch.Tensor
+    sequence: torch.Tensor | None = None
+    scored: torch.Tensor | None = None
+
+    def to_tokens(self, values: torch.Tensor) -> torch.Tensor:
+        return values if self.sequence is None else values.index_select(0, self.sequence)
+
+    def counted(self, values: torch.Tensor) -> torch.Tensor:
+        return values if self.scored is None else values[self.scored]
+
+
+def ratio_units(log_ratio: torch.Tensor, advantages: torch.Tensor, sequence: torch.Tensor, num_sequences: int,
+                level: str) -> RatioUnits:
+    if level == "token":
+        return RatioUnits(log_ratio, advantages.index_select(0, sequence))
+    if level == "sequence":
+        return RatioUnits(per_sequence_mean(log_ratio, sequence, num_sequences), advantages, sequence,
+                          tokens_per_sequence(log_ratio, sequence, num_sequences) > 0)
+    raise ValueError(f"`importance_sampling_level` must be one of {IMPORTANCE_SAMPLING_LEVELS}, got {level!r}.")
+
+
+def clipped_token_loss(units: RatioUnits, logps: torch.Tensor, objective: GRPOObjective):
+    """grpo, dapo, dr_grpo, bnpo, luspo: the clipped surrogate (`delta` capping the ratio)."""
+    terms = clipped_surrogate_of_log_ratio(units.log_ratio, units.advantages, objective.epsilon_low,
+                                           objective.epsilon_high, objective.delta)
+    metrics = ClippedTerms(units.counted(terms.loss), units.counted(terms.ratio), units.counted(terms.low_clipped),
+                           units.counted(terms.high_clipped)).clip_metrics()
+    return units.to_tokens(terms.loss), metrics
+
+
+def cispo_token_loss(units: RatioUnits, logps: torch.Tensor, objective: GRPOObjective):
+    """cispo: the ratio itself capped at epsilon_high and detached, times A x logp."""
+    ratio = torch.exp(units.log_ratio)
+    weight = torch.clamp(ratio, max=objective.epsilon_high).detach()
+    clipped = (ratio > objective.epsilon_high) & (units.advantages > 0)
+    token_loss = -units.to_tokens(weight * units.advantages) * logps
+    return token_loss, {"cispo_clip_ratio": units.counted(clipped).float().mean()}
+
+
+def sapo_token_loss(units: RatioUnits, logps: torch.Tensor, objective: GRPOObjective):
+    """sapo: a soft gate sigmoid(tau (r - 1)) x 4 / tau in place of the clip, tau by the advantage's sign."""
+    temperature = torch.full_like(units.advantages, objective.sapo_temperature_neg).masked_fill(
+        units.advantages > 0, objective.sapo_temperature_pos)  # in the advantages' dtype, not float32
+    gate = torch.sigmoid(temperature * (torch.exp(units.log_ratio) - 1)) * 4 / temperature
+    return units.to_tokens(-gate * units.advantages), {}
+
+
+UNIT_LOSSES = {**dict.fromkeys(CLIPPED_LOSS_TYPES, clipped_token_loss), "cispo": cispo_token_loss,
+               "sapo": sapo_token_loss}  # vespo weighs whole completions: `grpo_token_loss`
+
+
 def grpo_token_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, sequence: torch.Tensor,
                     num_sequences: int, objective: GRPOObjective, ref_logps: torch.Tensor | None = None,
                     sampling_weights: torch.Tensor | None = None, token_mask: torch.Tensor | None = None,
                     sequence_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(per-token loss, metrics) over the flat completion tokens; `advantages` and `sequence_mask` are per sequence.
 
-    importance_sampling_level="sequence" (GSPO) uses one ratio per completion, exp(mean over its tokens of
-    logp - old_logp), differentiable through every token's log-prob; the clipped loss of the completion is then given
-    to each of its tokens, so the loss types aggregate it as TRL's broadcast [B, 1] loss (grpo: the completion's
-    value; dapo/bnpo/dr_grpo: its value x its length). Clip metrics count completions at that level, tokens otherwise.
+    At the sequence level (GSPO, `RatioUnits`) the clipped loss of a completion is given to each of its tokens, so the
+    loss types aggregate it as TRL's broadcast [B, 1] loss (grpo: the completion's value; dapo/bnpo/dr_grpo: its value
+    x its length). Clip metrics count completions at that level, tokens otherwise.
     """
     log_ratio = logps - old_logps
-    level, loss_type = objective.importance_sampling_level, objective.loss_type
-    if level == "token":
-        unit_log_ratio, unit_advantages = log_ratio, advantages.index_select(0, sequence)
-        scored = None  # every unit (token) is scored
-
-        def to_tokens(values):
-            return values
-    elif level == "sequence":
-        unit_log_ratio, unit_advantages = per_sequence_mean(log_ratio, sequence, num_sequences), advantages
-        scored = tokens_per_sequence(logps, sequence, num_sequences) > 0
-
-        def to_tokens(values):
-            return values.index_select(0, sequence)
-    else:
-        raise ValueError(f"`importance_sampling_level` must be one of {IMPORTANCE_SAMPLING_LEVELS}, got {level!r}.")
-    ratio = torch.exp(unit_log_ratio)
-
-    def counted(values):  # the units the metrics average over: completions with scored tokens, or tokens
-        return values if scored is None else values[scored]
-
-    if loss_type in CLIPPED_LOSS_TYPES:
-        terms = clipped_surrogate_of_log_ratio(unit_log_ratio, unit_advantages, objective.epsilon_low,
-                                               objective.epsilon_high, objective.delta)
-        token_loss = to_tokens(terms.loss)
-        metrics = ClippedTerms(counted(terms.loss), counted(terms.ratio), counted(terms.low_clipped),
-                               counted(terms.high_clipped)).clip_metrics()
-    elif loss_type == "cispo":
-        weight = torch.clamp(ratio, max=objective.epsilon_high).detach()  # the ratio itself capped, no gradient
-        token_loss = -to_tokens(weight * unit_advantages) * logps
-        clipped = (ratio > objective.epsilon_high) & (unit_advantages > 0)
-        metrics = {"cispo_clip_ratio": counted(clipped).float().mean()}
-    elif loss_type == "sapo":
-        temperature = torch.full_like(unit_advantages, objective.sapo_temperature_neg).masked_fill(
-            unit_advantages > 0, objective.sapo_temperature_pos)  # in the advantages' dtype, not float32
-        gate = torch.sigmoid(temperature * (ratio - 1)) * 4 / temperature
-        token_loss = to_tokens(-gate * unit_advantages)
-        metrics = {}
-    elif loss_type == "vespo":
+    units = ratio_units(log_ratio, advantages, sequence, num_sequences, objective.importance_sampling_level)
+    if objective.loss_type == "vespo":
         phi = vespo_weights(log_ratio, advantages, sequence, num_sequences, objective, sampling_weights)
         token_loss = -(phi * advantages).index_select(0, sequence) * logps
         sampling_weights = None  # folded into phi
         has_tokens = tokens_per_sequence(logps, sequence, num_sequences) > 0
         metrics = {"vespo/phi_seq_mean": phi[has_tokens].mean()}
+    elif objective.loss_type in UNIT_LOSSES:
+        token_loss, metrics = UNIT_LOSSES[objective.loss_type](units, logps, objective)
     else:
-        raise ValueError(f"Unknown GRPO loss_type {loss_type!r}; choose from {GRPO_LOSS_TYPES}.")
-    ratio = to_tokens(ratio)
+        raise ValueError(f"Unknown GRPO loss_type {objective.loss_type!r}; choose from {GRPO_LOSS_TYPES}.")
     if sequence_mask is not None:
         token_loss = token_loss * sequence_mask.to(token_loss.dtype).index_select(0, sequence)
     if token_mask is not None:
@@ -219,7 +242,7 @@ def grpo_token_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: to
         kl = k3_kl(logps, ref_logps)
         if objective.use_bias_correction_kl:
             # times the (undetached, uncapped) ratio: equal to k3 on-policy, but its gradient gains k3 x dlogp
-            kl = kl * ratio
+            kl = kl * units.to_tokens(torch.exp(units.log_ratio))
         token_loss = token_loss + objective.beta * kl
         metrics["kl"] = kl.detach().mean()  # NaN (left out of the logged mean) when nothing is scored
     return token_loss, metrics

@@ -92,7 +92,7 @@ def round_shape_of(trainer) -> dict:
     whole = max(trainer.round_size // trainer.accelerator.num_processes, 1)
     return {"batch": min(whole, getattr(args, "max_completions_per_generate", None) or whole), "round": whole,
             "prompt_length": max(len(prompt) for prompt in prompts),
-            "max_completion_length": int(args.max_completion_length), "use_vllm": bool(args.use_vllm),
+            "max_completion_length": int(args.max_completion_length), "use_vllm": trainer.generation.samples_with_vllm,
             "sleep_mode": bool(getattr(args, "vllm_enable_sleep_mode", False))}
 
 

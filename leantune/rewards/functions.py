@@ -57,6 +57,11 @@ class RewardScores:
                              "or the weights down.")
         return torch.where(scored.any(dim=1), total, torch.full_like(total, float("nan")))
 
+    @property
+    def complete(self) -> bool:
+        """Every function scored every completion: no missing or NaN reward to count."""
+        return not any(self.missing) and not any(self.nan)
+
     def unscored(self) -> torch.Tensor:
         """[N] bool: completions that no function scored."""
         return torch.isnan(self.per_function).all(dim=1)
@@ -87,19 +92,20 @@ class RewardFunctions:
         self.funcs += list(extra_funcs)
         self.tokenizers += [None] * len(extra_funcs)
         self.names = _distinct(_name_of(func) for func in self.funcs)
+        self.model_positions = {index for index, func in enumerate(self.funcs) if is_reward_model(func)}
+        self.runners = {}  # the reward models as the trainer's engine runs them (`prepare_models`)
         self.weights = torch.cat([weights, torch.ones(len(extra_funcs), dtype=torch.float32)])
 
     def to(self, device) -> RewardFunctions:
         """Moves the reward models (callables stay where they are)."""
-        for func in self.funcs:
-            if is_reward_model(func):
-                func.to(device)
+        for index in self.model_positions:
+            self.funcs[index].to(device)
         return self
 
     def prepare_models(self, prepare) -> RewardFunctions:
         """Runs each reward model through what `prepare(model)` returns (the trainer's engine for frozen models, e.g.
         a ZeRO-3 inference engine); the model itself still names the function and gives its config."""
-        self.runners = {index: prepare(func) for index, func in enumerate(self.funcs) if is_reward_model(func)}
+        self.runners = {index: prepare(self.funcs[index]) for index in sorted(self.model_positions)}
         return self
 
     def score(self, prompts: list, completions: list, completion_ids: list[list[int]],
@@ -114,30 +120,26 @@ class RewardFunctions:
         n = len(completions)
         columns = dict(columns or {})
         _check_inputs(prompts, completion_ids, columns, n)
-        columns_out = [None] * len(self.funcs)
-        pending = {}
-        for index, (func, tokenizer, name) in enumerate(zip(self.funcs, self.tokenizers, self.names)):
-            if is_reward_model(func):
-                columns_out[index] = score_with_model(func, tokenizer, prompts, completions,
-                                                      getattr(self, "runners", {}).get(index), name)
-                continue
-            result = _call(func, name, n, prompts=prompts, completions=completions, completion_ids=completion_ids,
-                           trainer_state=trainer_state, log_extra=log_extra, log_metric=log_metric, **columns)
-            if inspect.isawaitable(result):
-                pending[index] = result
-            else:
-                columns_out[index] = result
-        if pending:
-            for index, result in zip(pending, _await_all(list(pending.values()), [self.names[i] for i in pending], n)):
-                columns_out[index] = result
-        values, missing, nan = [], [], []
-        for name, result in zip(self.names, columns_out):
-            column, none_count, nan_count = _as_reward_column(result, name, n)
-            values.append(column)
-            missing.append(none_count)
-            nan.append(nan_count)
-        per_function = torch.stack(values, dim=1) if n else torch.zeros(0, len(self.funcs))
-        return RewardScores(per_function=per_function, names=list(self.names), missing=missing, nan=nan)
+        kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids,
+                      trainer_state=trainer_state, log_extra=log_extra, log_metric=log_metric, **columns)
+        results = [self._model_rewards(index, prompts, completions) if index in self.model_positions
+                   else _call(func, name, n, **kwargs)
+                   for index, (func, name) in enumerate(zip(self.funcs, self.names))]
+        pending = [index for index, result in enumerate(results) if inspect.isawaitable(result)]
+        if pending:  # async functions (an LLM judge) run concurrently
+            awaited = _await_all([results[i] for i in pending], [self.names[i] for i in pending], n)
+            for index, result in zip(pending, awaited):
+                results[index] = result
+        checked = [_as_reward_column(result, name, n) for result, name in zip(results, self.names)]
+        columns_of_rewards = [column for column, _, _ in checked]
+        per_function = torch.stack(columns_of_rewards, dim=1) if n else torch.zeros(0, len(self.funcs))
+        return RewardScores(per_function=per_function, names=list(self.names),
+                            missing=[missing for _, missing, _ in checked], nan=[nan for _, _, nan in checked])
+
+    def _model_rewards(self, index: int, prompts: list, completions: list) -> torch.Tensor:
+        """The rewards of the reward model at `index` (run as the engine prepared it)."""
+        return score_with_model(self.funcs[index], self.tokenizers[index], prompts, completions,
+                                self.runners.get(index), self.names[index])
 
 
 # --- set-up --------------------------------------------------------------------------------------------------------
@@ -227,7 +229,23 @@ def _await_all(awaitables: list, names: list[str], n: int) -> list:
 
 
 def _as_reward_column(result, name: str, n: int) -> tuple[torch.Tensor, int, int]:
-    """[n] float32 from what a function returned; None -> NaN; (values, None count, NaN count)."""
+    """[n] float32 from what a function returned; None -> NaN; (values, None count, NaN count). A list of floats,
+    the common return, is taken as it is; anything else is checked item by item (`_reward_numbers`)."""
+    plain = isinstance(result, list) and len(result) == n and all(type(item) is float for item in result)
+    values, none_count = (result, 0) if plain else _reward_numbers(result, name, n)
+    # checked on the float32 column the advantages are computed from: a finite Python float beyond float32's range
+    # (|x| > 3.4e38, e.g. 1e39) becomes inf there
+    column = torch.tensor(values, dtype=torch.float32)
+    infinite = int(torch.isinf(column).sum())
+    if infinite:
+        raise ValueError(f"reward function {name!r} returned {infinite} infinite reward(s) out of {n} (inf, or beyond "
+                         "float32's range of +-3.4e38); return None for a completion that should get no reward.")
+    return column, none_count, int(torch.isnan(column).sum()) - none_count
+
+
+def _reward_numbers(result, name: str, n: int) -> tuple[list[float], int]:
+    """(one float per completion, NaN for None; the None count) from a list, tuple, 1-D tensor or array of numbers
+    or None; anything else is an error naming the function."""
     if isinstance(result, torch.Tensor | np.ndarray):
         if result.ndim != 1:
             raise TypeError(f"reward function {name!r} returned a {result.ndim}-D {type(result).__name__} of shape "
@@ -240,7 +258,7 @@ def _as_reward_column(result, name: str, n: int) -> tuple[torch.Tensor, int, int
                         f"reward (a number or None) per completion.")
     if len(items) != n:
         raise ValueError(f"reward function {name!r} returned {len(items)} rewards for {n} completions.")
-    values, none_count, nan_count = [], 0, 0
+    values, none_count = [], 0
     for index, item in enumerate(items):
         if item is None:
             none_count += 1
@@ -250,16 +268,8 @@ def _as_reward_column(result, name: str, n: int) -> tuple[torch.Tensor, int, int
         if value is None:
             raise TypeError(f"reward function {name!r} returned a {type(item).__name__} at index {index}; expected a "
                             "number or None.")
-        nan_count += math.isnan(value)
         values.append(value)
-    # checked on the float32 column the advantages are computed from: a finite Python float beyond float32's range
-    # (|x| > 3.4e38, e.g. 1e39) becomes inf there
-    column = torch.tensor(values, dtype=torch.float32)
-    infinite = int(torch.isinf(column).sum())
-    if infinite:
-        raise ValueError(f"reward function {name!r} returned {infinite} infinite reward(s) out of {n} (inf, or beyond "
-                         "float32's range of +-3.4e38); return None for a completion that should get no reward.")
-    return column, none_count, nan_count
+    return values, none_count
 
 
 def _as_number(item) -> float | None:

@@ -18,6 +18,8 @@ import torch
 
 from ..data.collators import CausalLMCollator, prompt_completion_row, sequence_prompts
 from ..data.formats import last_message_as_completion
+from ..generation import SamplingSettings
+from ..generation.backend import backend_factory
 from ..losses.causal_lm import IGNORE_INDEX, count_targets
 from ..losses.distillation import chunked_jsd_sum, jsd_from_logits
 from ..losses.liger import liger_jsd_problem, liger_jsd_sum
@@ -28,6 +30,7 @@ from .gkd_config import GKDConfig
 from .online.generation_session import GenerationSession
 from .parts.teacher import Teacher
 from .reference import disable_dropout
+from .settings import generation_of
 from .sft_trainer import SFTTrainer
 
 logger = logging.getLogger("leantune.gkd")
@@ -92,8 +95,10 @@ class GKDTrainer(SFTTrainer):
     def sampling_session(self, model, policy, gathered: bool) -> GenerationSession:
         """A generation session sampling from `policy()` (`model`: whose EOS ids end a completion)."""
         sampling = DistillationSampling(self.args.seed, self.args.max_new_tokens, self.args.temperature, gathered)
-        return GenerationSession(sampling, self.accelerator, self.processing_class, model, policy,
-                                 step=lambda: self.state.global_step, method=self.method)
+        return GenerationSession(generation_of(sampling),
+                                 SamplingSettings.from_config(sampling, self.processing_class, model),
+                                 backend_factory(sampling, self.processing_class, self.accelerator), self.accelerator,
+                                 policy, step=lambda: self.state.global_step, method=self.method)
 
     def default_args(self, model, args):
         if args is not None and not isinstance(args, GKDConfig):

@@ -39,7 +39,6 @@ from ..losses.policy_gradient import (
 from ..losses.token_logprobs import TargetScores
 from ..models.output_head import compute_head_in_fp32
 from ..rollouts import AgentRollouts
-from .online.shared_prompt import count_batch_targets
 from .online_trainer import PLACED_TARGETS, OnlineTrainer, ScoringNeeds
 
 ENTROPY_TOKEN_MASK = "entropy_token_mask"  # top_entropy_quantile's tokens, where the entropy bonus acts too
@@ -63,6 +62,10 @@ class GRPOTrainer(OnlineTrainer):
         # the bonus differentiates them
         bonus = args.entropy_coef != 0.0 or args.use_adaptive_entropy
         self.scoring_needs = ScoringNeeds(entropies=bonus or args.top_entropy_quantile < 1, entropy_grad=bonus)
+        # vLLM's importance-sampling correction (TRL: only when generating with vLLM, whose log-probs it reads): its
+        # pi_old, even on-policy
+        self.corrects_sampling = bool(args.vllm_importance_sampling_correction and args.needs_sampling_logprobs)
+        self.scores_policy_on_policy = self.corrects_sampling
         super().__init__(model, reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          processing_class=processing_class, reward_processing_classes=reward_processing_classes,
                          callbacks=callbacks, optimizers=optimizers, quantization_config=quantization_config,
@@ -70,9 +73,7 @@ class GRPOTrainer(OnlineTrainer):
         self.rollout_func = rollout_func
         self.tools = list(agent.tools) if agent is not None else []  # TRL's attribute: every tool the policy may call
         self.entropy_bonus = EntropyBonus.from_config(self.args)  # added to the normalised loss: `regularised`
-        # vLLM's importance-sampling correction (TRL: only when generating with vLLM): its pi_old, even on-policy
-        self.corrects_sampling = self.generation.samples_with_vllm and self.args.vllm_importance_sampling_correction
-        self.scores_policy_on_policy = self.corrects_sampling
+        self.objective = GRPOObjective.from_config(self.args)  # what shapes the per-token loss (policy_gradient.py)
         if self.args.cast_lm_head_to_fp32:
             for model in (self.model, self.ref_model):
                 if model is not None:
@@ -112,7 +113,7 @@ class GRPOTrainer(OnlineTrainer):
         return result.reshape(rows, 1)
 
     def loss_items(self, batch: dict) -> int:
-        return grpo_loss_items(self.args.loss_type, int(batch["num_sequences"]), count_batch_targets(batch),
+        return grpo_loss_items(self.args.loss_type, int(batch["num_sequences"]), self.target_reading.count(batch),
                                self.args.max_completion_length)
 
     def policy_loss(self, scores: TargetScores, sequence: torch.Tensor, batch: dict):
@@ -135,7 +136,7 @@ class GRPOTrainer(OnlineTrainer):
             token_mask = high_entropy_mask(entropy, self._pooled_over_processes(entropy), args.top_entropy_quantile)
             batch[ENTROPY_TOKEN_MASK] = token_mask  # the entropy bonus acts on the same tokens
         token_loss, loss_metrics = grpo_token_loss(
-            logps, old, advantages, sequence, count, GRPOObjective.from_config(args),
+            logps, old, advantages, sequence, count, self.objective,
             ref_logps=batch.get("ref_logps"), sampling_weights=sampling_weights, token_mask=token_mask,
             sequence_mask=sequence_mask)
         metrics.update(loss_metrics)

@@ -15,6 +15,8 @@ and loss (`OnlineMethod`, with `ScoringNeeds`); shared code names no method.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -23,7 +25,9 @@ import torch
 from .. import methods
 from ..data.collators import MODEL_INPUTS
 from ..data.prompt_preparation import PROMPT_IDS, context_limit_of, prepare_prompt_dataset
-from ..generation.backend import check_backend_requirements
+from ..data.streaming import is_stream
+from ..generation import SamplingSettings
+from ..generation.backend import TRANSFORMERS, backend_factory, check_backend_requirements, generation_engine
 from ..losses.token_logprobs import TargetScores, per_sequence_sum
 from ..rewards import RewardFunctions
 from ..rollouts import AgentRollouts
@@ -31,12 +35,19 @@ from .base import LeantuneTrainer
 from .online.evaluation import evaluate_rounds
 from .online.generation_session import GenerationSession
 from .online.prompt_rounds import RoundLoader, RoundSampler, StreamRounds, as_rows, round_loader
-from .online.round_builder import RoundBuilder
+from .online.round_builder import (
+    LABELLED_TARGETS,
+    SHARED_PROMPT_TARGETS,
+    MethodHooks,
+    RoundBuilder,
+    RoundScoring,
+)
 from .online.round_metrics import RoundMetrics
-from .online.shared_prompt import batch_target_sequences, batch_targets
-from .parts.context_parallel import ORDINAL_KEY, data_parallel_place
+from .parts.batches import deepspeed_float_dtype, on_device
+from .parts.context_parallel import ORDINAL_KEY, cp_size_of, data_parallel_place, gather_once_per_group
 from .parts.frozen_models import prepare_frozen_model
 from .reference import ReferenceModelMixin
+from .settings import generation_of, round_settings_of
 
 logger = logging.getLogger("leantune.online")
 
@@ -111,6 +122,38 @@ class OnlineMethod:
         return None
 
 
+def round_builder(trainer, args, tokenizer) -> RoundBuilder:
+    """An online trainer's round builder, given its settings and what it calls, chosen once: the method's hooks,
+    the scoring (a ring and the ring's placement only under context parallelism, the reference only when the method
+    reads it), how targets are read (the shared-prompt rows' only with `shared_prompt`), the gathering over
+    processes."""
+    settings = round_settings_of(args, trainer.steps_per_generation)
+    trainer.target_reading = SHARED_PROMPT_TARGETS if settings.shared_prompt else LABELLED_TARGETS
+    hooks = MethodHooks(trainer.attach_loss_inputs, trainer.loss_items, trainer.scored_prompts,
+                        trainer.attach_policy_scores, trainer.scores_policy_on_policy)
+    accelerator, ring = trainer.accelerator, trainer.context_parallel
+    device, float_dtype = args.device, deepspeed_float_dtype(accelerator)
+    if ring.size > 1:  # each process scores its part of every sequence, inside the ring
+        def lay_out(model, batch):
+            context, laid = trainer._prepare_context_parallel_inputs(model, batch)
+            return context, on_device(laid, device, float_dtype)
+    else:
+        def lay_out(model, batch):
+            return contextlib.nullcontext, on_device(batch, device, float_dtype)
+    reference = (lambda: trainer.reference.scope(trainer.model)) if trainer.reference_wanted(args) else None
+    scoring = RoundScoring(lambda: trainer.model_wrapped, lay_out, reference, trainer.logprobs.target_logprobs,
+                           trainer.scoring_temperature, ring if ring.size > 1 else None)
+    grouped = cp_size_of(accelerator) > 1  # a context-parallel group's copies gathered once
+    gather_all = functools.partial(gather_once_per_group, accelerator) if grouped else accelerator.gather
+    generation, agent = trainer.generation, trainer.agent
+    rollout = None if agent is None else (
+        lambda rows: agent.rollout(rows, generation.generate_turn, trainer, generation.step_together))
+    return RoundBuilder(settings, generation, trainer.round_metrics, trainer.rewards, tokenizer, hooks, scoring,
+                        trainer.target_reading, data_parallel_place(accelerator), gather_all, accelerator.device,
+                        lambda: trainer.state, rollout=rollout, tools=agent is not None and bool(agent.tools),
+                        logs_examples=settings.log_completions and trainer.is_world_process_zero())
+
+
 class OnlineTrainer(OnlineMethod, ReferenceModelMixin, LeantuneTrainer):
     """Config -> parts (generation session, round builder, round metrics) -> the method's loss."""
 
@@ -135,12 +178,16 @@ class OnlineTrainer(OnlineMethod, ReferenceModelMixin, LeantuneTrainer):
         self.rewards.to(self.accelerator.device).prepare_models(
             lambda reward_model: prepare_frozen_model(self.accelerator, reward_model, args, in_ring=False))
         # the round's prompts over the data-parallel processes (a context-parallel group's share one micro-batch)
+        self.streams_prompts = is_stream(self.train_dataset)  # the train rounds read a stream (prompt_rounds.py)
         self.round_size, self.steps_per_generation = args.generation_plan(data_parallel_place(self.accelerator)[1])
         if self.round_size % args.num_generations:
             raise ValueError(f"Completions per generation round ({self.round_size} = per_device_train_batch_size x "
                              f"processes x steps_per_generation) must be a multiple of num_generations "
                              f"({args.num_generations}).")
-        self.generation = GenerationSession(args, self.accelerator, tokenizer, self.model,
+        sampling = SamplingSettings.from_config(args, tokenizer, self.model)
+        self.generation = GenerationSession(generation_of(args), sampling, backend_factory(args, tokenizer,
+                                                                                           self.accelerator),
+                                            self.accelerator,
                                             policy=lambda: self.model_wrapped, step=lambda: self.state.global_step,
                                             method=self.method)
         if self.agent is not None:
@@ -150,7 +197,7 @@ class OnlineTrainer(OnlineMethod, ReferenceModelMixin, LeantuneTrainer):
                                           self.round_size)
         self.round_counts = self.round_metrics.counts  # counted decisions over the run (logged at its end)
         self._logs = {"extra": self.round_metrics.extra}  # TRL's attribute: what reward functions log_extra
-        self.rounds = RoundBuilder(self, self.generation, self.round_metrics, self.rewards, self.agent)
+        self.rounds = round_builder(self, args, tokenizer)
         self._buffer: list[dict] = []  # the current round's micro-batches not trained yet
 
     def frozen_model_sources(self) -> dict:
@@ -202,7 +249,7 @@ class OnlineTrainer(OnlineMethod, ReferenceModelMixin, LeantuneTrainer):
 
     def get_train_dataloader(self):
         return round_loader(self.train_dataset, self.round_size // self.args.num_generations,
-                            self.steps_per_generation * self.args.num_iterations, self.args)
+                            self.steps_per_generation * self.args.num_iterations, self.args, self.streams_prompts)
 
     def trained_batches(self, prompt_rows: list) -> list:
         """One micro-batch of the round buffer per item of the loader (a round's prompts); a new round when empty."""
@@ -234,10 +281,10 @@ class OnlineTrainer(OnlineMethod, ReferenceModelMixin, LeantuneTrainer):
         split = ORDINAL_KEY in batch  # context parallelism: this process's part of every sequence
         if split:
             self.context_parallel.check_layout(model_inputs)
-        scores = self.logprobs.target_logprobs(model, model_inputs, batch_targets(batch), temperature,
+        scores = self.logprobs.target_logprobs(model, model_inputs, self.target_reading.targets(batch), temperature,
                                                with_entropy=with_entropy, entropy_grad=needs.entropy_grad,
                                                with_hidden=needs.hidden_states)
-        sequence = (self.own_part_of_batch if split else batch_target_sequences)(batch, scores.targets)
+        sequence = (self.own_part_of_batch if split else self.target_reading.sequences)(batch, scores.targets)
         loss_sum, metrics = self.policy_loss(scores, sequence, batch)
         entropy = scores.entropy if scores.entropy is not None else torch.full_like(scores.logps, float("nan"))
         metrics["entropy"] = entropy.detach().mean()  # NaN without entropies or targets (left out of the logged mean)
@@ -272,7 +319,7 @@ class OnlineTrainer(OnlineMethod, ReferenceModelMixin, LeantuneTrainer):
     def context_parallel_problem(self, args) -> str | None:
         """The options context parallelism cannot run exactly for an online method (None: it can): generation
         with vLLM or agents, evaluation rounds."""
-        if getattr(args, "use_vllm", False):
+        if generation_engine(args) != TRANSFORMERS:
             return "`use_vllm=True` (its engine generates apart from the ring's groups); generate with transformers"
         if self.agent is not None:
             return "tools, environments or a rollout function (each process of a group would run them)"

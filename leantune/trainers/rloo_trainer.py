@@ -13,7 +13,6 @@ import torch
 from ..losses.advantages import leave_one_out_advantages
 from ..losses.policy_gradient import clipped_surrogate
 from ..losses.token_logprobs import TargetScores, per_sequence_sum
-from .online.shared_prompt import batch_target_sequences, batch_targets
 from .online_trainer import OnlineTrainer, sequence_sums
 from .parts.context_parallel import gather_once_per_group
 
@@ -42,10 +41,10 @@ class RLOOTrainer(OnlineTrainer):
         advantages, _ = leave_one_out_advantages(rewards, group, args.normalize_advantages)
         self.rounds.spread(batches, "advantages", advantages)
 
-    @staticmethod
-    def _sequence_kl(batch: dict) -> torch.Tensor:
+    def _sequence_kl(self, batch: dict) -> torch.Tensor:
         """Summed log-ratio log pi_old - log pi_ref of each completion (first-order estimate, as in RLOO)."""
-        sequence = batch_target_sequences(batch, batch_targets(batch)).to(batch["old_logps"].device)
+        reading = self.target_reading
+        sequence = reading.sequences(batch, reading.targets(batch)).to(batch["old_logps"].device)
         delta = batch["old_logps"] - batch["ref_logps"]
         return per_sequence_sum(delta, sequence, int(batch["num_sequences"])).float().cpu()
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..generation.backend import generation_engine
 from ..models.checkpointing import checkpointing_setting
 from ..planning.recommend import micro_batch_group
 
@@ -206,3 +207,42 @@ class OptimizerInBackwardSettings:
 
 def optimizer_in_backward_of(args) -> OptimizerInBackwardSettings:
     return OptimizerInBackwardSettings(bool(getattr(args, "optimizer_in_backward", False)))
+
+
+class GenerationSettings:
+    """The generation session's (online/generation_session.py): the engine that samples (generation/backend.py's
+    names), the seed each round's seed is drawn from, vLLM's own context limit (None: the model's)."""
+
+    engine: str
+    seed: int
+    vllm_max_model_length: int | None = None
+
+
+def generation_of(args) -> GenerationSettings:
+    """An online config's generation settings (GKD's generate with transformers: `generation_engine` reads False)."""
+    return GenerationSettings(generation_engine(args), args.seed, getattr(args, "vllm_max_model_length", None))
+
+
+@dataclass(frozen=True)
+class RoundSettings:
+    """The round builder's (online/round_builder.py): the completions per prompt, a round's reuse
+    (`num_iterations`) and whether it trains after the policy moved (`off_policy`), what its micro-batches mask and
+    log, and their layout (one shared-prompt row per micro-batch, or the collator's padding-free / padded rows)."""
+
+    num_generations: int
+    num_iterations: int
+    off_policy: bool
+    mask_truncated_completions: bool
+    log_completions: bool
+    shared_prompt: bool
+    padding_free: bool
+    pad_to_multiple_of: int | None
+
+
+def round_settings_of(args, steps_per_generation: int) -> RoundSettings:
+    """A round is scored with the generation-time policy when it trains after the policy moved: over more optimizer
+    steps than one, or more than once."""
+    off_policy = steps_per_generation > args.gradient_accumulation_steps or args.num_iterations > 1
+    return RoundSettings(args.num_generations, args.num_iterations, off_policy, args.mask_truncated_completions,
+                         args.log_completions, bool(getattr(args, "shared_prompt", False)), args.padding_free,
+                         args.pad_to_multiple_of)

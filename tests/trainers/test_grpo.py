@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import sys
 
 import pytest
 import torch
@@ -280,6 +281,30 @@ def test_rloo_round_subtracts_beta_times_summed_log_ratio_before_the_baseline(ch
     torch.testing.assert_close(batch["advantages"], expected, rtol=1e-5, atol=1e-6)  # advantages ~1; measured equal
     # with two generations, leave-one-out advantages are +-half the pair's difference
     torch.testing.assert_close(expected[0::2], -expected[1::2])
+
+
+@pytest.mark.quick
+def test_a_round_and_its_loss_enter_no_code_of_the_features_that_are_off(char_tokenizer):
+    """Without shared prompts, ZeRO-3, context parallelism or a reference (beta 0), a round and its loss never enter
+    those features' files: what is off was chosen away when the trainer was built (the backend and its ZeRO-3 scope,
+    the target reading, the gathering, the scoring), not tested again in each round."""
+    trainer = GRPOTrainer(char_model(char_tokenizer), count_a, args=config(shared_prompt=False),
+                          train_dataset=prompts(), processing_class=char_tokenizer)
+    entered = set()
+
+    def profile(frame, event, arg):
+        if event == "call":
+            entered.add(frame.f_code.co_filename.replace("\\", "/"))
+
+    sys.setprofile(profile)
+    try:
+        loss_and_grads(trainer, one_round(trainer)[0])
+    finally:
+        sys.setprofile(None)
+    off = ("trainers/online/shared_prompt.py", "generation/zero3.py", "generation/backend.py",
+           "trainers/parts/context_parallel.py")
+    assert not [name for name in off if any(path.endswith("leantune/" + name) for path in entered)]
+    assert any(path.endswith("leantune/generation/transformers_backend.py") for path in entered)  # it did generate
 
 
 def test_peft_reference_is_the_adapter_disabled_and_beta_zero_loads_none(char_tokenizer):

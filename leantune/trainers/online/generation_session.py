@@ -12,21 +12,25 @@ import logging
 
 import torch
 
-from ...generation import Completions, SamplingSettings, make_backend
-from ...generation.backend import TRANSFORMERS, generation_engine
+from ...generation import Completions, SamplingSettings
+from ...generation.backend import TRANSFORMERS
 from ..parts.context_parallel import cp_size_of, data_parallel_place, generate_in_group
 
 logger = logging.getLogger("leantune.online")
 
 
 class GenerationSession:
-    """Generates for the trainer; `policy` and `step` read the trainer's wrapped model and optimizer step now."""
+    """Generates for the trainer from its own settings (`GenerationSettings`, trainers/settings.py) and `sampling`;
+    `new_backend(model)` makes the run's backend (generation/backend.py's `backend_factory`, chosen once); `policy`
+    and `step` read the trainer's wrapped model and optimizer step now."""
 
-    def __init__(self, args, accelerator, tokenizer, model, policy, step, method: str):
-        self.engine = generation_engine(args)
-        self.args, self.accelerator, self.tokenizer = args, accelerator, tokenizer
-        self.policy, self.step, self.method = policy, step, method
-        self.sampling = SamplingSettings.from_config(args, tokenizer, model)
+    def __init__(self, settings, sampling: SamplingSettings, new_backend, accelerator, policy, step, method: str):
+        self.settings, self.sampling, self.new_backend = settings, sampling, new_backend
+        self.engine = settings.engine
+        self.accelerator, self.policy, self.step, self.method = accelerator, policy, step, method
+        # each round's seed: the run's, the round's count and this data-parallel process's rank (fixed for the run)
+        self.own_seed = settings.seed + 65_537 * data_parallel_place(accelerator)[0]
+        self.in_group = cp_size_of(accelerator) > 1  # context parallelism: a group generates one round together
         self.backend = None  # made at the first round: the Trainer wraps the model first
         self.synced_step = -1
         self.rounds_generated = 0
@@ -38,14 +42,14 @@ class GenerationSession:
 
     def context_limit(self, model_limit: int | None) -> int | None:
         """The longest prompt + completion the engine takes: the model's, or vLLM's own `vllm_max_model_length`."""
-        engine_limit = getattr(self.args, "vllm_max_model_length", None) if self.samples_with_vllm else None
+        engine_limit = self.settings.vllm_max_model_length if self.samples_with_vllm else None
         if engine_limit:
             return min(model_limit or engine_limit, engine_limit)
         return model_limit
 
     def open_backend(self):
         if self.backend is None:
-            self.backend = make_backend(self.args, self.policy(), self.tokenizer, self.accelerator)
+            self.backend = self.new_backend(self.policy())
             logger.info("%s generation backend: %s.", self.method.upper(), self.backend.name)
         return self.backend
 
@@ -57,9 +61,9 @@ class GenerationSession:
             backend.sync_weights(self.policy())
             self.synced_step = step
         self.rounds_generated += 1
-        own = self.args.seed + 1_000_003 * self.rounds_generated + 65_537 * data_parallel_place(self.accelerator)[0]
+        own = self.own_seed + 1_000_003 * self.rounds_generated
         sampling = dataclasses.replace(sampling, seed=own if seed is None else seed)  # the round's, or GKD's own
-        if cp_size_of(self.accelerator) > 1:  # one round per context-parallel group
+        if self.in_group:  # one round per context-parallel group
             completions = generate_in_group(self.accelerator, self.policy(), lambda: backend.generate(prompt_ids,
                                                                                                         sampling))
         else:

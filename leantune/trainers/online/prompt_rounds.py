@@ -101,9 +101,10 @@ def row_batches(dataset, size: int):
         yield rows
 
 
-def round_loader(dataset, prompts_per_round: int, repeats: int, args) -> RoundLoader:
-    """The train loader of rounds: `prompts_per_round` prompts, each round yielded `repeats` times."""
-    if is_stream(dataset):
+def round_loader(dataset, prompts_per_round: int, repeats: int, args, stream: bool) -> RoundLoader:
+    """The train loader of rounds: `prompts_per_round` prompts, each round yielded `repeats` times; `stream`: the
+    dataset is a stream (data/streaming.py's `is_stream`, decided when the trainer is built)."""
+    if stream:
         if args.dataloader_num_workers:
             logger.info("A streamed train set is read in rounds by the main process (worker processes would split "
                         "its generation groups): dataloader_num_workers=%d is not used.", args.dataloader_num_workers)

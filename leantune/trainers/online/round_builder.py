@@ -3,42 +3,115 @@ scored and gathered over all processes -> scored micro-batches (prompt + complet
 with the log-probs the loss reads -> the method's own loss inputs (`attach_loss_inputs`) and item counts
 (`loss_items`).
 
-What differs between methods, the method (the trainer) declares: whether the generation-time policy scores an
-on-policy round (`scores_policy_on_policy`; PPO's pass also keeps its values: `attach_policy_scores`) and the prompt
-each completion is scored after (`scored_prompts`: Online DPO cuts long ones)."""
+The builder is given its own settings (`RoundSettings`, trainers/settings.py) and what it calls, chosen once when the
+trainer is built: the method's hooks (`MethodHooks`: its loss inputs and item count, the prompt each completion is
+scored after, what the generation-time policy gives a micro-batch), the scoring (`RoundScoring`: the policy, the
+reference, the batch's placement, with a ring only under context parallelism), how targets are read (`TargetReading`:
+from labels, or the shared-prompt rows' own) and the gathering over processes. It never holds the trainer."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
-from ...data.collators import MODEL_INPUTS, CausalLMCollator, prompt_completion_row
+from ...data.collators import IGNORE_INDEX, MODEL_INPUTS, CausalLMCollator, prompt_completion_row, sequence_starts
 from ...data.prompt_preparation import PROMPT_IDS
 from ...generation import Completions
+from ...losses.token_logprobs import Targets, select_targets, target_sequences
 from ...rewards import RewardScores
-from ..parts.batches import placed
-from ..parts.context_parallel import ORDINAL_KEY, data_parallel_place, gather_once_per_group
+from ..parts.context_parallel import ORDINAL_KEY
 from ..parts.oom_retry import EXAMPLES, KeptExamples
-from .shared_prompt import batch_targets, count_batch_targets, shared_prompt_batch
+from .shared_prompt import batch_target_sequences, batch_targets, count_batch_targets, shared_prompt_batch
+
+
+@dataclass(frozen=True)
+class TargetReading:
+    """How a micro-batch's targets, their sequences and their count are read: from its labels, or with
+    `shared_prompt` from a shared row's own target columns (shared_prompt.py). Chosen once: the shared-prompt
+    layout's code runs only when it is on."""
+
+    targets: Callable[[dict], Targets]
+    sequences: Callable[[dict, Targets], torch.Tensor]
+    count: Callable[[dict], int]
+
+
+def labelled_targets(batch: dict) -> Targets:
+    """A micro-batch's targets from its labels (`shift_labels` once it is laid out for the ring)."""
+    if "shift_labels" in batch:
+        return select_targets(batch["shift_labels"], shifted=True)
+    return select_targets(batch["labels"])
+
+
+def labelled_sequences(batch: dict, targets: Targets) -> torch.Tensor:
+    """Which example of the micro-batch each target belongs to (its rows, or its padding-free row's segments)."""
+    return target_sequences(targets, sequence_starts(batch))
+
+
+def count_labelled_targets(batch: dict) -> int:
+    return int((batch["labels"][..., 1:] != IGNORE_INDEX).sum())
+
+
+LABELLED_TARGETS = TargetReading(labelled_targets, labelled_sequences, count_labelled_targets)
+SHARED_PROMPT_TARGETS = TargetReading(batch_targets, batch_target_sequences, count_batch_targets)
+
+
+@dataclass(frozen=True)
+class MethodHooks:
+    """What the round calls of its method (trainers/online_trainer.py's `OnlineMethod`), and whether the
+    generation-time policy scores an on-policy round too."""
+
+    attach_loss_inputs: Callable
+    loss_items: Callable
+    scored_prompts: Callable
+    attach_policy_scores: Callable
+    scores_policy_on_policy: bool
+
+
+@dataclass(frozen=True)
+class RoundScoring:
+    """How the round's micro-batches are scored before training: `policy()` the wrapped model now; `lay_out(model,
+    batch)` -> (the ring's context, the batch on the training device); `reference()` the reference's scope (None: the
+    method reads no reference); the log-prob engine's `target_logprobs` at `temperature`; `ring` the
+    context-parallel group (None without one)."""
+
+    policy: Callable
+    lay_out: Callable
+    reference: Callable | None
+    target_logprobs: Callable
+    temperature: float
+    ring: object | None = None
 
 
 class RoundBuilder:
-    def __init__(self, trainer, session, metrics, rewards, agent):
-        self.trainer, self.session, self.metrics, self.rewards, self.agent = trainer, session, metrics, rewards, agent
-        self.args, self.accelerator, self.tokenizer = trainer.args, trainer.accelerator, trainer.processing_class
-        self.collator = CausalLMCollator(self.tokenizer.pad_token_id, ("completion_mask",), self.args.padding_free,
-                                         self.args.pad_to_multiple_of)
+    """`place`: (this process's data-parallel rank, the data-parallel size); `gather_all(values)`: every process's
+    values in round order (each context-parallel group's once); `trainer_state()`: what reward functions receive as
+    `trainer_state`; `rollout(rows)`: GRPO's agent rollouts (None: one sampled turn), `tools`: they call tools;
+    `logs_examples`: this process logs a few completions (`log_completions`, the main process)."""
+
+    def __init__(self, settings, session, metrics, rewards, tokenizer, hooks: MethodHooks, scoring: RoundScoring,
+                 target_reading: TargetReading, place: tuple[int, int], gather_all, device, trainer_state,
+                 rollout=None, tools: bool = False, logs_examples: bool = False):
+        self.settings, self.session, self.metrics, self.rewards, self.tokenizer = settings, session, metrics, rewards, \
+            tokenizer
+        self.hooks, self.scoring, self.targets = hooks, scoring, target_reading
+        self.rank, self.size = place
+        self.gather_all, self.device, self.trainer_state = gather_all, device, trainer_state
+        self.rollout, self.tools, self.logs_examples = rollout, tools, logs_examples
+        self.collate = self.shared_prompt_rows if settings.shared_prompt else CausalLMCollator(
+            tokenizer.pad_token_id, ("completion_mask",), settings.padding_free, settings.pad_to_multiple_of)
         self.environments = None  # the environment instance of each rollout of the last round (TRL's attribute)
 
     def local_slice(self, total: int) -> slice:
         """This process's share of a round's completions (in round order, all processes; the processes of a
         context-parallel group share one)."""
-        rank, size = data_parallel_place(self.accelerator)
-        share = total // size
-        return slice(rank * share, (rank + 1) * share)
+        share = total // self.size
+        return slice(self.rank * share, (self.rank + 1) * share)
 
     def gather(self, values: torch.Tensor) -> torch.Tensor:
         """A round's per-completion values of every process, in round order (each context-parallel group's once)."""
-        return gather_once_per_group(self.accelerator, values.to(self.accelerator.device)).cpu()
+        return self.gather_all(values.to(self.device)).cpu()
 
     def own_rows(self, prompt_rows: list[dict], group: int) -> list[dict]:
         """Each prompt repeated `group` times; this process keeps its slice."""
@@ -46,15 +119,14 @@ class RoundBuilder:
 
     def training_round(self, prompt_rows: list[dict], steps_per_generation: int) -> list[dict]:
         """Generate, reward and prepare one round; its micro-batches, repeated num_iterations times."""
-        args = self.args
-        group = args.num_generations
+        settings = self.settings
+        group = settings.num_generations
         rows = self.own_rows(prompt_rows, group)
         completion_ids, rollout = self.completions(rows)
         scored = self.score(rows, completion_ids, training=True, rollout=rollout)
-        off_policy = steps_per_generation > args.gradient_accumulation_steps or args.num_iterations > 1
         batches = self.scored_batches(rows, completion_ids, scored, len(rows) // steps_per_generation, group,
-                                      off_policy or self.trainer.scores_policy_on_policy, rollout=rollout)
-        return [dict(batch) for _ in range(args.num_iterations) for batch in batches]
+                                      settings.off_policy or self.hooks.scores_policy_on_policy, rollout=rollout)
+        return [dict(batch) for _ in range(settings.num_iterations) for batch in batches]
 
     def eval_round(self, prompt_rows: list[dict], group: int) -> list[dict]:
         """One batch of held-out prompts, on-policy: scored as one micro-batch per process."""
@@ -62,50 +134,57 @@ class RoundBuilder:
         completion_ids, rollout = self.completions(rows)
         scored = self.score(rows, completion_ids, training=False, rollout=rollout)
         return self.scored_batches(rows, completion_ids, scored, len(rows), group,
-                                   self.trainer.scores_policy_on_policy, rollout=rollout)
+                                   self.hooks.scores_policy_on_policy, rollout=rollout)
 
     def completions(self, rows: list[dict]):
         """The completions of this process's rows: one sampled turn each, or with GRPO's tools / environments /
         rollout function, the agent's rollouts (rollouts/: prompts may change, tool tokens are not trained)."""
-        if self.agent is None:
+        if self.rollout is None:
             return self.session.generate([row[PROMPT_IDS] for row in rows], self.session.sampling), None
-        rollout = self.agent.rollout(rows, self.session.generate_turn, self.trainer, self.session.step_together)
+        rollout = self.rollout(rows)
         self.environments = rollout.environments
         return Completions(rollout.completion_ids), rollout
 
     # --- rewards ---------------------------------------------------------------------------------------------------
 
     def score(self, rows: list[dict], completion_ids, training: bool, rollout=None) -> dict:
-        """Decode, reward (all processes' rewards gathered, in round order) and record the round's metrics. Agent rollouts give the reward functions their messages (tool calls and results
-        included), their `environments` and a rollout function's extra columns."""
+        """Decode, reward (all processes' rewards gathered, in round order) and record the round's metrics. Agent
+        rollouts give the reward functions their messages (tool calls and results included), their `environments`
+        and a rollout function's extra columns."""
         texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         conversational = isinstance(rows[0]["prompt"], list)
         completions = [[{"role": "assistant", "content": text}] for text in texts] if conversational else texts
         columns = {name: [row[name] for row in rows] for name in rows[0] if name not in ("prompt", PROMPT_IDS)}
         if rollout is not None:
-            if rollout.completions is not None:
-                completions = rollout.completions
-            if rollout.environments is not None:
-                columns["environments"] = rollout.environments
-            columns.update(rollout.extra_columns)
+            completions = self.rollout_columns(rollout, completions, columns)
         scores = self.rewards.score([row["prompt"] for row in rows], completions, completion_ids, columns,
-                                    trainer_state=self.trainer.state, **self.metrics.reward_logging(training))
-        self.metrics.count_reward_gaps(scores, rows, texts)
+                                    trainer_state=self.trainer_state(), **self.metrics.reward_logging(training))
+        if not scores.complete:
+            self.metrics.count_reward_gaps(scores, rows, texts)
         eos = set(self.session.sampling.eos_token_ids)
         terminated = [bool(ids) and ids[-1] in eos for ids in completion_ids]
         per_function = self.gather(scores.per_function).float()
         own = [len(ids) for ids in completion_ids] if rollout is None or rollout.policy_mask is None \
             else [sum(mask) for mask in rollout.policy_mask]  # lengths count the policy's tokens, as in TRL
         lengths = self.gather(torch.tensor(own))
-        if rollout is not None and self.agent.tools:
+        if rollout is not None and self.tools:
             self.metrics.record_tools(rollout, len(rows), training)
         ended = self.gather(torch.tensor(terminated))
         rewards = RewardScores(per_function, scores.names, scores.missing, scores.nan).combined(self.rewards.weights)
         self.metrics.record_round(self.rewards.names, per_function, rewards, lengths, ended, training)
-        if self.args.log_completions and self.trainer.is_world_process_zero():
+        if self.logs_examples:
             self.metrics.log_examples(rows, texts, rewards[self.local_slice(len(rewards))])
         return {"rewards": rewards, "terminated": terminated, "ended": ended, "per_function": per_function,
                 "store": self.metrics.store(training)}
+
+    @staticmethod
+    def rollout_columns(rollout, completions: list, columns: dict) -> list:
+        """What agent rollouts give the reward functions: their messages as the completions (tool calls and results
+        included), their `environments` and a rollout function's extra columns (into `columns`)."""
+        if rollout.environments is not None:
+            columns["environments"] = rollout.environments
+        columns.update(rollout.extra_columns)
+        return completions if rollout.completions is None else rollout.completions
 
     # --- scored micro-batches --------------------------------------------------------------------------------------
 
@@ -125,18 +204,17 @@ class RoundBuilder:
             if logprobs is not None and mask is not None:  # only the policy's own tokens are targets
                 logprobs = [[v for v, m in zip(lp, row_mask) if m] for lp, row_mask in zip(logprobs, mask)]
             self.attach_sampling_logps(batches, examples, logprobs, micro_size)
-        self.attach_logps(batches, policy_logps)
-        self.trainer.attach_loss_inputs(batches, scored, group)
+        if policy_logps or self.scoring.reference is not None:
+            self.attach_logps(batches, policy_logps)
+        self.hooks.attach_loss_inputs(batches, scored, group)
         for batch in batches:
-            batch["loss_items"] = self.trainer.loss_items(batch)
+            batch["loss_items"] = self.hooks.loss_items(batch)
         return batches
 
-    def collate(self, examples: list[dict]) -> dict:
-        """One micro-batch: the configured layout, or with `shared_prompt` one row of prompt-sharing groups."""
-        if not getattr(self.args, "shared_prompt", False):
-            return self.collator(examples)
+    def shared_prompt_rows(self, examples: list[dict]) -> dict:
+        """With `shared_prompt`, a micro-batch is one row of prompt-sharing groups (`collate`)."""
         return shared_prompt_batch(examples, [example["prompt_length"] for example in examples],
-                                   self.tokenizer.pad_token_id, self.args.pad_to_multiple_of)
+                                   self.tokenizer.pad_token_id, self.settings.pad_to_multiple_of)
 
     def spread(self, batches: list[dict], key: str, values: torch.Tensor) -> None:
         """Round-wide per-completion values (all processes) into each micro-batch's own completions, as `key`."""
@@ -149,10 +227,10 @@ class RoundBuilder:
         """Prompt + completion rows whose targets are the completion's tokens; with `policy_mask` (agent rollouts)
         only the tokens the policy sampled, not tool results."""
         prompts = [row[PROMPT_IDS] for row in rows] if prompt_ids is None else prompt_ids
-        prompts = self.trainer.scored_prompts(prompts, completion_ids)
+        prompts = self.hooks.scored_prompts(prompts, completion_ids)
         examples, masked = [], 0
         for prompt, completion, done, i in zip(prompts, completion_ids, terminated, range(len(rows))):
-            keep = done or not self.args.mask_truncated_completions
+            keep = done or not self.settings.mask_truncated_completions
             masked += not keep
             own = [1] * len(completion) if policy_mask is None else policy_mask[i]
             examples.append(prompt_completion_row(list(prompt), completion, [int(keep) * m for m in own]))
@@ -171,30 +249,26 @@ class RoundBuilder:
             part = range(i * micro_size, (i + 1) * micro_size)
             values = [v for j in part if any(examples[j]["completion_mask"]) for v in logprobs[j]]
             batch["sampling_logps"] = torch.tensor(values, dtype=torch.float32)
-            if len(values) != count_batch_targets(batch):
-                raise RuntimeError(f"{len(values)} sampling log-probs for {count_batch_targets(batch)} "
+            if len(values) != self.targets.count(batch):
+                raise RuntimeError(f"{len(values)} sampling log-probs for {self.targets.count(batch)} "
                                    f"completion tokens from the {name} generation backend.")
 
     @torch.no_grad()
     def attach_logps(self, batches: list[dict], policy_too: bool) -> None:
         """Per-target log-probs of the generation-time policy ("old_logps") and of the reference ("ref_logps")."""
-        trainer = self.trainer
-        reference = trainer.reference_wanted(self.args)
-        if not policy_too and not reference:
-            return
-        model = trainer.model_wrapped
+        scoring = self.scoring
+        model = scoring.policy()
         was_training = model.training
         model.eval()  # no dropout while scoring: the same log-probs the loss would see without it
         try:
             for batch in batches:
                 # under context parallelism each process scores its part of every sequence, inside the ring
-                ring, laid = trainer._prepare_context_parallel_inputs(model, batch)
+                ring, on_device = scoring.lay_out(model, batch)
                 with ring():
-                    on_device = placed(trainer, laid)
                     if policy_too:
-                        trainer.attach_policy_scores(batch, model, on_device)
-                    if reference:
-                        with trainer.reference.scope(trainer.model) as reference_model:
+                        self.hooks.attach_policy_scores(batch, model, on_device)
+                    if scoring.reference is not None:
+                        with scoring.reference() as reference_model:
                             batch["ref_logps"] = self.scored_logps(reference_model, on_device)
         finally:
             model.train(was_training)
@@ -203,14 +277,14 @@ class RoundBuilder:
         """Per-target log-probs of the micro-batch, in its flat target order (a batch laid out for context
         parallelism: this process's targets scored, the whole batch's put together over the group)."""
         inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
-        temperature = self.trainer.scoring_temperature
-        if ORDINAL_KEY not in batch:
-            return self.trainer.logprobs.target_logprobs(model, inputs, batch_targets(batch), temperature).logps.detach()
-        ring = self.trainer.context_parallel
-        ring.check_layout(inputs)
-        scores = self.trainer.logprobs.target_logprobs(model, inputs, batch_targets(batch), temperature)
+        scoring, split = self.scoring, ORDINAL_KEY in batch
+        if split:
+            scoring.ring.check_layout(inputs)
+        scores = scoring.target_logprobs(model, inputs, self.targets.targets(batch), scoring.temperature)
+        if not split:
+            return scores.logps.detach()
+        ring = scoring.ring
         return ring.whole_order(scores.logps, ring.target_ordinals(batch, scores.targets), int(ring.batch_targets))
-
 
 def eos_penalised(scored: dict, penalty: float | None) -> torch.Tensor:
     """The round's rewards minus `penalty` (missing_eos_penalty) for a completion that did not end in EOS."""

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import torch
 
-from .shared_prompt import count_batch_targets
-
 PER_TARGET = ("old_logps", "ref_logps", "sampling_logps")  # the round's per-target inputs of the loss
 COUNTS = ("num_sequences", "loss_items")  # the micro-batch's own counts, counted again for each part
 
@@ -35,10 +33,10 @@ class RoundParts:
 
     def part(self, batch: dict, examples: list[dict], start: int, stop: int) -> dict:
         """The micro-batch of examples[start:stop] (whole groups) of the round's micro-batch `batch`."""
-        collate = self.trainer.rounds.collate
+        collate, count_targets = self.trainer.rounds.collate, self.trainer.target_reading.count
         part = collate(examples[start:stop])
-        first = count_batch_targets(collate(examples[:start])) if start else 0
-        last = first + count_batch_targets(part)
+        first = count_targets(collate(examples[:start])) if start else 0
+        last = first + count_targets(part)
         for key, value in batch.items():
             if key in part or key in COUNTS:
                 continue
