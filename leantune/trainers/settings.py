@@ -209,6 +209,7 @@ def optimizer_in_backward_of(args) -> OptimizerInBackwardSettings:
     return OptimizerInBackwardSettings(bool(getattr(args, "optimizer_in_backward", False)))
 
 
+@dataclass(frozen=True)
 class GenerationSettings:
     """The generation session's (online/generation_session.py): the engine that samples (generation/backend.py's
     names), the seed each round's seed is drawn from, vLLM's own context limit (None: the model's)."""
