@@ -1,4 +1,5 @@
-"""Log-probabilities of the target tokens, from full logits or from hidden states chunk by chunk.
+"""The causal-LM targets (the token each position predicts, how many positions are learned: the count a step's summed
+loss is divided by) and their log-probabilities, from full logits or from hidden states chunk by chunk.
 
 Every loss in leantune is written once over per-target log-probabilities. They come either from the model's
 logits (the plain path) or from `chunked_logprobs`, which selects the target positions first, then applies the
@@ -14,11 +15,20 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ..data.collators import IGNORE_INDEX  # the label of a position that is not learned, set by the collators
 from ..models.output_head import OutputHead
-from .causal_lm import IGNORE_INDEX, shifted_targets
 
 # One chunk of fp32 logits is at most this large (x3 while its gradient is formed); vocabulary-independent.
 CHUNK_BYTES = 64 * 1024 * 1024
+
+
+def shifted_targets(labels: torch.Tensor) -> torch.Tensor:
+    """The token each position predicts: labels moved one step left, the last position predicting nothing."""
+    return F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def count_targets(labels: torch.Tensor) -> torch.Tensor:
+    return (labels[..., 1:] != IGNORE_INDEX).sum()
 
 
 @dataclass

@@ -31,8 +31,7 @@ from accelerate.big_modeling import _attach_context_parallel_hooks  # what Accel
 from torch.distributed.nn.functional import all_reduce
 
 from ...data.collators import sequence_starts
-from ...losses.causal_lm import IGNORE_INDEX, shifted_targets
-from ...losses.token_logprobs import TargetSequences, select_targets
+from ...losses.token_logprobs import IGNORE_INDEX, TargetSequences, select_targets, shifted_targets
 from .ring_order import ORDINAL_KEY, RANK_KEY, SEQUENCE_KEY, group_order
 from .shared_prompt_ring import lay_out_shared_row
 
