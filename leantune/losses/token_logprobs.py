@@ -129,7 +129,7 @@ def chunked_logprobs(hidden: torch.Tensor, head: OutputHead, targets: Targets, c
     chunk's logits at a time; then, with `with_entropy`, their entropies (with gradient for an entropy bonus:
     `entropy_grad`), then one [num_targets] tensor per name in `stats` (TOKEN_STATS, without gradient)."""
     flat = hidden.reshape(-1, hidden.shape[-1]).index_select(0, targets.index)
-    chunk_size = chunk_size or chunk_tokens_for(vocab_size_of(head))
+    chunk_size = chunk_size or chunk_tokens_for(head.vocab_size)
     unknown = set(stats) - set(TOKEN_STATS)
     if unknown:
         raise ValueError(f"Unknown token statistics {sorted(unknown)}; known: {sorted(TOKEN_STATS)}.")
@@ -164,15 +164,6 @@ def token_stats_from_logits(logits: torch.Tensor, tokens: torch.Tensor, stats: t
         logits = logits.float()
         log_norm = torch.logsumexp(logits, dim=-1)
         return [_as_stat(name, TOKEN_STATS[name](logits, log_norm, tokens)) for name in stats]
-
-
-def vocab_size_of(head: OutputHead) -> int:
-    """How many tokens the head scores (its output width)."""
-    for name in ("out_features", "num_embeddings"):
-        if hasattr(head.module, name):
-            return int(getattr(head.module, name))
-    weight = getattr(head.module, "weight", None)
-    return int(weight.shape[0]) if weight is not None else 32768
 
 
 def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -108,7 +108,8 @@ class LeantuneTrainer(MethodHooks, TrainerAttributes, Trainer):
         self.run_metrics = RunMetrics(self.accelerator, self.settings.device, self.context_parallel.size,
                                       lambda store: self.summarise_metrics(store))
         self.context_parallel.check(type(self).__name__, self.context_parallel_loss is not None, self.model,
-                                    self.compute_loss_func, args, self.context_parallel_problem(args))
+                                    self.compute_loss_func, self.layout.pad_to_multiple_of,
+                                    self.context_parallel_problem(args))
         self.step_loss = StepLoss(self.settings.step_loss, self.accelerator, self.context_parallel, self.model, self.items_in,
                                   self.run_metrics.record)
         # the temperature the trainer's log-probs are of: the sampling one (GRPO, RLOO, PPO), else 1
@@ -117,6 +118,7 @@ class LeantuneTrainer(MethodHooks, TrainerAttributes, Trainer):
             self.settings.head, logprob_path, lambda: self.compute_metrics is not None or self.preprocess_logits_for_metrics is not None,
             self.step_loss.note_router_loss, self.scoring_temperature)
         self.logprobs.announce(self.model, self.liger_notes(args))
+        self.logprobs.head_of(self.model, self.scoring_temperature)  # the head found once, not in the first step
         if args.memory_breakdown:
             self.add_callback(MemoryBreakdownCallback(args.device, self.run_metrics.keep_memory_breakdown,
                                                       frozen_models=self.frozen_models))
