@@ -118,12 +118,15 @@ class LeantuneTrainer(MethodHooks, TrainerAttributes, Trainer):
             self.settings.head, logprob_path, lambda: self.compute_metrics is not None or self.preprocess_logits_for_metrics is not None,
             self.step_loss.note_router_loss, self.scoring_temperature)
         self.logprobs.announce(self.model, self.liger_notes(args))
-        self.logprobs.head_of(self.model, self.scoring_temperature)  # the head found once, not in the first step
         if args.memory_breakdown:
             self.add_callback(MemoryBreakdownCallback(args.device, self.run_metrics.keep_memory_breakdown,
                                                       frozen_models=self.frozen_models))
         self.reference = Reference(loaded, self.settings.reference,  # placed for the engine (frozen_models.py)
                                    prepare_frozen_model(self.accelerator, loaded.ref_model, args))
+        if self.scores_vocabulary:  # the heads found once, here, not in the first step (a reward model has none)
+            for scored in (self.model, self.reference.model):
+                if scored is not None:
+                    self.logprobs.head_of(scored, self.scoring_temperature)
         self.oom_retry = OutOfMemoryRetry(self.settings.batch, self.accelerator, self.is_world_process_zero, self.step_state,
                                           self.run_metrics.mark, RoundParts(self) if self.generates_rounds else None)
         return loaded
