@@ -1,7 +1,8 @@
 """What a reader reads to follow one training step, from `trainer.train()` to the end of the first optimizer step
-(the loss, its backward and the optimizer step leantune drives): every leantune function that runs. Issue 25's target
-(GRPO: at most 1,500 lines) is measured on the functions' lines (def to end, docstrings and comments included, a
-nested function counted once); the whole-file total of their files is printed beside it.
+(the loss, its backward and the optimizer step leantune drives): every leantune function that runs. Issue 36's target
+(GRPO: at most 1,200 lines in at most 15 files) is measured on the functions' lines (def to end, docstrings and
+comments included, a nested function counted once) and on the files they are in; the whole-file total of those files
+is printed beside it.
 
     python -m devkit.reading_path [--method grpo|rloo|online_dpo|ppo|dpo|kto|reward|sft|gkd] [--functions]
 """
@@ -19,6 +20,7 @@ import leantune
 from leantune.methods import METHODS
 
 PACKAGE = Path(leantune.__file__).resolve().parent
+TARGET_LINES, TARGET_FILES = 1200, 15  # issue 36: following GRPO from train() to its loss
 SPANS_WITHOUT_A_DEF = ("<lambda>", "<genexpr>", "<listcomp>", "<dictcomp>", "<setcomp>")
 
 
@@ -144,9 +146,10 @@ def main(argv=None) -> int:
         if options.functions:
             for name, (first, last) in sorted(functions.items(), key=lambda item: item[1]):
                 print(f"    {first:>5}-{last:<5} {last - first + 1:>4}  {name}")
-    print(f"{options.method}: {counts['functions']} functions run, {counts['function_lines']} lines (issue 25's "
-          f"target, <= 1,500 for GRPO, is measured on these), in {counts['files']} files of "
-          f"{counts['file_lines']} lines in all")
+    print(f"{options.method}: {counts['functions']} functions run, {counts['function_lines']} lines in "
+          f"{counts['files']} files ({counts['file_lines']} lines in all); issue 36's target for GRPO: "
+          f"<= {TARGET_LINES:,} lines ({counts['function_lines']:,}/{TARGET_LINES:,}) in <= {TARGET_FILES} files "
+          f"({counts['files']}/{TARGET_FILES})")
     return 0
 
 

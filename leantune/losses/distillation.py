@@ -21,7 +21,7 @@ import torch
 
 from ..models.output_head import OutputHead
 from .chunk_order import chunk_starts
-from .token_logprobs import HeadGradients, Targets, chunk_tokens_for, vocab_size_of
+from .token_logprobs import HeadGradients, Targets, chunk_tokens_for
 
 
 def generalized_jsd(student_logps: torch.Tensor, teacher_logps: torch.Tensor, beta: float) -> torch.Tensor:
@@ -107,7 +107,7 @@ def chunked_jsd_sum(student_hidden: torch.Tensor, student_head: OutputHead, teac
 def jsd_chunk_tokens(head: OutputHead) -> int:
     """Tokens per chunk: a chunk holds ~8 [chunk, vocabulary] fp32 buffers at once (both models' log-probs, the
     mixture, products), so it is an eighth of the chunked head's single-buffer budget."""
-    return max(16, chunk_tokens_for(vocab_size_of(head)) // 8)
+    return max(16, chunk_tokens_for(head.vocab_size) // 8)
 
 
 def _logit_gradient_to_raw(head: OutputHead, logits: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:

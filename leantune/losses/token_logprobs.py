@@ -1,4 +1,5 @@
-"""Log-probabilities of the target tokens, from full logits or from hidden states chunk by chunk.
+"""The causal-LM targets (the token each position predicts, how many positions are learned: the count a step's summed
+loss is divided by) and their log-probabilities, from full logits or from hidden states chunk by chunk.
 
 Every loss in leantune is written once over per-target log-probabilities. They come either from the model's
 logits (the plain path) or from `chunked_logprobs`, which selects the target positions first, then applies the
@@ -14,12 +15,21 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ..data.collators import IGNORE_INDEX  # the label of a position that is not learned, set by the collators
 from ..models.output_head import OutputHead
-from .causal_lm import IGNORE_INDEX, shifted_targets
 from .chunk_order import chunk_starts
 
 # One chunk of fp32 logits is at most this large (x3 while its gradient is formed); vocabulary-independent.
 CHUNK_BYTES = 64 * 1024 * 1024
+
+
+def shifted_targets(labels: torch.Tensor) -> torch.Tensor:
+    """The token each position predicts: labels moved one step left, the last position predicting nothing."""
+    return F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def count_targets(labels: torch.Tensor) -> torch.Tensor:
+    return (labels[..., 1:] != IGNORE_INDEX).sum()
 
 
 @dataclass
@@ -120,7 +130,7 @@ def chunked_logprobs(hidden: torch.Tensor, head: OutputHead, targets: Targets, c
     chunk's logits at a time; then, with `with_entropy`, their entropies (with gradient for an entropy bonus:
     `entropy_grad`), then one [num_targets] tensor per name in `stats` (TOKEN_STATS, without gradient)."""
     flat = hidden.reshape(-1, hidden.shape[-1]).index_select(0, targets.index)
-    chunk_size = chunk_size or chunk_tokens_for(vocab_size_of(head))
+    chunk_size = chunk_size or chunk_tokens_for(head.vocab_size)
     unknown = set(stats) - set(TOKEN_STATS)
     if unknown:
         raise ValueError(f"Unknown token statistics {sorted(unknown)}; known: {sorted(TOKEN_STATS)}.")
@@ -155,15 +165,6 @@ def token_stats_from_logits(logits: torch.Tensor, tokens: torch.Tensor, stats: t
         logits = logits.float()
         log_norm = torch.logsumexp(logits, dim=-1)
         return [_as_stat(name, TOKEN_STATS[name](logits, log_norm, tokens)) for name in stats]
-
-
-def vocab_size_of(head: OutputHead) -> int:
-    """How many tokens the head scores (its output width)."""
-    for name in ("out_features", "num_embeddings"):
-        if hasattr(head.module, name):
-            return int(getattr(head.module, name))
-    weight = getattr(head.module, "weight", None)
-    return int(weight.shape[0]) if weight is not None else 32768
 
 
 def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

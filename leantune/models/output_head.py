@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,10 +40,17 @@ def text_config_of(model):
 
 @dataclass
 class OutputHead:
+    """A model's head module and its fixed logit transform; `vocab_size`: how many tokens it scores (its output
+    width), known once when the head is taken."""
+
     module: torch.nn.Module
     softcap: float | None = None
     scale: float = 1.0
     temperature: float = 1.0
+    vocab_size: int = field(init=False)
+
+    def __post_init__(self):
+        self.vocab_size = output_width(self.module)
 
     @classmethod
     def of(cls, model, temperature: float = 1.0) -> OutputHead:
@@ -175,6 +182,15 @@ class OutputHead:
                 del module.forward
             else:
                 module.forward = previous
+
+
+def output_width(module: torch.nn.Module) -> int:
+    """How many tokens a head module scores."""
+    for name in ("out_features", "num_embeddings"):
+        if hasattr(module, name):
+            return int(getattr(module, name))
+    weight = getattr(module, "weight", None)
+    return int(weight.shape[0]) if weight is not None else 32768
 
 
 def compute_head_in_fp32(model) -> None:

@@ -107,7 +107,9 @@ def fit_to_budget(trainer_class, model, args, train_dataset, processing_class=No
         planned, fit.pieces = _round_in_pieces(fit, planned, getattr(args, "num_generations", 1))
         if fit.pieces is not None:
             fields["max_completions_per_generate"] = fit.pieces.size
-        keep, group = _keeps_run(args, on_cuda), micro_batch_group(args)
+        keep = _keeps_run(bool(current_value(args, "packing")), bool(current_value(args, "activation_offloading")),
+                          on_cuda)
+        group = micro_batch_group(args)
 
         known = as_configured(args, planned)
         if planned.device_total_bytes <= budget:  # the round in pieces was all it took
@@ -174,14 +176,15 @@ def _planned_run(model, args, peft_config):
     return model.config, fields, peft_config
 
 
-def _keeps_run(args, on_cuda: bool):
-    """Which candidates a run may take: its own packing (packed rows regroup a step's examples), and, off CUDA, its
-    own activation offloading (on CPU there is nothing to offload to: a slower step that saves nothing)."""
+def _keeps_run(packing: bool, offloading: bool, on_cuda: bool):
+    """Which candidates a run may take: its own `packing` (packed rows regroup a step's examples), and, off CUDA, its
+    own activation `offloading` (on CPU there is nothing to offload to: a slower step that saves nothing). The run's
+    values are read as the search reads every field it varies (recommend.current_value)."""
     def keep(candidate: Candidate) -> bool:
         chosen = candidate.fields
-        if "packing" in chosen and bool(chosen["packing"]) != bool(getattr(args, "packing", False)):
+        if "packing" in chosen and bool(chosen["packing"]) != packing:
             return False
-        return on_cuda or bool(chosen.get("activation_offloading")) == bool(args.activation_offloading)
+        return on_cuda or bool(chosen.get("activation_offloading")) == offloading
 
     return keep
 

@@ -1,6 +1,6 @@
 """What every leantune trainer shares on top of transformers' Trainer: one construction sequence, and the parts it
 holds (trainers/parts/): the resolved config, the split preparer, the log-prob engine, the step's loss normaliser,
-the run metrics and the staged checkpoints, plus context parallelism, the reference (trainers/reference.py: none
+the run metrics (metrics/run_metrics.py) and the staged checkpoints, plus context parallelism, the reference (trainers/reference.py: none
 held but for DPO, KTO and the online methods) and the non-finite guard (trainers/parts/nonfinite.py), which Trainer's step
 hooks below call in one line each.
 
@@ -10,6 +10,8 @@ config -> parts -> loss.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import itertools
 
 import torch
@@ -21,11 +23,10 @@ from transformers.utils import logging as transformers_logging
 from .. import methods
 from ..data.streaming import is_stream, log_stream_report, reset_counts
 from ..memory.tiled_mlp import tile_mlps
-from ..metrics.memory import reset_peak_memory
 from ..metrics.memory_breakdown import MemoryBreakdownCallback
+from ..metrics.run_metrics import RunMetrics
 from ..planning.plan_check import check_before_training
 from ..planning.self_sizing import fit_to_budget
-from .gradient_check import GradientCheck
 from .method_hooks import MethodHooks
 from .online.round_parts import RoundParts
 from .parts.batches import kept_columns
@@ -33,11 +34,10 @@ from .parts.context_parallel import ContextParallelism
 from .parts.distributed import leave_process_group_at_exit, named_collective_timeouts
 from .parts.frozen_models import prepare_frozen_model
 from .parts.logprob_engine import LogProbEngine
-from .parts.nonfinite import NonFiniteGuard
+from .parts.nonfinite import GradientCheck, NonFiniteGuard
 from .parts.oom_retry import OutOfMemoryRetry
 from .parts.optimizer_in_backward import OptimizerInBackward
 from .parts.resolved_config import resolve_config
-from .parts.run_metrics import RunMetrics
 from .parts.saving import (
     StagedCheckpoint,
     agreed_resume_checkpoint,
@@ -91,13 +91,15 @@ class LeantuneTrainer(MethodHooks, TrainerAttributes, Trainer):
                          **trainer_kwargs)
         self._signature_columns = kept_columns(self)  # what Trainer keeps of a dataset for the collator
         self.optimizer_in_backward = OptimizerInBackward(optimizer_in_backward_of(args), self.accelerator)
-        self.run_bounds = RunBounds(self.load_extra_state)  # run_bounds.py: a run's start, a finished run resumed
-        self.add_callback(self.run_bounds)
-        # gradient_check.py: each step's NaN/inf check before the optimizer, ahead of every other callback
+        self.run_bounds = None  # run_bounds.py: a resumed train()'s start and end (train() adds it when resuming)
+        # nonfinite.py: each step's NaN/inf check before the optimizer, ahead of every other callback
         self.callback_handler.callbacks.insert(0, GradientCheck(
             self.accelerator, lambda model, grad_norm: self.nonfinite.check_step(model, grad_norm)))
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             leave_process_group_at_exit()  # no abort at interpreter exit (trainers/parts/distributed.py)
+        # a collective that timed out, named (trainers/parts/distributed.py); one process runs no collective
+        self.collective_timeouts = (functools.partial(named_collective_timeouts, args) if args.world_size > 1
+                                    else contextlib.nullcontext)
         use_step_log_lines(self.callback_handler)  # trainers/step_logging.py: `step N/M | loss ...`
         self.trained_nothing = False
         self.settings = resolve_settings(args, self.generates_rounds, self.layout)  # each part's own (trainers/settings.py)
@@ -105,10 +107,12 @@ class LeantuneTrainer(MethodHooks, TrainerAttributes, Trainer):
         self.nonfinite = NonFiniteGuard(self.settings.nonfinite, self.accelerator, self.is_world_process_zero,
                                         lambda: self.state.global_step)
         tag_model(self)  # the Hub tags of TRL's trainer of the method (parts/saving.py)
-        self.run_metrics = RunMetrics(self.accelerator, self.settings.device, lambda store: self.summarise_metrics(store))
         self.context_parallel = ContextParallelism(self.accelerator)
+        self.run_metrics = RunMetrics(self.accelerator, self.settings.device, self.context_parallel.size,
+                                      lambda store: self.summarise_metrics(store))
         self.context_parallel.check(type(self).__name__, self.context_parallel_loss is not None, self.model,
-                                    self.compute_loss_func, args, self.context_parallel_problem(args))
+                                    self.compute_loss_func, self.layout.pad_to_multiple_of,
+                                    self.context_parallel_problem(args))
         self.step_loss = StepLoss(self.settings.step_loss, self.accelerator, self.context_parallel, self.model, self.items_in,
                                   self.run_metrics.record)
         # the temperature the trainer's log-probs are of: the sampling one (GRPO, RLOO, PPO), else 1
@@ -122,6 +126,10 @@ class LeantuneTrainer(MethodHooks, TrainerAttributes, Trainer):
                                                       frozen_models=self.frozen_models))
         self.reference = Reference(loaded, self.settings.reference,  # placed for the engine (frozen_models.py)
                                    prepare_frozen_model(self.accelerator, loaded.ref_model, args))
+        if self.scores_vocabulary:  # the heads found once, here, not in the first step (a reward model has none)
+            for scored in (self.model, self.reference.model):
+                if scored is not None:
+                    self.logprobs.head_of(scored, self.scoring_temperature)
         self.oom_retry = OutOfMemoryRetry(self.settings.batch, self.accelerator, self.is_world_process_zero, self.step_state,
                                           self.run_metrics.mark, RoundParts(self) if self.generates_rounds else None)
         return loaded
@@ -185,8 +193,9 @@ class LeantuneTrainer(MethodHooks, TrainerAttributes, Trainer):
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device):
         """The step's micro-batches as trained on and their item count over all processes (parts/step_loss); none
-        once max_steps are done, which transformers checks only after a step (run_bounds.py)."""
-        if self.run_bounds.start_step is not None and self.state.global_step >= self.state.max_steps:
+        once a resumed run's max_steps are done, which transformers checks only after a step (run_bounds.py)."""
+        if self.run_bounds is not None and self.run_bounds.start_step is not None \
+                and self.state.global_step >= self.state.max_steps:
             self.control.should_training_stop = True
             return [], None
         batches = self.trained_batches(list(itertools.islice(epoch_iterator, num_batches)))
@@ -216,7 +225,9 @@ class LeantuneTrainer(MethodHooks, TrainerAttributes, Trainer):
 
     def _prepare_context_parallel_inputs(self, model, inputs):
         """transformers' seam (docs/transformers_seam.md): the batch laid out for the ring by leantune, in place of
-        transformers' own layout, with accelerate's context manager that splits it."""
+        transformers' own layout, with accelerate's context manager that splits it; without a ring, as it is."""
+        if self.context_parallel.size == 1:
+            return contextlib.nullcontext, inputs
         return self.context_parallel.lay_out(inputs, getattr(self.data_collator, "pad_token_id", None),
                                              per_sequence=self.context_parallel_loss == methods.SEQUENCE_SUMS)
 
@@ -253,20 +264,25 @@ class LeantuneTrainer(MethodHooks, TrainerAttributes, Trainer):
     def create_model_card(self, tags=None, **kwargs) -> None:
         write_hub_card(self, tags, **kwargs)
 
-    # --- training and its metrics (parts/run_metrics.py) --------------------------------------------------------
+    # --- training and its metrics (metrics/run_metrics.py) ------------------------------------------------------
 
     def train(self, *args, **kwargs):
-        self.reference.before_training(self)  # precomputed log-probs, TR-DPO's sync
+        if self.reference.works_before_training:
+            self.reference.before_training(self)  # precomputed log-probs, TR-DPO's sync
         if getattr(self.args, "plan_check", False):
             self.memory_plan = check_before_training(self)  # planning/plan_check.py: training itself is unchanged
         if args and "resume_from_checkpoint" not in kwargs:
             kwargs["resume_from_checkpoint"], args = args[0], args[1:]
-        with named_collective_timeouts(self.args):  # every process takes process 0's checkpoint, or all stop
-            kwargs["resume_from_checkpoint"] = agreed_resume_checkpoint(kwargs.get("resume_from_checkpoint"), self.args)
-        self.run_bounds.checkpoint = kwargs["resume_from_checkpoint"] or None
-        reset_peak_memory(self.args.device)
-        self.run_metrics.throughput.restart()
-        with named_collective_timeouts(self.args), self.nonfinite.training_run():  # distributed.py, nonfinite.py
+        if self.run_bounds is not None:  # a previous train()'s
+            self.remove_callback(self.run_bounds)
+            self.run_bounds = None
+        if kwargs.get("resume_from_checkpoint"):  # every process takes process 0's checkpoint, or all stop
+            with self.collective_timeouts():
+                resume = agreed_resume_checkpoint(kwargs["resume_from_checkpoint"], self.args)
+            kwargs["resume_from_checkpoint"], self.run_bounds = resume, RunBounds(self.load_extra_state, resume)
+            self.add_callback(self.run_bounds)
+        self.run_metrics.restart()
+        with self.collective_timeouts(), self.nonfinite.training_run():  # distributed.py, nonfinite.py
             output = super().train(*args, **kwargs)
         return report_run_end(self, output)
 

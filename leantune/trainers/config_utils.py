@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import torch
 
@@ -118,3 +119,29 @@ def validate_reference_sync(args) -> None:
         raise ValueError(f"`ref_model_mixup_alpha` must be in [0, 1], got {args.ref_model_mixup_alpha}.")
     if not isinstance(args.ref_model_sync_steps, int) or args.ref_model_sync_steps < 1:
         raise ValueError(f"`ref_model_sync_steps` must be a positive integer, got {args.ref_model_sync_steps!r}.")
+
+
+def requested_cp_size(args) -> int:
+    """The context-parallel size a config will run with: its `parallelism_config`, else the one accelerate builds from
+    an accelerate config file (`parallelism_config_cp_size`, passed to the processes as environment variables)."""
+    config = getattr(args, "parallelism_config", None)
+    if config is not None and getattr(config, "cp_size", None):
+        return int(config.cp_size)
+    if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true":
+        return int(os.environ.get("PARALLELISM_CONFIG_CP_SIZE", "1") or 1)
+    return 1
+
+
+def resolve_pad_to_multiple_of(args) -> None:
+    """Under context parallelism rows must split into 2 x cp_size equal chunks (torch's load balancing): the default
+    becomes 2 x cp_size, and an explicit value that is not a multiple of it is refused."""
+    cp = requested_cp_size(args)
+    if cp <= 1:
+        return
+    needed = 2 * cp
+    if args.pad_to_multiple_of is None:
+        args.pad_to_multiple_of = needed
+    elif args.pad_to_multiple_of % needed:
+        raise ValueError(f"`pad_to_multiple_of={args.pad_to_multiple_of}` must be a multiple of 2 x cp_size = {needed} "
+                         f"under context parallelism (cp_size={cp}): each row is split into {needed} equal chunks; "
+                         f"set it to a multiple of {needed} or leave it unset ({needed}).")

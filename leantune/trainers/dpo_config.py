@@ -12,9 +12,8 @@ from ..losses.preference import (
     F_DIVERGENCE_TYPES,
     LABEL_SMOOTHING_LOSS_TYPES,
 )
-from .config_utils import resolve_shared_settings, validate_shared_options
+from .config_utils import resolve_pad_to_multiple_of, resolve_shared_settings, validate_shared_options
 from .memory_options import MemoryOptions
-from .parts.context_parallel import resolve_pad_to_multiple_of
 from .preference_options import (
     TRUNCATION_MODES,  # noqa: F401  (importable from here, as before)
     PreferenceOptions,

@@ -20,10 +20,9 @@ from ..data.collators import CausalLMCollator, prompt_completion_row, sequence_p
 from ..data.formats import last_message_as_completion
 from ..generation import SamplingSettings
 from ..generation.backend import backend_factory
-from ..losses.causal_lm import IGNORE_INDEX, count_targets
 from ..losses.distillation import chunked_jsd_sum, jsd_from_logits
 from ..losses.liger import liger_jsd_problem, liger_jsd_sum
-from ..losses.token_logprobs import select_targets
+from ..losses.token_logprobs import IGNORE_INDEX, count_targets, select_targets
 from ..models.loading import parse_kwargs
 from ..models.output_head import OutputHead
 from .gkd_config import GKDConfig

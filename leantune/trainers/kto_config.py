@@ -8,9 +8,8 @@ from transformers import TrainingArguments
 
 from ..data.kto_preparation import KL_PAIRINGS
 from ..losses.kto import KTO_LOSS_TYPES
-from .config_utils import resolve_shared_settings, validate_shared_options
+from .config_utils import resolve_pad_to_multiple_of, resolve_shared_settings, validate_shared_options
 from .memory_options import MemoryOptions
-from .parts.context_parallel import resolve_pad_to_multiple_of
 from .preference_options import (
     PreferenceOptions,
     ReferenceOptions,

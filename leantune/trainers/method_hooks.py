@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 from .. import methods
-from ..losses.causal_lm import count_targets
-from .parts.run_metrics import mean_of_values
+from ..losses.token_logprobs import count_targets
+from ..metrics.run_metrics import mean_of_values
 
 
 class MethodHooks:

@@ -13,10 +13,16 @@ from typing import Any
 from transformers import TrainingArguments
 
 from ..generation.backend import TRANSFORMERS, generation_engine
-from .config_utils import non_default, positive_or_none, resolve_shared_settings, validate_shared_options
+from .config_utils import (
+    non_default,
+    positive_or_none,
+    requested_cp_size,
+    resolve_pad_to_multiple_of,
+    resolve_shared_settings,
+    validate_shared_options,
+)
 from .memory_options import MemoryOptions
 from .online.shared_prompt import resolve_shared_prompt
-from .parts.context_parallel import requested_cp_size, resolve_pad_to_multiple_of
 from .trl_options import CausalLMOptions, ReferenceSyncOptions
 
 VLLM_MODES = ("colocate", "server")

@@ -21,10 +21,9 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from ..data.collators import MODEL_INPUTS, sequence_starts
-from ..losses.causal_lm import count_targets
 from ..losses.policy_gradient import clipped_surrogate
 from ..losses.ppo import clipped_value_loss, gae_advantages, kl_penalised_rewards, moments, token_kl, whiten
-from ..losses.token_logprobs import TargetScores, per_sequence_sum, select_targets, target_sequences
+from ..losses.token_logprobs import TargetScores, count_targets, per_sequence_sum, select_targets, target_sequences
 from ..models.checkpointing import checkpointing_setting, enable_model_checkpointing
 from ..models.loading import load_causal_lm
 from ..models.output_head import text_config_of, unwrap_model

@@ -136,6 +136,7 @@ class Reference:
         self.ready = not self.precomputes
         self.dropped = False  # a separate reference let go once its log-probs were computed
         self.sync = None  # TR-DPO's ReferenceSync, once installed
+        self.works_before_training = settings.precompute or settings.sync  # else train() has nothing for it to do
 
     def frozen(self) -> list[torch.nn.Module]:
         """A separate reference is held frozen (a disabled adapter or precomputed log-probs hold none)."""

@@ -1,4 +1,5 @@
-"""Where a `train()` call starts and ends, through transformers' public callback events (no private state read):
+"""Where a resumed `train()` call starts and ends, through transformers' public callback events (no private state
+read; a run that resumes nothing starts at step 0 and has no such callback):
 
 - the global step at its start (`on_train_begin`, after a resumed checkpoint's state is loaded): a run resumed from a
   checkpoint already at `max_steps` trains nothing, which the run's end reports;
@@ -21,16 +22,15 @@ logger = logging.getLogger("leantune.trainer")
 
 
 class RunBounds(TrainerCallback):
-    def __init__(self, load_extra_state):
+    def __init__(self, load_extra_state, checkpoint):
         self.load_extra_state = load_extra_state
-        self.checkpoint = None  # the checkpoint this train() call resumes from (train() sets it)
+        self.checkpoint = checkpoint  # the checkpoint this train() call resumes from
         self.start_step = None  # the global step when training began; None outside training
         self.trained_nothing = False
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.start_step = state.global_step
-        if self.checkpoint is not None:
-            self.load_extra_state(str(self.checkpoint))
+        self.load_extra_state(str(self.checkpoint))
 
     def on_epoch_end(self, args, state, control, **kwargs):
         # a run found done at its start trained nothing: nothing to save, evaluate or log either
@@ -39,14 +39,13 @@ class RunBounds(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         # whether this train() resumed a checkpoint already at max_steps (or its epochs' end) and trained no step
-        self.trained_nothing = (self.checkpoint is not None and state.global_step == self.start_step
-                                and state.global_step >= state.max_steps)
+        self.trained_nothing = state.global_step == self.start_step and state.global_step >= state.max_steps
         self.start_step = None
 
 
 def report_run_end(trainer, output):
     """After the run: nothing trained by a resumed finished run, the stream's drops, the summary, the memory."""
-    trainer.trained_nothing = trainer.run_bounds.trained_nothing
+    trainer.trained_nothing = trainer.run_bounds is not None and trainer.run_bounds.trained_nothing
     main = trainer.is_world_process_zero()
     if trainer.trained_nothing and main:
         logger.warning("Nothing to train: the checkpoint is at step %d of max_steps %d (the run is done); raise "

@@ -8,9 +8,14 @@ from typing import Any
 
 from transformers import TrainingArguments
 
-from .config_utils import non_default, positive_or_none, resolve_shared_settings, validate_shared_options
+from .config_utils import (
+    non_default,
+    positive_or_none,
+    resolve_pad_to_multiple_of,
+    resolve_shared_settings,
+    validate_shared_options,
+)
 from .memory_options import MemoryOptions
-from .parts.context_parallel import resolve_pad_to_multiple_of
 from .trl_options import CausalLMOptions
 
 PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")

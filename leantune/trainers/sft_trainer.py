@@ -10,7 +10,7 @@ from ..data.chat_template import load_chat_template
 from ..data.collators import CausalLMCollator
 from ..data.sft_preparation import loss_mask_columns, prepare_sft_dataset, sft_stream_order
 from ..data.training_templates import announce_mask_template
-from ..losses.causal_lm import IGNORE_INDEX, count_targets
+from ..losses.token_logprobs import IGNORE_INDEX, count_targets
 from ..models.loading import (
     apply_peft,
     ensure_pad_token,

@@ -26,7 +26,7 @@ class TrainerAttributes:
 
     @property
     def memory_breakdown(self):
-        """One optimizer step's memory by part, when `memory_breakdown` measured it (parts/run_metrics.py)."""
+        """One optimizer step's memory by part, when `memory_breakdown` measured it (metrics/run_metrics.py)."""
         return self.run_metrics.memory_breakdown
 
     @property

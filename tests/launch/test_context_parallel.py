@@ -194,7 +194,7 @@ def test_each_process_part_of_every_sequence_sums_to_the_whole():
         if "cu_seq_lens_q" in batch:
             laid = lay_out_documents(batch, labels, cp, 0, carried)
         else:
-            from leantune.losses.causal_lm import shifted_targets
+            from leantune.losses.token_logprobs import shifted_targets
 
             laid = {"shift_labels": shifted_targets(labels), **carried}
         width = laid["shift_labels"].shape[1]

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from leantune import SFTConfig, SFTTrainer
-from leantune.losses.causal_lm import count_targets
+from leantune.losses.token_logprobs import count_targets
 
 from ..fixtures.comparisons import GradientRecorder, rel_diff, token_nll
 from ..fixtures.data import gsm8k_prompt_completion
@@ -127,7 +127,7 @@ def test_dft_loss_and_token_metrics_by_hand(tokenizer, gsm8k_rows, tmp_path):
     """loss_type="dft" is the step's token mean of NLL x p (p detached); `mean_token_accuracy` the share of targets
     that are the argmax, `entropy` the targets' mean entropy, as TRL logs them; a `compute_loss_func` replaces the
     loss and gets the full logits. Values: fp32 sums over ~1000 targets, rel 1e-5 as above; accuracy is a count."""
-    from leantune.losses.causal_lm import shifted_targets
+    from leantune.losses.token_logprobs import shifted_targets
 
     dataset = gsm8k_prompt_completion(gsm8k_rows, 8)
     model = tiny_model("llama")

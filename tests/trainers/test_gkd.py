@@ -21,8 +21,8 @@ from datasets import Dataset
 from leantune import GKDConfig, GKDTrainer
 from leantune.data.collators import CausalLMCollator, sequence_prompts
 from leantune.defaults import build_default_model_config
-from leantune.losses.causal_lm import count_targets
 from leantune.losses.distillation import generalized_jsd
+from leantune.losses.token_logprobs import count_targets
 from leantune.trainers.parts.logprob_engine import LogProbPath
 from leantune.utils.imports import is_available
 

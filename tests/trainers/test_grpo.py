@@ -18,8 +18,8 @@ from leantune.losses.advantages import (
     leave_one_out_advantages,
     normalize_then_sum_advantages,
 )
-from leantune.losses.causal_lm import count_targets
 from leantune.losses.policy_gradient import clipped_surrogate, grpo_loss_items, grpo_loss_sum, k3_kl
+from leantune.losses.token_logprobs import count_targets
 from leantune.models.checkpointing import checkpointing_setting, enable_model_checkpointing
 from leantune.rewards import RewardFunctionError
 from leantune.trainers.parts.logprob_engine import LogProbPath

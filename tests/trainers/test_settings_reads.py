@@ -33,14 +33,13 @@ PART_FIELDS = (
 )
 
 # To do: fields still read outside the resolver (the layout before the models load, the generation backend and the
-# round builder, GKD, the planner's and CLI's own reads of the config they size or check).
+# round builder, GKD).
 STILL_READ = {
     "padding_free": {"trainers/gkd_trainer.py", "trainers/ppo_trainer.py"},
-    "packing": {"planning/self_sizing.py", "trainers/gkd_trainer.py"},
-    "pad_to_multiple_of": {"cli/profile.py", "trainers/parts/context_parallel.py", "trainers/gkd_trainer.py"},
+    "packing": {"trainers/gkd_trainer.py"},
+    "pad_to_multiple_of": {"trainers/gkd_trainer.py"},
     "use_vllm": {"generation/backend.py"},
     "vllm_mode": {"generation/backend.py"},
-    "activation_offloading": {"planning/self_sizing.py"},
     "loss_chunk_size": {"trainers/gkd_trainer.py"},
 }
 

@@ -287,7 +287,7 @@ def test_moe_router_loss_is_added_and_logged(padding_free, tokenizer, gsm8k_rows
     """With output_router_logits=True the model's load-balancing loss, times router_aux_loss_coef (the config's 0.5
     unless set), is added to the method's loss and logged as aux_loss (TRL's rule); without it, nothing is added.
     The total equals the plain loss + coef x the model's own aux_loss (fp32, a handful of ops: rel 1e-5)."""
-    from leantune.losses.causal_lm import count_targets
+    from leantune.losses.token_logprobs import count_targets
 
     data = gsm8k_prompt_completion(gsm8k_rows, 4)
     results = {}

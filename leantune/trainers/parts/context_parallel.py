@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
@@ -31,8 +30,7 @@ from accelerate.big_modeling import _attach_context_parallel_hooks  # what Accel
 from torch.distributed.nn.functional import all_reduce
 
 from ...data.collators import sequence_starts
-from ...losses.causal_lm import IGNORE_INDEX, shifted_targets
-from ...losses.token_logprobs import TargetSequences, select_targets
+from ...losses.token_logprobs import IGNORE_INDEX, TargetSequences, select_targets, shifted_targets
 from .ring_order import ORDINAL_KEY, RANK_KEY, SEQUENCE_KEY, group_order
 from .shared_prompt_ring import lay_out_shared_row
 
@@ -42,17 +40,6 @@ LAYOUT_KEYS = ("input_ids", "labels", "attention_mask", "position_ids", "cu_seq_
 KL_PREFIX = "kl_"
 SUPPORTED_TRAINERS = (
     "SFTTrainer, DPOTrainer, KTOTrainer, RewardTrainer, GKDTrainer, GRPOTrainer, RLOOTrainer and OnlineDPOTrainer")
-
-
-def requested_cp_size(args) -> int:
-    """The context-parallel size a config will run with: its `parallelism_config`, else the one accelerate builds from
-    an accelerate config file (`parallelism_config_cp_size`, passed to the processes as environment variables)."""
-    config = getattr(args, "parallelism_config", None)
-    if config is not None and getattr(config, "cp_size", None):
-        return int(config.cp_size)
-    if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true":
-        return int(os.environ.get("PARALLELISM_CONFIG_CP_SIZE", "1") or 1)
-    return 1
 
 
 def cp_size_of(accelerator) -> int:
@@ -118,21 +105,6 @@ def ring_hooks_suspended(model: torch.nn.Module):
         for module, key, hook in removed:
             module._forward_pre_hooks[key] = hook
             module._forward_pre_hooks.move_to_end(key, last=False)
-
-
-def resolve_pad_to_multiple_of(args) -> None:
-    """Under context parallelism rows must split into 2 x cp_size equal chunks (torch's load balancing): the default
-    becomes 2 x cp_size, and an explicit value that is not a multiple of it is refused."""
-    cp = requested_cp_size(args)
-    if cp <= 1:
-        return
-    needed = 2 * cp
-    if args.pad_to_multiple_of is None:
-        args.pad_to_multiple_of = needed
-    elif args.pad_to_multiple_of % needed:
-        raise ValueError(f"`pad_to_multiple_of={args.pad_to_multiple_of}` must be a multiple of 2 x cp_size = {needed} "
-                         f"under context parallelism (cp_size={cp}): each row is split into {needed} equal chunks; "
-                         f"set it to a multiple of {needed} or leave it unset ({needed}).")
 
 
 def attention_problem(model) -> str | None:
@@ -293,13 +265,18 @@ class ContextParallelism:
     def __init__(self, accelerator):
         self.accelerator = accelerator
         self.size = cp_size_of(accelerator)
+        # known once: this process's data-parallel (rank, size) and the round's gather (`gather_once_per_group`;
+        # without a ring, accelerate's own), for the parts that split and gather a round (trainers/online/)
+        self.data_parallel_rank, self.data_parallel_size = data_parallel_place(accelerator)
+        self.gather_once_per_group = (accelerator.gather if self.size == 1
+                                      else functools.partial(gather_once_per_group, accelerator))
         self.batch_targets = None
         self._local_positions = None  # {layout prefix: this process's expected position ids} of segmented rows
 
-    def check(self, trainer_name: str, supported: bool, model, compute_loss_func, args,
+    def check(self, trainer_name: str, supported: bool, model, compute_loss_func, pad_to_multiple_of: int | None,
               option_problem: str | None = None) -> None:
         """Refuse, when the trainer is built, what context parallelism cannot run exactly (`option_problem`: an
-        option of the method's that it cannot, said by the trainer)."""
+        option of the method's that it cannot, said by the trainer; `pad_to_multiple_of`: the resolved layout's)."""
         cp = self.size
         if cp <= 1:
             return
@@ -316,10 +293,9 @@ class ContextParallelism:
         if compute_loss_func is not None:
             raise ValueError(f"A `compute_loss_func` would get one process's part of each sequence under context "
                              f"parallelism (`cp_size={cp}`); leave it out or set `cp_size` to 1.")
-        multiple = getattr(args, "pad_to_multiple_of", None)
-        if not multiple or multiple % (2 * cp):
+        if not pad_to_multiple_of or pad_to_multiple_of % (2 * cp):
             raise ValueError(f"`pad_to_multiple_of` must be a multiple of 2 x cp_size = {2 * cp} under context "
-                             f"parallelism, got {multiple!r}; leave it unset for {2 * cp}.")
+                             f"parallelism, got {pad_to_multiple_of!r}; leave it unset for {2 * cp}.")
 
     def lay_out(self, inputs, pad_token_id, per_sequence: bool = False, position_grids=None):
         """(accelerate's context manager, the batch): see `_lay_out_for_the_ring`; without a ring, as it is."""

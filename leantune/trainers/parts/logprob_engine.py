@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import sys
+import weakref
 from collections.abc import Callable
 from enum import Enum
 
@@ -107,6 +108,7 @@ class LogProbEngine:
         self.on_forward = on_forward
         self.notice_temperature = notice_temperature
         self._offloader = None
+        self._heads = weakref.WeakKeyDictionary()  # model object -> {temperature: its OutputHead}
         if settings.offloading.enabled:
             log_offloading_scope(logger)
 
@@ -145,7 +147,7 @@ class LogProbEngine:
     def liger_head_runs(self, model, temperature: float = 1.0) -> bool:
         """Whether this forward pass's target log-probs come from Liger's fused kernel (per target), which computes
         no entropies: a trainer asks for the entropy metric only where it comes free (the chunked or full path)."""
-        return not self.needs_full_logits(model) and self.liger_scores(OutputHead.of(model, temperature))
+        return not self.needs_full_logits(model) and self.liger_scores(self.head_of(model, temperature))
 
     def fused_nll_runs(self, model) -> bool:
         """Whether the summed NLL comes from Liger's summing kernel (its gradient formed in the forward pass, no
@@ -160,11 +162,23 @@ class LogProbEngine:
 
     # --- the forward pass ---------------------------------------------------------------------------------------
 
+    def head_of(self, model, temperature: float = 1.0) -> OutputHead:
+        """The model's output head at `temperature`, found once per model object (the trained model as each wrapper
+        holds it, a reference), not in every forward pass: its module and fixed transform do not change."""
+        heads = self._heads.setdefault(model, {})
+        if temperature not in heads:
+            heads[temperature] = OutputHead.of(model, temperature)
+        return heads[temperature]
+
     def offloading_scope(self, model):
-        """Saved activations of the forward pass go to CPU memory (one offloader, reused: it keeps its streams)."""
-        offload = self.settings.offloading
-        if not (offload.enabled and model.training and torch.is_grad_enabled()):
+        """Saved activations of the forward pass go to CPU memory (without offloading: no scope)."""
+        if not (self.settings.offloading.enabled and model.training and torch.is_grad_enabled()):
             return contextlib.nullcontext()
+        return self._offloading(model)
+
+    def _offloading(self, model):
+        """The offloader, made once and reused (it keeps its streams)."""
+        offload = self.settings.offloading
         if self._offloader is None:
             self._offloader = offloading.offloading_context(
                 True,
@@ -177,7 +191,7 @@ class LogProbEngine:
     def forward(self, model, inputs: dict, keep_hidden: bool = False):
         """(outputs with their full logits, last hidden states or None): the full-logits forward pass."""
         kept = {}
-        hook = OutputHead.of(model).module.register_forward_pre_hook(
+        hook = self.head_of(model).module.register_forward_pre_hook(
             lambda module, args: kept.__setitem__("hidden", args[0])) if keep_hidden else None
         try:
             with self.offloading_scope(model):
@@ -228,7 +242,7 @@ class LogProbEngine:
                 flat = outputs.logits.reshape(-1, outputs.logits.shape[-1]).index_select(0, targets.index)
                 scores.stats = dict(zip(stats, token_stats_from_logits(flat / temperature, targets.tokens, stats)))
             return scores
-        head = OutputHead.of(model, temperature)
+        head = self.head_of(model, temperature)
         hidden, outputs = self.forward_hidden(model, inputs, head)
         liger = self.liger_scores(head, with_entropy, stats) and len(targets)
         trains = torch.is_grad_enabled() and (hidden.requires_grad or bool(head.trainable_parameters))
@@ -249,7 +263,7 @@ class LogProbEngine:
         """(summed next-token NLL of the targets, their top-1 accuracy or None, Targets, model outputs): Liger's
         fused kernel where it runs, else -sum(target_logprobs)."""
         if self.fused_nll_runs(model):
-            head = OutputHead.of(model)
+            head = self.head_of(model)
             targets = select_targets(labels, shifted)
             hidden, outputs = self.forward_hidden(model, inputs, head)
             if len(targets):

@@ -34,6 +34,7 @@ import os
 
 import datasets
 import torch
+from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
 from ...utils.faults import TrainingFault
@@ -89,7 +90,7 @@ def _with_row_index(dataset):
 class NonFiniteGuard:
     """The checks of every leantune trainer (see the module's docstring), as a part the trainer holds: its Trainer
     hooks (training_step, _save_checkpoint, get_train_dataloader, train, log) and the `on_pre_optimizer_step` callback
-    of gradient_check.py call it in one line.
+    (GradientCheck, below) call it in one line.
     `checks_steps = False` (the planner's fake step): a step's flags decide nothing and no collective runs."""
 
     def __init__(self, settings, accelerator, is_main_process, global_step):
@@ -251,6 +252,36 @@ class NonFiniteGuard:
             logger.warning("%d optimizer step(s) were skipped for a non-finite loss or gradient: steps %s.",
                            len(self.skipped), [step for step, _ in self.skipped])
         return {"nonfinite_skipped_steps": len(self.skipped)}
+
+
+class GradientCheck(TrainerCallback):
+    """The non-finite check of each optimizer step at transformers' public `on_pre_optimizer_step` event: after the
+    gradients are clipped, before the optimizer steps, with the gradient norm transformers computed for them.
+
+    transformers computes that norm through accelerate's public `Accelerator.clip_grad_norm_` (for clipping, or with
+    `max_grad_norm=0` for the logged `grad_norm`), so the accelerator's method is wrapped once to keep what it
+    returned; where it was not called (a path of transformers' that computes the norm itself) the norm is computed
+    here, so a step is never left unchecked."""
+
+    def __init__(self, accelerator, check_step):
+        self.check_step = check_step  # NonFiniteGuard.check_step(model, grad_norm)
+        self.norm = None
+        clip = accelerator.clip_grad_norm_
+
+        def clip_and_keep(*args, **kwargs):
+            self.norm = clip(*args, **kwargs)
+            return self.norm
+
+        accelerator.clip_grad_norm_ = clip_and_keep
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        norm, self.norm = self.norm, None
+        self.check_step(model, norm if norm is not None else gradient_norm(model))
+
+
+def gradient_norm(model: torch.nn.Module) -> torch.Tensor:
+    gradients = [p.grad for p in model.parameters() if p.grad is not None]
+    return torch.nn.utils.get_total_norm(gradients) if gradients else torch.tensor(0.0)
 
 
 def _plain(value):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from ...losses.token_logprobs import vocab_size_of
 from ...models.loading import load_causal_lm
 from ...models.output_head import OutputHead, text_config_of
 from ...models.segment_attention import use_segment_attention
@@ -46,7 +45,7 @@ class Teacher:
 
 def check_same_vocabulary(student, teacher) -> None:
     """Distillation compares whole next-token distributions: the two output heads must score the same vocabulary."""
-    sizes = [(getattr(text_config_of(m), "vocab_size", None), vocab_size_of(OutputHead.of(m))) for m in (student, teacher)]
+    sizes = [(getattr(text_config_of(m), "vocab_size", None), OutputHead.of(m).vocab_size) for m in (student, teacher)]
     if sizes[0][1] != sizes[1][1]:
         raise ValueError(f"The student's output head scores {sizes[0][1]} tokens (vocab_size {sizes[0][0]}) but the "
                          f"teacher's scores {sizes[1][1]} (vocab_size {sizes[1][0]}): GKD compares the two models' "
