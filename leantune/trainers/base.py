@@ -239,6 +239,8 @@ class LeantuneTrainer(MethodHooks, TrainerAttributes, Trainer):
     def create_optimizer(self, model=None):
         """Trainer's optimizer, or one per parameter stepped inside the backward (parts/optimizer_in_backward.py)."""
         built = super().create_optimizer(model)
+        if not self.optimizer_in_backward.settings.enabled:
+            return built
         cls, kwargs = self.optimizer_cls_and_kwargs or self.get_optimizer_cls_and_kwargs(self.args, model or self.model)
         self.optimizer = self.optimizer_in_backward.install(built, cls, kwargs)
         return self.optimizer

@@ -302,6 +302,8 @@ class OnlineTrainer(OnlineMethod, ReferenceModelMixin, LeantuneTrainer):
     def _prepare_context_parallel_inputs(self, model, inputs):
         """Every online batch carries its targets' sequences and ordinals through the split (the per-target inputs
         of the round are read at the ordinals, per-sequence sums made whole over the group)."""
+        if self.context_parallel.size == 1:
+            return contextlib.nullcontext, inputs
         return self.context_parallel.lay_out(inputs, self.processing_class.pad_token_id, per_sequence=True)
 
     def own_part_of_batch(self, batch: dict, targets) -> torch.Tensor:

@@ -1,5 +1,7 @@
-"""A structural guard (issue 25): following GRPO through one training step, from `train()` to the end of the first
-optimizer step, reads at most 1,500 lines of leantune's functions (devkit/reading_path.py measures it)."""
+"""A structural guard: following GRPO (its defaults, shared prompts on) through one training step, from `train()` to
+the end of the first optimizer step, reads only leantune functions that the step needs (devkit/reading_path.py
+measures it). Issue 36's target is at most 1,200 lines in at most 15 files; at 2026-11-29 the path is 1,363 lines in
+24 files, so this test holds what is reached (no file or line may come back) and names the target it has not met."""
 
 from __future__ import annotations
 
@@ -9,10 +11,18 @@ from devkit.reading_path import reading_path
 
 pytestmark = pytest.mark.quick  # the quick tier (tests/quick_tier.py): this file's tests take seconds
 
+# What a GRPO step with every optional feature off must never enter: each is built only when its feature is on.
+FEATURE_OFF_FILES = ("generation/zero3.py", "generation/backend.py", "trainers/parts/context_parallel.py",
+                     "trainers/parts/saving.py", "trainers/parts/distributed.py", "trainers/run_bounds.py",
+                     "trainers/parts/optimizer_in_backward.py", "memory/tiled_mlp.py", "memory/offloading.py")
 
-def test_grpo_step_reads_at_most_1500_lines_of_functions():
+
+def test_grpo_step_reads_only_what_it_needs():
     counts, spans = reading_path("grpo")
     # the step really ran through the trainer, the round and the loss (the tracer saw the path, not a shortcut)
     names = {name for functions in spans.values() for name in functions}
     assert {"OnlineTrainer.compute_loss", "GRPOTrainer.policy_loss", "RoundBuilder.training_round"} <= names
-    assert counts["function_lines"] <= 1500, counts
+    entered = {path.split("leantune/", 1)[1] for path in spans}
+    assert not entered & set(FEATURE_OFF_FILES), sorted(entered & set(FEATURE_OFF_FILES))
+    # Reached so far, held (issue 36's target, 1,200 lines in 15 files, is not met yet: see the module docstring).
+    assert counts["function_lines"] <= 1400 and counts["files"] <= 24, counts
