@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import os
 
-from ..generation.backend import VLLM_COLOCATE, generation_engine
+from ..generation.backend import VLLM_COLOCATE
 from ..trainers.online_config import OnlineConfig
+from ..trainers.settings import generation_engine
 from ..utils.imports import is_available
 from .errors import UsageError
 

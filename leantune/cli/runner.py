@@ -24,6 +24,7 @@ from ..generation.backend import check_backend_requirements
 from ..methods import BY_COMMAND, KTO_DATA, PREFERENCE_DATA, PROMPT_DATA, SFT_DATA, Method
 from ..rewards import resolve_reward_funcs
 from ..trainers.parts.checkpoint_files import NoRoomError, is_no_room, no_room_error
+from ..trainers.settings import generation_engine
 from .arguments import argument_types, model_init_kwargs_from, peft_config_from
 from .errors import UsageError, one_line
 from .optional_packages import check_optional_packages
@@ -46,7 +47,7 @@ def run_method(command: str, argv: list[str]) -> int:
                          "for the built-in demo).")
     check_optional_packages(args, model_args)  # a missing tracker or kernel package: one line, before any load
     if method.online:  # a generation backend that cannot run here fails now, not after a demo's warm-up
-        check_backend_requirements(args)
+        check_backend_requirements(generation_engine(args), bool(args.vllm_enable_sleep_mode))
     if model_args.model_name_or_path is None:
         if args.resume_from_checkpoint:
             raise UsageError("--resume_from_checkpoint: the built-in demo saves no checkpoints to resume from; "

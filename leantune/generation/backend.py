@@ -43,30 +43,19 @@ class GenerationBackend(Protocol):
 TRANSFORMERS, VLLM_COLOCATE, VLLM_SERVER = "transformers", "vllm_colocate", "vllm_server"
 
 
-def generation_engine(args) -> str:
-    """Which backend generates: the one place `use_vllm` and `vllm_mode` are read at run time."""
-    if not args.use_vllm:
-        return TRANSFORMERS
-    if args.vllm_mode == "colocate":
-        return VLLM_COLOCATE
-    if args.vllm_mode == "server":
-        return VLLM_SERVER
-    raise ValueError(f"`vllm_mode` must be 'colocate' or 'server', got {args.vllm_mode!r}.")
+def check_backend_requirements(engine: str, sleep_mode: bool) -> None:
+    """Fail when the trainer is built, not at the first generation round, if the chosen backend (`engine`, one of
+    the names above: trainers/settings.py's `generation_engine`) cannot run here."""
+    if engine == VLLM_COLOCATE:
+        require_colocated_vllm(sleep_mode=sleep_mode)
 
 
-def check_backend_requirements(args) -> None:
-    """Fail when the trainer is built, not at the first generation round, if the chosen backend cannot run here."""
-    if generation_engine(args) == VLLM_COLOCATE:
-        require_colocated_vllm(sleep_mode=bool(args.vllm_enable_sleep_mode))
-
-
-def backend_factory(args, tokenizer, accelerator):
+def backend_factory(engine: str, args, tokenizer, accelerator):
     """What makes the run's backend from the policy (`factory(model)`), chosen once from the config when the trainer
     is built (the backend itself is made at the first round: the Trainer wraps the model first). transformers
     `generate` by default, its weights gathered once per call under ZeRO-3 (`ds3_gather_for_generation`, zero3.py;
     elsewhere no gathering scope at all); vLLM in this process (`vllm_mode="colocate"`) or a `leantune vllm-serve`
-    server (`vllm_mode="server"`) with `use_vllm=True`."""
-    engine = generation_engine(args)
+    server (`vllm_mode="server"`) with `use_vllm=True`: `engine`, one of the names above."""
     if engine == TRANSFORMERS:
         gathers = args.ds3_gather_for_generation and is_zero3(accelerator)
         scope = functools.partial(gathered_for_generation, accelerator=accelerator) if gathers \
@@ -77,6 +66,6 @@ def backend_factory(args, tokenizer, accelerator):
     return functools.partial(backend, args, tokenizer=tokenizer, accelerator=accelerator)
 
 
-def make_backend(args, model, tokenizer, accelerator) -> GenerationBackend:
+def make_backend(engine: str, args, model, tokenizer, accelerator) -> GenerationBackend:
     """The run's backend for `model` (see `backend_factory`)."""
-    return backend_factory(args, tokenizer, accelerator)(model)
+    return backend_factory(engine, args, tokenizer, accelerator)(model)

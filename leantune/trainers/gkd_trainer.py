@@ -19,7 +19,7 @@ import torch
 from ..data.collators import CausalLMCollator, prompt_completion_row, sequence_prompts
 from ..data.formats import last_message_as_completion
 from ..generation import SamplingSettings
-from ..generation.backend import backend_factory
+from ..generation.backend import TRANSFORMERS, backend_factory
 from ..losses.distillation import chunked_jsd_sum, jsd_from_logits
 from ..losses.liger import liger_jsd_problem, liger_jsd_sum
 from ..losses.token_logprobs import IGNORE_INDEX, count_targets, select_targets
@@ -83,7 +83,7 @@ class GKDTrainer(SFTTrainer):
         self.teacher.place(self.accelerator, self.args)
         self.generation_collator = CausalLMCollator(
             pad_token_id=self.processing_class.pad_token_id, loss_mask_columns=("completion_mask",),
-            padding_free=self.args.padding_free or self.args.packing, pad_to_multiple_of=self.args.pad_to_multiple_of)
+            padding_free=self.layout.padding_free or self.layout.packing, pad_to_multiple_of=self.layout.pad_to_multiple_of)
         # who samples a step's completions: the student (as the online trainers' policy: its wrapped model, synced
         # each step, its ZeRO-3 shards gathered for the call) or the frozen teacher
         self.generation_sessions = {
@@ -96,7 +96,7 @@ class GKDTrainer(SFTTrainer):
         sampling = DistillationSampling(self.args.seed, self.args.max_new_tokens, self.args.temperature, gathered)
         return GenerationSession(generation_of(sampling),
                                  SamplingSettings.from_config(sampling, self.processing_class, model),
-                                 backend_factory(sampling, self.processing_class, self.accelerator), self.accelerator,
+                                 backend_factory(TRANSFORMERS, sampling, self.processing_class, self.accelerator), self.accelerator,
                                  policy, step=lambda: self.state.global_step, method=self.method)
 
     def default_args(self, model, args):
@@ -109,7 +109,7 @@ class GKDTrainer(SFTTrainer):
     def load_models(self, model, ref_model, processing_class, peft_config, args, quantization_config):
         loaded = super().load_models(model, ref_model, processing_class, peft_config, args, quantization_config)
         self.teacher = Teacher(self._teacher_source, loaded.model, parse_kwargs(args.teacher_model_init_kwargs),
-                               args.trust_remote_code, args.packing or args.padding_free)
+                               args.trust_remote_code, self.layout.packing or self.layout.padding_free)
         if args.disable_dropout:
             disable_dropout(loaded.model)
         return loaded
@@ -190,7 +190,7 @@ class GKDTrainer(SFTTrainer):
                 loss_sum = liger_jsd_sum(hidden, head, teacher_hidden, teacher_head, targets, beta)
             else:
                 loss_sum = chunked_jsd_sum(hidden, head, teacher_hidden, teacher_head, targets, beta,
-                                           self.args.loss_chunk_size)
+                                           self.settings.head.loss_chunk_size)
         local_count = (labels != IGNORE_INDEX).sum() if shifted is not None else count_targets(labels)
         loss = self.normalise(loss_sum, local_count, num_items_in_batch)
         return (loss, outputs) if return_outputs else loss

@@ -5,10 +5,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from ..generation.backend import TRANSFORMERS, generation_engine
+from ..generation.backend import TRANSFORMERS
 from ..losses.advantages import normalise_scale_rewards
 from ..losses.policy_gradient import GRPO_LOSS_TYPES, IMPORTANCE_SAMPLING_LEVELS, VLLM_IMPORTANCE_SAMPLING_MODES
 from .online_config import OnlineConfig
+from .settings import generation_engine
 
 logger = logging.getLogger("leantune.grpo")
 

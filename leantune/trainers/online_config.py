@@ -12,7 +12,7 @@ from typing import Any
 
 from transformers import TrainingArguments
 
-from ..generation.backend import TRANSFORMERS, generation_engine
+from ..generation.backend import TRANSFORMERS
 from .config_utils import (
     non_default,
     positive_or_none,
@@ -23,6 +23,7 @@ from .config_utils import (
 )
 from .memory_options import MemoryOptions
 from .online.shared_prompt import resolve_shared_prompt
+from .settings import generation_engine
 from .trl_options import CausalLMOptions, ReferenceSyncOptions
 
 VLLM_MODES = ("colocate", "server")

@@ -27,7 +27,7 @@ from ..data.collators import MODEL_INPUTS
 from ..data.prompt_preparation import PROMPT_IDS, context_limit_of, prepare_prompt_dataset
 from ..data.streaming import is_stream
 from ..generation import SamplingSettings
-from ..generation.backend import TRANSFORMERS, backend_factory, check_backend_requirements, generation_engine
+from ..generation.backend import TRANSFORMERS, backend_factory, check_backend_requirements
 from ..losses.token_logprobs import TargetScores, per_sequence_sum
 from ..rewards import RewardFunctions
 from ..rollouts import AgentRollouts
@@ -47,7 +47,7 @@ from .parts.batches import deepspeed_float_dtype, on_device
 from .parts.context_parallel import ORDINAL_KEY, cp_size_of, data_parallel_place, gather_once_per_group
 from .parts.frozen_models import prepare_frozen_model
 from .reference import ReferenceModelMixin
-from .settings import generation_of, round_settings_of
+from .settings import generation_engine, generation_of, round_settings_of
 
 logger = logging.getLogger("leantune.online")
 
@@ -167,7 +167,7 @@ class OnlineTrainer(OnlineMethod, ReferenceModelMixin, LeantuneTrainer):
         self.agent = agent  # GRPO's tools / environments / rollout function (rollouts/): None for single turns
         if train_dataset is None and agent is not None:
             train_dataset = agent.placeholder_dataset(args)  # environments that own the data (or TRL's errors)
-        check_backend_requirements(args)  # before any model loads: a backend that cannot run here fails first
+        check_backend_requirements(generation_engine(args), bool(args.vllm_enable_sleep_mode))  # before any model loads: a backend that cannot run here fails first
         self._reward_sources = (reward_funcs, reward_processing_classes)
         # policy, tokenizer, reference (none when the method needs none; the adapter disabled with PEFT) and the
         # rewards; prompts tokenised once (the rest of each row goes to the reward functions); batches are rows
@@ -185,7 +185,7 @@ class OnlineTrainer(OnlineMethod, ReferenceModelMixin, LeantuneTrainer):
                              f"processes x steps_per_generation) must be a multiple of num_generations "
                              f"({args.num_generations}).")
         sampling = SamplingSettings.from_config(args, tokenizer, self.model)
-        self.generation = GenerationSession(generation_of(args), sampling, backend_factory(args, tokenizer,
+        self.generation = GenerationSession(generation_of(args), sampling, backend_factory(generation_engine(args), args, tokenizer,
                                                                                            self.accelerator),
                                             self.accelerator,
                                             policy=lambda: self.model_wrapped, step=lambda: self.state.global_step,

@@ -88,7 +88,7 @@ class PPOTrainer(OnlineTrainer):
             value_model = load_causal_lm(value_model, args.model_init_kwargs, AutoModelForSequenceClassification,
                                          trust_remote_code=args.trust_remote_code)
         if value_model is not None:
-            if args.padding_free:
+            if self.layout.padding_free:
                 use_segment_attention(value_model)
             enabled, kwargs = checkpointing_setting(args)  # transformers 5.19+ reads only the new name
             if enabled:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..generation.backend import generation_engine
+from ..generation.backend import TRANSFORMERS, VLLM_COLOCATE, VLLM_SERVER
 from ..models.checkpointing import checkpointing_setting
 from ..planning.recommend import micro_batch_group
 
@@ -208,6 +208,17 @@ class OptimizerInBackwardSettings:
 def optimizer_in_backward_of(args) -> OptimizerInBackwardSettings:
     return OptimizerInBackwardSettings(bool(getattr(args, "optimizer_in_backward", False)))
 
+
+
+def generation_engine(args) -> str:
+    """Which backend generates (generation/backend.py's names): the one place `use_vllm` and `vllm_mode` are read."""
+    if not args.use_vllm:
+        return TRANSFORMERS
+    if args.vllm_mode == "colocate":
+        return VLLM_COLOCATE
+    if args.vllm_mode == "server":
+        return VLLM_SERVER
+    raise ValueError(f"`vllm_mode` must be 'colocate' or 'server', got {args.vllm_mode!r}.")
 
 @dataclass(frozen=True)
 class GenerationSettings:
