@@ -145,10 +145,11 @@ def prefix_block_attention(query, key, value, queries, keys, mask, output, dropo
 class BlockCache:
     """The blocks of the batch being scored, built on its first layer and read by the others: kept while the batch's
     `shared_prompt_of` and offsets are the very tensors every layer of its forward gets (weak references, so a new
-    batch never meets an old batch's blocks), on the device they ran on."""
+    batch never meets an old batch's blocks), on the device they ran on. The blocks go with the batch: once its
+    `shared_prompt_of` is freed, so are they (a run that ended holds no mask of its last batch)."""
 
     def __init__(self):
-        self.sources, self.device, self.blocks = (), None, None
+        self.sources, self.device, self.blocks, self.batch = (), None, None, None
 
     def blocks_of(self, prompt_of: torch.Tensor, cu_seq_lens: torch.Tensor, device) -> PrefixBlocks:
         current = len(self.sources) == 2 and self.sources[0]() is prompt_of and self.sources[1]() is cu_seq_lens
@@ -156,4 +157,11 @@ class BlockCache:
             lengths = torch.diff(cu_seq_lens).tolist()
             self.blocks = build_prefix_blocks(lengths, prompt_of.tolist(), device)
             self.sources, self.device = (weakref.ref(prompt_of), weakref.ref(cu_seq_lens)), device
+            self.batch = batch = object()
+            weakref.finalize(prompt_of, self.forget, batch)
         return self.blocks
+
+    def forget(self, batch: object) -> None:
+        """The batch `batch` is gone: its blocks too (unless a newer batch's are kept)."""
+        if self.batch is batch:
+            self.sources, self.device, self.blocks, self.batch = (), None, None, None

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from leantune.models.prefix_blocks import build_prefix_blocks, prefix_block_attention
+from leantune.models.prefix_blocks import BlockCache, build_prefix_blocks, prefix_block_attention
 from leantune.models.segment_attention import use_segment_attention
 from leantune.trainers.online.shared_prompt import shared_prompt_batch
 
@@ -93,3 +93,19 @@ def test_a_shared_row_is_one_attention_call_per_layer():
     with AttentionKernelCalls() as counted:
         model(**inputs).logits.sum().backward()
     assert counted.calls == model.config.num_hidden_layers
+
+
+def test_the_blocks_go_with_their_batch():
+    """The cache keeps a batch's blocks (its block mask) only while that batch lives: a run that ended holds nothing
+    of its last shared row (the suite's live-tensor check of a later run once found its mask)."""
+    cache = BlockCache()
+    prompt_of, cu_seq_lens = torch.tensor([-1, 0, 0]), torch.tensor([0, 4, 7, 10])
+    blocks = cache.blocks_of(prompt_of, cu_seq_lens, torch.device("cpu"))
+    assert cache.blocks_of(prompt_of, cu_seq_lens, torch.device("cpu")) is blocks  # the batch's layers share them
+    newer_prompt_of = torch.tensor([-1, 0, 0])
+    newer = cache.blocks_of(newer_prompt_of, cu_seq_lens, torch.device("cpu"))
+    del prompt_of  # the older batch's end must not drop the newer batch's blocks
+    assert cache.blocks is newer
+    del newer_prompt_of
+    assert cache.blocks is None and cache.sources == ()
+
