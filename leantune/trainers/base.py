@@ -278,11 +278,15 @@ class LeantuneTrainer(MethodHooks, TrainerAttributes, Trainer):
         if self.run_bounds is not None:  # a previous train()'s
             self.remove_callback(self.run_bounds)
             self.run_bounds = None
-        if kwargs.get("resume_from_checkpoint"):  # every process takes process 0's checkpoint, or all stop
+        # Every process takes process 0's checkpoint, or all stop. With several processes each one joins the
+        # agreement, resuming or not: a process that found no checkpoint must still hear process 0's choice.
+        if kwargs.get("resume_from_checkpoint") or self.args.world_size > 1:
             with self.collective_timeouts():
-                resume = agreed_resume_checkpoint(kwargs["resume_from_checkpoint"], self.args)
-            kwargs["resume_from_checkpoint"], self.run_bounds = resume, RunBounds(self.load_extra_state, resume)
-            self.add_callback(self.run_bounds)
+                resume = agreed_resume_checkpoint(kwargs.get("resume_from_checkpoint"), self.args)
+            kwargs["resume_from_checkpoint"] = resume
+            if resume:
+                self.run_bounds = RunBounds(self.load_extra_state, resume)
+                self.add_callback(self.run_bounds)
         self.run_metrics.restart()
         with self.collective_timeouts(), self.nonfinite.training_run():  # distributed.py, nonfinite.py
             output = super().train(*args, **kwargs)
