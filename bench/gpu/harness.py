@@ -335,8 +335,13 @@ def train_measured(settings: Settings, trainer, model) -> dict:
     memory = meter.stop()
     seconds = timer.timed_seconds()
     tokens = sum(n for step, n in counter.per_step.items() if step >= 1)
+    # leantune's chunked head: its rows per chunk by vocabulary size (the rule's choice on this device, or
+    # loss_chunk_size); None for TRL and for a run whose head never ran chunked
+    chunk_rows = dict(getattr(getattr(trainer, "logprobs", None), "chunk_rows", None) or {}) or None
+    if chunk_rows:
+        log(settings, f"chunked head rows per chunk (vocabulary: rows): {chunk_rows}")
     return {"losses": losses, "steps": len(timer.step_ends), "tokens_per_s": tokens / seconds if seconds > 0 else None,
-            "step_seconds": [round(s, 3) for s in timer.step_seconds()], **memory}
+            "step_seconds": [round(s, 3) for s in timer.step_seconds()], "loss_chunk_rows": chunk_rows, **memory}
 
 
 def plan_peak(settings: Settings, shape: str, tok, train_rows, method: str, fields: dict, peft_config=None,

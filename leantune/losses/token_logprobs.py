@@ -3,9 +3,11 @@ loss is divided by) and their log-probabilities, from full logits or from hidden
 
 Every loss in leantune is written once over per-target log-probabilities. They come either from the model's
 logits (the plain path) or from `chunked_logprobs`, which selects the target positions first, then applies the
-output head to `chunk_size` of them at a time, in fp32, and never keeps more than one chunk of logits: the forward
-pass keeps only the hidden states it was given, and the backward pass recomputes each chunk's logits to form its
-gradients (one extra head matmul for the memory of one chunk instead of tokens x vocabulary).
+output head to `chunk_size` of them at a time (the projection in the head's dtype: a bf16 model's runs on tensor
+cores, accumulating in fp32; the log-softmax in fp32; the rows per chunk: `chunk_rows_for`), and never keeps more
+than one chunk of logits: the forward pass keeps only the hidden states it was given, and the backward pass
+recomputes each chunk's logits to form its gradients (one extra head matmul for the memory of one chunk instead of
+tokens x vocabulary).
 """
 
 from __future__ import annotations
@@ -19,8 +21,12 @@ from ..data.collators import IGNORE_INDEX  # the label of a position that is not
 from ..models.output_head import OutputHead
 from .chunk_order import chunk_starts
 
-# One chunk of fp32 logits is at most this large (x3 while its gradient is formed); vocabulary-independent.
+# One chunk of fp32 logits is at most this large (x3 while its gradient is formed); vocabulary-independent. The
+# CPU's chunk (and every device's when its free memory is unknown); `chunk_rows_for` sizes a GPU's.
 CHUNK_BYTES = 64 * 1024 * 1024
+# Rows per chunk at which a GPU's head matmuls reach their speed; and the share of free memory a chunk may take.
+GPU_CHUNK_ROWS = 2048
+GPU_CHUNK_MEMORY_SHARE = 1 / 8
 
 
 def shifted_targets(labels: torch.Tensor) -> torch.Tensor:
@@ -122,6 +128,27 @@ def logprobs_from_logits(logits: torch.Tensor, targets: Targets, temperature: fl
 
 def chunk_tokens_for(vocab_size: int, budget_bytes: int = CHUNK_BYTES) -> int:
     return max(16, budget_bytes // (4 * max(1, vocab_size)))
+
+
+def chunk_rows_for(vocab_size: int, device_type: str = "cpu", free_bytes: int | None = None) -> int:
+    """The chunked head's rows per chunk on this device: matmul efficiency against memory.
+
+    Each chunk runs three head matmuls ([rows, hidden] x [hidden, vocabulary] for its logits, and in the backward
+    its recomputation, the hidden states' gradient and the weight's `grad^T @ hidden`, added in place into one
+    weight-sized sum). A matmul with `rows` rows does ~2 x rows flops per weight element it reads (and the in-place
+    add reads and writes the whole weight-sized sum once per chunk), so with few rows it is memory-bound: on an
+    H100 the fixed CHUNK_BYTES gave 110 rows at a 152k vocabulary and 12.9 ms of memory-bound `addmm_` a step. A
+    GPU's tensor cores need ~1-2k rows to be compute-bound, so a GPU chunk has GPU_CHUNK_ROWS rows, which also
+    makes the weight-gradient adds ~19x fewer. Memory bounds it: the chunk's [rows, vocabulary] fp32 buffers (up
+    to three while its gradient forms) stay within GPU_CHUNK_MEMORY_SHARE of the device's free memory, read once
+    when the settings are resolved (`free_bytes`). On CPU (or with free memory unknown) the chunk stays CHUNK_BYTES'
+    (the CPU's matmuls are fast at any row count, and its memory is the budget), so CPU behaviour is unchanged.
+    Never below that figure; a user's `loss_chunk_size` is used instead of this rule, whatever it gives."""
+    rows = chunk_tokens_for(vocab_size)
+    if device_type == "cpu" or free_bytes is None:
+        return rows
+    fits = int(free_bytes * GPU_CHUNK_MEMORY_SHARE) // (3 * 4 * max(1, vocab_size))
+    return max(rows, min(GPU_CHUNK_ROWS, fits))
 
 
 def chunked_logprobs(hidden: torch.Tensor, head: OutputHead, targets: Targets, chunk_size: int | None = None,
@@ -248,7 +275,10 @@ class HeadGradients:
     nn.Linear head (no hooks or replaced forward, whole here, in the compute dtype) takes each chunk's
     `grad(raw)^T @ hidden` in place, into one buffer (addmm_): autograd would return a fresh weight-sized gradient
     every chunk, a second copy of the head at the peak (0.43 GiB for Qwen2.5-1.5B's tied head in bf16). Any other
-    parameter (a bias, an adapter, a quantized or hooked head) gets autograd's gradient per chunk, added. `result()`:
+    parameter (a bias, an adapter, a quantized or hooked head) gets autograd's gradient per chunk, added. Each add
+    reads and writes the whole weight-sized sum (in the weight's dtype: an fp32 sum would be that second copy), so
+    small chunks make it memory-bound; `chunk_rows_for` gives a GPU chunks of ~2k rows, which makes each add
+    compute-bound and the adds (and their roundings) ~19x fewer than the CPU-sized chunk's. `result()`:
     one gradient per wanted parameter, a zero one (not None) where no chunk ran, for an engine that waits for every
     parameter it saw in the forward (DDP, `capture_hidden_states(head_follows=True)`)."""
 

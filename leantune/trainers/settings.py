@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..generation.backend import TRANSFORMERS, VLLM_COLOCATE, VLLM_SERVER
+from ..losses.token_logprobs import chunk_rows_for
 from ..models.checkpointing import checkpointing_setting
 from ..planning.recommend import micro_batch_group
 
@@ -88,11 +89,17 @@ class Offloading:
 
 @dataclass(frozen=True)
 class HeadSettings:
-    """The log-prob engine's (parts/logprob_engine.py): the device its path runs on, the head's chunk, offloading."""
+    """The log-prob engine's (parts/logprob_engine.py): the device its path runs on, the head's chunk (the user's
+    `loss_chunk_size`, else the rule's from the device's free memory, read once here), offloading."""
 
     device_type: str
-    loss_chunk_size: int
+    loss_chunk_size: int | None
     offloading: Offloading
+    free_memory_bytes: int | None = None  # a CUDA device's free memory when the settings were resolved
+
+    def chunk_rows(self, vocab_size: int) -> int:
+        """The chunked head's rows per chunk: the user's, else losses/token_logprobs.py's `chunk_rows_for`."""
+        return self.loss_chunk_size or chunk_rows_for(vocab_size, self.device_type, self.free_memory_bytes)
 
 
 @dataclass(frozen=True)
@@ -160,13 +167,18 @@ def resolve_settings(args, online: bool, layout: Layout) -> TrainerSettings:
                                    getattr(args, "router_aux_loss_coef", None)),
         head=HeadSettings(args.device.type, args.loss_chunk_size,
                           Offloading(args.activation_offloading, args.activation_offloading_min_bytes,
-                                     args.activation_offloading_use_streams)),
+                                     args.activation_offloading_use_streams), free_memory_of(args.device)),
         batch=BatchSettings(args.per_device_train_batch_size, args.gradient_accumulation_steps, args.world_size,
                             getattr(args, "steps_per_generation", None) if online else None, group, per_row),
         reference=reference_of(args),
         round_report=RoundReportSettings(args.num_generations, args.eval_num_generations,
                                          args.num_completions_to_print, args.max_completion_length) if online else None,
     )
+
+
+def free_memory_of(device: torch.device) -> int | None:
+    """A CUDA device's free memory now (the models already on it), for the head's chunk rule; None elsewhere."""
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
 
 
 def reference_of(args) -> ReferenceSettings:

@@ -109,6 +109,7 @@ class LogProbEngine:
         self.notice_temperature = notice_temperature
         self._offloader = None
         self._heads = weakref.WeakKeyDictionary()  # model object -> {temperature: its OutputHead}
+        self.chunk_rows = {}  # vocabulary size -> the chunked head's rows per chunk (HeadSettings.chunk_rows)
         if settings.offloading.enabled:
             log_offloading_scope(logger)
 
@@ -167,7 +168,8 @@ class LogProbEngine:
         holds it, a reference), not in every forward pass: its module and fixed transform do not change."""
         heads = self._heads.setdefault(model, {})
         if temperature not in heads:
-            heads[temperature] = OutputHead.of(model, temperature)
+            heads[temperature] = head = OutputHead.of(model, temperature)
+            self.chunk_rows.setdefault(head.vocab_size, self.settings.chunk_rows(head.vocab_size))
         return heads[temperature]
 
     def offloading_scope(self, model):
@@ -251,7 +253,7 @@ class LogProbEngine:
             if stats:
                 return TargetScores(result[0], targets, outputs, stats={"top1": result[1]}, hidden=hidden)
             return TargetScores(result, targets, outputs, hidden=hidden)
-        result = chunked_logprobs(hidden, head, targets, self.settings.loss_chunk_size, with_entropy, entropy_grad,
+        result = chunked_logprobs(hidden, head, targets, self.chunk_rows[head.vocab_size], with_entropy, entropy_grad,
                                   stats)
         if not (with_entropy or stats):
             return TargetScores(result, targets, outputs, hidden=hidden)
@@ -268,7 +270,7 @@ class LogProbEngine:
             hidden, outputs = self.forward_hidden(model, inputs, head)
             if len(targets):
                 return (*liger_nll_sum(hidden, head, targets), targets, outputs)
-            return -chunked_logprobs(hidden, head, targets, self.settings.loss_chunk_size).sum(), None, targets, outputs
+            return -chunked_logprobs(hidden, head, targets, self.chunk_rows[head.vocab_size]).sum(), None, targets, outputs
         scores = self.target_logprobs(model, inputs, labels, shifted=shifted)
         return -scores.logps.sum(), None, scores.targets, scores.outputs
 
