@@ -133,13 +133,13 @@ def round_builder(trainer, args, tokenizer) -> RoundBuilder:
                         trainer.attach_policy_scores, trainer.scores_policy_on_policy)
     accelerator, ring = trainer.accelerator, trainer.context_parallel
     device, float_dtype = args.device, deepspeed_float_dtype(accelerator)
-    if ring.size > 1:  # each process scores its part of every sequence, inside the ring
+    if ring.size > 1:  # each process scores its part of every sequence, inside the ring (placed once it is split)
         def lay_out(model, batch):
             context, laid = trainer._prepare_context_parallel_inputs(model, batch)
-            return context, on_device(laid, device, float_dtype)
+            return context, lambda: on_device(laid, device, float_dtype)
     else:
         def lay_out(model, batch):
-            return contextlib.nullcontext, on_device(batch, device, float_dtype)
+            return contextlib.nullcontext, lambda: on_device(batch, device, float_dtype)
     reference = (lambda: trainer.reference.scope(trainer.model)) if trainer.reference_wanted(args) else None
     scoring = RoundScoring(lambda: trainer.model_wrapped, lay_out, reference, trainer.logprobs.target_logprobs,
                            trainer.scoring_temperature, ring if ring.size > 1 else None)

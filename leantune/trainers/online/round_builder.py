@@ -72,7 +72,7 @@ class MethodHooks:
 @dataclass(frozen=True)
 class RoundScoring:
     """How the round's micro-batches are scored before training: `policy()` the wrapped model now; `lay_out(model,
-    batch)` -> (the ring's context, the batch on the training device); `reference()` the reference's scope (None: the
+    batch)` -> (the ring's context, what places the batch on the training device, called inside it); `reference()` the reference's scope (None: the
     method reads no reference); the log-prob engine's `target_logprobs` at `temperature`; `ring` the
     context-parallel group (None without one)."""
 
@@ -263,8 +263,9 @@ class RoundBuilder:
         try:
             for batch in batches:
                 # under context parallelism each process scores its part of every sequence, inside the ring
-                ring, on_device = scoring.lay_out(model, batch)
+                ring, placed = scoring.lay_out(model, batch)
                 with ring():
+                    on_device = placed()  # inside the ring: its split is what the model reads
                     if policy_too:
                         self.hooks.attach_policy_scores(batch, model, on_device)
                     if scoring.reference is not None:
