@@ -16,11 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ...data.collators import IGNORE_INDEX, MODEL_INPUTS, CausalLMCollator, prompt_completion_row, sequence_starts
+from ...data.collators import MODEL_INPUTS, CausalLMCollator, prompt_completion_row
 from ...data.prompt_preparation import PROMPT_IDS
 from ...generation import Completions
-from ...losses.token_logprobs import Targets, select_targets, target_sequences
+from ...losses.token_logprobs import Targets
 from ...rewards import RewardScores
+from ..parts.batches import count_labelled_targets, labelled_sequences, labelled_targets
 from ..parts.context_parallel import ORDINAL_KEY
 from ..parts.oom_retry import EXAMPLES, KeptExamples
 from .shared_prompt import batch_target_sequences, batch_targets, count_batch_targets, shared_prompt_batch
@@ -35,22 +36,6 @@ class TargetReading:
     targets: Callable[[dict], Targets]
     sequences: Callable[[dict, Targets], torch.Tensor]
     count: Callable[[dict], int]
-
-
-def labelled_targets(batch: dict) -> Targets:
-    """A micro-batch's targets from its labels (`shift_labels` once it is laid out for the ring)."""
-    if "shift_labels" in batch:
-        return select_targets(batch["shift_labels"], shifted=True)
-    return select_targets(batch["labels"])
-
-
-def labelled_sequences(batch: dict, targets: Targets) -> torch.Tensor:
-    """Which example of the micro-batch each target belongs to (its rows, or its padding-free row's segments)."""
-    return target_sequences(targets, sequence_starts(batch))
-
-
-def count_labelled_targets(batch: dict) -> int:
-    return int((batch["labels"][..., 1:] != IGNORE_INDEX).sum())
 
 
 LABELLED_TARGETS = TargetReading(labelled_targets, labelled_sequences, count_labelled_targets)

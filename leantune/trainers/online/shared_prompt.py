@@ -26,9 +26,10 @@ import logging
 import numpy as np
 import torch
 
-from ...data.collators import IGNORE_INDEX, round_up, sequence_starts
-from ...losses.token_logprobs import Targets, select_targets, target_sequences
+from ...data.collators import round_up
+from ...losses.token_logprobs import Targets
 from ...models.segment_attention import SEGMENT_SDPA
+from ..parts.batches import count_labelled_targets, labelled_sequences, labelled_targets
 
 SHARED_PROMPT_OF = "shared_prompt_of"  # the model input segment attention reads (per segment: its prompt, or -1)
 TARGET_KEYS = ("target_index", "target_tokens", "target_sequence")
@@ -97,10 +98,8 @@ def is_shared(batch: dict) -> bool:
 
 def batch_targets(batch: dict) -> Targets:
     """A scored micro-batch's targets: a shared row's own, else its `shift_labels` (laid out for the ring) or `labels`."""
-    if "shift_labels" in batch:
-        return select_targets(batch["shift_labels"], shifted=True)
-    if not is_shared(batch):
-        return select_targets(batch["labels"])
+    if "shift_labels" in batch or not is_shared(batch):
+        return labelled_targets(batch)
     return Targets(batch["target_index"], batch["target_tokens"], batch["input_ids"].shape)
 
 
@@ -108,11 +107,11 @@ def batch_target_sequences(batch: dict, targets: Targets) -> torch.Tensor:
     """Which example of the micro-batch each target belongs to."""
     if is_shared(batch):
         return batch["target_sequence"].to(targets.index.device)
-    return target_sequences(targets, sequence_starts(batch))
+    return labelled_sequences(batch, targets)
 
 
 def count_batch_targets(batch: dict) -> int:
-    return int(batch["target_index"].numel()) if is_shared(batch) else int((batch["labels"][..., 1:] != IGNORE_INDEX).sum())
+    return int(batch["target_index"].numel()) if is_shared(batch) else count_labelled_targets(batch)
 
 
 def shared_prompt_problem(model) -> str | None:

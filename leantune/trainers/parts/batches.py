@@ -1,5 +1,6 @@
 """Batches as Trainer's loop hands them to the model, done by our own code instead of transformers' private helpers:
-the dataset columns a trainer keeps, and a collated batch placed on the training device."""
+the dataset columns a trainer keeps, a collated batch placed on the training device, and its targets read from its
+labels."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from collections.abc import Mapping
 
 import torch
 
+from ...data.collators import IGNORE_INDEX, sequence_starts
+from ...losses.token_logprobs import Targets, select_targets, target_sequences
 from .nonfinite import ROW_INDEX
 
 
@@ -39,3 +42,19 @@ def on_device(batch, device, float_dtype=None):
 def placed(trainer, batch):
     """`batch` on the trainer's device, as its training step would place it."""
     return on_device(batch, trainer.args.device, deepspeed_float_dtype(trainer.accelerator))
+
+
+def labelled_targets(batch: dict) -> Targets:
+    """A micro-batch's targets from its labels (`shift_labels` once it is laid out for the ring)."""
+    if "shift_labels" in batch:
+        return select_targets(batch["shift_labels"], shifted=True)
+    return select_targets(batch["labels"])
+
+
+def labelled_sequences(batch: dict, targets: Targets) -> torch.Tensor:
+    """Which example of the micro-batch each target belongs to (its rows, or its padding-free row's segments)."""
+    return target_sequences(targets, sequence_starts(batch))
+
+
+def count_labelled_targets(batch: dict) -> int:
+    return int((batch["labels"][..., 1:] != IGNORE_INDEX).sum())
