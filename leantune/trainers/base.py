@@ -96,7 +96,7 @@ class LeantuneTrainer(MethodHooks, TrainerAttributes, Trainer):
         self.callback_handler.callbacks.insert(0, GradientCheck(
             self.accelerator, lambda model, grad_norm: self.nonfinite.check_step(model, grad_norm)))
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            leave_process_group_at_exit()  # no abort at interpreter exit (trainers/parts/distributed.py)
+            leave_process_group_at_exit(self.release_parallel_wrappers)  # no abort at exit (parts/distributed.py)
         # a collective that timed out, named (trainers/parts/distributed.py); one process runs no collective
         self.collective_timeouts = (functools.partial(named_collective_timeouts, args) if args.world_size > 1
                                     else contextlib.nullcontext)
@@ -294,6 +294,12 @@ class LeantuneTrainer(MethodHooks, TrainerAttributes, Trainer):
 
     def training_summary(self) -> dict:
         return {**self.run_metrics.summary(), **self.nonfinite.summary()}
+
+    def release_parallel_wrappers(self) -> None:
+        """At interpreter exit (parts/distributed.py): the DDP wrapper's reducer holds the process group, so it goes
+        before the group is destroyed; the unwrapped model stays."""
+        self.model_wrapped = self.model
+        self.accelerator.free_memory()  # accelerate's own release of what it prepared
 
     def log(self, logs: dict, start_time: float | None = None) -> None:
         # A training step's log, or the run's closing summary (which takes the values since the last step's log)

@@ -21,8 +21,11 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import gc
 import logging
 import os
+import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -172,15 +175,21 @@ def timeout_explained(args, error: RuntimeError) -> ProcessGroupTimeout:
 
 
 _leaves_at_exit = False
+_releases_at_exit: list[weakref.WeakMethod] = []
 
 
-def leave_process_group_at_exit() -> None:
-    """Destroy the process group when the interpreter exits, before its teardown.
+def leave_process_group_at_exit(release_wrappers: Callable[[], None]) -> None:
+    """Destroy the process group when the interpreter exits, before its teardown, after `release_wrappers` (a
+    trainer's bound method, held weakly) dropped that trainer's data-parallel wrapper.
 
     A script that ends without `destroy_process_group()` (TRL's and most users' scripts) leaves it to C++ destructors
     at exit, where a gloo group's worker threads can abort the process ("terminate called without an active
-    exception", SIGABRT) after all its work is done, and the launcher then reports a failed run."""
+    exception", SIGABRT) after all its work is done, and the launcher then reports a failed run. Destroying the group
+    is not enough while a trainer the script still holds keeps its DDP wrapper: the wrapper's reducer holds the group,
+    which then goes only with the interpreter's teardown (an intermittent abort under load, seen in
+    tests/trainers/test_resume.py's two-process run)."""
     global _leaves_at_exit
+    _releases_at_exit.append(weakref.WeakMethod(release_wrappers))
     if _leaves_at_exit:
         return
     _leaves_at_exit = True
@@ -188,8 +197,14 @@ def leave_process_group_at_exit() -> None:
 
 
 def _leave_process_group() -> None:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        try:
-            torch.distributed.destroy_process_group()
-        except Exception as error:  # exiting anyway: say why the group could not be left, never raise
-            logger.debug("Could not destroy the process group at exit: %s", error)
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    try:
+        for reference in _releases_at_exit:
+            release = reference()
+            if release is not None:
+                release()
+        gc.collect()  # the wrappers' reducers, and the group they hold, go now, while the interpreter is whole
+        torch.distributed.destroy_process_group()
+    except Exception as error:  # exiting anyway: say why the group could not be left, never raise
+        logger.debug("Could not leave the process group at exit: %s", error)
