@@ -53,7 +53,11 @@ PROMPTS = [[1, 15, 27, 99], [1, 42], [1, 7, 7, 300, 12]]
 ATTACKS = ("trickle", "huge_length", "two_lengths", "foreign_host", "foreign_origin", "page_close", "no_token",
            "half_update")
 MAX_THREADS = 64  # the server's threads stay under this whatever the clients do (no thread per connection)
-LOGPROB_TOLERANCE = 1e-5  # the same model, same float ops: log-probs of magnitude ~1-10 agree to fp32 rounding
+# The same model in fp32. The transformers engine runs the same float ops: log-probs of magnitude ~1-10 agree to fp32
+# rounding. vLLM's own kernels sum in another order (tests/generation/test_vllm_cpu.py holds the same 1e-4); an
+# update's change moves them by ~1e-1, far above either.
+LOGPROB_TOLERANCE = {"transformers": 1e-5, "vllm": 1e-4}
+FIXTURE_TOKENIZER = REPO / "tests" / "fixtures" / "shared" / "tokenizers" / "mistral-7b-v0.1"
 
 
 @dataclass
@@ -76,23 +80,30 @@ class Tally:
                 self.accepted.append(kind)
 
 
-def tiny_model_dir(folder: Path) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def tiny_model_dir(folder: Path, engine: str = "transformers") -> Path:
+    """A tiny random Llama. For vLLM: head size 32 (vLLM's CPU attention has no kernel for 16) and a real tokenizer
+    (vLLM loads one; the repository's fixture copy, so the soak needs nothing beside the clone)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0,
-                         bos_token_id=1, eos_token_id=2)
+    tokenizer = AutoTokenizer.from_pretrained(str(FIXTURE_TOKENIZER)) if engine == "vllm" else None
+    config = LlamaConfig(vocab_size=len(tokenizer) if tokenizer else 512, hidden_size=128 if tokenizer else 64,
+                         intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     LlamaForCausalLM(config).save_pretrained(folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
     return folder
 
 
 def start_server(model_dir: Path, log_path: Path, args) -> tuple[subprocess.Popen, str, str]:
     """`leantune vllm-serve` as the README starts it (no token given: it makes one); (process, url, token)."""
     env = {key: value for key, value in os.environ.items() if key != "LEANTUNE_VLLM_SERVER_TOKEN"}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    # vLLM on CPU: 1 GiB of KV cache (its default would take most of the machine's memory)
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
     command = [args.python, "-m", "leantune.cli.main", "vllm-serve", "--model", str(model_dir), "--port", "0",
-               "--engine", args.engine, "--head_timeout", str(args.head_timeout), "--socket_timeout", "5",
+               "--engine", args.engine, "--dtype", "float32", "--max_model_len", "256",
+               "--head_timeout", str(args.head_timeout), "--socket_timeout", "5",
                "--update_expiry", str(args.update_expiry)]
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
@@ -148,7 +159,7 @@ def authenticated(url: str, token: str, tally: Tally, until: float, max_requests
 
 
 def updater(url: str, token: str, names_and_shapes: dict, tally: Tally, until: float, every: float,
-            committed: list) -> None:
+            committed: list, chunk_bytes: int) -> None:
     """A complete weight update every `every` seconds; `committed` ends with the last one the server applied."""
     client = VLLMServerClient(url, request_timeout=60.0, token=token)
     version = 0
@@ -157,7 +168,7 @@ def updater(url: str, token: str, names_and_shapes: dict, tally: Tally, until: f
         generator = torch.Generator().manual_seed(1000 + version)
         tensors = {name: torch.randn(shape, generator=generator) * 0.05 for name, shape in names_and_shapes.items()}
         try:
-            client.update_weights(list(tensors.items()), chunk_bytes=256 * 1024)
+            client.update_weights(list(tensors.items()), chunk_bytes=chunk_bytes)
             committed.append(tensors)
             with tally.lock:
                 tally.updates += 1
@@ -279,7 +290,7 @@ def run_soak(args) -> dict:
     """Run the soak; the measured numbers and the invariants' outcomes."""
     with tempfile.TemporaryDirectory(prefix="leantune-soak-") as folder:
         folder = Path(folder)
-        model_dir = tiny_model_dir(folder / "model")
+        model_dir = tiny_model_dir(folder / "model", args.engine)
         from transformers import AutoModelForCausalLM
 
         names_and_shapes = {name: tuple(t.shape)
@@ -292,7 +303,7 @@ def run_soak(args) -> dict:
         threads = [threading.Thread(target=authenticated, args=(url, token, tally, until, args.max_requests, i),
                                     daemon=True) for i in range(args.auth)]
         threads.append(threading.Thread(target=updater, daemon=True, args=(
-            url, token, names_and_shapes, tally, until, args.update_every, committed)))
+            url, token, names_and_shapes, tally, until, args.update_every, committed, args.chunk_bytes)))
         threads += [threading.Thread(target=hostile, daemon=True, args=(
             ATTACKS[i % len(ATTACKS)], url, token, tally, until, args, names_and_shapes)) for i in range(args.hostile)]
         started = time.monotonic()
@@ -336,7 +347,7 @@ def invariants(result: dict) -> dict[str, bool]:
         "every authenticated request answered": result["unanswered"] == 0 and result["served"] > 0,
         "no attack accepted": not result["attacks_accepted"],
         "weights equal the last complete update": result["updates_committed"] > 0
-        and result["weights_gap"] <= LOGPROB_TOLERANCE < result["previous_gap"],
+        and result["weights_gap"] <= LOGPROB_TOLERANCE[result["engine"]] < result["previous_gap"],
         f"server threads under {MAX_THREADS}": result["threads_max"] is not None
         and result["threads_max"] < MAX_THREADS,
         "server exited 0, no traceback": result["server_exit"] == 0 and not result["traceback_in_log"],
@@ -376,6 +387,9 @@ def parse(argv=None):
     parser.add_argument("--hostile", type=int, default=100, help="hostile clients")
     parser.add_argument("--max-requests", type=int, default=1000, help="requests per authenticated client at most")
     parser.add_argument("--update-every", type=float, default=2.0, help="seconds between complete weight updates")
+    parser.add_argument("--chunk-bytes", type=int, default=256 * 1024,
+                        help="an update's chunk size (small: many chunks a transaction; each waits its turn behind "
+                             "the generations in flight)")
     parser.add_argument("--trickle-gap", type=float, default=3.0, help="seconds between a trickled head's bytes")
     parser.add_argument("--head-timeout", type=float, default=10.0, help="the server's --head_timeout")
     parser.add_argument("--update-expiry", type=float, default=5.0, help="the server's --update_expiry")

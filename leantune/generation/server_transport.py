@@ -26,6 +26,12 @@ class DeadlinePassed(TimeoutError):
     """The whole request took longer than its deadline."""
 
 
+class ClosedWhileSending(ConnectionError):
+    """The server closed the connection before it had the whole request: a full house answers 503 before reading a
+    body and closes, so a client still sending a big one (an update's chunk) sees a reset instead of the 503. The
+    server acts on a request only once its body is whole, so nothing of it was done: it may be sent again."""
+
+
 def goes_direct(url: str) -> bool:
     """Whether a request to `url` skips proxies: a loopback host, or one that `no_proxy` names."""
     host = urlparse(url).hostname or ""
@@ -53,12 +59,20 @@ def request(method: str, url: str, data: bytes | None, headers: dict, seconds: f
     except Exception as error:
         if deadline.passed or _is_timeout(error):
             raise DeadlinePassed(f"no whole answer within {seconds:g} s") from None
+        if _lost_while_sending(error):
+            raise ClosedWhileSending(str(error.reason)) from error
         raise
     finally:
         timer.cancel()
     if deadline.passed:  # an answer without a length may have been cut short
         raise DeadlinePassed(f"no whole answer within {seconds:g} s")
     return status, body
+
+
+def _lost_while_sending(error: Exception) -> bool:
+    """urllib wraps an error of the request's sending in URLError; one of reading the answer comes unwrapped."""
+    return isinstance(error, urllib.error.URLError) and not isinstance(error, urllib.error.HTTPError) and isinstance(
+        error.reason, (ConnectionResetError, BrokenPipeError))
 
 
 def _is_timeout(error: Exception) -> bool:

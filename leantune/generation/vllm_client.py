@@ -12,7 +12,8 @@ gathering, and all wait for the update to land before any generates again. The s
 Every request carries the server's token (`LEANTUNE_VLLM_SERVER_TOKEN`, else for a loopback URL the token file the
 server wrote; server_access), goes direct for a loopback or `no_proxy` host, must be answered whole within
 `vllm_server_request_timeout` seconds (a deadline over connect, send and every read: server_transport; past it, a
-VLLMServerError naming the server), and is sent again while the server answers 503 (busy), within that time.
+VLLMServerError naming the server), and is sent again while the server answers 503 (busy) or closes the connection
+before it has the whole request (its 503 to a big body), within that time.
 
 Verified on CPU (tests/generation/test_vllm_server.py) against the server's transformers engine.
 """
@@ -31,7 +32,7 @@ from safetensors.torch import save
 from .sampling import Completions, SamplingSettings, cut_completion
 from .server_access import authorization_header
 from .server_requests import logprobs_from_json, sampling_to_json
-from .server_transport import DeadlinePassed, request
+from .server_transport import ClosedWhileSending, DeadlinePassed, request
 from .weight_sync import base_model_name_or_path, policy_weights_for_sync
 from .zero3 import is_zero3
 
@@ -147,6 +148,8 @@ class VLLMServerClient:
                                        max(0.001, deadline - time.monotonic()))
             except DeadlinePassed:
                 raise VLLMServerError(_timeout_message(method, url, timeout)) from None
+            except ClosedWhileSending as error:  # the server's 503 before reading the body: nothing was done
+                status, body = 503, json.dumps({"error": f"busy: closed while the request was sent ({error})"}).encode()
             if status == 503 and time.monotonic() + BUSY_RETRY_SECONDS < deadline:
                 time.sleep(BUSY_RETRY_SECONDS)  # busy: all its request slots are taken
                 continue
