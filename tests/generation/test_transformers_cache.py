@@ -69,8 +69,10 @@ def test_a_samplings_generation_config_is_built_once_and_samples_as_generate_doe
     sampling = SamplingSettings(max_new_tokens=8, temperature=0.9, top_k=20, top_p=0.95, repetition_penalty=1.1,
                                 pad_token_id=0, eos_token_ids=(2,), logprobs=False,
                                 extra={"min_new_tokens": 8, "suppress_tokens": [3, 4]})
+    built = []
     for seed in (5, 6):
         drawn = backend.generate(PROMPTS, SamplingSettings(**{**sampling.__dict__, "seed": seed}))
+        built.append(next(iter(backend.configs.values()))[0])
         torch.manual_seed(seed)
         width = max(map(len, PROMPTS))
         ids = torch.tensor([[0] * (width - len(p)) + p for p in PROMPTS])
@@ -80,7 +82,7 @@ def test_a_samplings_generation_config_is_built_once_and_samples_as_generate_doe
                                       temperature=0.9, top_k=20, top_p=0.95, repetition_penalty=1.1, pad_token_id=0,
                                       eos_token_id=[2], use_cache=True, min_new_tokens=8, suppress_tokens=[3, 4])
         assert list(drawn) == expected[:, width:].tolist()
-    assert len(backend.configs) == 1  # two rounds (two seeds), one config
+    assert len(backend.configs) == 1 and built[0] is built[1]  # two rounds (two seeds), one config
     backend.generate(PROMPTS, greedy(4))
     assert len(backend.configs) == 2  # another sampling (an agent's turn, an eval round): its own
 
