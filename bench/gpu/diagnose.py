@@ -9,7 +9,9 @@
 1. `liger_profile`: leantune's Liger row trained at 0.66x TRL's tokens/s (its padded row 0.92x). One warm step of
    each library, Liger and padded, under torch.profiler: the top kernels by device time and the launch count.
 2. `grpo_split`: leantune's GRPO steps took 2.7-10.2 s against TRL's 2.6-3.4 s. Each step's time split into
-   `generate` (timed around the model's own generate, synchronised) and the rest.
+   `generate` (timed around the model's own generate, synchronised) and the rest; leantune twice: its default on
+   CUDA (transformers' static cache, the decode step compiled by transformers) and `cache_implementation="dynamic"`
+   (the dynamic cache, not compiled), to choose the default by measurement.
 3. `long_context`: Llama-3.1-8B QLoRA at 65,536 tokens used 67.9 GiB in leantune, where the planner's line through
    4k and 8k gives ~49. Both libraries' peaks at that length, and for each the live allocations at the peak grouped
    by the first frame outside torch (CUDA's allocator history, replayed here), then one longer probe each.
@@ -142,7 +144,9 @@ def grpo_split(settings: Settings, tok, scratch: Path, report: dict) -> None:
     batch = settings.batch("qwen2.5-1.5b")
     completion = 8 if settings.dry else 64
     vocab = model_config("qwen2.5-1.5b", tok, settings.dry).vocab_size
-    for library in LIBRARIES:
+    for variant, library, own in (("leantune", "leantune", {}),
+                                  ("leantune/dynamic_cache", "leantune", {"cache_implementation": "dynamic"}),
+                                  ("trl", "trl", {})):
         model = build_model(settings, "qwen2.5-1.5b", tok)
         generate, spent, clock = model.generate, [], StepClock(settings, profile_step=None)
 
@@ -160,15 +164,15 @@ def grpo_split(settings: Settings, tok, scratch: Path, report: dict) -> None:
             settings, str(scratch / f"grpo-{library}"), max_steps=4, per_device_train_batch_size=batch,
             num_generations=batch, max_completion_length=completion, temperature=1.0, beta=0.0, loss_type="dapo",
             shuffle_dataset=False, generation_kwargs={"min_new_tokens": completion,
-                                                      "suppress_tokens": list(range(len(tok), vocab))})))
+                                                      "suppress_tokens": list(range(len(tok), vocab))}), own))
         trainer = trainer_cls(model=model, args=args, processing_class=tok, reward_funcs=length_reward,
                               train_dataset=dataset(prompt_rows(4 * batch, 32 if settings.dry else 128)))
         trainer.add_callback(clock.callback)
         trainer.train()
-        report[library] = {"step_seconds": clock.steps, "between_step_ends": clock.between_ends,
+        report[variant] = {"step_seconds": clock.steps, "between_step_ends": clock.between_ends,
                            "generate_seconds": spent,
                            "generate_calls": len(spent)}
-        log(settings, f"grpo_split {library}: steps {clock.steps}, generate {spent}")
+        log(settings, f"grpo_split {variant}: steps {clock.steps}, generate {spent}")
         del model, trainer
         free_memory()
 

@@ -309,6 +309,44 @@ class TokenCounter:
         self.handle.remove()
 
 
+class GenerationClock:
+    """Each step's seconds in the online trainer's generating call (synchronised on CUDA): leantune's
+    `GenerationSession.generate`, TRL's `_generate_single_turn`; the rest of a step is its time without them. Does
+    nothing for a trainer that does not generate."""
+
+    def __init__(self, trainer, timer):
+        import torch
+
+        self.timer, self.per_step, self.owner = timer, {}, None
+        session = getattr(trainer, "generation", None)
+        self.owner, self.name = (session, "generate") if hasattr(session, "generate") \
+            else (trainer, "_generate_single_turn") if hasattr(trainer, "_generate_single_turn") else (None, None)
+        if self.owner is None:
+            return
+        original = getattr(self.owner, self.name)
+        sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+
+        def timed(*args, **kwargs):
+            sync()
+            began = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                sync()
+                step = len(self.timer.step_ends)
+                self.per_step[step] = self.per_step.get(step, 0.0) + time.perf_counter() - began
+
+        setattr(self.owner, self.name, timed)
+
+    def split(self, step_seconds: list[float]) -> dict:
+        """Per step: seconds generating and the rest of the step (empty for a trainer that does not generate)."""
+        if self.owner is None:
+            return {}
+        generation = [round(self.per_step.get(i, 0.0), 3) for i in range(len(step_seconds))]
+        return {"generation_seconds": generation,
+                "rest_seconds": [round(s - g, 3) for s, g in zip(step_seconds, generation)]}
+
+
 def train_measured(settings: Settings, trainer, model) -> dict:
     """Train `trainer` (built with max_steps) and measure: per-step losses, tokens/s after the warm-up step, peak
     memory. `model` is the module the trainer's forward calls (for the token count)."""
@@ -317,6 +355,7 @@ def train_measured(settings: Settings, trainer, model) -> dict:
     timer = make_step_timer(1)
     trainer.add_callback(timer)
     counter = TokenCounter(model, timer)
+    clock = GenerationClock(trainer, timer)
     losses: list[float] = []
     training_step = trainer.training_step
 
@@ -341,7 +380,8 @@ def train_measured(settings: Settings, trainer, model) -> dict:
     if chunk_rows:
         log(settings, f"chunked head rows per chunk (vocabulary: rows): {chunk_rows}")
     return {"losses": losses, "steps": len(timer.step_ends), "tokens_per_s": tokens / seconds if seconds > 0 else None,
-            "step_seconds": [round(s, 3) for s in timer.step_seconds()], "loss_chunk_rows": chunk_rows, **memory}
+            "step_seconds": [round(s, 3) for s in timer.step_seconds()], "loss_chunk_rows": chunk_rows, **memory,
+            **clock.split(timer.step_seconds())}
 
 
 def plan_peak(settings: Settings, shape: str, tok, train_rows, method: str, fields: dict, peft_config=None,

@@ -4,6 +4,7 @@ keeps what it measured) and raises on failure; bench/gpu/kit.py runs them, times
 from __future__ import annotations
 
 import random
+import statistics
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -113,7 +114,8 @@ def run_pair(ctx: Context, row: dict, method: str, shape: str, train_rows: list[
         else:
             rerun = run_library("leantune", **run, label="leantune (warm rerun)")
             lt["warm_rerun"] = {k: rerun[k] for k in ("losses", "tokens_per_s", "step_seconds", "max_allocated_gib",
-                                                      "run_s", "error") if k in rerun}
+                                                      "run_s", "error", "generation_seconds", "rest_seconds")
+                                if k in rerun}
             if "error" not in rerun:
                 lt["tokens_per_s"] = rerun["tokens_per_s"]
     del shared_4bit, run
@@ -443,7 +445,22 @@ def grpo(ctx: Context, row: dict) -> None:
               "generation_kwargs": {"min_new_tokens": completion, "suppress_tokens": list(range(len(ctx.tok), vocab))}}
     run_pair(ctx, row, "GRPO", shape, prompt_rows(settings.steps() * batch, 32 if settings.dry else 128), fields,
              compare=False, trainer_kwargs={"reward_funcs": length_reward})
-    row["summary"] = "losses not compared: sampled completions"
+    row["step_split"] = step_split(row["libraries"])
+    parts = [f"{name} {split['generation_s']:.3f} + {split['rest_s']:.3f}" for name, split in row["step_split"].items()]
+    row["summary"] = (f"losses not compared: sampled completions; after the first step, median s generating + the rest "
+                      f"of the step: {', '.join(parts)}")
+
+
+def step_split(libraries: dict) -> dict:
+    """Median seconds per step after the first (the warm-up): generating, and the rest of the step; leantune's from
+    its warm rerun where it ran (TRL's run follows leantune's first, so it is warm too)."""
+    runs = {"leantune (cold)": libraries["leantune"], "trl": libraries["trl"]}
+    rerun = libraries["leantune"].get("warm_rerun")
+    if isinstance(rerun, dict) and "generation_seconds" in rerun:
+        runs["leantune (warm)"] = rerun
+    return {name: {"generation_s": statistics.median(run["generation_seconds"][1:]),
+                   "rest_s": statistics.median(run["rest_seconds"][1:])}
+            for name, run in runs.items() if len(run.get("generation_seconds", [])) > 1}
 
 
 # --- longest context ----------------------------------------------------------------------------------------------

@@ -19,8 +19,10 @@ import contextlib
 import functools
 from typing import Protocol
 
+from accelerate.utils import DistributedType
+
 from .sampling import Completions, SamplingSettings
-from .transformers_backend import TransformersBackend
+from .transformers_backend import TransformersBackend, resolve_cache_implementation
 from .vllm_client import VLLMServerBackend
 from .vllm_colocate import VLLMColocateBackend, require_colocated_vllm
 from .zero3 import gathered_for_generation, is_zero3
@@ -60,10 +62,21 @@ def backend_factory(engine: str, args, tokenizer, accelerator):
         gathers = args.ds3_gather_for_generation and is_zero3(accelerator)
         scope = functools.partial(gathered_for_generation, accelerator=accelerator) if gathers \
             else contextlib.nullcontext
+        cache = resolve_cache_implementation(getattr(args, "cache_implementation", None), accelerator.device,
+                                             plain_module(accelerator))
         return functools.partial(TransformersBackend, accelerator=accelerator,
-                                 max_batch_size=args.max_completions_per_generate, generation_scope=scope)
+                                 max_batch_size=args.max_completions_per_generate, generation_scope=scope,
+                                 cache_implementation=cache)
     backend = VLLMColocateBackend if engine == VLLM_COLOCATE else VLLMServerBackend
     return functools.partial(backend, args, tokenizer=tokenizer, accelerator=accelerator)
+
+
+def plain_module(accelerator) -> bool:
+    """The policy is one whole module between generate calls: not sharded (ZeRO-3, FSDP), no context-parallel ring
+    (whose hooks are suspended for generation)."""
+    config = getattr(accelerator, "parallelism_config", None)
+    ring = config is not None and config.cp_enabled
+    return not (is_zero3(accelerator) or accelerator.distributed_type == DistributedType.FSDP or ring)
 
 
 def make_backend(engine: str, args, model, tokenizer, accelerator) -> GenerationBackend:

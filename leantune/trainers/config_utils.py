@@ -44,7 +44,6 @@ def validate_batch_sizes(args) -> None:
 # its entry here. Fields a config does not have are skipped.
 UNSUPPORTED_TRL_FIELDS: dict[str, str] = {
     # GRPO, RLOO: generation
-    "cache_implementation": "transformers' generate uses the model's default cache; `use_vllm=True` generates faster",
     "vllm_model_impl": "leantune's vLLM engine uses vLLM's own model implementation",
     "vllm_structured_outputs_regex": "completions are sampled freely; check their form in a reward function",
     "vllm_group_port": "`vllm_mode='server'` syncs weights over HTTP on `vllm_server_port`",

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from transformers import TrainingArguments
+from transformers.generation.configuration_utils import ALL_CACHE_IMPLEMENTATIONS
 
 from ..generation.backend import TRANSFORMERS
 from .config_utils import (
@@ -150,11 +151,14 @@ class OnlineConfig(MemoryOptions, CausalLMOptions, ReferenceSyncOptions, Trainin
         default=True, metadata={"help": "Log images and other media with completions (no effect: text only)."}
     )
 
+    cache_implementation: str | None = field(
+        default=None, metadata={"help": "KV cache of transformers' generate ('static', 'dynamic', ...). Default: "
+                                "'static' on a CUDA device (transformers compiles its decode step), else the model's "
+                                "own cache."}
+    )
+
     # TRL fields leantune does not implement yet: a value other than the default is refused (config_utils.py).
     log_unique_prompts: bool = field(default=False, metadata={"help": "Log each prompt once. Not supported yet."})
-    cache_implementation: str | None = field(
-        default=None, metadata={"help": "KV-cache kind of transformers' generate. Not supported yet."}
-    )
     vllm_model_impl: str = field(
         default="vllm", metadata={"help": "vLLM's model code: vllm or transformers. Not supported yet (vllm)."}
     )
@@ -216,6 +220,9 @@ def validate_online_config(args: OnlineConfig) -> None:
     for name in ("num_generations", "num_generations_eval", "max_completion_length", "num_iterations",
                  "vllm_tensor_parallel_size"):
         positive_or_none(getattr(args, name), name)
+    if args.cache_implementation is not None and args.cache_implementation not in ALL_CACHE_IMPLEMENTATIONS:
+        raise ValueError(f"`cache_implementation` must be one of transformers' {list(ALL_CACHE_IMPLEMENTATIONS)} "
+                         f"or None, got {args.cache_implementation!r}.")
     if args.num_generations < args.min_num_generations:
         raise ValueError(f"`num_generations` must be at least 2 (a group needs a baseline), got {args.num_generations}.")
     if args.temperature <= 0:
@@ -259,6 +266,9 @@ def validate_vllm_options(args: OnlineConfig) -> None:
             raise ValueError(f"`{name}` has no effect without `use_vllm=True` (completions come from transformers' "
                              f"generate); set `use_vllm=True` or leave `{name}` at its default.")
         return
+    if args.cache_implementation is not None:
+        raise ValueError("`cache_implementation` is the KV cache of transformers' generate; vLLM keeps its own. Leave "
+                         "it unset with `use_vllm=True`.")
     if args.max_completions_per_generate is not None:
         raise ValueError("`max_completions_per_generate` bounds transformers' generate (its KV cache grows with the "
                          "sequences of a call); vLLM reserves its pool at start whatever a call holds. Leave it unset "

@@ -83,6 +83,13 @@ def test_dry_run_trains_every_row_and_losses_agree(tmp_path):
             lt, trl = libraries["leantune"]["losses"], libraries["trl"]["losses"]
             assert row["losses_match"] and row["loss_rtol"] == 1e-4, name
             assert all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(lt, trl)), (name, lt, trl)
+    # GRPO's steps split into generating and the rest, for both libraries (issue 38: the rest of the step)
+    grpo = rows["grpo_qwen2.5-1.5b"]
+    for library in ("leantune", "trl"):
+        result = grpo["libraries"][library]
+        assert len(result["generation_seconds"]) == len(result["rest_seconds"]) == result["steps"], library
+        assert all(g > 0 for g in result["generation_seconds"]), library
+    assert {"leantune (cold)", "trl"} <= set(grpo["step_split"]) and "generating + the rest" in grpo["summary"]
     planned = rows["sft_qwen2.5-1.5b_padded"]["libraries"]["leantune"]
     assert planned["plan_peak_gib"] > 0 and planned["plan_seconds"] > 0  # from the planner's own process
     # leantune's warm rerun (on the GPU every compared row; dry in this one): the same seed gives the same losses
