@@ -2,7 +2,7 @@
 
 - `GenerationSession` (generation_session.py): the backend, weight sync, sleep mode, each round's seeds;
 - `RoundBuilder` (round_builder.py): prompt rows -> completions -> rewards -> scored micro-batches with the
-  method's loss inputs; `RoundMetrics` (round_metrics.py): what a round reports;
+  method's loss inputs; `RoundMetrics` (metrics/run_metrics.py): what a round reports;
 - `round_loader` (prompt_rounds.py): each round's prompts, once per micro-batch trained on it;
 - `evaluate_rounds` (evaluation.py): held-out prompts' rewards and loss.
 
@@ -29,6 +29,7 @@ from ..data.streaming import is_stream
 from ..generation import SamplingSettings
 from ..generation.backend import TRANSFORMERS, backend_factory, check_backend_requirements
 from ..losses.token_logprobs import TargetScores, per_sequence_sum
+from ..metrics.run_metrics import RoundMetrics
 from ..rewards import RewardFunctions
 from ..rollouts import AgentRollouts
 from .base import LeantuneTrainer
@@ -42,7 +43,6 @@ from .online.round_builder import (
     RoundBuilder,
     RoundScoring,
 )
-from .online.round_metrics import RoundMetrics
 from .parts.batches import deepspeed_float_dtype, on_device
 from .parts.context_parallel import ORDINAL_KEY, cp_size_of, data_parallel_place, gather_once_per_group
 from .parts.frozen_models import prepare_frozen_model
