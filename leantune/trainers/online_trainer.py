@@ -16,7 +16,6 @@ and loss (`OnlineMethod`, with `ScoringNeeds`); shared code names no method.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 from dataclasses import dataclass
 
@@ -44,7 +43,7 @@ from .online.round_builder import (
     RoundScoring,
 )
 from .parts.batches import deepspeed_float_dtype, on_device
-from .parts.context_parallel import ORDINAL_KEY, cp_size_of, data_parallel_place, gather_once_per_group
+from .parts.context_parallel import ORDINAL_KEY, data_parallel_place
 from .parts.frozen_models import prepare_frozen_model
 from .reference import ReferenceModelMixin
 from .settings import generation_engine, generation_of, round_settings_of
@@ -143,13 +142,12 @@ def round_builder(trainer, args, tokenizer) -> RoundBuilder:
     reference = (lambda: trainer.reference.scope(trainer.model)) if trainer.reference_wanted(args) else None
     scoring = RoundScoring(lambda: trainer.model_wrapped, lay_out, reference, trainer.logprobs.target_logprobs,
                            trainer.scoring_temperature, ring if ring.size > 1 else None)
-    grouped = cp_size_of(accelerator) > 1  # a context-parallel group's copies gathered once
-    gather_all = functools.partial(gather_once_per_group, accelerator) if grouped else accelerator.gather
     generation, agent = trainer.generation, trainer.agent
     rollout = None if agent is None else (
         lambda rows: agent.rollout(rows, generation.generate_turn, trainer, generation.step_together))
     return RoundBuilder(settings, generation, trainer.round_metrics, trainer.rewards, tokenizer, hooks, scoring,
-                        trainer.target_reading, data_parallel_place(accelerator), gather_all, accelerator.device,
+                        trainer.target_reading, (ring.data_parallel_rank, ring.data_parallel_size),
+                        ring.gather_once_per_group, accelerator.device,
                         lambda: trainer.state, rollout=rollout, tools=agent is not None and bool(agent.tools),
                         logs_examples=settings.log_completions and trainer.is_world_process_zero())
 
