@@ -233,8 +233,8 @@ def attention_paths(prompt_length: int, completion_length: int, group: int, repe
     import torch
     import torch.nn.functional as F
 
-    from leantune.models.prefix_blocks import build_prefix_blocks, prefix_block_attention
-    from leantune.models.segment_attention import recomputed, recomputed_but_attention
+    from leantune.models.gathered_attention import recomputed
+    from leantune.models.segment_attention import build_prefix_blocks, prefix_block_attention, recomputed_but_attention
 
     lengths, prompt_of = [prompt_length] + [completion_length] * group, [-1] + [0] * group
     row = sum(lengths)

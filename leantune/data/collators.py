@@ -1,4 +1,5 @@
-"""Batch layouts for causal-LM training: padded, padding-free (one flat row) and packed rows.
+"""Batch layouts for causal-LM training: padded, padding-free (one flat row), packed rows, and the online methods'
+shared-prompt rows (`SharedPromptCollator`).
 
 Every layout carries the same loss tokens: a token is a target when its `labels` entry (prepared SFT data) and its
 loss masks allow it and it is not the first token of its sequence, so that no prediction crosses from one sequence
@@ -16,7 +17,8 @@ IGNORE_INDEX = -100
 # The collated entries a causal LM's forward takes (padded or segmented layouts).
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
                 "max_length_k", "shared_prompt_of", "shared_prompt_ring")  # the last two: shared-prompt rows
-# (trainers/online/shared_prompt.py; split over a context-parallel group: shared_prompt_ring.py)
+# (`SharedPromptCollator`; split over a context-parallel group: trainers/parts/shared_prompt_ring.py)
+SHARED_PROMPT_OF = "shared_prompt_of"  # the model input segment attention reads (per segment: its prompt, or -1)
 
 
 def round_up(n: int, multiple: int | None) -> int:
@@ -110,6 +112,85 @@ class CausalLMCollator:
             "cu_seq_lens_k": cu_seq_lens,
             "max_length_q": max_length,
             "max_length_k": max_length,
+            "num_real_tokens": torch.tensor(real),
+        }
+
+
+@dataclass
+class SharedPromptCollator:
+    """Shared-prompt rows (`shared_prompt=True`): each group's prompt passes through a forward once, not G times.
+
+    A micro-batch of prompt + completion examples (`input_ids`, `completion_mask`, and `prompt_length`: where the
+    prompt ends) becomes one row laid out as [prompt, completion_1, ..., completion_G] per group (consecutive examples
+    with the same prompt tokens form a group; a group split between micro-batches or processes shares within each
+    part). Each completion ("branch") restarts its positions at len(prompt), so its rotary positions are those of the
+    unshared row, and segment attention (models/segment_attention.py, `shared_prompt_of`) lets its queries see the
+    prompt's keys and its own causal prefix: every hidden state of a completion token equals the unshared one. The
+    completion's first token is predicted from the prompt's last position, one hidden state that all G branches
+    gather (its gradient summed over them, as the prompt's K/V gradients are). Padding (`pad_to_multiple_of`) is a
+    segment of its own.
+
+    So the targets cannot be read from `labels` (one position predicts G tokens): the batch carries them as flat
+    `target_index` (the position whose hidden state predicts the token), `target_tokens` and `target_sequence` (the
+    example each target belongs to), in the unshared flat order (example after example, token after token), so
+    per-token log-probs, sampling log-probs and the losses line up with the unshared path one to one.
+
+    Why this mechanism: the one-row layout reuses the padding-free machinery (segment offsets, restarting positions,
+    the chunked head's flat target index) and needs nothing that only runs on some devices; the prompt's K/V are
+    computed once with their gradients, so the memory of the prompt's activations is paid once per group, and the
+    attention work per branch is L_b x (L_p + L_b) as in the unshared row. Whether a run uses it:
+    trainers/online/shared_prompt.py.
+    """
+
+    pad_token_id: int
+    pad_to_multiple_of: int | None = None
+
+    def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
+        ids, positions, segments, prompt_of = [], [], [], []
+        target_index, target_tokens, target_sequence = [], [], []
+        last_prompt, prompt_segment, prompt_end = None, -1, 0
+        for n, example in enumerate(examples):
+            tokens, length = list(example["input_ids"]), example["prompt_length"]
+            prompt, completion = tokens[:length], tokens[length:]
+            mask = list(example["completion_mask"])[length:]
+            if prompt != last_prompt:  # a new group: its prompt is a segment of its own
+                last_prompt, prompt_segment = prompt, len(segments)
+                segments.append(len(prompt))
+                prompt_of.append(-1)
+                ids += prompt
+                positions += range(len(prompt))
+                prompt_end = len(ids)
+            if not completion:
+                continue  # nothing to score; the example still counts as a sequence
+            start = len(ids)
+            segments.append(len(completion))
+            prompt_of.append(prompt_segment)
+            ids += completion
+            positions += range(length, length + len(completion))
+            for j, (token, kept) in enumerate(zip(completion, mask)):
+                if kept:
+                    target_index.append(prompt_end - 1 if j == 0 else start + j - 1)
+                    target_tokens.append(token)
+                    target_sequence.append(n)
+        real = len(ids)
+        padding = round_up(real, self.pad_to_multiple_of) - real
+        if padding:
+            segments.append(padding)
+            prompt_of.append(-1)
+            ids += [self.pad_token_id] * padding
+            positions += range(padding)
+        cu_seq_lens = torch.from_numpy(np.concatenate(([0], np.cumsum(segments))).astype(np.int32))
+        return {
+            "input_ids": torch.tensor([ids], dtype=torch.long),
+            "position_ids": torch.tensor([positions], dtype=torch.long),
+            "cu_seq_lens_q": cu_seq_lens,
+            "cu_seq_lens_k": cu_seq_lens,
+            "max_length_q": max(segments),
+            "max_length_k": max(segments),
+            SHARED_PROMPT_OF: torch.tensor(prompt_of, dtype=torch.long),
+            "target_index": torch.tensor(target_index, dtype=torch.long),
+            "target_tokens": torch.tensor(target_tokens, dtype=torch.long),
+            "target_sequence": torch.tensor(target_sequence, dtype=torch.long),
             "num_real_tokens": torch.tensor(real),
         }
 

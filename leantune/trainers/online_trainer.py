@@ -2,7 +2,7 @@
 
 - `GenerationSession` (generation_session.py): the backend, weight sync, sleep mode, each round's seeds;
 - `RoundBuilder` (round_builder.py): prompt rows -> completions -> rewards -> scored micro-batches with the
-  method's loss inputs; `RoundMetrics` (round_metrics.py): what a round reports;
+  method's loss inputs; `RoundMetrics` (metrics/run_metrics.py): what a round reports;
 - `round_loader` (prompt_rounds.py): each round's prompts, once per micro-batch trained on it;
 - `evaluate_rounds` (evaluation.py): held-out prompts' rewards and loss.
 
@@ -16,7 +16,6 @@ and loss (`OnlineMethod`, with `ScoringNeeds`); shared code names no method.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 from dataclasses import dataclass
 
@@ -29,6 +28,7 @@ from ..data.streaming import is_stream
 from ..generation import SamplingSettings
 from ..generation.backend import TRANSFORMERS, backend_factory, check_backend_requirements
 from ..losses.token_logprobs import TargetScores, per_sequence_sum
+from ..metrics.run_metrics import RoundMetrics
 from ..rewards import RewardFunctions
 from ..rollouts import AgentRollouts
 from .base import LeantuneTrainer
@@ -42,9 +42,8 @@ from .online.round_builder import (
     RoundBuilder,
     RoundScoring,
 )
-from .online.round_metrics import RoundMetrics
 from .parts.batches import deepspeed_float_dtype, on_device
-from .parts.context_parallel import ORDINAL_KEY, cp_size_of, data_parallel_place, gather_once_per_group
+from .parts.context_parallel import ORDINAL_KEY, data_parallel_place
 from .parts.frozen_models import prepare_frozen_model
 from .reference import ReferenceModelMixin
 from .settings import generation_engine, generation_of, round_settings_of
@@ -143,13 +142,12 @@ def round_builder(trainer, args, tokenizer) -> RoundBuilder:
     reference = (lambda: trainer.reference.scope(trainer.model)) if trainer.reference_wanted(args) else None
     scoring = RoundScoring(lambda: trainer.model_wrapped, lay_out, reference, trainer.logprobs.target_logprobs,
                            trainer.scoring_temperature, ring if ring.size > 1 else None)
-    grouped = cp_size_of(accelerator) > 1  # a context-parallel group's copies gathered once
-    gather_all = functools.partial(gather_once_per_group, accelerator) if grouped else accelerator.gather
     generation, agent = trainer.generation, trainer.agent
     rollout = None if agent is None else (
         lambda rows: agent.rollout(rows, generation.generate_turn, trainer, generation.step_together))
     return RoundBuilder(settings, generation, trainer.round_metrics, trainer.rewards, tokenizer, hooks, scoring,
-                        trainer.target_reading, data_parallel_place(accelerator), gather_all, accelerator.device,
+                        trainer.target_reading, (ring.data_parallel_rank, ring.data_parallel_size),
+                        ring.gather_once_per_group, accelerator.device,
                         lambda: trainer.state, rollout=rollout, tools=agent is not None and bool(agent.tools),
                         logs_examples=settings.log_completions and trainer.is_world_process_zero())
 

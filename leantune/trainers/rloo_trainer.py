@@ -14,7 +14,6 @@ from ..losses.advantages import leave_one_out_advantages
 from ..losses.policy_gradient import clipped_surrogate
 from ..losses.token_logprobs import TargetScores, per_sequence_sum
 from .online_trainer import OnlineTrainer, sequence_sums
-from .parts.context_parallel import gather_once_per_group
 
 
 class RLOOTrainer(OnlineTrainer):
@@ -35,7 +34,7 @@ class RLOOTrainer(OnlineTrainer):
             rewards = rewards.clamp(*args.reward_clip_range)
         if self.kl_in_reward:
             kl = torch.cat([self._sequence_kl(batch) for batch in batches])
-            kl = gather_once_per_group(self.accelerator, kl.to(self.accelerator.device)).cpu()
+            kl = self.rounds.gather(kl)  # every process's, in round order (the round's own gather, chosen once)
             scored["store"]["kl"].append(kl.mean().item())
             rewards = rewards - args.beta * kl
         advantages, _ = leave_one_out_advantages(rewards, group, args.normalize_advantages)

@@ -130,7 +130,7 @@ class ReferenceSettings:
 
 @dataclass(frozen=True)
 class RoundReportSettings:
-    """What an online round reports (online/round_metrics.py): its groups' sizes in training and evaluation, how many
+    """What an online round reports (metrics/run_metrics.py's `RoundMetrics`): its groups' sizes in training and evaluation, how many
     completions a log shows, the completion budget an over-long rollout is named against."""
 
     num_generations: int

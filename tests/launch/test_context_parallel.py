@@ -221,22 +221,22 @@ def test_a_shared_prompt_row_split_over_the_group_attends_as_one_process():
     the launch below.)"""
     from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer
 
-    from leantune.models.segment_attention import RING_SEGMENTS, attend_gathered, segment_sdpa_attention
-    from leantune.trainers.online.shared_prompt import shared_prompt_batch
+    from leantune.data.collators import SharedPromptCollator
+    from leantune.models.gathered_attention import RING_SEGMENTS, attend_gathered
+    from leantune.models.segment_attention import segment_sdpa_attention
     from leantune.trainers.parts.context_parallel import ORDINAL_KEY
     from leantune.trainers.parts.shared_prompt_ring import lay_out_shared_row
 
     groups = [(5, [3, 6, 2]), (7, [4, 1])]  # (prompt length, completion lengths)
-    examples, prompt_lengths, token = [], [], 10
+    examples, token = [], 10
     for prompt_length, completions in groups:
         prompt = list(range(token, token + prompt_length))
         token += prompt_length
         for n in completions:
             examples.append({"input_ids": prompt + list(range(token, token + n)),
-                             "completion_mask": [0] * prompt_length + [1] * n})
-            prompt_lengths.append(prompt_length)
+                             "completion_mask": [0] * prompt_length + [1] * n, "prompt_length": prompt_length})
             token += n
-    batch = shared_prompt_batch(examples, prompt_lengths, pad_token_id=0)
+    batch = SharedPromptCollator(pad_token_id=0)(examples)
     length = batch["input_ids"].shape[1]
     batch["input_ids"] = 1000 + torch.arange(length).unsqueeze(0)  # each slot's token names its position in the row
     generator = torch.Generator().manual_seed(0)

@@ -1,4 +1,4 @@
-"""A shared-prompt row's attention (models/prefix_blocks.py through segment attention): one SDPA call per layer,
+"""A shared-prompt row's attention (models/segment_attention.py's prefix blocks): one SDPA call per layer,
 whose outputs and gradients equal each completion's unshared causal attention over cat(prompt, completion)."""
 
 from __future__ import annotations
@@ -8,9 +8,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from leantune.models.prefix_blocks import BlockCache, build_prefix_blocks, prefix_block_attention
-from leantune.models.segment_attention import use_segment_attention
-from leantune.trainers.online.shared_prompt import shared_prompt_batch
+from leantune.data.collators import SharedPromptCollator
+from leantune.models.segment_attention import (
+    BlockCache,
+    build_prefix_blocks,
+    prefix_block_attention,
+    use_segment_attention,
+)
 
 from ..fixtures.models import tiny_model
 
@@ -80,14 +84,14 @@ def test_a_shared_row_is_one_attention_call_per_layer():
     model = tiny_model("llama")
     assert use_segment_attention(model)
     generator = torch.Generator().manual_seed(1)
-    examples, prompt_lengths = [], []
+    examples = []
     for prompt_length in (11, 6):
         prompt = torch.randint(3, 1000, (prompt_length,), generator=generator).tolist()
         for completion_length in (4, 7, 2, 5):
             completion = torch.randint(3, 1000, (completion_length,), generator=generator).tolist()
-            examples.append({"input_ids": prompt + completion, "completion_mask": [0] * prompt_length + [1] * len(completion)})
-            prompt_lengths.append(prompt_length)
-    batch = shared_prompt_batch(examples, prompt_lengths, pad_token_id=0, pad_to_multiple_of=8)
+            examples.append({"input_ids": prompt + completion, "completion_mask": [0] * prompt_length + [1] * len(completion),
+                             "prompt_length": prompt_length})
+    batch = SharedPromptCollator(pad_token_id=0, pad_to_multiple_of=8)(examples)
     inputs = {k: batch[k] for k in ("input_ids", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
                                     "max_length_k", "shared_prompt_of")}
     with AttentionKernelCalls() as counted:

@@ -14,11 +14,11 @@ from datasets import Dataset
 
 from devkit.liger_cpu import FusedKernelCalls, liger_kernels_interpreted
 from leantune import GRPOConfig, GRPOTrainer, OnlineDPOConfig, OnlineDPOTrainer, RLOOConfig, RLOOTrainer
-from leantune.models import prefix_blocks
+from leantune.models import segment_attention
 from leantune.models.checkpointing import checkpointing_setting, enable_model_checkpointing
-from leantune.models.prefix_blocks import build_prefix_blocks
+from leantune.models.segment_attention import build_prefix_blocks
 from leantune.trainers import grpo_trainer
-from leantune.trainers.online.shared_prompt import batch_targets
+from leantune.trainers.online.round_builder import shared_row_targets
 
 from ..fixtures.data import count_a, gsm8k_rows
 from ..fixtures.models import lora, tiny_model
@@ -138,13 +138,13 @@ def test_shared_prompt_scores_equal_unshared_and_a_wrong_mask_does_not(tokenizer
         blocks.mask[with_prefix, :, :, 0] = False
         return blocks
 
-    monkeypatch.setattr(prefix_blocks, "build_prefix_blocks", missing_first_prompt_key)
+    monkeypatch.setattr(segment_attention, "build_prefix_blocks", missing_first_prompt_key)
     model = trainer.model.eval()
     inputs = {k: v for k, v in shared.items() if k in ("input_ids", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k",
                                                        "max_length_q", "max_length_k")}
     inputs["shared_prompt_of"] = shared["shared_prompt_of"].clone()  # a new batch: its blocks built anew
     with torch.no_grad():
-        wrong = trainer.logprobs.target_logprobs(model, inputs, batch_targets(shared), trainer.args.temperature).logps
+        wrong = trainer.logprobs.target_logprobs(model, inputs, shared_row_targets(shared), trainer.args.temperature).logps
         expected = unshared_trainer.logprobs.target_logprobs(
             unshared_trainer.model.eval(), {k: v for k, v in unshared.items() if k in inputs},
             unshared["labels"], unshared_trainer.args.temperature).logps

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...data.collators import MODEL_INPUTS, CausalLMCollator, prompt_completion_row
+from ...data.collators import MODEL_INPUTS, CausalLMCollator, SharedPromptCollator, prompt_completion_row
 from ...data.prompt_preparation import PROMPT_IDS
 from ...generation import Completions
 from ...losses.token_logprobs import Targets
@@ -24,22 +24,36 @@ from ...rewards import RewardScores
 from ..parts.batches import count_labelled_targets, labelled_sequences, labelled_targets
 from ..parts.context_parallel import ORDINAL_KEY
 from ..parts.oom_retry import EXAMPLES, KeptExamples
-from .shared_prompt import batch_target_sequences, batch_targets, count_batch_targets, shared_prompt_batch
 
 
 @dataclass(frozen=True)
 class TargetReading:
     """How a micro-batch's targets, their sequences and their count are read: from its labels, or with
-    `shared_prompt` from a shared row's own target columns (shared_prompt.py). Chosen once: the shared-prompt
-    layout's code runs only when it is on."""
+    `shared_prompt` from a shared row's own target columns (data/collators.py's `SharedPromptCollator`). Chosen once
+    with the collator: every micro-batch of the run has that layout (under context parallelism too, where a shared
+    row keeps its target columns: parts/shared_prompt_ring.py)."""
 
     targets: Callable[[dict], Targets]
     sequences: Callable[[dict, Targets], torch.Tensor]
     count: Callable[[dict], int]
 
 
+def shared_row_targets(batch: dict) -> Targets:
+    """A shared-prompt row's targets: the positions that predict them and their tokens."""
+    return Targets(batch["target_index"], batch["target_tokens"], batch["input_ids"].shape)
+
+
+def shared_row_sequences(batch: dict, targets: Targets) -> torch.Tensor:
+    """Which example of the shared-prompt row each target belongs to."""
+    return batch["target_sequence"].to(targets.index.device)
+
+
+def count_shared_row_targets(batch: dict) -> int:
+    return int(batch["target_index"].numel())
+
+
 LABELLED_TARGETS = TargetReading(labelled_targets, labelled_sequences, count_labelled_targets)
-SHARED_PROMPT_TARGETS = TargetReading(batch_targets, batch_target_sequences, count_batch_targets)
+SHARED_PROMPT_TARGETS = TargetReading(shared_row_targets, shared_row_sequences, count_shared_row_targets)
 
 
 @dataclass(frozen=True)
@@ -84,8 +98,9 @@ class RoundBuilder:
         self.rank, self.size = place
         self.gather_all, self.device, self.trainer_state = gather_all, device, trainer_state
         self.rollout, self.tools, self.logs_examples = rollout, tools, logs_examples
-        self.collate = self.shared_prompt_rows if settings.shared_prompt else CausalLMCollator(
-            tokenizer.pad_token_id, ("completion_mask",), settings.padding_free, settings.pad_to_multiple_of)
+        self.collate = SharedPromptCollator(tokenizer.pad_token_id, settings.pad_to_multiple_of) \
+            if settings.shared_prompt else CausalLMCollator(tokenizer.pad_token_id, ("completion_mask",),
+                                                            settings.padding_free, settings.pad_to_multiple_of)
         self.environments = None  # the environment instance of each rollout of the last round (TRL's attribute)
 
     def local_slice(self, total: int) -> slice:
@@ -196,11 +211,6 @@ class RoundBuilder:
             batch["loss_items"] = self.hooks.loss_items(batch)
         return batches
 
-    def shared_prompt_rows(self, examples: list[dict]) -> dict:
-        """With `shared_prompt`, a micro-batch is one row of prompt-sharing groups (`collate`)."""
-        return shared_prompt_batch(examples, [example["prompt_length"] for example in examples],
-                                   self.tokenizer.pad_token_id, self.settings.pad_to_multiple_of)
-
     def spread(self, batches: list[dict], key: str, values: torch.Tensor) -> None:
         """Round-wide per-completion values (all processes) into each micro-batch's own completions, as `key`."""
         local = values[self.local_slice(len(values))]
@@ -219,7 +229,7 @@ class RoundBuilder:
             masked += not keep
             own = [1] * len(completion) if policy_mask is None else policy_mask[i]
             examples.append(prompt_completion_row(list(prompt), completion, [int(keep) * m for m in own]))
-            examples[-1]["prompt_length"] = len(prompt)  # where the shared-prompt layout cuts it
+            examples[-1]["prompt_length"] = len(prompt)  # where the shared-prompt layout (SharedPromptCollator) cuts it
         if masked:
             self.metrics.counts["truncated_completions_masked"] += masked
         return examples

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ...data.collators import round_up
-from ...models.segment_attention import RING_SEGMENTS
+from ...models.gathered_attention import RING_SEGMENTS
 from .ring_order import ORDINAL_KEY, RANK_KEY, SEQUENCE_KEY, group_order
 
 

@@ -53,40 +53,52 @@ class StepLoss:
     def normalise(self, model, loss_sum: torch.Tensor, local_count, num_items_in_batch,
                   accumulation_steps: int = 1, whole_sequences: bool = False) -> torch.Tensor:
         """Divide a summed loss by the optimizer step's item count (the batch's own count outside training), and add
-        the router loss of this micro-batch's policy forwards (every trainer's loss ends here).
+        the router loss of this micro-batch's policy forwards (every trainer's loss ends here). Under context
+        parallelism: `_normalised_in_ring`."""
+        if self.context_parallel.size > 1:
+            loss = self._normalised_in_ring(model, loss_sum, local_count, num_items_in_batch, whole_sequences)
+        elif num_items_in_batch is None or not model.training:
+            loss = loss_sum / torch.as_tensor(local_count, device=loss_sum.device).clamp(min=1)
+        else:
+            loss = loss_sum / torch.as_tensor(num_items_in_batch, device=loss_sum.device).clamp(min=1)
+            if self.settings.average_tokens_across_devices and self.settings.world_size > 1:
+                loss = loss * self.settings.world_size  # DDP averages gradients over processes
+        if self._router_loss is None:  # no MoE router loss noted (always so for a dense model)
+            return loss
+        return self._plus_router_loss(model, loss, accumulation_steps)
 
-        `whole_sequences`: under context parallelism, a loss formed from per-sequence sums made whole over the
-        context-parallel group (ContextParallelism.total), so the same value on each of its processes, and
-        `local_count` the whole batch's. The sums' all-reduce sums the gradients of those cp_size copies in its
-        backward, so in training each copy is divided by cp_size (where the gradient all-reduce then averages over
-        every process, data x context, as for any loss); in evaluation the processes' equal losses average to it."""
-        local_count = torch.as_tensor(local_count, device=loss_sum.device)
+    def _normalised_in_ring(self, model, loss_sum: torch.Tensor, local_count, num_items_in_batch,
+                            whole_sequences: bool) -> torch.Tensor:
+        """`normalise` under context parallelism, where this process holds part of the batch.
+
+        `whole_sequences`: a loss formed from per-sequence sums made whole over the context-parallel group
+        (ContextParallelism.total), so the same value on each of its processes, and `local_count` the whole batch's.
+        The sums' all-reduce sums the gradients of those cp_size copies in its backward, so in training each copy is
+        divided by cp_size (where the gradient all-reduce then averages over every process, data x context, as for
+        any loss); in evaluation the processes' equal losses average to it."""
         cp = self.context_parallel.size
-        if whole_sequences and cp > 1:
-            if num_items_in_batch is None or not model.training:
-                return self._plus_router_loss(model, loss_sum / local_count.clamp(min=1), accumulation_steps)
+        evaluating = num_items_in_batch is None or not model.training
+        if whole_sequences:
+            if evaluating:
+                return loss_sum / torch.as_tensor(local_count, device=loss_sum.device).clamp(min=1)
             loss = loss_sum / torch.as_tensor(num_items_in_batch, device=loss_sum.device).clamp(min=1)
             if self.settings.average_tokens_across_devices:  # the count is the step's over every data-parallel group
                 loss = loss * self.settings.world_size / cp
-            return self._plus_router_loss(model, loss, accumulation_steps)
-        if (num_items_in_batch is None or not model.training) and cp > 1:
+            return loss
+        if evaluating:
             # this process holds part of the batch: its share of the batch's mean, so that the mean over the
             # context-parallel group (evaluation averages the processes' losses) is the batch's mean
             whole = torch.as_tensor(self.context_parallel.batch_targets, device=loss_sum.device).clamp(min=1)
-            return self._plus_router_loss(model, loss_sum * cp / whole, accumulation_steps)
-        if num_items_in_batch is None or not model.training:
-            return self._plus_router_loss(model, loss_sum / local_count.clamp(min=1), accumulation_steps)
+            return loss_sum * cp / whole
         loss = loss_sum / torch.as_tensor(num_items_in_batch, device=loss_sum.device).clamp(min=1)
         if self.settings.average_tokens_across_devices and self.settings.world_size > 1:
             loss = loss * self.settings.world_size  # DDP averages gradients over processes
-        return self._plus_router_loss(model, loss, accumulation_steps)
+        return loss
 
     def _plus_router_loss(self, model, loss: torch.Tensor, accumulation_steps: int) -> torch.Tensor:
         """router_aux_loss_coef x the noted router loss (divided by the accumulation steps in training, where each
         micro-batch's loss is its share of the step), logged as aux_loss."""
         aux, self._router_loss = self._router_loss, None
-        if aux is None:
-            return loss
         steps = accumulation_steps if model.training else 1
         self.record(model, aux_loss=aux.detach().float().reshape(1))
         return loss + self.router_loss_coef * aux.to(loss.dtype) / steps
