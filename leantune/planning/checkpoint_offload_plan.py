@@ -97,7 +97,8 @@ def plan_offload(fields: dict, total_layers: int, traced_layers: int, traced_hos
 def with_offload(plan, fields: dict, total_layers: int | None, extrapolated: bool, device, host_memory) -> None:
     """The plan (planner.py's MemoryPlan) given its offload: the layers chosen, the kept layers' inputs added to its
     steps, the host's bytes; refused in one line when the host cannot hold them. `device`: the plan's GPU or size
-    (a GPU plan: pinned host blocks; "auto" fits it), None for this machine."""
+    (a GPU plan: pinned host blocks; "auto" fits it), None for this machine (without CUDA its memory is the host's
+    too: the inputs count on the device as before, and the plan equals what the CPU allocator measures)."""
     value = requested(fields)
     if value is None:
         return
@@ -111,6 +112,9 @@ def with_offload(plan, fields: dict, total_layers: int | None, extrapolated: boo
                            device is not None, host_limit_of(host_memory))
     if offload is None:
         return
+    if device is None and not torch.cuda.is_available():  # a run on this CPU: the host is its device, nothing saved
+        offload = dataclasses.replace(offload, kept_added_bytes=traced_layers * offload.input_bytes,
+                                      why=offload.why + "; on this CPU the host is the device: nothing saved")
     plan.worst = with_kept_inputs(plan.worst, offload.kept_added_bytes)
     plan.measured_step = with_kept_inputs(plan.measured_step, offload.kept_added_bytes)
     plan.any_order = with_kept_inputs(plan.any_order, offload.kept_added_bytes)

@@ -228,9 +228,9 @@ def test_a_run_the_host_cannot_hold_is_refused_before_its_weights_load(tmp_path)
 # --- the plan: the device's drop and the host's bytes -----------------------------------------------------------------
 
 def test_the_plan_counts_device_and_host_bytes_and_matches_the_cpu_allocator(tokenizer, gsm8k_rows):
-    """The fake step runs the offload: the device's peak drops by the offloaded inputs, which the host holds. On CPU
-    the host is the same memory, so the real run's MemTracker peak is the plan's device peak plus its host bytes
-    (the copies replace the inputs); compared within the plan's 2%."""
+    """The fake step runs the offload: on a GPU plan the device's peak drops by the offloaded inputs, which the host
+    holds in pinned blocks. On this CPU the host is the device: the plan counts them on it as before, and equals the
+    real run's MemTracker peak (the copies replace the inputs) within the plan's 2%."""
     from leantune import SFTConfig, SFTTrainer
     from leantune.planning import plan_memory
 
@@ -239,17 +239,22 @@ def test_the_plan_counts_device_and_host_bytes_and_matches_the_cpu_allocator(tok
     dataset = gsm8k_prompt_completion(gsm8k_rows, 8)
     fields = dict(per_device_train_batch_size=4, max_length=128)
     model = small_model()
-    off = plan_memory(model.config, dataset, "sft", processing_class=tokenizer, **fields)
-    on = plan_memory(model.config, dataset, "sft", processing_class=tokenizer, checkpoint_offload_layers=2, **fields)
+
+    def plan(**more):
+        return plan_memory(model.config, dataset, "sft", processing_class=tokenizer, **fields, **more)
+
+    off, on = plan(device="24GiB"), plan(device="24GiB", checkpoint_offload_layers=2)
     offload = on.offload
     assert off.offload is None and offload.layers == 2
-    assert offload.host_bytes == 2 * offload.input_bytes and offload.input_bytes % (HIDDEN * 4) == 0
-    assert off.peak_bytes - on.peak_bytes == offload.host_bytes  # the device drops by what the host holds
+    assert offload.input_bytes % (HIDDEN * 4) == 0 and offload.input_bytes >= 4 * 32 * HIDDEN * 4  # 4 rows, fp32
+    assert off.peak_bytes - on.peak_bytes == 2 * offload.input_bytes  # the device drops by the inputs moved
+    assert offload.host_bytes == 2 * pinned_bytes(offload.input_bytes)  # which the host holds, pinned
     assert any("checkpoint offload: the inputs of 2 of 4" in line for line in on.lines())
+    on_cpu = plan(checkpoint_offload_layers=2)
+    assert on_cpu.peak_bytes == plan().peak_bytes and on_cpu.offload.host_bytes == 2 * offload.input_bytes
     measured = measured_breakdown(SFTTrainer, SFTConfig, model, dataset, tokenizer,
                                   {**fields, "checkpoint_offload_layers": 2})
-    device_and_host = on.measured_step.peak_bytes + on.measured_step.host_bytes
-    assert abs(device_and_host - measured.peak_bytes) <= 0.02 * measured.peak_bytes
+    assert abs(on_cpu.measured_step.peak_bytes - measured.peak_bytes) <= 0.02 * measured.peak_bytes
 
 
 def test_a_plan_the_host_cannot_hold_is_refused_naming_both_numbers(tokenizer, gsm8k_rows):
