@@ -54,11 +54,6 @@ def host_available_bytes() -> int:
     return psutil.virtual_memory().available
 
 
-def host_bytes_needed(layers: int, input_bytes: int, pinned: bool) -> int:
-    """Host bytes for `layers` offloaded inputs of `input_bytes` each (pinned: as its allocator rounds them)."""
-    return layers * (pinned_bytes(input_bytes) if pinned else input_bytes)
-
-
 def check_host_memory(needed: int, available: int, where: str = "checkpoint_offload_layers") -> None:
     """Refuse, in one line naming both numbers, an offload the host cannot hold (before anything loads)."""
     if needed > available:
@@ -117,7 +112,8 @@ class CheckpointOffloader:
         self._handles: list[nn.Module] = []
         self._streams: dict[torch.device, tuple] = {}
         self._pending: dict[int, _Offloaded] = {}  # layer index -> its input's latest copy (for the prefetch)
-        self._active = None  # (layer index, hidden states, hooks) while a chosen layer's forward runs
+        self._active = None  # the saved-tensor hooks while a chosen layer's forward runs
+        self.copy_events: list | None = None  # a list: each CUDA copy's (start, end) events (bench/gpu's timing)
 
     # -- installing ---------------------------------------------------------------------------------------------
 
@@ -184,9 +180,11 @@ class CheckpointOffloader:
                 stream = self._stream_pair(tensor.device)[0]
                 stream.wait_stream(torch.cuda.current_stream(tensor.device))
                 with torch.cuda.stream(stream):
+                    start = self._timed(stream)
                     saved.host.copy_(tensor, non_blocking=True)
-                    saved.copied_out = torch.cuda.Event()
+                    saved.copied_out = torch.cuda.Event(enable_timing=start is not None)
                     saved.copied_out.record(stream)
+                    self._timed(stream, start, saved.copied_out)
                 tensor.record_stream(stream)  # not reused before the copy out ends
             else:
                 saved.host.copy_(tensor)
@@ -235,10 +233,29 @@ class CheckpointOffloader:
         stream.wait_event(saved.copied_out)
         with torch.cuda.stream(stream):
             tensor = torch.empty_strided(saved.shape, saved.stride, dtype=saved.dtype, device=saved.device)
+            start = self._timed(stream)
             tensor.copy_(saved.host, non_blocking=True)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(enable_timing=start is not None)
             event.record(stream)
+            self._timed(stream, start, event)
         return tensor, event if prefetch else None
+
+    def _timed(self, stream, start=None, end=None):
+        """With `copy_events` on: a start event recorded on `stream` (called without `start`), or the copy's
+        (start, end) kept once it is queued."""
+        if self.copy_events is None:
+            return None
+        if start is None:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            return start
+        self.copy_events.append((start, end))
+        return None
+
+    def copy_seconds(self) -> float:
+        """The timed copies' total time on their streams (synchronizes)."""
+        torch.cuda.synchronize()
+        return sum(start.elapsed_time(end) for start, end in self.copy_events or ()) / 1000
 
     def _stream_pair(self, device: torch.device) -> tuple:
         """(device-to-host, host-to-device) side streams of `device`."""

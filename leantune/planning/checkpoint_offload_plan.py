@@ -14,12 +14,13 @@ above it otherwise (a full fine-tune's gradients may peak later, when those inpu
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import torch
 
 from ..memory.checkpoint_offload import AUTO, auto_layers, check_host_memory, host_available_bytes, pinned_bytes
 from ..methods import PREFERENCE_DATA
-from ..metrics.devices import parse_budget
+from ..metrics.devices import GPUS, parse_budget
 from .planned_run import dtype_of, method_of, model_config_of
 
 FIELD = "checkpoint_offload_layers"
@@ -97,8 +98,8 @@ def plan_offload(fields: dict, total_layers: int, traced_layers: int, traced_hos
 def with_offload(plan, fields: dict, total_layers: int | None, extrapolated: bool, device, host_memory) -> None:
     """The plan (planner.py's MemoryPlan) given its offload: the layers chosen, the kept layers' inputs added to its
     steps, the host's bytes; refused in one line when the host cannot hold them. `device`: the plan's GPU or size
-    (a GPU plan: pinned host blocks; "auto" fits it), None for this machine (without CUDA its memory is the host's
-    too: the inputs count on the device as before, and the plan equals what the CPU allocator measures)."""
+    (a GPU plan: pinned host blocks; "auto" fits it), "cpu" or None for this machine (without CUDA its memory is the
+    host's too: the inputs count on the device as before, and the plan equals what the CPU allocator measures)."""
     value = requested(fields)
     if value is None:
         return
@@ -107,12 +108,14 @@ def with_offload(plan, fields: dict, total_layers: int | None, extrapolated: boo
     layers = total_layers or 0
     traced_layers = layers - 1 if (extrapolated or value == AUTO) else (
         int(value) if int(value) >= 0 else layers + int(value))
-    budget = parse_budget(device) if device is not None else None
+    sized = device is not None and (str(device).lower() in GPUS or re.match(r"[0-9]", str(device)) is not None)
+    budget = parse_budget(device) if sized else None
+    same_memory = not sized and (str(device).lower() == "cpu" or not torch.cuda.is_available())
     offload = plan_offload(fields, layers, traced_layers, traced_host, plan.device_total_bytes, budget,
-                           device is not None, host_limit_of(host_memory))
+                           not same_memory, host_limit_of(host_memory))
     if offload is None:
         return
-    if device is None and not torch.cuda.is_available():  # a run on this CPU: the host is its device, nothing saved
+    if same_memory:  # a run on this CPU: the host is its device, nothing saved
         offload = dataclasses.replace(offload, kept_added_bytes=traced_layers * offload.input_bytes,
                                       why=offload.why + "; on this CPU the host is the device: nothing saved")
     plan.worst = with_kept_inputs(plan.worst, offload.kept_added_bytes)

@@ -137,8 +137,8 @@ def validate_checkpoint_offload(args) -> None:
     value = args.checkpoint_offload_layers
     if isinstance(value, str) and value.strip().lstrip("-").isdigit():
         value = args.checkpoint_offload_layers = int(value)
-    elif isinstance(value, str):
-        value = args.checkpoint_offload_layers = value.strip().lower()
+    elif isinstance(value, str):  # "None" is how a command line (or a printed recommendation) spells off
+        value = args.checkpoint_offload_layers = None if value.strip().lower() == "none" else value.strip().lower()
     if value is None or value == 0:
         return
     if not (value == "auto" or (isinstance(value, int) and not isinstance(value, bool))):
