@@ -95,7 +95,7 @@ def plan_offload(fields: dict, total_layers: int, traced_layers: int, traced_hos
     return OffloadPlan(layers, total_layers, input_bytes, host, host_available, kept * input_bytes, why)
 
 
-def with_offload(plan, fields: dict, total_layers: int | None, extrapolated: bool, device, host_memory) -> None:
+def with_offload(plan, fields: dict, config, extrapolated: bool, device, host_memory) -> None:
     """The plan (planner.py's MemoryPlan) given its offload: the layers chosen, the kept layers' inputs added to its
     steps, the host's bytes; refused in one line when the host cannot hold them. `device`: the plan's GPU or size
     (a GPU plan: pinned host blocks; "auto" fits it), "cpu" or None for this machine (without CUDA its memory is the
@@ -105,7 +105,8 @@ def with_offload(plan, fields: dict, total_layers: int | None, extrapolated: boo
         return
     steps = [plan.worst, plan.measured_step, plan.any_order]
     traced_host = max(step.host_bytes for step in steps if step is not None)
-    layers = total_layers or 0
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layers = int(getattr(text, "num_hidden_layers", 0) or 0)  # the model's (a multimodal one's text decoder)
     traced_layers = layers - 1 if (extrapolated or value == AUTO) else (
         int(value) if int(value) >= 0 else layers + int(value))
     sized = device is not None and (str(device).lower() in GPUS or re.match(r"[0-9]", str(device)) is not None)

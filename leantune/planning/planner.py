@@ -302,7 +302,7 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
                       bound[0] if bound else None, device_terms(device, fields, num_processes, engine),
                       per_rank_notes(engine, num_processes) + notes,
                       {k: v for k, v in fields.items()}, 0.0)
-    with_offload(plan, fields, layers, offload_extrapolated, device, host_memory)  # checkpoint_offload_plan.py
+    with_offload(plan, fields, config, offload_extrapolated, device, host_memory)  # checkpoint_offload_plan.py
     if round_shape is not None:  # an online method: its generation round beside the update step
         plan.generation = generation_round(config, round_shape, dtype, held_between_steps(worst.parts),
                                            num_parameters)

@@ -263,3 +263,28 @@ def test_a_plan_the_host_cannot_hold_is_refused_naming_both_numbers(tokenizer, g
     with pytest.raises(ValueError, match=NEEDS):
         plan_memory(small_model().config, gsm8k_prompt_completion(gsm8k_rows, 4), "sft", processing_class=tokenizer,
                     per_device_train_batch_size=4, max_length=128, checkpoint_offload_layers=2, host_memory=1000)
+
+
+def test_an_extrapolated_plan_equals_the_whole_trace(tokenizer, gsm8k_rows, monkeypatch):
+    """A 6-layer model is traced with 2, 3 and 4 layers, each offloading all but its last, and extrapolated; the 3
+    layers the run keeps add their inputs back. Here (the peak before those layers' backward) that is the trace of
+    all 6 layers with 3 offloaded, to the byte."""
+    from transformers import LlamaConfig
+
+    from leantune.planning import planner
+
+    config = LlamaConfig(vocab_size=32000, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=6,
+                         num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+    def plan():
+        return planner.plan_memory(config, gsm8k_prompt_completion(gsm8k_rows, 4), "sft", processing_class=tokenizer,
+                                   per_device_train_batch_size=4, max_length=128, checkpoint_offload_layers=3,
+                                   device="24GiB", measured_step=False)
+
+    extrapolated = plan()
+    assert any("extrapolated" in note for note in extrapolated.notes)
+    monkeypatch.setattr(planner, "_layer_count", lambda config: None)  # all 6 layers traced
+    whole = plan()
+    assert extrapolated.offload.kept_added_bytes == 2 * extrapolated.offload.input_bytes > 0
+    assert extrapolated.peak_bytes == whole.peak_bytes
+    assert extrapolated.offload.host_bytes == whole.offload.host_bytes
