@@ -288,3 +288,24 @@ def test_an_extrapolated_plan_equals_the_whole_trace(tokenizer, gsm8k_rows, monk
     assert extrapolated.offload.kept_added_bytes == 2 * extrapolated.offload.input_bytes > 0
     assert extrapolated.peak_bytes == whole.peak_bytes
     assert extrapolated.offload.host_bytes == whole.offload.host_bytes
+
+
+def test_auto_is_the_fewest_layers_that_fit_the_budget(tokenizer, gsm8k_rows):
+    """What `--memory_budget` turns on (planning/recommend.py's technique, value "auto"): the plan records the fewest
+    layers whose device total fits the budget, and that number, planned on its own, fits while one fewer does not."""
+    from leantune.planning import plan_memory
+
+    config = small_model().config
+    dataset = gsm8k_prompt_completion(gsm8k_rows, 4)
+
+    def plan(layers, device):
+        return plan_memory(config, dataset, "sft", processing_class=tokenizer, per_device_train_batch_size=4,
+                           max_length=128, checkpoint_offload_layers=layers, device=device, measured_step=False)
+
+    most = plan(LAYERS - 1, "80GiB")  # the device terms (CUDA context, segments) are the same for any GPU size
+    input_bytes = most.offload.input_bytes
+    budget = most.device_total_bytes + input_bytes + input_bytes // 2  # room for one kept input more, not two
+    device = f"{budget / 2**20}MiB"
+    chosen = plan("auto", device)
+    assert chosen.offload.layers == LAYERS - 2 and chosen.config["checkpoint_offload_layers"] == LAYERS - 2
+    assert chosen.device_total_bytes <= budget < plan(LAYERS - 3, device).device_total_bytes
