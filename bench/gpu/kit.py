@@ -56,6 +56,8 @@ ROWS = [
     ("dpo_qwen2.5-1.5b", R.dpo, 26, 60),
     ("kto_qwen2.5-1.5b", R.kto, 24, 60),
     ("grpo_qwen2.5-1.5b", R.grpo, 65, 60),
+    # checkpoint offload (issue 37 item 2): two 1.5B runs at 16,384 tokens, 4 steps each (estimated, not measured yet)
+    ("checkpoint_offload_qwen2.5-1.5b", R.checkpoint_offload, 30, 60),
     (R.LONGEST_CONTEXT_ROW, R.longest_context, 185, 90),
 ]
 # Planner processes: on the GPU machine (16 cores) the plans are ~405 s of CPU work in all (2 seeds of ~45 s, 9 rows

@@ -25,6 +25,7 @@ from .harness import (
     load_4bit,
     log,
     lora_config,
+    loss_tolerance,
     preference_rows,
     prompt_rows,
     quantized_checkpoint,
@@ -605,3 +606,53 @@ def longest_context(ctx: Context, row: dict) -> None:
     failures = [lib for lib in LIBRARIES if "error" in results[lib] or not results[lib]["probes"]]
     if failures:
         raise RuntimeError(f"longest-context search failed for {failures}")
+
+
+# --- checkpoint offload: the step with the layer inputs in host memory, against the step without -------------------
+
+def checkpoint_offload(ctx: Context, row: dict) -> None:
+    """leantune's SFT step with gradient checkpointing, the inputs of every decoder layer but the last in pinned host
+    memory (`checkpoint_offload_layers=-1`) against none: the peak (the device's drop should be the inputs moved), the
+    step time, and how much of the copies' time the prefetch hides: the copies' own time on their side streams
+    (CUDA events) against what the step grew by. Losses must agree (the copies are exact)."""
+    from leantune import SFTConfig, SFTTrainer
+
+    settings = ctx.settings
+    shape = "qwen2.5-1.5b"
+    length = 48 if settings.dry else 16384
+    rows = dataset(text_rows(settings.steps() * 2, length, seed=5))
+    runs = row.setdefault("runs", {})
+    for name, layers in (("off", None), ("on", -1)):
+        model = build_model(settings, shape, ctx.tok)
+        fields = {**settings.common_fields(str(ctx.scratch / f"{row['name']}_{name}")), "max_length": length,
+                  "per_device_train_batch_size": 1, "shuffle_dataset": False, "memory_breakdown": False,
+                  "checkpoint_offload_layers": layers}
+        trainer = SFTTrainer(model=model, args=SFTConfig(**fields), train_dataset=rows, processing_class=ctx.tok)
+        offloader = getattr(trainer.model, "checkpoint_offloader", None)
+        if offloader is not None and not settings.dry:
+            offloader.copy_events = []
+        runs[name] = result = train_measured(settings, trainer, model)
+        if offloader is not None:
+            result["layers_offloaded"] = offloader.layers
+            result["host_peak_gib"] = offloader.ledger.peak_bytes / GIB
+            steps = max(result["steps"], 1)
+            result["copy_s_per_step"] = None if settings.dry else offloader.copy_seconds() / steps
+        del trainer, model
+        free_memory()
+    off, on = runs["off"], runs["on"]
+    step_off = sum(off["step_seconds"][1:]) / max(len(off["step_seconds"]) - 1, 1)
+    step_on = sum(on["step_seconds"][1:]) / max(len(on["step_seconds"]) - 1, 1)
+    copy = on.get("copy_s_per_step")
+    row["peak_drop_gib"] = off["max_allocated_gib"] - on["max_allocated_gib"]
+    row["step_s_off"], row["step_s_on"] = step_off, step_on
+    row["hidden_copy_share"] = None if not copy else max(0.0, 1 - max(step_on - step_off, 0.0) / copy)
+    row["max_loss_diff"] = max((abs(a - b) for a, b in zip(on["losses"], off["losses"])), default=None)
+    row["summary"] = (f"{on['layers_offloaded']} layers offloaded at {length:,} tokens: peak {off['max_allocated_gib']:.2f}"
+                      f" -> {on['max_allocated_gib']:.2f} GiB, host {on['host_peak_gib']:.2f} GiB; step {step_off:.2f}"
+                      f" -> {step_on:.2f} s" + ("" if not copy else f"; copies {copy:.2f} s/step, "
+                                                  f"{row['hidden_copy_share']:.0%} hidden by the prefetch"))
+    # the copies are exact: on CPU (--dry) the losses are bit-equal; on the GPU the two runs may differ only by the
+    # attention backward's non-deterministic sums, far below the kit's leantune-vs-TRL tolerance
+    tolerance = 0.0 if settings.dry else loss_tolerance(settings)
+    if any(abs(a - b) > tolerance * abs(b) for a, b in zip(on["losses"], off["losses"])) or not on["losses"]:
+        raise AssertionError(f"losses differ with the offload: {on['losses']} vs {off['losses']}")

@@ -271,7 +271,8 @@ def _kept_on_cpu(config, device):
     nothing."""
     if device != "cpu":
         return None
-    return lambda candidate: bool(candidate.fields.get("activation_offloading")) == bool(config.activation_offloading)
+    return lambda candidate: (bool(candidate.fields.get("activation_offloading")) == bool(config.activation_offloading)
+                              and not candidate.fields.get("checkpoint_offload_layers"))  # no host apart either
 
 
 def _nothing_fits(recommendation, configured) -> str:

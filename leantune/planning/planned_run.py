@@ -38,12 +38,13 @@ class TracedStep:
     micro_batch: int | None = None  # its micro-batch within that step (0-based), with gradient accumulation
     any_order: bool = False  # the longest rows together (planning/any_order.py): no step, a bound of every order
     backward_beside_gradients: dict[str, int] | None = None  # MemoryBreakdown's: ZeRO-2's backward (zero.py)
+    host_bytes: int = 0  # checkpoint offload's host ledger at its peak (checkpoint_offload_plan.py)
 
     @classmethod
-    def of(cls, breakdown: MemoryBreakdown, batch: str, step=None, micro_batch=None) -> TracedStep:
+    def of(cls, breakdown: MemoryBreakdown, batch: str, step=None, micro_batch=None, host_bytes: int = 0) -> TracedStep:
         beside = breakdown.backward_beside_gradients
         return cls(breakdown.peak_bytes, dict(breakdown.parts), batch, step, micro_batch,
-                   backward_beside_gradients=dict(beside) if beside is not None else None)
+                   backward_beside_gradients=dict(beside) if beside is not None else None, host_bytes=host_bytes)
 
 
 # --- methods: a trainer class and its config, from the method's entry in leantune/methods.py --------------------------

@@ -32,6 +32,7 @@ from ..metrics.devices import device_terms
 from ..metrics.memory_breakdown import MIB, PARTS
 from . import zero as zero_plan
 from .any_order import longest_rows_batches
+from .checkpoint_offload_plan import OffloadPlan, host_peak, traced_fields, with_offload
 from .engines import check_engine, per_rank_notes
 from .fake_step import (
     WeightlessMode,
@@ -83,6 +84,7 @@ class MemoryPlan:
     config: dict = field(default_factory=dict)  # the fields set for this plan
     seconds: float = 0.0
     generation: GenerationRound | None = None  # an online method's round (planning/generation_round.py)
+    offload: OffloadPlan | None = None  # checkpoint offload's layers and host bytes (checkpoint_offload_plan.py)
 
     @property
     def peak_bytes(self) -> int:
@@ -111,6 +113,7 @@ class MemoryPlan:
             "terms": [dataclasses.asdict(term) for term in self.terms], "notes": self.notes,
             "device_total_bytes": self.device_total_bytes, "config": self.config, "seconds": self.seconds,
             "generation": dataclasses.asdict(self.generation) if self.generation else None,
+            "offload": dataclasses.asdict(self.offload) if self.offload else None,
         }
 
     def lines(self, timing: bool = True) -> list[str]:
@@ -133,6 +136,8 @@ class MemoryPlan:
                        f"{self.measured_step.batch}): {_mib(self.measured_step.peak_bytes)}")
         if self.generation is not None:
             out += self.generation.lines()
+        if self.offload is not None:
+            out += self.offload.lines()
         if self.terms:
             out.append("on the device, beyond the traced tensors (docs/plan.md):")
             out += [f"  {term.name:<30} {_mib(term.bytes)}  ({term.source})" for term in self.terms]
@@ -212,7 +217,7 @@ def _first_epoch_batches(trainer, limit: int | None = None):
 def plan_memory(model, train_dataset=None, method="sft", *, args=None, processing_class=None, peft_config=None,
                 reward_funcs=None, num_processes: int = 1, engine: str = "ddp", device: str | None = None,
                 measured_step: bool = True, max_batches: int | None = None, lengths=None, rank: int = 0,
-                **config_fields) -> MemoryPlan:
+                host_memory=None, **config_fields) -> MemoryPlan:
     """Predict the step peak of training `model` on `train_dataset` with `method`, per process.
 
     `model`: Hub id, local folder (config.json is read, no weights), a transformers config, or a model (its config).
@@ -221,7 +226,8 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
     `lengths`: instead of `train_dataset`, `leantune profile`'s JSON (path or dict): rows of the profiled lengths
     (planning/length_profile.py).
     `rank`: with `num_processes` > 1, the process whose own step 2 `measured_step` is (each rank sees its own
-    batches: under DDP/FSDP2 a traced launch's loader, planning/sharded.py; under ZeRO every N-th batch)."""
+    batches: under DDP/FSDP2 a traced launch's loader, planning/sharded.py; under ZeRO every N-th batch).
+    `host_memory`: the host memory `checkpoint_offload_layers` is held to (a size; None: this machine's available)."""
     started = time.perf_counter()
     spec = method_of(method)
     trainer_class, config_class = method_classes(method)
@@ -262,20 +268,22 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
         launch.enter_context(traced_launch(engine, num_processes, rank, device))
         layers = _layer_count(config)
         if layers is not None and layers > LAYERS_TRACED[-1]:
-            runs = [_trace(_with_layers(config, count), trainer_class, config_class, train_dataset, fields,
-                           trainer_kwargs, measured_step, max_batches, shard, dtype, **quantized) for count in LAYERS_TRACED]
+            runs = [_trace(_with_layers(config, count), trainer_class, config_class, train_dataset,
+                           traced_fields(fields, True), trainer_kwargs, measured_step, max_batches, shard, dtype, **quantized) for count in LAYERS_TRACED]
             extrapolated = _extrapolate(runs, layers)
+            offload_extrapolated = extrapolated is not None
             if extrapolated is None:
                 notes.append(f"per-layer growth not exactly linear over {LAYERS_TRACED} layers: all {layers} traced")
-                result = _trace(config, trainer_class, config_class, train_dataset, fields, trainer_kwargs,
-                                measured_step, max_batches, shard, dtype, **quantized)
+                result = _trace(config, trainer_class, config_class, train_dataset, traced_fields(fields, False),
+                                trainer_kwargs, measured_step, max_batches, shard, dtype, **quantized)
             else:
                 result = extrapolated
                 notes.append(f"traced with {', '.join(map(str, LAYERS_TRACED))} of the {layers} layers; every part "
                              "grew by the same bytes per layer (exact), extrapolated to all layers")
         else:
-            result = _trace(config, trainer_class, config_class, train_dataset, fields, trainer_kwargs,
-                            measured_step, max_batches, shard, dtype, **quantized)
+            offload_extrapolated = False
+            result = _trace(config, trainer_class, config_class, train_dataset, traced_fields(fields, False),
+                            trainer_kwargs, measured_step, max_batches, shard, dtype, **quantized)
     finally:
         launch.close()
         logging.getLogger("leantune").setLevel(logging_level)
@@ -294,6 +302,7 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
                       bound[0] if bound else None, device_terms(device, fields, num_processes, engine),
                       per_rank_notes(engine, num_processes) + notes,
                       {k: v for k, v in fields.items()}, 0.0)
+    with_offload(plan, fields, config, offload_extrapolated, device, host_memory)  # checkpoint_offload_plan.py
     if round_shape is not None:  # an online method: its generation round beside the update step
         plan.generation = generation_round(config, round_shape, dtype, held_between_steps(worst.parts),
                                            num_parameters)
@@ -337,7 +346,7 @@ def _trace(config, trainer_class, config_class, train_dataset, fields, trainer_k
             _train_quietly(trainer)
             trainer.forced_batches = None
             second = TracedStep.of(trainer.memory_breakdown, "the trainer's own second step" + (
-                f" on rank {shard[1]}" if shard is not None else ""), 2)
+                f" on rank {shard[1]}" if shard is not None else ""), 2, host_bytes=host_peak(trainer))
         traced, seen = [], []  # seen: (batch, its trace) for a batch met again (one long row is every candidate)
         for index, batch, words in _worst_candidates(trainer, max_batches):
             again = next((step for other, step in seen if _same_batch(batch, other)), None)
@@ -345,7 +354,7 @@ def _trace(config, trainer_class, config_class, train_dataset, fields, trainer_k
                 _reset_for_trace(trainer)
                 trainer.forced_batches = [batch] * (2 * accumulation)
                 _train_quietly(trainer)
-                seen.append((batch, TracedStep.of(trainer.memory_breakdown, words)))
+                seen.append((batch, TracedStep.of(trainer.memory_breakdown, words, host_bytes=host_peak(trainer))))
             step = again or seen[-1][1]
             if index is None:  # the longest rows together: a bound, at no step
                 traced.append(dataclasses.replace(step, batch=words, any_order=True))
@@ -400,7 +409,8 @@ def _extrapolate(runs, layers: int):
             beside = {name: line([step.backward_beside_gradients.get(name, 0) for step in group]) for name in names}
             if any(value is None for value in beside.values()):
                 return None
-        steps.append(TracedStep(peak, parts, first.batch, first.step, first.micro_batch, first.any_order, beside))
+        steps.append(TracedStep(peak, parts, first.batch, first.step, first.micro_batch, first.any_order, beside,
+                                line([step.host_bytes for step in group])))
     if None in counts:
         return None
     second = steps.pop(0) if runs[0][2] is not None else None
@@ -473,6 +483,7 @@ def _reset_for_trace(trainer) -> None:
     if hasattr(trainer, "_buffer"):
         trainer._buffer = []
     trainer.run_metrics.memory_breakdown = None  # the traced run starts without one
+    host_peak(trainer)  # the offload's ledger too
     restart = getattr(trainer.model_wrapped, "restart_trace", None)  # a traced launch's DDP (planning/sharded.py)
     if restart is not None:
         restart()

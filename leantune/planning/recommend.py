@@ -27,6 +27,7 @@ OFFLOADING_COST = 1.10  # copies overlap compute on CUDA streams, not entirely
 HALVING_COST = 1.05  # per halving of the micro-batch: smaller matrix products, more optimizer-step overhead
 PADDED_COST = 1.10  # padded rows compute their padding; padding-free and packed rows do not
 SMALLER_CHUNK_COST = 1.02  # a quarter of the default chunk: four times as many, smaller head products
+CHECKPOINT_OFFLOAD_COST = 1.04  # layer inputs copied out and back on side streams, the next one fetched ahead
 
 
 @dataclass
@@ -64,6 +65,7 @@ class Technique:
     cost: float
     why: str
     off: object = False
+    requires: object = None  # settings -> bool: whether it can be on beside the others' settings (None: always)
 
 
 def why_turned_on(name: str) -> str | None:
@@ -72,7 +74,8 @@ def why_turned_on(name: str) -> str | None:
 
 
 VARIED = ("gradient_checkpointing", "activation_offloading", "per_device_train_batch_size",
-          "gradient_accumulation_steps", "steps_per_generation", "packing", "padding_free", "loss_chunk_size")
+          "gradient_accumulation_steps", "steps_per_generation", "packing", "padding_free", "loss_chunk_size",
+          "checkpoint_offload_layers")
 PIECES = "max_completions_per_generate"  # set before the search when the generation round is over (generation_batch.py)
 
 
@@ -176,7 +179,14 @@ def _technique_settings(fields: dict, vocab_size: int | None) -> list[list[tuple
         if on is not None:
             settings.append([(technique.field, on, technique.cost)])
         combinations = [done + setting for done in combinations for setting in settings]
-    return combinations
+    return [done for done in combinations if _possible(done)]
+
+
+def _possible(settings: list[tuple]) -> bool:
+    """Whether every technique on in `settings` can be on beside the others (its `requires`)."""
+    values = {name: value for name, value, _ in settings}
+    return all(t.requires is None or values.get(t.field, t.off) in (t.off, None) or t.requires(values)
+               for t in TECHNIQUES)
 
 
 def _technique_rank(candidate: dict, fields: dict) -> tuple:
@@ -200,6 +210,10 @@ TECHNIQUES = (
               "the activations saved for the backward wait in host memory"),
     Technique("loss_chunk_size", _quarter_chunk, SMALLER_CHUNK_COST,
               "the loss's fp32 logits are formed a quarter as many tokens at a time", KEEP),
+    # "auto": the plan picks how many (planning/checkpoint_offload_plan.py), recorded as that number
+    Technique("checkpoint_offload_layers", "auto", CHECKPOINT_OFFLOAD_COST,
+              "the first layers' checkpointed inputs wait in pinned host memory, as many as the plan needs to fit",
+              KEEP, lambda on: on.get("gradient_checkpointing") and not on.get("activation_offloading")),
 )
 
 
@@ -280,6 +294,8 @@ def _plan(candidate, model, train_dataset, trainer_class, peft_config, processin
 
 def _record(candidate: Candidate, planned) -> None:
     candidate.peak_bytes, candidate.total_bytes = planned.peak_bytes, planned.device_total_bytes
+    if getattr(planned, "offload", None) is not None:  # "auto" recorded as the layers the plan chose
+        candidate.fields["checkpoint_offload_layers"] = planned.offload.layers
 
 
 __all__ = ["Candidate", "Recommendation", "candidates", "as_configured", "current_value", "micro_batch_group",

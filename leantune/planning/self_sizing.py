@@ -184,7 +184,8 @@ def _keeps_run(packing: bool, offloading: bool, on_cuda: bool):
         chosen = candidate.fields
         if "packing" in chosen and bool(chosen["packing"]) != packing:
             return False
-        return on_cuda or bool(chosen.get("activation_offloading")) == offloading
+        return on_cuda or (bool(chosen.get("activation_offloading")) == offloading
+                           and not chosen.get("checkpoint_offload_layers"))  # nor checkpoint offload to a host apart
 
     return keep
 

@@ -22,9 +22,11 @@ from transformers.utils import logging as transformers_logging
 
 from .. import methods
 from ..data.streaming import is_stream, log_stream_report, reset_counts
+from ..memory.checkpoint_offload import offload_checkpoints
 from ..memory.tiled_mlp import tile_mlps
 from ..metrics.memory_breakdown import MemoryBreakdownCallback
 from ..metrics.run_metrics import RunMetrics
+from ..planning.checkpoint_offload_plan import refuse_run_before_loading
 from ..planning.plan_check import check_before_training
 from ..planning.self_sizing import fit_to_budget
 from .method_hooks import MethodHooks
@@ -49,7 +51,7 @@ from .parts.split_preparer import SplitPreparer
 from .parts.step_loss import StepLoss
 from .reference import Reference
 from .run_bounds import RunBounds, report_run_end
-from .settings import layout_of, optimizer_in_backward_of, resolve_settings, tiled_mlp_of
+from .settings import checkpoint_offload_of, layout_of, optimizer_in_backward_of, resolve_settings, tiled_mlp_of
 from .step_logging import use_step_log_lines
 from .trainer_attributes import TrainerAttributes
 
@@ -79,6 +81,7 @@ class LeantuneTrainer(MethodHooks, TrainerAttributes, Trainer):
         args, logprob_path = resolve_config(type(self).__name__, args, train_dataset, eval_dataset,
                                             self.scores_vocabulary)
         self.layout = layout_of(args)  # before the models load: loading reads it (trainers/settings.py)
+        refuse_run_before_loading(type(self), model, args)  # a checkpoint offload the host cannot hold
         loaded = self.load_models(model, ref_model, processing_class, peft_config, args, quantization_config)
         self.splits = SplitPreparer(self.prepare_split, self.prepared_columns, self.stream_order,
                                     self.skips_preparation(args))
@@ -104,6 +107,7 @@ class LeantuneTrainer(MethodHooks, TrainerAttributes, Trainer):
         self.trained_nothing = False
         self.settings = resolve_settings(args, self.generates_rounds, self.layout)  # each part's own (trainers/settings.py)
         tile_mlps(self.model, tiled_mlp_of(args))  # memory/tiled_mlp.py: off unless `tiled_mlp`
+        offload_checkpoints(self.model, checkpoint_offload_of(args))  # memory/checkpoint_offload.py: off unless set
         self.nonfinite = NonFiniteGuard(self.settings.nonfinite, self.accelerator, self.is_world_process_zero,
                                         lambda: self.state.global_step)
         tag_model(self)  # the Hub tags of TRL's trainer of the method (parts/saving.py)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..metrics.devices import parse_budget
+from ..models.checkpointing import checkpointing_setting
 from .config_fields import non_default
 
 
@@ -85,6 +86,17 @@ class MemoryOptions:
                   "the step never holds every gradient at once. Exact; needs max_grad_norm=0 (no clipping), one "
                   "process, no DeepSpeed or FSDP."},
     )
+    checkpoint_offload_layers: int | str | None = field(
+        default=None,
+        metadata={"help": "Move the inputs gradient checkpointing keeps of the first N decoder layers to pinned host "
+                  "memory (side CUDA stream, the previous layer's fetched ahead in the backward; exact). An int N "
+                  "(-k: all but the last k), "
+                  "'auto' (as many as the host's available memory holds, or with memory_budget the plan's fewest that "
+                  "fit) or None/0 (off). Needs gradient checkpointing; a run the host cannot hold is refused."},
+    )
+    # Why a number of layers and not a switch: the host bounds it (the H200 machine's 128 GiB holds 25 of Llama-8B's
+    # 32 layer inputs at 500K tokens), so the split between device and host is the plan's to choose, as Megatron-Core's
+    # `cpu_offloading_num_layers`; TRL's all-or-nothing `activation_offloading` stays as it is.
 
 
 def validate_memory_options(args) -> None:
@@ -116,6 +128,31 @@ def validate_memory_options(args) -> None:
                              f"`activation_offloading=True` or leave `{name}` at its default.")
     if args.optimizer_in_backward:
         validate_optimizer_in_backward(args)
+    validate_checkpoint_offload(args)
+
+
+def validate_checkpoint_offload(args) -> None:
+    """`checkpoint_offload_layers` read once, here: an int >= 0 (a digit string from the command line becomes one),
+    'auto' or None; refused where it cannot work."""
+    value = args.checkpoint_offload_layers
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        value = args.checkpoint_offload_layers = int(value)
+    elif isinstance(value, str):  # "None" is how a command line (or a printed recommendation) spells off
+        value = args.checkpoint_offload_layers = None if value.strip().lower() == "none" else value.strip().lower()
+    if value is None or value == 0:
+        return
+    if not (value == "auto" or (isinstance(value, int) and not isinstance(value, bool))):
+        raise ValueError(f"`checkpoint_offload_layers` must be a number of decoder layers (-k: all but the last k), "
+                         f"'auto' or None, got {args.checkpoint_offload_layers!r}.")
+    if not checkpointing_setting(args)[0]:
+        raise ValueError("`checkpoint_offload_layers` offloads the layer inputs that gradient checkpointing keeps; "
+                         "with `gradient_checkpointing=False` there are none: turn checkpointing on or leave it unset.")
+    if args.activation_offloading:
+        raise ValueError("`checkpoint_offload_layers` with `activation_offloading=True`: activation offloading already "
+                         "moves every saved activation, these inputs included; set one of them off.")
+    if args.deepspeed or args.fsdp:
+        raise ValueError("`checkpoint_offload_layers` does not work with `deepspeed` or `fsdp` (their engines "
+                         "checkpoint and offload by their own settings); set one of them off.")
 
 
 def validate_optimizer_in_backward(args) -> None:

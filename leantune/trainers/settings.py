@@ -270,3 +270,23 @@ def round_settings_of(args, steps_per_generation: int) -> RoundSettings:
     return RoundSettings(args.num_generations, args.num_iterations, off_policy, args.mask_truncated_completions,
                          args.log_completions, bool(getattr(args, "shared_prompt", False)), args.padding_free,
                          args.pad_to_multiple_of)
+
+
+@dataclass(frozen=True)
+class CheckpointOffloadSettings:
+    """Checkpoint offload's (memory/checkpoint_offload.py): how many of the first decoder layers' checkpointed inputs
+    go to host memory (0: off), or `auto` (counted from the first input's size against the host's available memory);
+    `host_limit_bytes`: the host memory it may hold (None: the host's available memory when it copies)."""
+
+    layers: int = 0
+    auto: bool = False
+    host_limit_bytes: int | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.auto or self.layers != 0  # -k: all but the last k
+
+
+def checkpoint_offload_of(args) -> CheckpointOffloadSettings:
+    value = getattr(args, "checkpoint_offload_layers", None)  # validated (memory_options.py): None, int >= 0, "auto"
+    return CheckpointOffloadSettings(0 if value in (None, "auto") else int(value), value == "auto")

@@ -197,17 +197,19 @@ def test_candidates_are_ranked_by_the_documented_factors():
 
     table = (REPO / "docs" / "plan.md").read_text()
     factors = {rule: float(x) for rule, x in re.findall(r"\| (padded layout|gradient checkpointing|activation "
-                                                         r"offloading|each halving of the micro-batch) \| x([0-9.]+)",
-                                                         table)}
-    assert len(factors) == 4
+                                                         r"offloading|each halving of the micro-batch|checkpoint "
+                                                         r"offload) \| x([0-9.]+)", table)}
+    assert len(factors) == 5
     ranked = candidates("sft", dict(per_device_train_batch_size=4, gradient_accumulation_steps=2))
-    assert len(ranked) == 3 * 2 * 2 * 3  # layouts x checkpointing x offloading x micro-batches 4, 2, 1
+    # layouts x (checkpointing x offloading, + checkpoint offload beside checkpointing alone) x micro-batches 4, 2, 1
+    assert len(ranked) == 3 * (2 * 2 + 1) * 3
     for candidate in ranked:
         f = candidate.fields
         assert f["per_device_train_batch_size"] * f["gradient_accumulation_steps"] == 8  # the same global batch
         expected = ((factors["padded layout"] if not (f["packing"] or f["padding_free"]) else 1.0)
                     * (factors["gradient checkpointing"] if f["gradient_checkpointing"] else 1.0)
                     * (factors["activation offloading"] if f["activation_offloading"] else 1.0)
+                    * (factors["checkpoint offload"] if f.get("checkpoint_offload_layers") else 1.0)
                     * factors["each halving of the micro-batch"] ** {4: 0, 2: 1, 1: 2}[f["per_device_train_batch_size"]])
         assert candidate.relative_time == pytest.approx(expected, rel=1e-12)
     times = [c.relative_time for c in ranked]
