@@ -14,6 +14,7 @@ imported); the log-prob engine (trainers/parts/logprob_engine.py) decides.
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -72,27 +73,67 @@ def _fused_inputs(hidden: torch.Tensor, head: OutputHead, targets: Targets):
     return flat, weight, bias
 
 
-def liger_target_logprobs(hidden: torch.Tensor, head: OutputHead, targets: Targets, with_top1: bool = False):
-    """fp32 log-probabilities of the targets (and, with `with_top1`, whether each target is the argmax), from Liger's
-    fused kernel with reduction="none": differentiable per target, logits never held whole."""
-    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+def chunk_rows_supported() -> bool:
+    """Whether this liger-kernel takes `chunk_mem_const` (0.8.5+), the budget that sets its rows per chunk."""
+    from liger_kernel.ops import fused_linear_cross_entropy as ops
 
+    return "chunk_mem_const" in inspect.signature(ops.fused_linear_cross_entropy_forward).parameters
+
+
+@functools.lru_cache(maxsize=256)
+def liger_chunk_const(rows: int, hidden_size: int, vocab_size: int, chunk_rows: int) -> int:
+    """The `chunk_mem_const` that gives Liger's kernel the most rows per chunk, up to `chunk_rows` (the chunked head's).
+
+    By default Liger bounds its transient logits to rows x hidden elements, so it runs ~vocabulary / hidden chunks
+    whatever the batch (89 chunks of ~110 rows at Qwen2.5-1.5B's shape on the H100: memory-bound matmuls, the same
+    fault the chunked head's CPU-sized chunk had). Its chunk is next_pow2(ceil(rows / ceil(V / (C x H)))) rows, never
+    more than `rows`, growing with C; the largest C whose chunk stays within `chunk_rows` gives Liger the chunked
+    head's matmul shapes at no more memory (its chunk's logits are in the compute dtype, the chunked head's up to
+    three fp32 copies). C = 1 (Liger's own budget) where even that chunk is larger."""
+    def chunk(const):
+        steps = -(-vocab_size // (const * hidden_size))
+        return min(1 << max(0, (-(-rows // steps) - 1).bit_length()), rows)
+
+    low, high = 1, max(1, -(-vocab_size // hidden_size))
+    while low < high:  # the largest const in [1, high] whose chunk fits (chunk grows with const)
+        middle = (low + high + 1) // 2
+        if chunk(middle) <= chunk_rows:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+def _fused_cross_entropy(flat, weight, bias, tokens, reduction: str, softcap, with_top1: bool, chunk_rows):
+    """Liger's fused linear cross-entropy, its chunks sized by `chunk_rows` where this liger-kernel allows it."""
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    extra = {}
+    if chunk_rows and chunk_rows_supported():
+        extra["chunk_mem_const"] = liger_chunk_const(int(flat.shape[0]), int(flat.shape[1]), int(weight.shape[0]),
+                                                     int(chunk_rows))
+    return liger_fused_linear_cross_entropy(flat, weight, tokens, bias, reduction=reduction, softcap=softcap,
+                                            return_token_accuracy=with_top1, **extra)
+
+
+def liger_target_logprobs(hidden: torch.Tensor, head: OutputHead, targets: Targets, with_top1: bool = False,
+                          chunk_rows: int | None = None):
+    """fp32 log-probabilities of the targets (and, with `with_top1`, whether each target is the argmax), from Liger's
+    fused kernel with reduction="none": differentiable per target, logits never held whole. `chunk_rows`: rows per
+    chunk at most (`liger_chunk_const`; None: Liger's own rule)."""
     flat, weight, bias = _fused_inputs(hidden, head, targets)
-    loss_fn = LigerFusedLinearCrossEntropyLoss(reduction="none", softcap=head.softcap, return_token_accuracy=with_top1)
-    out = loss_fn(weight, flat, targets.tokens, bias)
+    out = _fused_cross_entropy(flat, weight, bias, targets.tokens, "none", head.softcap, with_top1, chunk_rows)
     if with_top1:
         return -out.loss.float(), out.token_accuracy.bool()
     return -out.float()
 
 
-def liger_nll_sum(hidden: torch.Tensor, head: OutputHead, targets: Targets) -> tuple[torch.Tensor, torch.Tensor]:
+def liger_nll_sum(hidden: torch.Tensor, head: OutputHead, targets: Targets,
+                  chunk_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed negative log-likelihood of the targets, their top-1 accuracy), by Liger's fused kernel with
     reduction="sum" (its gradient is formed in the forward pass: no recomputation in backward)."""
-    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
-
     flat, weight, bias = _fused_inputs(hidden, head, targets)
-    loss_fn = LigerFusedLinearCrossEntropyLoss(reduction="sum", softcap=head.softcap, return_token_accuracy=True)
-    out = loss_fn(weight, flat, targets.tokens, bias)
+    out = _fused_cross_entropy(flat, weight, bias, targets.tokens, "sum", head.softcap, True, chunk_rows)
     return out.loss.float(), out.token_accuracy.float()
 
 

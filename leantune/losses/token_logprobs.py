@@ -83,17 +83,23 @@ class TargetSequences:
     them over the context-parallel group (trainers/parts/context_parallel.py), before any loss reads them."""
 
     sequence: torch.Tensor
-    rank: torch.Tensor
+    known_rank: torch.Tensor | None  # None: contiguous targets, their rank computed when first read (`rank`)
     total: object = None  # (per-sequence partial sums) -> whole-sequence sums; None: they are whole already
 
     @classmethod
     def contiguous(cls, targets: Targets, starts: torch.Tensor) -> TargetSequences:
-        """From the sequences' flat start offsets: the targets of one sequence are contiguous and in order."""
-        sequence = target_sequences(targets, starts)
-        lengths = torch.bincount(sequence) if sequence.numel() else sequence.new_zeros(0)
-        first = torch.cumsum(lengths, 0) - lengths  # index of each sequence's first target among all targets
-        rank = torch.arange(sequence.numel(), device=sequence.device) - first[sequence]
-        return cls(sequence, rank)
+        """From the sequences' flat start offsets: the targets of one sequence are contiguous and in order. Their
+        ranks are computed only if read (LD-DPO, context parallelism): five small ops every other step skips."""
+        return cls(target_sequences(targets, starts), None)
+
+    @property
+    def rank(self) -> torch.Tensor:
+        if self.known_rank is None:
+            sequence = self.sequence
+            lengths = torch.bincount(sequence) if sequence.numel() else sequence.new_zeros(0)
+            first = torch.cumsum(lengths, 0) - lengths  # index of each sequence's first target among all targets
+            self.known_rank = torch.arange(sequence.numel(), device=sequence.device) - first[sequence]
+        return self.known_rank
 
     def sums(self, values: torch.Tensor, num_sequences: int) -> torch.Tensor:
         """Per-target values summed per whole sequence."""
@@ -200,16 +206,21 @@ def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _shift_by_row_max(logits: torch.Tensor) -> torch.Tensor:
-    """logits - max per row, in place (as torch.logsumexp: an infinite maximum shifts by 0); returns the maxima."""
+    """logits - max per row, in place (as torch.logsumexp: an infinite maximum shifts by 0); returns the maxima.
+    One op zeroes an infinite maximum (nan_to_num_, not isinf + masked_fill_); it also zeroes a NaN one, whose row
+    is NaN either way (its logits hold the NaN)."""
     top = logits.amax(dim=-1, keepdim=True)
-    top.masked_fill_(torch.isinf(top), 0.0)
+    top.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
     logits.sub_(top)
     return top
 
 
-def _chunk_scores(logits: torch.Tensor, tokens: torch.Tensor, with_entropy: bool, stats: tuple[str, ...]):
+def _chunk_scores(logits: torch.Tensor, tokens: torch.Tensor, with_entropy: bool, stats: tuple[str, ...],
+                  out: torch.Tensor | None = None, stats_out: torch.Tensor | None = None,
+                  entropy_out: torch.Tensor | None = None):
     """(log-probs of `tokens`, entropies or None, the `stats` as TOKEN_STATS defines them) of one chunk's fp32
-    logits, which it overwrites.
+    logits, which it overwrites. `out` / `entropy_out` / `stats_out`: where the log-probs / entropies / the top-1
+    column are written (the chunked head's result rows: no copy op per chunk).
 
     Why not torch.logsumexp / torch.softmax: logsumexp allocates a [chunk, vocabulary] buffer inside the op and frees
     it before returning, which no dispatch-level meter sees (neither the plan's trace nor MemTracker), and entropy
@@ -220,7 +231,9 @@ def _chunk_scores(logits: torch.Tensor, tokens: torch.Tensor, with_entropy: bool
     target = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     values = {}
     if "top1" in stats:  # before the shift, which could round two logits into a tie
-        values["top1"] = TOKEN_STATS["top1"](logits, None, tokens)
+        column = None if stats_out is None else stats_out[:, stats.index("top1")]
+        values["top1"] = (torch.eq(logits.argmax(dim=-1), tokens, out=column) if column is not None
+                          else TOKEN_STATS["top1"](logits, None, tokens))
     top = _shift_by_row_max(logits).squeeze(-1)
     exp = logits.exp() if with_entropy else logits.exp_()
     total = exp.sum(-1)
@@ -230,30 +243,31 @@ def _chunk_scores(logits: torch.Tensor, tokens: torch.Tensor, with_entropy: bool
         values["log_sum_sq_probs"] = _row_dot(exp, exp).log() - 2 * log_total
     entropy = None
     if with_entropy:  # H = log_norm - sum_v p_v L_v = log total - sum_v exp(L_v - max) (L_v - max) / total
-        entropy = log_total - _row_dot(exp, logits) / total
-    return target - log_norm, entropy, [values[name] for name in stats]
+        entropy = torch.sub(log_total, _row_dot(exp, logits).div_(total), out=entropy_out)
+    return torch.sub(target, log_norm, out=out), entropy, [values[name] for name in stats]
 
 
 def _projection_gradient(raw: torch.Tensor, tokens: torch.Tensor, grad_logps: torch.Tensor, head: OutputHead,
-                         grad_entropy: torch.Tensor | None = None):
+                         grad_entropy: torch.Tensor | None = None, negated: torch.Tensor | None = None):
     """d(sum grad_logps * logp + sum grad_entropy * H)/d raw, written out so one chunk needs two [chunk, vocabulary]
     buffers at most.
 
     logp = L[y] - logsumexp(L) and H = -sum p log p with L = softcap(raw * scale) / temperature, so
     dlogp/dL = onehot(y) - p, dH/dL = -p (log p + H), and dL/draw = scale / temperature * (1 - tanh^2) with
-    tanh = L * temperature / softcap.
+    tanh = L * temperature / softcap. `negated`: -grad_logps in fp32 (the caller's, negated once for every chunk).
     """
     logits = head.transform(raw)
     capped = None
     if head.softcap is not None:
         capped = 1.0 - (logits * (head.temperature / head.softcap)).square()
-    rows = torch.arange(logits.shape[0], device=logits.device)
     _shift_by_row_max(logits)  # softmax in place (no torch.logsumexp: see _chunk_scores)
-    if grad_entropy is None:
+    upstream = grad_logps.float().unsqueeze(-1)
+    targets = tokens.unsqueeze(-1)
+    if grad_entropy is None:  # (onehot - softmax) g as exp * (-g / sum exp) + onehot g: one pass over the chunk
         grad = logits.exp_()
-        grad.div_(grad.sum(-1, keepdim=True)).neg_()  # -softmax
-        grad[rows, tokens] += 1.0
-        grad.mul_(grad_logps.float().unsqueeze(-1))
+        negated = upstream.neg() if negated is None else negated.unsqueeze(-1)
+        grad.mul_(torch.div(negated, grad.sum(-1, keepdim=True)))
+        grad.scatter_add_(-1, targets, upstream)
     else:
         p = logits.exp()
         total = p.sum(-1, keepdim=True)
@@ -261,10 +275,11 @@ def _projection_gradient(raw: torch.Tensor, tokens: torch.Tensor, grad_logps: to
         log_p = logits.sub_(total.log_())
         entropy = -_row_dot(p, log_p).unsqueeze(-1)
         grad = log_p.add_(entropy).mul_(p).mul_(-grad_entropy.float().unsqueeze(-1))  # dH/dL, weighted
-        grad.sub_(p.mul_(grad_logps.float().unsqueeze(-1)))  # - p of dlogp/dL, weighted
-        grad[rows, tokens] += grad_logps.float()
+        grad.sub_(p.mul_(upstream))  # - p of dlogp/dL, weighted
+        grad.scatter_add_(-1, targets, upstream)
         del p
-    grad.mul_(head.scale / head.temperature)
+    if head.scale / head.temperature != 1.0:
+        grad.mul_(head.scale / head.temperature)
     if capped is not None:
         grad.mul_(capped)
     return grad.to(raw.dtype)
@@ -284,13 +299,22 @@ class HeadGradients:
 
     def __init__(self, head, wanted: list, compute_dtype):
         module = head.module
-        plain = (type(module) is torch.nn.Linear and "forward" not in module.__dict__ and not module._forward_hooks
-                 and not module._forward_pre_hooks and module.weight.dtype == compute_dtype
-                 and any(p is module.weight for p in wanted) and not head.weights_sharded())
+        linear = (type(module) is torch.nn.Linear and "forward" not in module.__dict__ and not module._forward_hooks
+                  and not module._forward_pre_hooks and module.weight.dtype == compute_dtype
+                  and not head.weights_sharded())
+        plain = linear and any(p is module.weight for p in wanted)
+        self.linear_weight = module.weight if linear else None  # trained or frozen (LoRA)
         self.weight = module.weight if plain else None
         self.wanted, self.by_autograd = wanted, [p for p in wanted if p is not self.weight]  # autograd.grad's inputs
         self.sums = [None] * len(self.by_autograd)
         self.weight_sum = torch.zeros_like(self.weight) if plain else None
+
+    def hidden_gradient_direct(self, hidden: torch.Tensor) -> bool:
+        """Whether the hidden states' gradient is `grad(raw) @ weight` written straight into its rows (a plain head,
+        frozen or with its weight its only trainable parameter, in the hidden states' dtype): the op the Linear's
+        backward runs, without recording the recomputed projection's graph or copying each chunk's result."""
+        return (self.linear_weight is not None and not self.by_autograd
+                and hidden.dtype == self.linear_weight.dtype)
 
     def add_weight(self, grad_raw: torch.Tensor, hidden: torch.Tensor) -> None:
         if self.weight is not None:
@@ -313,12 +337,11 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
         for start in chunk_starts(hidden, chunk_size):
             end = start + chunk_size
             logits = head.logits(hidden[start:end])
-            logps[start:end], chunk_entropy, chunk_values = _chunk_scores(logits, tokens[start:end], with_entropy,
-                                                                           stats)
-            if with_entropy:
-                entropy[start:end] = chunk_entropy
-            for i, value in enumerate(chunk_values):
-                values[start:end, i] = value
+            _, _, chunk_values = _chunk_scores(logits, tokens[start:end], with_entropy, stats, logps[start:end],
+                                               values[start:end], entropy[start:end] if with_entropy else None)
+            for i, (name, value) in enumerate(zip(stats, chunk_values)):
+                if name != "top1":  # written in place
+                    values[start:end, i] = value
             del logits
         ctx.save_for_backward(hidden, tokens)
         ctx.head, ctx.chunk_size, ctx.params = head, chunk_size, params
@@ -337,21 +360,27 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
         wanted = [p for p, need in zip(ctx.params, ctx.needs_input_grad[7:]) if need]
         if not ctx.entropy_grad:
             grad_entropy = None
-        grad_hidden = torch.zeros_like(hidden) if want_hidden else None
+        grad_hidden = torch.empty_like(hidden) if want_hidden else None  # every chunk writes its rows
         device_type, autocast_on, autocast_dtype = ctx.autocast
         head_grads = HeadGradients(ctx.head, wanted, autocast_dtype if autocast_on else hidden.dtype)
+        direct = head_grads.hidden_gradient_direct(hidden)
+        negated = grad_logps.float().neg() if grad_entropy is None else None  # once, not one small op per chunk
         for start in chunk_starts(hidden, ctx.chunk_size):
             end = start + ctx.chunk_size
-            piece = hidden[start:end].detach().requires_grad_(want_hidden)
-            inputs = ([piece] if want_hidden else []) + head_grads.by_autograd
-            with torch.enable_grad(), torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_on):
+            piece = hidden[start:end].detach().requires_grad_(want_hidden and not direct)
+            inputs = ([piece] if want_hidden and not direct else []) + head_grads.by_autograd
+            with torch.set_grad_enabled(bool(inputs)), torch.autocast(device_type, dtype=autocast_dtype,
+                                                                      enabled=autocast_on):
                 raw = ctx.head.project(piece)
             grad_raw = _projection_gradient(raw.detach(), tokens[start:end], grad_logps[start:end], ctx.head,
-                                            None if grad_entropy is None else grad_entropy[start:end])
+                                            None if grad_entropy is None else grad_entropy[start:end],
+                                            None if negated is None else negated[start:end])
             head_grads.add_weight(grad_raw, piece)
+            if want_hidden and direct:  # what the Linear's backward computes, into its rows: no graph, no copy
+                torch.mm(grad_raw, head_grads.linear_weight, out=grad_hidden[start:end])
             grads = torch.autograd.grad(raw, inputs, grad_raw) if inputs else ()
             del raw, grad_raw
-            if want_hidden:
+            if want_hidden and not direct:
                 grad_hidden[start:end] = grads[0]
                 grads = grads[1:]
             head_grads.add(grads)

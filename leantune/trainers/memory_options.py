@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..losses.head_choice import HEAD_CHOICES
 from ..metrics.devices import parse_budget
 from ..models.checkpointing import checkpointing_setting
 from .config_fields import non_default
@@ -97,6 +98,12 @@ class MemoryOptions:
     # Why a number of layers and not a switch: the host bounds it (the H200 machine's 128 GiB holds 25 of Llama-8B's
     # 32 layer inputs at 500K tokens), so the split between device and host is the plan's to choose, as Megatron-Core's
     # `cpu_offloading_num_layers`; TRL's all-or-nothing `activation_offloading` stays as it is.
+    liger_head: str = field(
+        default="auto",
+        metadata={"help": "With `use_liger_kernel` / `use_liger_loss`, the head that computes the loss: 'auto' (the "
+                  "faster of Liger's fused linear cross-entropy and leantune's chunked head, timed once on the GPU "
+                  "when the trainer is built, and logged), 'liger' or 'chunked'."},
+    )
 
 
 def validate_memory_options(args) -> None:
@@ -119,6 +126,11 @@ def validate_memory_options(args) -> None:
             raise ValueError(f"`{flag}=True` never computes the full logits that `chunked_loss=False` asks for (Liger "
                              f"on CUDA, else the chunked loss); set `chunked_loss=True` or `{flag}=False`.")
     fused = getattr(args, "use_liger_kernel", False) or getattr(args, "use_liger_loss", False)
+    if args.liger_head not in HEAD_CHOICES:
+        raise ValueError(f"`liger_head` must be one of {', '.join(HEAD_CHOICES)}, got {args.liger_head!r}.")
+    if args.liger_head != "auto" and not fused:
+        raise ValueError(f"`liger_head={args.liger_head!r}` chooses the head under Liger and has no effect without "
+                         "`use_liger_kernel=True` or `use_liger_loss=True`; set one or leave `liger_head` unset.")
     if args.loss_chunk_size is not None and not args.chunked_loss and not fused:
         raise ValueError("`loss_chunk_size` has no effect with `chunked_loss=False` (the model computes the full "
                          "logits); set `chunked_loss=True` or leave `loss_chunk_size` unset.")

@@ -90,12 +90,14 @@ class Offloading:
 @dataclass(frozen=True)
 class HeadSettings:
     """The log-prob engine's (parts/logprob_engine.py): the device its path runs on, the head's chunk (the user's
-    `loss_chunk_size`, else the rule's from the device's free memory, read once here), offloading."""
+    `loss_chunk_size`, else the rule's from the device's free memory, read once here), offloading, and under Liger
+    which head computes the loss (`liger_head`: auto, liger or chunked; losses/head_choice.py)."""
 
     device_type: str
     loss_chunk_size: int | None
     offloading: Offloading
     free_memory_bytes: int | None = None  # a CUDA device's free memory when the settings were resolved
+    liger_head: str = "auto"
 
     def chunk_rows(self, vocab_size: int) -> int:
         """The chunked head's rows per chunk: the user's, else losses/token_logprobs.py's `chunk_rows_for`."""
@@ -167,7 +169,8 @@ def resolve_settings(args, online: bool, layout: Layout) -> TrainerSettings:
                                    getattr(args, "router_aux_loss_coef", None)),
         head=HeadSettings(args.device.type, args.loss_chunk_size,
                           Offloading(args.activation_offloading, args.activation_offloading_min_bytes,
-                                     args.activation_offloading_use_streams), free_memory_of(args.device)),
+                                     args.activation_offloading_use_streams), free_memory_of(args.device),
+                          getattr(args, "liger_head", "auto")),
         batch=BatchSettings(args.per_device_train_batch_size, args.gradient_accumulation_steps, args.world_size,
                             getattr(args, "steps_per_generation", None) if online else None, group, per_row),
         reference=reference_of(args),

@@ -18,6 +18,7 @@ from enum import Enum
 
 import torch
 
+from ...losses.head_choice import LIGER, LigerHeadChoice, choose_liger_head
 from ...losses.liger import (
     OLD_LIGER,
     liger_can_run,
@@ -110,14 +111,16 @@ class LogProbEngine:
         self._offloader = None
         self._heads = weakref.WeakKeyDictionary()  # model object -> {temperature: its OutputHead}
         self.chunk_rows = {}  # vocabulary size -> the chunked head's rows per chunk (HeadSettings.chunk_rows)
+        self.liger_choice = LigerHeadChoice()  # which head each loss uses under Liger: chosen in `announce`
         if settings.offloading.enabled:
             log_offloading_scope(logger)
 
     # --- what the path gives, said once ------------------------------------------------------------------------
 
     def announce(self, model, notes: list[tuple[int, str]] = ()) -> None:
-        """The Liger notices, once, when the trainer is built: the head that keeps Liger from running, and the
-        method's own `notes` ((level, text): what its loss takes from Liger and what it does not)."""
+        """The Liger notices, once, when the trainer is built: the head that keeps Liger from running, the head
+        chosen for each loss (losses/head_choice.py: timed on a GPU, or the `liger_head` setting), and the method's
+        own `notes` ((level, text): what its loss takes from Liger and what it does not)."""
         if self.path is not LogProbPath.LIGER:
             return
         try:
@@ -130,6 +133,10 @@ class LogProbEngine:
                            "exact).", problem)
         elif head is not None and not per_target_gradients_supported():
             logger.warning("Liger was asked for, but %s.", OLD_LIGER)
+        if problem is None and head is not None:
+            self.liger_choice = choose_liger_head(self.settings.liger_head, head, self.settings.device_type,
+                                                  self.settings.chunk_rows(head.vocab_size))
+            logger.info(self.liger_choice.describe())
         for level, text in notes:
             logger.log(level, text)
 
@@ -141,8 +148,10 @@ class LogProbEngine:
     def liger_scores(self, head: OutputHead, with_entropy: bool = False, stats: tuple[str, ...] = ()) -> bool:
         """Whether Liger's fused kernel gives these per-target values: it yields each target's log-prob and whether
         the target is the argmax (`top1`), nothing else (no entropies, no other statistics: those batches take the
-        chunked head, as the notices say when the trainer starts)."""
-        return (self.path is LogProbPath.LIGER and liger_can_run(head, self.settings.device_type)
+        chunked head, as the notices say when the trainer starts), and only where it is the head chosen for
+        per-target log-probs (`liger_choice`)."""
+        return (self.path is LogProbPath.LIGER and self.liger_choice.per_target == LIGER
+                and liger_can_run(head, self.settings.device_type)
                 and not with_entropy and set(stats) <= {"top1"} and len(stats) <= 1)
 
     def liger_head_runs(self, model, temperature: float = 1.0) -> bool:
@@ -154,12 +163,22 @@ class LogProbEngine:
         """Whether the summed NLL comes from Liger's summing kernel (its gradient formed in the forward pass, no
         per-token values). CUDA only: its backward scales the weight gradient one vocabulary row per Triton program,
         which Triton's CPU interpreter runs one at a time (measured ~70 s per step at a 32000 vocabulary, against
-        ~1 s for the per-target kernel), so on CPU the per-target kernel computes the NLL."""
-        return self.settings.device_type == "cuda" and self.liger_head_runs(model)
+        ~1 s for the per-target kernel), so on CPU the per-target kernel computes the NLL. And only where it is the
+        head chosen for the summed NLL (`liger_choice`)."""
+        return (self.settings.device_type == "cuda" and self.liger_choice.summed == LIGER
+                and self.path is LogProbPath.LIGER and not self.needs_full_logits(model)
+                and liger_can_run(self.head_of(model), self.settings.device_type))
 
     def liger_jsd_runs(self, head: OutputHead, teacher_head: OutputHead) -> bool:
         """Whether distillation's JSD comes from Liger's fused linear JSD (both heads fusable here)."""
         return self.path is LogProbPath.LIGER and liger_jsd_problem(head, teacher_head, self.settings.device_type) is None
+
+    def liger_chunk_rows(self, head: OutputHead) -> int | None:
+        """Liger's rows per chunk on CUDA: the chunked head's (losses/liger.py's `liger_chunk_const`: its own rule
+        runs ~vocabulary / hidden chunks of a few rows, memory-bound on a GPU). On CPU, where Liger runs only in
+        Triton's interpreter for tests, its own rule (None): the interpreter holds a host view of each chunk's logits
+        that a plan on fake weights cannot see, which Liger's own small chunks keep negligible."""
+        return self.chunk_rows[head.vocab_size] if self.settings.device_type == "cuda" else None
 
     # --- the forward pass ---------------------------------------------------------------------------------------
 
@@ -249,7 +268,7 @@ class LogProbEngine:
         liger = self.liger_scores(head, with_entropy, stats) and len(targets)
         trains = torch.is_grad_enabled() and (hidden.requires_grad or bool(head.trainable_parameters))
         if liger and (not trains or per_target_gradients_supported()):
-            result = liger_target_logprobs(hidden, head, targets, with_top1=bool(stats))
+            result = liger_target_logprobs(hidden, head, targets, bool(stats), self.liger_chunk_rows(head))
             if stats:
                 return TargetScores(result[0], targets, outputs, stats={"top1": result[1]}, hidden=hidden)
             return TargetScores(result, targets, outputs, hidden=hidden)
@@ -269,7 +288,7 @@ class LogProbEngine:
             targets = select_targets(labels, shifted)
             hidden, outputs = self.forward_hidden(model, inputs, head)
             if len(targets):
-                return (*liger_nll_sum(hidden, head, targets), targets, outputs)
+                return (*liger_nll_sum(hidden, head, targets, self.liger_chunk_rows(head)), targets, outputs)
             return -chunked_logprobs(hidden, head, targets, self.chunk_rows[head.vocab_size]).sum(), None, targets, outputs
         scores = self.target_logprobs(model, inputs, labels, shifted=shifted)
         return -scores.logps.sum(), None, scores.targets, scores.outputs
