@@ -32,6 +32,7 @@ from ..planning.recommend import (
     recommend,
     size_words,
 )
+from ..planning.tile_size import launch_floor, solve_tile, token_bound
 from .arguments import model_init_kwargs_from, peft_config_from, plan_argument_types
 from .errors import UsageError
 from .help_cache import method_flag as _method_of
@@ -148,7 +149,10 @@ def _run(argv: list[str], started: float) -> int:
         except ValueError as error:
             raise UsageError(str(error)) from error
 
-    plan = planned(fields)
+    if budget is not None and fields.get("tiled_mlp") and fields.get("tiled_mlp_tile_size") is None:
+        plan = _planned_tile(planned, fields, config, budget, device)  # as a run sizing itself (self_sizing.py)
+    else:
+        plan = planned(fields)
     print("\n".join(plan.lines(timing=False)))
     if assumed:
         print(f"note: {assumed}")
@@ -197,6 +201,18 @@ def _run(argv: list[str], started: float) -> int:
     if nothing_fits is not None:
         raise UsageError(nothing_fits)
     return 0
+
+
+def _planned_tile(planned, fields, config, budget, device):
+    """The run's tiled MLP without a tile, under a budget: the largest tile whose plan fits it (planning/
+    tile_size.py), set in `fields` and `config` so that the search knows the run as configured by it."""
+    tile, plan, made = solve_tile(lambda size: planned({**fields, "tiled_mlp_tile_size": size}), budget,
+                                  launch_floor(device), token_bound(fields))
+    fields["tiled_mlp_tile_size"] = config.tiled_mlp_tile_size = tile
+    fitted = "the largest whose plan fits" if plan.device_total_bytes <= budget else "the floor: none fits"
+    print(f"tiled MLP: {tile:,} tokens per tile, {fitted} --memory_budget {size_words(budget)} ({made} plans; "
+          f"--tiled_mlp_tile_size {tile})")
+    return plan
 
 
 SOLVABLE = ("max_length", "max_completion_length", "max_completions_per_generate")

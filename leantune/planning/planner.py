@@ -53,6 +53,7 @@ from .planned_run import (
 )
 from .quantized import parameter_count, quantization_from_fields, quantize_fake_model
 from .sharded import each_rank, traced_launch
+from .tile_size import rule_tile
 
 logger = logging.getLogger("leantune.plan")
 GIB = 1024 * MIB
@@ -254,6 +255,12 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
         trainer_kwargs["reward_funcs"] = _no_reward
     logging_level = logging.getLogger("leantune").level
     notes = []
+    if fields.get("tiled_mlp") and fields.get("tiled_mlp_tile_size") is None:  # the plan traces the tile it names
+        tile, note = rule_tile(config, dtype, fields, device)
+        fields = {**fields, "tiled_mlp_tile_size": tile}
+        notes.append(note)
+    elif fields.get("tiled_mlp"):
+        notes.append(f"tiled MLP: {fields['tiled_mlp_tile_size']:,} tokens per tile")
     engine_context = contextlib.ExitStack()
     if zero is not None:
         engine_context.enter_context(zero_plan.deepspeed_init_off())
