@@ -158,6 +158,10 @@ def _run(argv: list[str], started: float) -> int:
         print(f"note: {assumed}")
     if plan_args.solve == "max_completions_per_generate":
         print("\n".join(solve_generation_batch(plan, budget, config.num_generations).lines()))
+    elif plan_args.solve == "max_length" and method.online:  # its rows: the longest prompt + the completions
+        _quiet_progress_bars()
+        solved = _solved_completion_length(plan, budget, config, fields, planned, model_args.model_name_or_path)
+        print("\n".join([*solved.lines(), *_online_max_length_lines(solved, plan.generation.prompt_length)]))
     elif plan_args.solve == "max_length":
         _quiet_progress_bars()
         print("\n".join(_solved_max_length(plan, budget, fields, planned, plan_args, model_args, train,
@@ -221,10 +225,8 @@ SOLVABLE = ("max_length", "max_completion_length", "max_completions_per_generate
 def _check_solve(plan_args, method, config) -> None:
     if plan_args.solve not in SOLVABLE:
         raise UsageError(f"--solve {plan_args.solve}: not solvable; choose one of {', '.join(SOLVABLE)}.")
-    if plan_args.solve == "max_length" and (method.online or not hasattr(config, "max_length")):
-        raise UsageError(f"--solve max_length: for the methods that truncate rows to max_length (sft, dpo, kto, "
-                         f"reward, gkd); {method.card_name}'s length is its completions': --solve "
-                         f"max_completion_length.")
+    if plan_args.solve == "max_length" and not (method.online or hasattr(config, "max_length")):
+        raise UsageError(f"--solve max_length: {method.card_name} has no max_length.")
     if plan_args.solve != "max_length" and not method.online:
         raise UsageError(f"--solve {plan_args.solve}: only for the online methods (grpo, rloo, online_dpo, ppo), "
                          f"which generate completions.")
@@ -245,6 +247,16 @@ def _solved_completion_length(plan, budget, config, fields, planned, model):
     return solve_max_completion_length(
         lambda length: planned({**fields, "max_completion_length": length}).device_total_bytes, budget, limit,
         int(config.max_completion_length), plan.device_total_bytes)
+
+
+def _online_max_length_lines(solved, prompt_length: int) -> list[str]:
+    """An online method's rows are its prompts (the longest, as the plan reads them) and their completions: its
+    longest max_length is that prompt and the longest completions that fit."""
+    if solved.length is None:
+        return [f"max_length: none fits (the longest prompt is {prompt_length} tokens)"]
+    return [f"longest max_length (prompt + completion) within {size_words(solved.budget)}: "
+            f"{prompt_length + solved.length} = the longest prompt {prompt_length} + max_completion_length "
+            f"{solved.length} (set --max_completion_length {solved.length})"]
 
 
 def _solved_max_length(plan, budget, fields, planned, plan_args, model_args, train, tokenizer):
