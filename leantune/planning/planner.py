@@ -289,9 +289,11 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
         engine_context.close()
     num_parameters, trainable, second, traced, round_shape = result
     if zero is not None:
-        second, traced = zero_plan.per_rank(config, trainer_class, peft_config, zero, trainable, second, traced,
-                                            rank, device)
+        second, traced, host = zero_plan.per_rank(config, trainer_class, peft_config, zero, trainable, second,
+                                                  traced, rank, device)
         notes += zero_plan.notes(zero)
+        if host:
+            notes.append(f"host memory (ZeRO-Offload, per process): {host / GIB:,.2f} GiB pinned")
     # the trainer's own second step is a step of the run too: where it generates (GKD's on-policy steps, online
     # methods) its batch is not the loader's, and it may peak above the loader's worst
     bound = sorted((step for step in traced if step.any_order), key=lambda step: -step.peak_bytes)
