@@ -134,3 +134,18 @@ def test_a_run_under_its_budget_trains_with_the_planned_tile_within_it(tokenizer
     with contextlib.redirect_stdout(io.StringIO()):
         trainer.train()
     assert trainer.state.global_step == 2 and trainer.memory_breakdown.peak_bytes <= budget
+
+
+def test_without_a_budget_the_plan_traces_and_names_the_runs_own_tile_rule(tokenizer):
+    """`tiled_mlp=True` with no tile and no budget: the plan traces the tile the run's rule gives on the device planned
+    for (an H100's memory here, not this machine's), and says so."""
+    from leantune.memory.tiled_mlp import tile_tokens
+    from leantune.metrics.devices import parse_budget
+    from leantune.planning.tile_size import UNBOUNDED_TOKENS
+
+    plan = plan_memory(LlamaConfig(**LLAMA), long_rows(), "sft", processing_class=tokenizer, measured_step=False,
+                       device="h100", tiled_mlp=True, **FIELDS)
+    tile = tile_tokens(UNBOUNDED_TOKENS, LLAMA["intermediate_size"], 4, parse_budget("h100"), "cuda")  # fp32 weights
+    assert plan.config["tiled_mlp_tile_size"] == tile > 1024
+    assert any(line.startswith(f"note: tiled MLP: {tile:,} tokens per tile, the run's rule against h100's memory")
+               for line in plan.lines())
