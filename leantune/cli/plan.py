@@ -32,6 +32,7 @@ from ..planning.recommend import (
     recommend,
     size_words,
 )
+from ..planning.tile_size import launch_floor, solve_tile, token_bound
 from .arguments import model_init_kwargs_from, peft_config_from, plan_argument_types
 from .errors import UsageError
 from .help_cache import method_flag as _method_of
@@ -148,12 +149,19 @@ def _run(argv: list[str], started: float) -> int:
         except ValueError as error:
             raise UsageError(str(error)) from error
 
-    plan = planned(fields)
+    if budget is not None and fields.get("tiled_mlp") and fields.get("tiled_mlp_tile_size") is None:
+        plan = _planned_tile(planned, fields, config, budget, device)  # as a run sizing itself (self_sizing.py)
+    else:
+        plan = planned(fields)
     print("\n".join(plan.lines(timing=False)))
     if assumed:
         print(f"note: {assumed}")
     if plan_args.solve == "max_completions_per_generate":
         print("\n".join(solve_generation_batch(plan, budget, config.num_generations).lines()))
+    elif plan_args.solve == "max_length" and method.online:  # its rows: the longest prompt + the completions
+        _quiet_progress_bars()
+        solved = _solved_completion_length(plan, budget, config, fields, planned, model_args.model_name_or_path)
+        print("\n".join([*solved.lines(), *_online_max_length_lines(solved, plan.generation.prompt_length)]))
     elif plan_args.solve == "max_length":
         _quiet_progress_bars()
         print("\n".join(_solved_max_length(plan, budget, fields, planned, plan_args, model_args, train,
@@ -199,16 +207,26 @@ def _run(argv: list[str], started: float) -> int:
     return 0
 
 
+def _planned_tile(planned, fields, config, budget, device):
+    """The run's tiled MLP without a tile, under a budget: the largest tile whose plan fits it (planning/
+    tile_size.py), set in `fields` and `config` so that the search knows the run as configured by it."""
+    tile, plan, made = solve_tile(lambda size: planned({**fields, "tiled_mlp_tile_size": size}), budget,
+                                  launch_floor(device), token_bound(fields))
+    fields["tiled_mlp_tile_size"] = config.tiled_mlp_tile_size = tile
+    fitted = "the largest whose plan fits" if plan.device_total_bytes <= budget else "the floor: none fits"
+    print(f"tiled MLP: {tile:,} tokens per tile, {fitted} --memory_budget {size_words(budget)} ({made} plans; "
+          f"--tiled_mlp_tile_size {tile})")
+    return plan
+
+
 SOLVABLE = ("max_length", "max_completion_length", "max_completions_per_generate")
 
 
 def _check_solve(plan_args, method, config) -> None:
     if plan_args.solve not in SOLVABLE:
         raise UsageError(f"--solve {plan_args.solve}: not solvable; choose one of {', '.join(SOLVABLE)}.")
-    if plan_args.solve == "max_length" and (method.online or not hasattr(config, "max_length")):
-        raise UsageError(f"--solve max_length: for the methods that truncate rows to max_length (sft, dpo, kto, "
-                         f"reward, gkd); {method.card_name}'s length is its completions': --solve "
-                         f"max_completion_length.")
+    if plan_args.solve == "max_length" and not (method.online or hasattr(config, "max_length")):
+        raise UsageError(f"--solve max_length: {method.card_name} has no max_length.")
     if plan_args.solve != "max_length" and not method.online:
         raise UsageError(f"--solve {plan_args.solve}: only for the online methods (grpo, rloo, online_dpo, ppo), "
                          f"which generate completions.")
@@ -229,6 +247,16 @@ def _solved_completion_length(plan, budget, config, fields, planned, model):
     return solve_max_completion_length(
         lambda length: planned({**fields, "max_completion_length": length}).device_total_bytes, budget, limit,
         int(config.max_completion_length), plan.device_total_bytes)
+
+
+def _online_max_length_lines(solved, prompt_length: int) -> list[str]:
+    """An online method's rows are its prompts (the longest, as the plan reads them) and their completions: its
+    longest max_length is that prompt and the longest completions that fit."""
+    if solved.length is None:
+        return [f"max_length: none fits (the longest prompt is {prompt_length} tokens)"]
+    return [f"longest max_length (prompt + completion) within {size_words(solved.budget)}: "
+            f"{prompt_length + solved.length} = the longest prompt {prompt_length} + max_completion_length "
+            f"{solved.length} (set --max_completion_length {solved.length})"]
 
 
 def _solved_max_length(plan, budget, fields, planned, plan_args, model_args, train, tokenizer):

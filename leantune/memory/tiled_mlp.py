@@ -149,6 +149,13 @@ def decoder_mlps(model: nn.Module) -> list[nn.Module]:
             if isinstance(getattr(module, "mlp", None), nn.Module) and hasattr(module, "self_attn")]
 
 
+def can_tile(model: nn.Module) -> bool:
+    """Whether every decoder layer's MLP of `model` is one this tiles (the planner asks before it offers
+    `tiled_mlp`; `install_tiled_mlp` refuses the others)."""
+    mlps = decoder_mlps(model)
+    return bool(mlps) and all(is_gated_mlp(mlp) for mlp in mlps)
+
+
 class TiledMLP:
     """Mixed into an MLP's own class (`install_tiled_mlp`): calling the module runs it over tiles of the tokens.
 
@@ -207,7 +214,7 @@ def install_tiled_mlp(model: nn.Module, tile_size: int | None = None) -> int:
     if tile_size is not None and tile_size <= 0:
         raise ValueError(f"`tiled_mlp_tile_size` must be a positive number of tokens, got {tile_size}.")
     mlps = decoder_mlps(model)
-    if not mlps or not all(is_gated_mlp(mlp) for mlp in mlps):
+    if not can_tile(model):
         kinds = sorted({type(mlp).__name__ for mlp in mlps}) or ["no decoder layer with an `mlp`"]
         raise ValueError(f"`tiled_mlp=True` tiles a Llama/Qwen2/Mistral-style per-token MLP (`layer.mlp` with "
                          f"gate/up/down projections); {type(model).__name__} has {', '.join(kinds)}: set "

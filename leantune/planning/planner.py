@@ -54,6 +54,7 @@ from .planned_run import (
 )
 from .quantized import parameter_count, quantization_from_fields, quantize_fake_model
 from .sharded import each_rank, traced_launch
+from .tile_size import rule_tile
 
 logger = logging.getLogger("leantune.plan")
 GIB = 1024 * MIB
@@ -260,6 +261,12 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
         trainer_kwargs["reward_funcs"] = _no_reward
     logging_level = logging.getLogger("leantune").level
     notes = []
+    if fields.get("tiled_mlp") and fields.get("tiled_mlp_tile_size") is None:  # the plan traces the tile it names
+        tile, note = rule_tile(config, dtype, fields, device)
+        fields = {**fields, "tiled_mlp_tile_size": tile}
+        notes.append(note)
+    elif fields.get("tiled_mlp"):
+        notes.append(f"tiled MLP: {fields['tiled_mlp_tile_size']:,} tokens per tile")
     engine_context = contextlib.ExitStack()
     if zero is not None:
         engine_context.enter_context(zero_plan.deepspeed_init_off())
@@ -290,9 +297,11 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
         engine_context.close()
     num_parameters, trainable, second, traced, round_shape = result
     if zero is not None:
-        second, traced = zero_plan.per_rank(config, trainer_class, peft_config, zero, trainable, second, traced,
-                                            rank, device)
+        second, traced, host = zero_plan.per_rank(config, trainer_class, peft_config, zero, trainable, second,
+                                                  traced, rank, device)
         notes += zero_plan.notes(zero)
+        if host:
+            notes.append(f"host memory (ZeRO-Offload, per process): {host / GIB:,.2f} GiB pinned")
     # the trainer's own second step is a step of the run too: where it generates (GKD's on-policy steps, online
     # methods) its batch is not the loader's, and it may peak above the loader's worst
     bound = sorted((step for step in traced if step.any_order), key=lambda step: -step.peak_bytes)

@@ -21,6 +21,8 @@ from ..metrics.devices import GIB, MIB
 from ..models.checkpointing import checkpointing_setting
 from .planned_run import model_config_of
 from .planner import plan_memory
+from .run_facts import RunFacts, in_backward_applies, tiling_applies
+from .tile_size import launch_floor, solve_tile, token_bound
 
 CHECKPOINTING_COST = 1.33  # one more forward pass of the layers: forward ~1/3 of forward + backward
 OFFLOADING_COST = 1.10  # copies overlap compute on CUDA streams, not entirely
@@ -28,6 +30,10 @@ HALVING_COST = 1.05  # per halving of the micro-batch: smaller matrix products, 
 PADDED_COST = 1.10  # padded rows compute their padding; padding-free and packed rows do not
 SMALLER_CHUNK_COST = 1.02  # a quarter of the default chunk: four times as many, smaller head products
 CHECKPOINT_OFFLOAD_COST = 1.04  # layer inputs copied out and back on side streams, the next one fetched ahead
+# one more forward of each MLP (its tiles recomputed in the backward: ~2/3 of a layer's forward at moderate lengths,
+# so ~1/6 more of a checkpointed step's work, less as attention grows with the length), and a launch per tile
+TILED_MLP_COST = 1.15
+IN_BACKWARD_COST = 1.03  # the same arithmetic; one optimizer per parameter loses the foreach kernels' batching
 
 
 @dataclass
@@ -66,6 +72,7 @@ class Technique:
     why: str
     off: object = False
     requires: object = None  # settings -> bool: whether it can be on beside the others' settings (None: always)
+    applies: object = None  # RunFacts -> whether it can run for this model and run at all (None: always)
 
 
 def why_turned_on(name: str) -> str | None:
@@ -75,7 +82,7 @@ def why_turned_on(name: str) -> str | None:
 
 VARIED = ("gradient_checkpointing", "activation_offloading", "per_device_train_batch_size",
           "gradient_accumulation_steps", "steps_per_generation", "packing", "padding_free", "loss_chunk_size",
-          "checkpoint_offload_layers")
+          "checkpoint_offload_layers", "tiled_mlp", "tiled_mlp_tile_size", "optimizer_in_backward")
 PIECES = "max_completions_per_generate"  # set before the search when the generation round is over (generation_batch.py)
 
 
@@ -131,16 +138,19 @@ def as_configured(config, planned):
     """`known` for `recommend`: the plan already made of the run as `config` sets it, for the candidate that is it."""
     def known(candidate: Candidate):
         same = all(value == current_value(config, name) for name, value in candidate.fields.items() if name in VARIED)
-        return planned if same else None
+        untiled = not candidate.fields.get("tiled_mlp") or candidate.fields.get("tiled_mlp_tile_size") is not None
+        return planned if same and untiled else None  # a tiled MLP without a tile: its tile is planned (_plan)
 
     return known
 
 
-def candidates(method: str, fields: dict, vocab_size: int | None = None, group: int = 1) -> list[Candidate]:
+def candidates(method: str, fields: dict, vocab_size: int | None = None, group: int = 1,
+               facts: RunFacts | None = None) -> list[Candidate]:
     """Every same-result configuration, fastest first. With `vocab_size`, and the chunked loss on with its default
     chunk, a quarter of that chunk is a candidate too (its fp32 logits chunk, x3 while its gradient forms, is the
     loss's temporary memory). `group` (`micro_batch_group`): a smaller micro-batch still holds whole prompt groups,
-    and an online round stays the same (an explicit `steps_per_generation` grows with the accumulation)."""
+    and an online round stays the same (an explicit `steps_per_generation` grows with the accumulation). `facts`:
+    the run, for the techniques that apply to some runs only (without it, those are left as the run has them)."""
     batch = int(fields.get("per_device_train_batch_size", 8))
     accumulation = int(fields.get("gradient_accumulation_steps", 1))
     per_round = fields.get("steps_per_generation")
@@ -154,7 +164,7 @@ def candidates(method: str, fields: dict, vocab_size: int | None = None, group: 
     found = []
     for layout in layouts:
         padded = not (layout.get("packing") or layout.get("padding_free"))
-        for techniques in _technique_settings(fields, vocab_size):
+        for techniques in _technique_settings(fields, vocab_size, facts):
             split = 1
             while batch // split >= 1 and batch % split == 0 and (split == 1 or (batch // split) % group == 0):
                 time = (PADDED_COST if padded else 1.0) * HALVING_COST ** (split.bit_length() - 1)
@@ -169,12 +179,14 @@ def candidates(method: str, fields: dict, vocab_size: int | None = None, group: 
     return found
 
 
-def _technique_settings(fields: dict, vocab_size: int | None) -> list[list[tuple]]:
+def _technique_settings(fields: dict, vocab_size: int | None, facts: RunFacts | None = None) -> list[list[tuple]]:
     """Every combination of the techniques' settings, [(field, value, cost)] each: a technique off (its `off` value;
     none where it keeps the field as given) or on (when it applies to this run)."""
     combinations = [[]]
     for technique in TECHNIQUES:
         on = technique.value(fields, vocab_size) if callable(technique.value) else technique.value
+        if technique.applies is not None and (facts is None or not technique.applies(facts)):
+            on = None
         settings = [[] if technique.off is KEEP else [(technique.field, technique.off, 1.0)]]
         if on is not None:
             settings.append([(technique.field, on, technique.cost)])
@@ -203,6 +215,11 @@ def _quarter_chunk(fields: dict, vocab_size: int | None):
     return max(16, chunk_tokens_for(vocab_size) // 4)
 
 
+def _not_yet(name: str):
+    """A switch the search turns on where the run has it off (one the run turned on stays on: KEEP)."""
+    return lambda fields, vocab_size: None if fields.get(name) else True
+
+
 TECHNIQUES = (
     Technique("gradient_checkpointing", True, CHECKPOINTING_COST,
               "each layer keeps its input only and recomputes its activations in the backward"),
@@ -214,6 +231,12 @@ TECHNIQUES = (
     Technique("checkpoint_offload_layers", "auto", CHECKPOINT_OFFLOAD_COST,
               "the first layers' checkpointed inputs wait in pinned host memory, as many as the plan needs to fit",
               KEEP, lambda on: on.get("gradient_checkpointing") and not on.get("activation_offloading")),
+    Technique("tiled_mlp", _not_yet("tiled_mlp"), TILED_MLP_COST,
+              "each decoder MLP runs over tiles of the tokens, never holding [tokens, intermediate]; the tile is the "
+              "largest whose plan fits (fewest added launches)", KEEP, applies=tiling_applies),
+    Technique("optimizer_in_backward", _not_yet("optimizer_in_backward"), IN_BACKWARD_COST,
+              "each parameter is stepped and its gradient freed as soon as it is complete, never holding every "
+              "gradient at once", KEEP, applies=in_backward_applies),
 )
 
 
@@ -226,7 +249,9 @@ def recommend(plan, budget: int, model, train_dataset, trainer_class, peft_confi
     planned fits, plan the most frugal too (it is the answer if it fits; if it is known and over, nothing is planned)."""
     result = Recommendation(budget)
     vocab_size = getattr(model_config_of(model).get_text_config(), "vocab_size", None)
-    ranked = [c for c in candidates(plan.method, fields, vocab_size, group) if keep is None or keep(c)]
+    facts = RunFacts(trainer_class, model_config_of(model), fields, plan.num_processes, plan.engine,
+                     peft_config is not None)
+    ranked = [c for c in candidates(plan.method, fields, vocab_size, group, facts) if keep is None or keep(c)]
     plans = {id(c): known(c) for c in ranked} if known is not None else {}
     frugal = most_frugal(ranked) if least else None
     if frugal is not None and plans.get(id(frugal)) is not None and plans[id(frugal)].device_total_bytes > budget:
@@ -248,7 +273,7 @@ def recommend(plan, budget: int, model, train_dataset, trainer_class, peft_confi
             made += 1
             try:
                 planned = _plan(candidate, model, train_dataset, trainer_class, peft_config, processing_class,
-                                plan_args)
+                                plan_args, budget)
             except ValueError as error:
                 candidate.error = str(error).splitlines()[0][:120]
                 result.considered.append(candidate)
@@ -261,7 +286,7 @@ def recommend(plan, budget: int, model, train_dataset, trainer_class, peft_confi
     if result.chosen is None and frugal is not None and all(c is not frugal for c in result.considered):
         try:
             _record(frugal, _plan(frugal, model, train_dataset, trainer_class, peft_config, processing_class,
-                                  plan_args))
+                                  plan_args, budget))
         except ValueError as error:
             frugal.error = str(error).splitlines()[0][:120]
         result.considered.append(frugal)
@@ -274,22 +299,33 @@ def most_frugal(ranked: list[Candidate]) -> Candidate | None:
     """The candidate that saves the most (checkpointing, offloading, the smallest micro-batch and loss chunk, no
     padding): if it does not fit, nothing does, and its peak is the least this run can need."""
     return min(ranked, default=None, key=lambda c: (
-        not c.fields["gradient_checkpointing"], not c.fields["activation_offloading"],
+        not c.fields["gradient_checkpointing"], not c.fields["activation_offloading"], not c.fields.get("tiled_mlp"),
+        not c.fields.get("optimizer_in_backward"),
         c.fields["per_device_train_batch_size"], c.fields.get("loss_chunk_size") or 1 << 40,
         not (c.fields.get("packing") or c.fields.get("padding_free"))))
 
 
-def _plan(candidate, model, train_dataset, trainer_class, peft_config, processing_class, plan_args):
+def _plan(candidate, model, train_dataset, trainer_class, peft_config, processing_class, plan_args, budget=None):
     """A candidate's plan. Its generation pieces are figured from the whole round's plan (generation_batch.py: the
     update steps are the same, the round's memory per sequence), not traced: tracing each piece's generate call
-    costs a plan several times over, for the same numbers."""
+    costs a plan several times over, for the same numbers. A tiled MLP without a tile gets the largest that fits
+    `budget` (planning/tile_size.py), set in the candidate's fields."""
     fields = {k: v for k, v in candidate.fields.items() if k != PIECES}
-    planned = plan_memory(model, train_dataset, trainer_class, peft_config=peft_config,
-                          processing_class=processing_class, num_processes=plan_args.num_processes,
-                          engine=plan_args.engine, device=plan_args.device or plan_args.memory_budget,
-                          measured_step=False, **fields)
+    device = plan_args.device or plan_args.memory_budget
     pieces = candidate.fields.get(PIECES)
-    return planned if pieces is None or planned.generation is None else planned.with_generation_batch(pieces)
+
+    def planned(given: dict):
+        made = plan_memory(model, train_dataset, trainer_class, peft_config=peft_config,
+                           processing_class=processing_class, num_processes=plan_args.num_processes,
+                           engine=plan_args.engine, device=device, measured_step=False, **given)
+        return made if pieces is None or made.generation is None else made.with_generation_batch(pieces)
+
+    if not fields.get("tiled_mlp") or fields.get("tiled_mlp_tile_size") is not None or budget is None:
+        return planned(fields)
+    tile, found, _ = solve_tile(lambda size: planned({**fields, "tiled_mlp_tile_size": size}), budget,
+                                launch_floor(device), token_bound(fields))
+    candidate.fields["tiled_mlp_tile_size"] = tile
+    return found
 
 
 def _record(candidate: Candidate, planned) -> None:

@@ -39,6 +39,7 @@ from .recommend import (
     size_words,
     why_turned_on,
 )
+from .tile_size import launch_floor, solve_tile, token_bound
 
 logger = logging.getLogger("leantune.plan")
 
@@ -97,12 +98,28 @@ def fit_to_budget(trainer_class, model, args, train_dataset, processing_class=No
     with _global_state_kept():  # planning builds configs and trainers: RNGs, accelerate's state, the log level kept
         source, fields, peft_config = _planned_run(model, args, peft_config)
         fields = {**fields, **{k: v for k, v in frozen_sources.items() if v is not None}}
-        planned = plan_memory(source, train_dataset, trainer_class, processing_class=processing_class,
-                              peft_config=peft_config, device=device, measured_step=False, **fields)
+
+        def plan_fields(given: dict):
+            return plan_memory(source, train_dataset, trainer_class, processing_class=processing_class,
+                               peft_config=peft_config, device=device, measured_step=False, **given)
+
+        tile = None
+        if fields.get("tiled_mlp") and fields.get("tiled_mlp_tile_size") is None:  # its tile from the plan
+            tile, planned, _ = solve_tile(lambda size: plan_fields({**fields, "tiled_mlp_tile_size": size}), budget,
+                                          launch_floor(device), token_bound(fields))
+            fields["tiled_mlp_tile_size"] = tile
+            args = changed_config(args, {"tiled_mlp_tile_size": tile})[0]
+        else:
+            planned = plan_fields(fields)
         fit = BudgetFit(budget, device, planned)
+        if tile is not None:
+            fit.changes["tiled_mlp_tile_size"] = (None, tile)
+            logger.info("memory_budget %s: tiled_mlp's tile is %d tokens, the largest whose plan fits (%s).",
+                        size_words(budget), tile, _peak_words(planned.peak_bytes, planned.device_total_bytes))
         if planned.device_total_bytes <= budget:
-            logger.info("memory_budget %s: the run as configured plans %s, within it; nothing changed.",
-                        size_words(budget), _peak_words(planned.peak_bytes, planned.device_total_bytes))
+            logger.info("memory_budget %s: the run as configured plans %s, within it; %s.", size_words(budget),
+                        _peak_words(planned.peak_bytes, planned.device_total_bytes),
+                        "only tiled_mlp's tile was set" if fit.changes else "nothing changed")
             return args, fit
         planned, fit.pieces = _round_in_pieces(fit, planned, getattr(args, "num_generations", 1))
         if fit.pieces is not None:
@@ -122,7 +139,8 @@ def fit_to_budget(trainer_class, model, args, train_dataset, processing_class=No
                                            least=True)
     if fit.chosen is None:
         raise ValueError(_nothing_fits(fit))
-    sized, fit.changes = changed_config(args, fit.chosen.fields)
+    sized, changes = changed_config(args, fit.chosen.fields)
+    fit.changes.update(changes)
     if fit.pieces is not None:
         fit.changes["max_completions_per_generate"] = (args.max_completions_per_generate, fit.pieces.size)
         sized.max_completions_per_generate = fit.pieces.size

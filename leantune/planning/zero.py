@@ -55,6 +55,7 @@ class ZeroSettings:
     compute_dtype: torch.dtype
     contiguous_gradients: bool = True
     source: str = "DeepSpeed's defaults"
+    offload_optimizer: bool = False  # ZeRO-Offload: `offload_optimizer.device` "cpu" (examples/accelerate/zero2_offload.yaml)
 
     @property
     def compute_bytes(self) -> int:
@@ -116,9 +117,10 @@ def zero_settings(engine: str, fields: dict, num_processes: int, model_config, m
         enabled = (config.get(key) or {}).get("enabled", "auto")
         if enabled is True or (enabled == "auto" and fields.get(key)):
             dtype = wanted
+    offload = str((zero.get("offload_optimizer") or {}).get("device", "none")).lower() in ("cpu", "nvme")
     return ZeroSettings(stage, num_processes, size("reduce_bucket_size", DEFAULT_REDUCE_BUCKET_SIZE, 1.0),
                         size("stage3_prefetch_bucket_size", DEFAULT_PREFETCH_BUCKET_SIZE, 0.9), dtype,
-                        bool(zero.get("contiguous_gradients", True)), source)
+                        bool(zero.get("contiguous_gradients", True)), source, offload)
 
 
 def traced_fields(fields: dict, settings: ZeroSettings) -> dict:
@@ -172,7 +174,20 @@ def rank_terms(shapes: ParameterShapes, settings: ZeroSettings, states_per_eleme
         bucket = settings.reduce_bucket_size * size if settings.contiguous_gradients else 0
         persistent = 0
     master_and_states = round(partition * MASTER_BYTES * (1 + states_per_element))
+    if settings.offload_optimizer:  # ZeRO-Offload: the fp32 master and its states live in host memory
+        master_and_states = 0
     return RankTerms(parameters, master_and_states, persistent, bucket)
+
+
+def host_bytes(shapes: ParameterShapes, settings: ZeroSettings, states_per_element: float) -> int:
+    """What ZeRO-Offload keeps in host memory per rank: the fp32 master partition and its optimizer states, and the
+    fp32 gradient partition the CPU optimizer reads (pinned buffers; 0 without offload)."""
+    if not settings.offload_optimizer:
+        return 0
+    n = settings.num_processes
+    trained = [s for s, t in zip(shapes.sizes, shapes.trained) if t]
+    partition = sum(math.ceil(s / n) for s in trained) if settings.stage == 3 else _aligned(sum(trained), 2 * n) // n
+    return round(partition * MASTER_BYTES * (2 + states_per_element))
 
 
 def _aligned(count: int, alignment: int) -> int:
@@ -292,8 +307,8 @@ def reduce_moment(terms: RankTerms, shapes: ParameterShapes, settings: ZeroSetti
     if not alone and last == trained:  # every gradient in the one bucket
         moment["gradients"] = terms.bucket
         moment["activations"] = last * size + held_slice
-    else:  # the fp32 gradient partition the update reads, beside the last gradient:
-        moment["temporaries"] = _aligned(trained, 2 * n) // n * MASTER_BYTES
+    else:  # the fp32 gradient partition the update reads (on the host under ZeRO-Offload), beside the last gradient:
+        moment["temporaries"] = 0 if settings.offload_optimizer else _aligned(trained, 2 * n) // n * MASTER_BYTES
         if alone:  # larger than the bucket: it and its flattened copy
             moment["activations"] = 2 * last * size
         else:  # the bucket, and the last gradient beside it (measured)
@@ -339,6 +354,9 @@ def notes(settings: ZeroSettings) -> list[str]:
     found = [f"ZeRO-{settings.stage}, {n} process(es), from {settings.source}: reduce_bucket_size "
              f"{settings.reduce_bucket_size:,} elements in {str(settings.compute_dtype).replace('torch.', '')}; "
              f"the one-process step traced with DeepSpeed's model states per rank in its place (docs/plan.md)."]
+    if settings.offload_optimizer:
+        found.append("ZeRO-Offload (offload_optimizer): the fp32 master weights, their optimizer states and the fp32 "
+                     "gradient partition are in host memory, not in the device figures")
     if settings.stage == 3 and n > 1 and settings.prefetch_bucket_size:
         found.append(f"stage3_prefetch_bucket_size {settings.prefetch_bucket_size:,}: weights DeepSpeed gathers "
                      "ahead of use are not in the plan (up to that many elements beside the module at work; "
@@ -370,7 +388,8 @@ def model_shapes(config, trainer_class, peft_config, dtype) -> ParameterShapes:
 
 def per_rank(config, trainer_class, peft_config, settings: ZeroSettings, trainable: int, second, traced: list,
              rank: int, device) -> tuple:
-    """The traced steps with a rank's DeepSpeed model states in place of the one-process ones."""
+    """(the traced steps with a rank's DeepSpeed model states in place of the one-process ones, the host bytes of
+    ZeRO-Offload: `host_bytes`)."""
     shapes = model_shapes(config, trainer_class, peft_config, settings.compute_dtype)
     on_gloo = device is None or str(device).lower() == "cpu"
 
@@ -383,4 +402,6 @@ def per_rank(config, trainer_class, peft_config, settings: ZeroSettings, trainab
         # moments; MemTracker reads them at the peak, so their sum is the peak
         return TracedStep(peak, parts, f"{step.batch}; peak at {moment}", step.step, step.micro_batch, step.any_order)
 
-    return of(second), [of(step) for step in traced]
+    first = second or traced[0]
+    host = host_bytes(shapes, settings, states_per_element(first.parts, trainable, settings.compute_dtype))
+    return of(second), [of(step) for step in traced], host

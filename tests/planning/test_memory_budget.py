@@ -104,9 +104,11 @@ def test_nothing_fits_is_one_line_naming_the_flag_and_the_least_the_run_needs(to
     tiny_model("llama").save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
     gsm8k_prompt_completion(gsm8k_rows, 1).to_json(tmp_path / "train.jsonl")  # one row: the plan traces one batch
-    # packing kept, micro-batch 1, the chunk given: two candidates (checkpointing off or on), the cheap search
+    # packing kept, micro-batch 1, the chunk given, the tiled MLP on: two candidates (checkpointing off or on), the
+    # cheap search
     argv = ["sft", "--model_name_or_path", str(tmp_path / "model"), "--dataset_name", str(tmp_path / "train.jsonl"),
             "--packing", "true", "--max_length", "64", "--per_device_train_batch_size", "1", "--loss_chunk_size", "64",
+            "--tiled_mlp", "true",
             "--memory_budget", "1MiB", "--use_cpu", "true", "--output_dir", str(tmp_path / "out"),
             "--report_to", "none"]
     capsys.readouterr()

@@ -69,7 +69,6 @@ def test_70b_plans_from_config_only_in_seconds(tmp_path, tokenizer, gsm8k_rows):
     *[(["plan", "--method", method, "--model_name_or_path", "/nonexistent/model", "--dataset_name",
         "/nonexistent.jsonl", "--solve", solve, *budget], "--solve") for method, solve, budget in (
         ("sft", "max_completion_length", ["--memory_budget", "1GiB"]),  # only online methods generate
-        ("grpo", "max_length", ["--memory_budget", "1GiB"]),  # not solvable
         ("grpo", "max_completion_length", []),  # no budget to fit
         ("grpo", "max_completions_per_generate", []),
         ("grpo", "max_completions_per_generate", ["--memory_budget", "1GiB", "--use_vllm", "true"]))],  # vLLM's pool

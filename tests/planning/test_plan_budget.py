@@ -232,6 +232,7 @@ def test_a_lora_run_that_does_not_fit_is_offered_qlora_apart(tokenizer, gsm8k_ro
     from leantune.cli.parser import parse_command_args
     from leantune.planning.qlora_suggestion import suggest_qlora
     from leantune.planning.recommend import candidates, recommend
+    from leantune.planning.run_facts import RunFacts
 
     dataset = gsm8k_prompt_completion(gsm8k_rows, 8)
     config = tiny_model("llama").config
@@ -243,7 +244,8 @@ def test_a_lora_run_that_does_not_fit_is_offered_qlora_apart(tokenizer, gsm8k_ro
     plan_args = PlanArguments(device="cpu", memory_budget=str(budget))
     found = recommend(fastest, budget, config, dataset, "sft", lora, plan_args, fields, tokenizer, limit=1)
     assert found.chosen is None  # the one same-result candidate planned misses by a byte
-    assert found.limit == 1 and found.unplanned == len(candidates("sft", fields, config.vocab_size)) - 1
+    facts = RunFacts("sft", config, fields, adapters=True)  # the search's candidates include the tiled MLP's
+    assert found.limit == 1 and found.unplanned == len(candidates("sft", fields, config.vocab_size, 1, facts)) - 1
     assert f"stopped at its limit of 1 plans: {found.unplanned} candidate(s) were not planned" in "\n".join(found.lines())
 
     def search(quantized):

@@ -89,15 +89,37 @@ def test_solve_max_length_finds_the_longest_that_fits(tokenizer, tmp_path, capsy
     assert part in ("activations", "parameters", "temporaries", "optimizer states")
 
 
-def test_solve_max_length_refuses_an_online_method(tmp_path, capsys):
+def test_solve_max_length_of_an_online_method_is_its_longest_prompt_and_completions(tokenizer, tmp_path, capsys):
+    """GRPO's rows are its prompts and their completions: `--solve max_length` gives the longest prompt plus the
+    longest max_completion_length whose plan fits (its round and update step), the completions' own line beside it."""
+    from datasets import Dataset
+
     from leantune.cli.main import main
 
     model_dir = tmp_path / "model"
-    LlamaConfig(**TINY_LONG).save_pretrained(model_dir)
-    assert main(["plan", "--method", "grpo", "--model_name_or_path", str(model_dir), "--dataset_name", "x.jsonl",
-                 "--memory_budget", "1GiB", "--solve", "max_length"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--solve max_completion_length" in err[0]
+    LlamaConfig(**{**TINY_LONG, "max_position_embeddings": 48}).save_pretrained(model_dir)  # a short bisection
+    tokenizer.save_pretrained(model_dir)
+    Dataset.from_dict({"prompt": ["What is two plus two?"] * 4}).to_json(tmp_path / "prompts.jsonl")
+    common = ["plan", "--method", "grpo", "--model_name_or_path", str(model_dir), "--dataset_name",
+              str(tmp_path / "prompts.jsonl"), "--num_generations", "4", "--per_device_train_batch_size", "4"]
+
+    def device_total(completion: int) -> int:
+        assert main([*common, "--max_completion_length", str(completion), "--plan_json",
+                     str(tmp_path / "p.json")]) == 0
+        return json.loads((tmp_path / "p.json").read_text())["device_total_bytes"]
+
+    budget = device_total(20)  # 20 tokens fit, to the byte
+    capsys.readouterr()
+    assert main([*common, "--max_completion_length", "8", "--memory_budget", f"{budget}B", "--solve",
+                 "max_length"]) == 0
+    out = capsys.readouterr().out
+    completion = int(re.search(r"largest max_completion_length within [0-9.]+ MiB: (\d+)", out).group(1))
+    found = re.search(r"longest max_length \(prompt \+ completion\) within [0-9.]+ MiB: (\d+) = the longest prompt "
+                      r"(\d+) \+ max_completion_length (\d+)", out)
+    assert found, out
+    total, prompt, solved = map(int, found.groups())
+    assert solved == completion >= 20 and total == prompt + completion and prompt > 0
+    assert f"{completion + 1} plans" in out and device_total(completion + 1) > budget  # one token more does not
 
 
 @pytest.mark.quick

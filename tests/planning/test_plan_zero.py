@@ -89,3 +89,24 @@ def test_zero2_backward_holds_the_bucket_not_the_gradients_beside_it():
     assert backward(5) == (5 * 4, 100 + 6 * 4)
     # without contiguous gradients there is no bucket: each gradient is its own tensor until reduced
     assert backward(100, contiguous=False) == (9 * 4, 100)
+
+
+@pytest.mark.quick
+def test_zero_offload_keeps_the_master_weights_states_and_fp32_gradients_on_the_host():
+    """ZeRO-Offload on one GPU (examples/accelerate/zero2_offload.yaml: `offload_optimizer.device` cpu): the device
+    holds no fp32 master, optimizer state or fp32 gradient partition; the host holds them (plan note)."""
+    from leantune.planning.zero import host_bytes, reduce_moment
+
+    shapes = ParameterShapes([5, 4, 1], [True, True, False], head=4, embedding=5, backward_order=[4, 5])
+    zero = {"reduce_bucket_size": 2}  # smaller than the trained parameters: the fp32 partition moment
+    kept = zero_settings("zero2", {"deepspeed": {"zero_optimization": zero}}, 1, CONFIG, torch.bfloat16)
+    offload = zero_settings("zero2", {"deepspeed": {"zero_optimization": {
+        **zero, "offload_optimizer": {"device": "cpu", "pin_memory": True}}}}, 1, CONFIG, torch.bfloat16)
+    assert offload.offload_optimizer and not kept.offload_optimizer
+    on_device, offloaded = rank_terms(shapes, kept, 2.0), rank_terms(shapes, offload, 2.0)  # AdamW: 2 states
+    assert on_device.master_and_states == 10 * 4 * 3 and offloaded.master_and_states == 0  # 9 trained, padded to 10
+    assert offloaded.parameters == on_device.parameters  # the bf16 weights stay on the device
+    assert host_bytes(shapes, offload, 2.0) == 10 * 4 * (1 + 2 + 1) and host_bytes(shapes, kept, 2.0) == 0
+    # the end of backward: the fp32 gradient partition the update reads is on the host too
+    assert reduce_moment(on_device, shapes, kept, 0, False).get("temporaries") == 10 * 4
+    assert not reduce_moment(offloaded, shapes, offload, 0, False).get("temporaries")
