@@ -1,8 +1,8 @@
 """A structural guard: following GRPO (its defaults, shared prompts on) through one training step, from `train()` to
 the end of the first optimizer step, reads only leantune functions that the step needs (devkit/reading_path.py
-measures it). Issue 36's target is at most 1,200 lines in at most 15 files; at 2026-11-29 the path is 1,330 lines in
-21 files, so this test holds what is reached (no file may come back, lines within 20 of it) and names the target it
-has not met."""
+measures it). Issue 36's target is at most 1,200 lines in at most 15 files; at 2026-11-29 the path is 1,374 lines in
+21 files (1,330 before the Liger head choice and warm generation added theirs), so this test holds what is reached
+(no file may come back, lines within 16 of it) and names the target it has not met."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ pytestmark = pytest.mark.quick  # the quick tier (tests/quick_tier.py): this fil
 
 # What a GRPO step with every optional feature off must never enter: each is built only when its feature is on.
 FEATURE_OFF_FILES = ("generation/zero3.py", "generation/backend.py", "trainers/parts/context_parallel.py",
+                     "memory/checkpoint_offload.py", "losses/head_choice.py",
                      "trainers/parts/saving.py", "trainers/parts/distributed.py", "trainers/run_bounds.py",
                      "trainers/parts/optimizer_in_backward.py", "memory/tiled_mlp.py", "memory/offloading.py",
                      "models/gathered_attention.py")
@@ -27,4 +28,4 @@ def test_grpo_step_reads_only_what_it_needs():
     entered = {path.split("leantune/", 1)[1] for path in spans}
     assert not entered & set(FEATURE_OFF_FILES), sorted(entered & set(FEATURE_OFF_FILES))
     # Reached so far, held (issue 36's target, 1,200 lines in 15 files, is not met yet: see the module docstring).
-    assert counts["function_lines"] <= 1350 and counts["files"] <= 21, counts
+    assert counts["function_lines"] <= 1390 and counts["files"] <= 21, counts

@@ -157,7 +157,8 @@ class LogProbEngine:
     def liger_head_runs(self, model, temperature: float = 1.0) -> bool:
         """Whether this forward pass's target log-probs come from Liger's fused kernel (per target), which computes
         no entropies: a trainer asks for the entropy metric only where it comes free (the chunked or full path)."""
-        return not self.needs_full_logits(model) and self.liger_scores(self.head_of(model, temperature))
+        return (self.path is LogProbPath.LIGER and not self.needs_full_logits(model)
+                and self.liger_scores(self.head_of(model, temperature)))
 
     def fused_nll_runs(self, model) -> bool:
         """Whether the summed NLL comes from Liger's summing kernel (its gradient formed in the forward pass, no
@@ -265,7 +266,7 @@ class LogProbEngine:
             return scores
         head = self.head_of(model, temperature)
         hidden, outputs = self.forward_hidden(model, inputs, head)
-        liger = self.liger_scores(head, with_entropy, stats) and len(targets)
+        liger = self.path is LogProbPath.LIGER and self.liger_scores(head, with_entropy, stats) and len(targets)
         trains = torch.is_grad_enabled() and (hidden.requires_grad or bool(head.trainable_parameters))
         if liger and (not trains or per_target_gradients_supported()):
             result = liger_target_logprobs(hidden, head, targets, bool(stats), self.liger_chunk_rows(head))
