@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 import sys
 import time
 
@@ -110,6 +111,9 @@ def _run(argv: list[str], started: float) -> int:
         _check_solve(plan_args, method, config)
 
     budget = parse_budget(plan_args.memory_budget) if plan_args.memory_budget else None
+    if plan_args.host_memory is not None and not re.fullmatch(r"[0-9]*\.?[0-9]+\s*(gib|gb|g|mib|mb|m|tib|tb|b)?",
+                                                            plan_args.host_memory.strip().lower()):
+        raise UsageError(f"--host_memory {plan_args.host_memory}: give the run's host memory as a size, e.g. 128GiB.")
     device, assumed = device_planned_for(plan_args)
     if assumed:
         plan_args.device = device  # the budget search plans its candidates for the same device
@@ -145,7 +149,7 @@ def _run(argv: list[str], started: float) -> int:
             return plan_memory(model_args.model_name_or_path, train, trainer_class,
                                processing_class=tokenizer, peft_config=peft_config_from(model_args),
                                num_processes=plan_args.num_processes, engine=plan_args.engine, rank=plan_args.rank,
-                               device=device, **rewards, **plan_fields)
+                               device=device, host_memory=plan_args.host_memory, **rewards, **plan_fields)
         except ValueError as error:
             raise UsageError(str(error)) from error
 

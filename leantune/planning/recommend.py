@@ -317,7 +317,8 @@ def _plan(candidate, model, train_dataset, trainer_class, peft_config, processin
     def planned(given: dict):
         made = plan_memory(model, train_dataset, trainer_class, peft_config=peft_config,
                            processing_class=processing_class, num_processes=plan_args.num_processes,
-                           engine=plan_args.engine, device=device, measured_step=False, **given)
+                           engine=plan_args.engine, device=device, measured_step=False,
+                           host_memory=getattr(plan_args, "host_memory", None), **given)
         return made if pieces is None or made.generation is None else made.with_generation_batch(pieces)
 
     if not fields.get("tiled_mlp") or fields.get("tiled_mlp_tile_size") is not None or budget is None:

@@ -28,6 +28,7 @@ from leantune.models.checkpointing import enable_model_checkpointing
 
 from ..fixtures.comparisons import GradientRecorder, token_nll
 from ..fixtures.data import gsm8k_prompt_completion
+from ..fixtures.models import saved_model_and_data
 
 LAYERS, HIDDEN = 4, 64
 NEEDS = re.compile(r"needs ([0-9.]+) GiB of host memory .* has ([0-9.]+) GiB available")
@@ -263,6 +264,21 @@ def test_a_plan_the_host_cannot_hold_is_refused_naming_both_numbers(tokenizer, g
     with pytest.raises(ValueError, match=NEEDS):
         plan_memory(small_model().config, gsm8k_prompt_completion(gsm8k_rows, 4), "sft", processing_class=tokenizer,
                     per_device_train_batch_size=4, max_length=128, checkpoint_offload_layers=2, host_memory=1000)
+
+
+def test_the_plan_command_holds_the_offload_to_the_host_memory_given(tokenizer, gsm8k_rows, tmp_path, capsys):
+    """`leantune plan --host_memory`: the machine the run is planned for (the H200's 128 GiB from this one); one that
+    cannot hold the offloaded inputs is a one-line refusal naming both numbers, exit 2."""
+    from leantune.cli.main import main
+
+    model_dir, data_file = saved_model_and_data(tmp_path, tokenizer, gsm8k_rows[:8])
+    argv = ["plan", "--model_name_or_path", str(model_dir), "--dataset_name", str(data_file), "--max_length", "128",
+            "--per_device_train_batch_size", "4", "--checkpoint_offload_layers", "2"]
+    assert main([*argv, "--host_memory", "1000B"]) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error" in line]  # the rest: progress bars of the data's reading
+    assert len(errors) == 1 and NEEDS.search(errors[0]) and "Traceback" not in err, err
+    assert main([*argv, "--host_memory", "128GiB"]) == 0
 
 
 def test_an_extrapolated_plan_equals_the_whole_trace(tokenizer, gsm8k_rows, monkeypatch):

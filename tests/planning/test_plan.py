@@ -66,6 +66,8 @@ def test_70b_plans_from_config_only_in_seconds(tmp_path, tokenizer, gsm8k_rows):
     (["plan", "--dataset_name", "x.jsonl"], "--model_name_or_path"),
     (["plan", "--model_name_or_path", "/nonexistent/model", "--dataset_name", "/nonexistent.jsonl",
       "--memory_budget", "lots"], "--memory_budget"),
+    (["plan", "--model_name_or_path", "/nonexistent/model", "--dataset_name", "/nonexistent.jsonl",
+      "--host_memory", "h200"], "--host_memory"),  # a size: a GPU's name gives its device memory, not the host's
     *[(["plan", "--method", method, "--model_name_or_path", "/nonexistent/model", "--dataset_name",
         "/nonexistent.jsonl", "--solve", solve, *budget], "--solve") for method, solve, budget in (
         ("sft", "max_completion_length", ["--memory_budget", "1GiB"]),  # only online methods generate
