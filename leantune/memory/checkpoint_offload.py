@@ -33,8 +33,10 @@ import weakref
 
 import psutil
 import torch
+import transformers
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 logger = logging.getLogger(__name__)
 
@@ -282,12 +284,27 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
             if isinstance(getattr(module, "mlp", None), nn.Module) and hasattr(module, "self_attn")]
 
 
+def unsupported_by_transformers() -> str | None:
+    """Why this transformers cannot offload checkpointed inputs (None: it can). The hooks must run outside each
+    layer's checkpoint, where they see the checkpoint save the layer's input: transformers that checkpoints a layer's
+    `forward` (its module hooks outside) does; one that checkpoints the layer's whole `__call__` (e.g. 5.17) runs the
+    hooks inside, where the saved input never passes them and every input would stay on the device."""
+    if "__call__" not in GradientCheckpointingLayer.__dict__:
+        return None
+    return (f"`checkpoint_offload_layers` needs a transformers that checkpoints each decoder layer's forward with its "
+            f"module hooks outside (transformers {transformers.__version__} checkpoints the whole call, where the "
+            "offload cannot take the layer's input); upgrade transformers or leave it unset.")
+
+
 def install_checkpoint_offload(model: nn.Module, layers: int | None,
                                host_limit: int | None = None) -> CheckpointOffloader:
     """Offload the checkpointed inputs of the first `layers` decoder layers of `model` (-k: all but the last k; None:
     "auto", `auto_layers`;
     kept on `model.checkpoint_offloader`; installing again replaces it). A model without decoder layers this
     recognises, or fewer than `layers`, is a ValueError in one line."""
+    problem = unsupported_by_transformers()
+    if problem:
+        raise ValueError(problem)
     found = decoder_layers(model)
     if layers is not None and layers < 0:  # -k: every layer but the last k
         layers = len(found) + layers if len(found) + layers >= 0 else -1

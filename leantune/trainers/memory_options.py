@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..losses.head_choice import HEAD_CHOICES
+from ..memory.checkpoint_offload import unsupported_by_transformers
 from ..metrics.devices import parse_budget
 from ..models.checkpointing import checkpointing_setting
 from .config_fields import non_default
@@ -156,6 +157,9 @@ def validate_checkpoint_offload(args) -> None:
     if not (value == "auto" or (isinstance(value, int) and not isinstance(value, bool))):
         raise ValueError(f"`checkpoint_offload_layers` must be a number of decoder layers (-k: all but the last k), "
                          f"'auto' or None, got {args.checkpoint_offload_layers!r}.")
+    problem = unsupported_by_transformers()
+    if problem:
+        raise ValueError(problem)
     if not checkpointing_setting(args)[0]:
         raise ValueError("`checkpoint_offload_layers` offloads the layer inputs that gradient checkpointing keeps; "
                          "with `gradient_checkpointing=False` there are none: turn checkpointing on or leave it unset.")
