@@ -1,4 +1,5 @@
-"""Which chunks a chunked loss runs (token_logprobs.py, distillation.py).
+"""Which chunks a chunked loss runs (token_logprobs.py, distillation.py), and which tiles the tiled MLP runs
+(memory/tiled_mlp.py: each full tile allocates and frees the same as the one before it, too).
 
 A real step runs every chunk. The planner's fake step (planning/planned_run.py) runs only the chunks whose memory
 can differ, so that its time does not grow with the length: the first (it creates the running sums of the head's

@@ -24,6 +24,8 @@ import psutil
 import torch
 from torch import nn
 
+from ..losses.chunk_order import chunk_starts
+
 logger = logging.getLogger(__name__)
 
 # Below these many tokens a tile's matmuls are too small to keep the device busy: the launches, not the bytes, then
@@ -108,11 +110,11 @@ class TiledMLPFunction(torch.autograd.Function):
         grad_hidden = torch.empty_like(flat) if wants_input else None
         sums: list[torch.Tensor | None] = [None] * len(params)
         device_type, autocast_on, autocast_dtype = ctx.autocast
-        start = 0
         with ctx.rng.replayed(), torch.enable_grad(), \
                 torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_on):
-            for piece, grad_piece in zip(flat.split(ctx.tile), grad_flat.split(ctx.tile)):
-                piece = piece.detach().requires_grad_(wants_input)
+            for start in chunk_starts(flat, ctx.tile):  # every tile (a plan's fake step: first, second, last)
+                piece = flat[start:start + ctx.tile].detach().requires_grad_(wants_input)
+                grad_piece = grad_flat[start:start + ctx.tile]
                 targets = ([piece] if wants_input else []) + [params[i] for i in wanted]
                 grads = list(torch.autograd.grad(ctx.run_tile(piece), targets, grad_piece, allow_unused=True))
                 if wants_input:
@@ -120,7 +122,6 @@ class TiledMLPFunction(torch.autograd.Function):
                 for i, grad in zip(wanted, grads):
                     if grad is not None:  # fp32 sums: a bf16 parameter's tiles add without bf16 rounding each time
                         sums[i] = grad.float() if sums[i] is None else sums[i].add_(grad)
-                start += piece.shape[0]
         param_grads = [None if total is None else total.to(param.dtype) for total, param in zip(sums, params)]
         return (None, None, None if grad_hidden is None else grad_hidden.reshape(hidden.shape), *param_grads)
 
@@ -130,7 +131,7 @@ def tiled_forward(run_tile, hidden: torch.Tensor, tile: int) -> torch.Tensor:
     hidden]), each tile's output written into one [tokens, out] tensor as it comes."""
     flat = hidden.reshape(-1, hidden.shape[-1])
     out = None
-    for start in range(0, flat.shape[0], tile):
+    for start in chunk_starts(flat, tile):  # every tile; in a plan's fake step the repeats are skipped (chunk_order)
         piece = run_tile(flat[start:start + tile])
         if out is None:
             out = piece.new_empty(flat.shape[0], piece.shape[-1])

@@ -60,6 +60,19 @@ def test_skipping_repeated_chunks_plans_the_same_bytes(method, tokenizer, monkey
     assert 3 * chunk_tokens_for(TINY_LONG["vocab_size"]) < length // 2  # most chunks are repeats: skips happened
 
 
+def test_skipping_repeated_tiles_plans_the_same_bytes(tokenizer, monkeypatch):
+    """The tiled MLP's tiles in the fake step: first, second and last only (losses/chunk_order.py), the plan the same
+    to the byte as every tile's (a 8B plan at 500,000 tokens ran 489 fake tiles a layer per trace before)."""
+    config = LlamaConfig(**TINY_LONG)
+    fields = dict(processing_class=tokenizer, lengths=_profile("sft", 4096), max_length=4096,
+                  per_device_train_batch_size=1, measured_step=False, max_batches=1, tiled_mlp=True,
+                  tiled_mlp_tile_size=256)  # 16 tiles a layer
+    skipped = plan_memory(config, None, "sft", **fields)
+    monkeypatch.setattr(planned_run, "SKIP_REPEATED_CHUNKS", False)
+    every_tile = plan_memory(config, None, "sft", **fields)
+    assert skipped.worst == every_tile.worst
+
+
 def test_solve_max_length_finds_the_longest_that_fits(tokenizer, tmp_path, capsys):
     from leantune.cli.main import main
     from leantune.planning.length_profile import dataset_from_lengths
