@@ -85,6 +85,30 @@ PARTS = ("parameters", "gradients", "optimizer_states", "activations", "temporar
 PHASES = ("score", "update")
 
 
+def saved_policy(opts, tokenizer, output_dir, vocab: int | None = None, intermediate: int = 1024) -> tuple[str, float]:
+    """(folder, millions of parameters) of the seeded tiny Llama both libraries load the policy (and, with beta > 0
+    and no PEFT, the reference) from; the global seed set again after it is built."""
+    from transformers import set_seed
+
+    model = tiny_llama(opts.seed, vocab_size=vocab or len(tokenizer), hidden=opts.hidden, layers=opts.layers,
+                       intermediate=intermediate, pad_token_id=tokenizer.pad_token_id,
+                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    parameters_m = sum(p.numel() for p in model.parameters()) / 1e6
+    model_dir = str(Path(output_dir) / "model")
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    set_seed(opts.seed)
+    return model_dir, parameters_m
+
+
+def grpo_trainer_class(library: str):
+    if library == "leantune":
+        from leantune import GRPOTrainer
+    else:
+        from trl import GRPOTrainer
+    return GRPOTrainer
+
+
 def text_length(completions, **kwargs):
     """Reward: characters of the decoded completion / 100 (deterministic, cheap, and different between the
     completions of a group, so every advantage is non-zero)."""
@@ -212,7 +236,6 @@ class PhaseRecorder:
 
 
 def run_one(library: str, name: str, opts, dataset, tokenizer) -> dict:
-    from transformers import set_seed
 
     result = {"library": library, "row": name}
     release_memory()
@@ -220,20 +243,8 @@ def run_one(library: str, name: str, opts, dataset, tokenizer) -> dict:
         try:
             settings, extra = row_settings(name, opts)
             args = make_config(library, settings, extra, opts, output_dir)
-            model = tiny_llama(opts.seed, vocab_size=settings["vocab"] or len(tokenizer), hidden=opts.hidden,
-                               layers=opts.layers, pad_token_id=tokenizer.pad_token_id,
-                               bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-            result["parameters_m"] = sum(p.numel() for p in model.parameters()) / 1e6
-            # Both libraries load the policy (and, with beta > 0 and no PEFT, the reference) from the same folder.
-            model_dir = str(Path(output_dir) / "model")
-            model.save_pretrained(model_dir)
-            tokenizer.save_pretrained(model_dir)
-            del model
-            set_seed(opts.seed)
-            if library == "leantune":
-                from leantune import GRPOTrainer
-            else:
-                from trl import GRPOTrainer
+            model_dir, result["parameters_m"] = saved_policy(opts, tokenizer, output_dir, settings["vocab"])
+            GRPOTrainer = grpo_trainer_class(library)
             timer = make_step_timer(2)
             trainer = GRPOTrainer(model=model_dir, reward_funcs=text_length, args=args, train_dataset=dataset,
                                   processing_class=tokenizer, callbacks=[timer],

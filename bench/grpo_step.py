@@ -44,9 +44,8 @@ from bench.common import (  # noqa: E402
     quiet,
     release_memory,
     source_state,
-    tiny_llama,
 )
-from bench.grpo import gsm8k_prompts, make_config, text_length  # noqa: E402
+from bench.grpo import grpo_trainer_class, gsm8k_prompts, make_config, saved_policy, text_length  # noqa: E402
 
 LIBRARIES = ("leantune", "trl")
 HOST_READ = "aten._local_scalar_dense"
@@ -164,25 +163,14 @@ class StepWatch:
 
 
 def run_one(library: str, opts, dataset, tokenizer) -> dict:
-    from transformers import set_seed
 
     release_memory()
     settings = {"beta": 0.0, "lora": False, "vocab": None, "max_completion_length": opts.completion_length}
     with tempfile.TemporaryDirectory(prefix=f"bench-grpo-step-{library}-") as output_dir:
         args = make_config(library, settings, dict(opts.leantune_fields) if library == "leantune" else {}, opts,
                            output_dir)
-        model = tiny_llama(opts.seed, vocab_size=len(tokenizer), hidden=opts.hidden, layers=opts.layers,
-                           intermediate=4 * opts.hidden, pad_token_id=tokenizer.pad_token_id,
-                           bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-        model_dir = str(Path(output_dir) / "model")
-        model.save_pretrained(model_dir)
-        tokenizer.save_pretrained(model_dir)
-        del model
-        set_seed(opts.seed)
-        if library == "leantune":
-            from leantune import GRPOTrainer
-        else:
-            from trl import GRPOTrainer
+        model_dir, _ = saved_policy(opts, tokenizer, output_dir, intermediate=4 * opts.hidden)
+        GRPOTrainer = grpo_trainer_class(library)
         trainer = GRPOTrainer(model=model_dir, reward_funcs=text_length, args=args, train_dataset=dataset,
                               processing_class=tokenizer)
         owner, name = (trainer.generation, "generate") if library == "leantune" else (trainer, "_generate_single_turn")
