@@ -9,6 +9,7 @@ transaction's failures are in test_weight_transactions.py.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
@@ -247,17 +248,28 @@ def test_tokenless_connections_trickling_their_heads_hold_no_slot_and_are_closed
             sock.close()
 
 
-def test_authenticated_requests_are_bounded_and_a_stalled_body_times_out(server):
-    url = server[0]
+@contextlib.contextmanager
+def every_slot_stalled(url: str):
+    """MAX_CONNECTIONS connections, each holding a request slot with an authenticated POST whose body never comes
+    (until the server drops it after --socket_timeout); yields them, closes them after."""
     parts = urlparse(url)
     stalled = []
-    for _ in range(MAX_CONNECTIONS):  # each holds a slot: an authenticated POST whose body never comes
-        sock = socket.create_connection((parts.hostname, parts.port))
-        sock.sendall(f"POST /generate HTTP/1.1\r\nHost: {parts.netloc}\r\n{auth()}Content-Type: application/json"
-                     "\r\nContent-Length: 100\r\n\r\n{".encode())
-        stalled.append(sock)
     try:
+        for _ in range(MAX_CONNECTIONS):
+            sock = socket.create_connection((parts.hostname, parts.port))
+            sock.sendall(f"POST /generate HTTP/1.1\r\nHost: {parts.netloc}\r\n{auth()}Content-Type: "
+                         "application/json\r\nContent-Length: 100\r\n\r\n{".encode())
+            stalled.append(sock)
         time.sleep(0.5)
+        yield stalled
+    finally:
+        for sock in stalled:
+            sock.close()
+
+
+def test_authenticated_requests_are_bounded_and_a_stalled_body_times_out(server):
+    url = server[0]
+    with every_slot_stalled(url) as stalled:
         status, answer = raw(url, f"GET /health HTTP/1.1\r\n{auth()}Connection: close\r\n\r\n")
         assert status == 503 and b"busy" in answer
         started = time.monotonic()
@@ -267,9 +279,6 @@ def test_authenticated_requests_are_bounded_and_a_stalled_body_times_out(server)
         for sock in stalled:
             sock.settimeout(5)
             assert sock.recv(4096).startswith(b"HTTP/1.1 408")
-    finally:
-        for sock in stalled:
-            sock.close()
 
 
 def test_a_big_body_refused_while_busy_is_sent_again(server):
@@ -279,23 +288,12 @@ def test_a_big_body_refused_while_busy_is_sent_again(server):
     it never began, 409/400), not an unexplained `Connection reset by peer` (seen in bench/server_soak.py with
     vLLM, where a chunk's POST met a full house and the trainer's update failed unnamed)."""
     url = server[0]
-    parts = urlparse(url)
-    stalled = []
-    for _ in range(MAX_CONNECTIONS):  # each holds a slot until the server drops its body (--socket_timeout)
-        sock = socket.create_connection((parts.hostname, parts.port))
-        sock.sendall(f"POST /generate HTTP/1.1\r\nHost: {parts.netloc}\r\n{auth()}Content-Type: application/json"
-                     "\r\nContent-Length: 100\r\n\r\n{".encode())
-        stalled.append(sock)
-    try:
-        time.sleep(0.5)
+    with every_slot_stalled(url):
         big = bytes(16 * 2**20)  # far more than the socket buffers take before the server closes
         with pytest.raises(VLLMServerError) as error:
             VLLMServerClient(url, request_timeout=30, token=TOKEN)._post_bytes(
                 "/update_weights/chunk?update_id=never-begun", big)
         assert error.value.status in (400, 404, 409), error.value
-    finally:
-        for sock in stalled:
-            sock.close()
 
 
 @pytest.mark.parametrize("request_json, message", [
