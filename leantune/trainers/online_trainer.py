@@ -3,7 +3,7 @@
 - `GenerationSession` (generation_session.py): the backend, weight sync, sleep mode, each round's seeds;
 - `RoundBuilder` (round_builder.py): prompt rows -> completions -> rewards -> scored micro-batches with the
   method's loss inputs; `RoundMetrics` (metrics/run_metrics.py): what a round reports;
-- `round_loader` (prompt_rounds.py): each round's prompts, once per micro-batch trained on it;
+- `round_loader` (round_builder.py): each round's prompts, once per micro-batch trained on it;
 - `evaluate_rounds` (evaluation.py): held-out prompts' rewards and loss.
 
 A training step takes its micro-batches from a buffer of scored completions, refilled by a new round when empty;
@@ -34,13 +34,17 @@ from ..rollouts import AgentRollouts
 from .base import LeantuneTrainer
 from .online.evaluation import evaluate_rounds
 from .online.generation_session import GenerationSession
-from .online.prompt_rounds import RoundLoader, RoundSampler, StreamRounds, as_rows, round_loader
 from .online.round_builder import (
     LABELLED_TARGETS,
     SHARED_PROMPT_TARGETS,
     MethodHooks,
     RoundBuilder,
+    RoundLoader,
+    RoundSampler,
     RoundScoring,
+    StreamRounds,
+    as_rows,
+    round_loader,
 )
 from .parts.batches import deepspeed_float_dtype, on_device
 from .parts.context_parallel import ORDINAL_KEY, data_parallel_place
@@ -176,7 +180,7 @@ class OnlineTrainer(OnlineMethod, ReferenceModelMixin, LeantuneTrainer):
         self.rewards.to(self.accelerator.device).prepare_models(
             lambda reward_model: prepare_frozen_model(self.accelerator, reward_model, args, in_ring=False))
         # the round's prompts over the data-parallel processes (a context-parallel group's share one micro-batch)
-        self.streams_prompts = is_stream(self.train_dataset)  # the train rounds read a stream (prompt_rounds.py)
+        self.streams_prompts = is_stream(self.train_dataset)  # the train rounds read a stream (round_builder.py)
         self.round_size, self.steps_per_generation = args.generation_plan(data_parallel_place(self.accelerator)[1])
         if self.round_size % args.num_generations:
             raise ValueError(f"Completions per generation round ({self.round_size} = per_device_train_batch_size x "
