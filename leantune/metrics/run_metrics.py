@@ -262,7 +262,7 @@ class RoundMetrics:
 
     def record_round(self, names, per_function, rewards, lengths, terminated, training: bool) -> None:
         store = self.store(training)
-        # float64: a float32 std overflows above rewards of ~1.8e19 (losses/advantages.py computes its own in float64)
+        # float64: a float32 std overflows above rewards of ~1.8e19 (losses/policy_gradient.py computes its own in float64)
         per_function, rewards = per_function.double(), rewards.double()
         for i, name in enumerate(names):
             column = per_function[:, i]

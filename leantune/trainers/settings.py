@@ -60,7 +60,7 @@ def layout_of(args) -> Layout:
 
 @dataclass(frozen=True)
 class NonFiniteSettings:
-    """What the NaN/inf guard (nonfinite.py) decides by: stop or skip, where a stop's report goes, the processes."""
+    """What the NaN/inf guard (step_guards.py) decides by: stop or skip, where a stop's report goes, the processes."""
 
     policy: str  # "stop" | "skip"
     output_dir: str | None
@@ -106,7 +106,7 @@ class HeadSettings:
 
 @dataclass(frozen=True)
 class BatchSettings:
-    """The out-of-memory retry's (parts/oom_retry.py): the micro-batch and accumulation a run starts with, its
+    """The out-of-memory retry's (parts/step_guards.py): the micro-batch and accumulation a run starts with, its
     processes, an online run's generation round and prompt groups (rows per group, examples per row)."""
 
     per_device_train_batch_size: int

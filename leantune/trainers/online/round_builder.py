@@ -26,7 +26,7 @@ from ...losses.token_logprobs import Targets
 from ...rewards import RewardScores
 from ..parts.batches import count_labelled_targets, labelled_sequences, labelled_targets
 from ..parts.context_parallel import ORDINAL_KEY
-from ..parts.oom_retry import EXAMPLES, KeptExamples
+from ..parts.step_guards import EXAMPLES, KeptExamples
 
 logger = logging.getLogger("leantune.online")
 
