@@ -187,9 +187,10 @@ class OnlineTrainer(OnlineMethod, ReferenceModelMixin, LeantuneTrainer):
                              f"processes x steps_per_generation) must be a multiple of num_generations "
                              f"({args.num_generations}).")
         sampling = SamplingSettings.from_config(args, tokenizer, self.model)
-        self.generation = GenerationSession(generation_of(args), sampling, backend_factory(generation_engine(args), args, tokenizer,
-                                                                                           self.accelerator),
-                                            self.accelerator,
+        generation = generation_of(args)
+        self.generation = GenerationSession(generation, sampling,
+                                            backend_factory(generation.engine, args, tokenizer, self.accelerator,
+                                                            generation.cache_implementation), self.accelerator,
                                             policy=lambda: self.model_wrapped, step=lambda: self.state.global_step,
                                             method=self.method)
         if self.agent is not None:

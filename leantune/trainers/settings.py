@@ -238,16 +238,19 @@ def generation_engine(args) -> str:
 @dataclass(frozen=True)
 class GenerationSettings:
     """The generation session's (online/generation_session.py): the engine that samples (generation/backend.py's
-    names), the seed each round's seed is drawn from, vLLM's own context limit (None: the model's)."""
+    names), the seed each round's seed is drawn from, vLLM's own context limit (None: the model's), transformers'
+    KV cache as the config asks (`cache_implementation`, None: resolved by generation/transformers_backend.py)."""
 
     engine: str
     seed: int
     vllm_max_model_length: int | None = None
+    cache_implementation: str | None = None
 
 
 def generation_of(args) -> GenerationSettings:
     """An online config's generation settings (GKD's generate with transformers: `generation_engine` reads False)."""
-    return GenerationSettings(generation_engine(args), args.seed, getattr(args, "vllm_max_model_length", None))
+    return GenerationSettings(generation_engine(args), args.seed, getattr(args, "vllm_max_model_length", None),
+                              getattr(args, "cache_implementation", None))
 
 
 @dataclass(frozen=True)
