@@ -130,7 +130,7 @@ def round_builder(trainer, args, tokenizer) -> RoundBuilder:
     the scoring (a ring and the ring's placement only under context parallelism, the reference only when the method
     reads it), how targets are read (the shared-prompt rows' only with `shared_prompt`), the gathering over
     processes."""
-    settings = round_settings_of(args, trainer.steps_per_generation)
+    settings = round_settings_of(args, trainer.steps_per_generation, trainer.layout)
     trainer.target_reading = SHARED_PROMPT_TARGETS if settings.shared_prompt else LABELLED_TARGETS
     hooks = MethodHooks(trainer.attach_loss_inputs, trainer.loss_items, trainer.scored_prompts,
                         trainer.attach_policy_scores, trainer.scores_policy_on_policy)
