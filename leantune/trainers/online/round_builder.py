@@ -163,7 +163,7 @@ class RoundBuilder:
         if rollout is not None:
             completions = self.rollout_columns(rollout, completions, columns)
         scores = self.rewards.score([row["prompt"] for row in rows], completions, completion_ids, columns,
-                                    trainer_state=self.trainer_state(), **self.metrics.reward_logging(training))
+                                    trainer_state=self.trainer_state(), **self.metrics.reward_logging[training])
         if not scores.complete:
             self.metrics.count_reward_gaps(scores, rows, texts)
         eos = set(self.session.sampling.eos_token_ids)
