@@ -52,18 +52,18 @@ def check_backend_requirements(engine: str, sleep_mode: bool) -> None:
         require_colocated_vllm(sleep_mode=sleep_mode)
 
 
-def backend_factory(engine: str, args, tokenizer, accelerator):
+def backend_factory(engine: str, args, tokenizer, accelerator, cache_implementation: str | None = None):
     """What makes the run's backend from the policy (`factory(model)`), chosen once from the config when the trainer
     is built (the backend itself is made at the first round: the Trainer wraps the model first). transformers
     `generate` by default, its weights gathered once per call under ZeRO-3 (`ds3_gather_for_generation`, zero3.py;
     elsewhere no gathering scope at all); vLLM in this process (`vllm_mode="colocate"`) or a `leantune vllm-serve`
-    server (`vllm_mode="server"`) with `use_vllm=True`: `engine`, one of the names above."""
+    server (`vllm_mode="server"`) with `use_vllm=True`: `engine`, one of the names above. `cache_implementation`: TRL's
+    setting of transformers' KV cache, from the generation settings (trainers/settings.py), resolved here once."""
     if engine == TRANSFORMERS:
         gathers = args.ds3_gather_for_generation and is_zero3(accelerator)
         scope = functools.partial(gathered_for_generation, accelerator=accelerator) if gathers \
             else contextlib.nullcontext
-        cache = resolve_cache_implementation(getattr(args, "cache_implementation", None), accelerator.device,
-                                             plain_module(accelerator))
+        cache = resolve_cache_implementation(cache_implementation, accelerator.device, plain_module(accelerator))
         return functools.partial(TransformersBackend, accelerator=accelerator,
                                  max_batch_size=args.max_completions_per_generate, generation_scope=scope,
                                  cache_implementation=cache)
@@ -79,6 +79,7 @@ def plain_module(accelerator) -> bool:
     return not (is_zero3(accelerator) or accelerator.distributed_type == DistributedType.FSDP or ring)
 
 
-def make_backend(engine: str, args, model, tokenizer, accelerator) -> GenerationBackend:
+def make_backend(engine: str, args, model, tokenizer, accelerator,
+                 cache_implementation: str | None = None) -> GenerationBackend:
     """The run's backend for `model` (see `backend_factory`)."""
-    return backend_factory(engine, args, tokenizer, accelerator)(model)
+    return backend_factory(engine, args, tokenizer, accelerator, cache_implementation)(model)

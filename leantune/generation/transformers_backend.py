@@ -13,9 +13,9 @@ the stream it starts, so a call is deterministic for its seed and piece size; a 
 one unsplit call would draw (each decode step's draws depend on the rows sampled together and on how long the
 slowest row runs), only tokens from the same distribution.
 
-Kept warm across rounds: each sampling's `GenerationConfig` is built once, and the KV cache is TRL's
-`cache_implementation`, resolved once (`resolve_cache_implementation`): unset, transformers' static cache where the
-policy is one plain module on a CUDA device. There transformers compiles the decode step (its shapes no longer grow
+Kept warm across rounds: each sampling's `GenerationConfig` is built once (the run's own when the trainer is built:
+`prepare`), and the KV cache is TRL's `cache_implementation`, resolved once (`resolve_cache_implementation`): unset,
+transformers' static cache where the policy is one plain module on a CUDA device. There transformers compiles the decode step (its shapes no longer grow
 token by token), and the cache's length is rounded up to `CACHE_BUCKET` tokens and never shrinks (transformers keeps
 the longest so far), so later rounds meet shapes already compiled instead of a new prompt width each round. On CPU
 the model's own dynamic cache stays: transformers compiles nothing there, and a static cache alone attends over its
@@ -65,6 +65,10 @@ class TransformersBackend:
         self.configs: dict[str, object] = {}  # each sampling's GenerationConfig, built at its first call
         logger.info("transformers generation: %s KV cache%s.", cache_implementation or "the model's default",
                     ", the decode step compiled by transformers on CUDA" if cache_implementation in STATIC_CACHES else "")
+
+    def prepare(self, sampling: SamplingSettings) -> None:
+        """Build `sampling`'s GenerationConfig now: the generation session calls it when the trainer is built."""
+        self.generation_config(self.accelerator.unwrap_model(self.model), sampling)
 
     def sync_weights(self, model) -> None:
         self.model = model

@@ -205,11 +205,13 @@ class RoundMetrics:
         self.counts: dict[str, int] = defaultdict(int)  # counted decisions over the run (logged)
         # What reward functions hand to `log_extra`, per column, for the last round_size completions (TRL's `_logs`)
         self.extra = defaultdict(lambda: deque(maxlen=round_size))
+        # The callbacks reward functions receive, made once per mode (training or not), not in every round
+        self.reward_logging = {training: self.reward_callbacks(training) for training in (True, False)}
 
     def store(self, training: bool) -> dict:
         return self.metric_values["train" if training else "eval"]
 
-    def reward_logging(self, training: bool) -> dict:
+    def reward_callbacks(self, training: bool) -> dict:
         """The `log_extra` and `log_metric` callbacks reward functions receive (TRL's)."""
         def log_extra(column: str, values: list) -> None:
             self.extra[column].extend(values)
@@ -262,7 +264,7 @@ class RoundMetrics:
 
     def record_round(self, names, per_function, rewards, lengths, terminated, training: bool) -> None:
         store = self.store(training)
-        # float64: a float32 std overflows above rewards of ~1.8e19 (losses/advantages.py computes its own in float64)
+        # float64: a float32 std overflows above rewards of ~1.8e19 (losses/policy_gradient.py computes its own in float64)
         per_function, rewards = per_function.double(), rewards.double()
         for i, name in enumerate(names):
             column = per_function[:, i]

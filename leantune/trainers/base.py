@@ -1,7 +1,7 @@
 """What every leantune trainer shares on top of transformers' Trainer: one construction sequence, and the parts it
 holds (trainers/parts/): the resolved config, the split preparer, the log-prob engine, the step's loss normaliser,
 the run metrics (metrics/run_metrics.py) and the staged checkpoints, plus context parallelism, the reference (trainers/reference.py: none
-held but for DPO, KTO and the online methods) and the non-finite guard (trainers/parts/nonfinite.py), which Trainer's step
+held but for DPO, KTO and the online methods) and the non-finite guard (trainers/parts/step_guards.py), which Trainer's step
 hooks below call in one line each.
 
 A method's trainer says what is its own (its models, its recipe for a split, its collator, its loss) and reads as
@@ -36,8 +36,6 @@ from .parts.context_parallel import ContextParallelism
 from .parts.distributed import leave_process_group_at_exit, named_collective_timeouts
 from .parts.frozen_models import prepare_frozen_model
 from .parts.logprob_engine import LogProbEngine
-from .parts.nonfinite import GradientCheck, NonFiniteGuard
-from .parts.oom_retry import OutOfMemoryRetry
 from .parts.optimizer_in_backward import OptimizerInBackward
 from .parts.resolved_config import resolve_config
 from .parts.saving import (
@@ -48,6 +46,7 @@ from .parts.saving import (
     write_hub_card,
 )
 from .parts.split_preparer import SplitPreparer
+from .parts.step_guards import GradientCheck, NonFiniteGuard, OutOfMemoryRetry
 from .parts.step_loss import StepLoss
 from .reference import Reference
 from .run_bounds import RunBounds, report_run_end
@@ -95,7 +94,7 @@ class LeantuneTrainer(MethodHooks, TrainerAttributes, Trainer):
         self._signature_columns = kept_columns(self)  # what Trainer keeps of a dataset for the collator
         self.optimizer_in_backward = OptimizerInBackward(optimizer_in_backward_of(args), self.accelerator)
         self.run_bounds = None  # run_bounds.py: a resumed train()'s start and end (train() adds it when resuming)
-        # nonfinite.py: each step's NaN/inf check before the optimizer, ahead of every other callback
+        # step_guards.py: each step's NaN/inf check before the optimizer, ahead of every other callback
         self.callback_handler.callbacks.insert(0, GradientCheck(
             self.accelerator, lambda model, grad_norm: self.nonfinite.check_step(model, grad_norm)))
         if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -237,7 +236,7 @@ class LeantuneTrainer(MethodHooks, TrainerAttributes, Trainer):
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         step = super().training_step
-        return self.oom_retry.training_step(  # parts/oom_retry.py: out of memory -> half the micro-batch
+        return self.oom_retry.training_step(  # parts/step_guards.py: out of memory -> half the micro-batch
             lambda *arguments: self.nonfinite.training_step(step, *arguments), model, inputs, num_items_in_batch)
 
     def create_optimizer(self, model=None):
@@ -263,7 +262,7 @@ class LeantuneTrainer(MethodHooks, TrainerAttributes, Trainer):
 
     def _save_checkpoint(self, model, trial) -> None:
         """transformers' seam (docs/transformers_seam.md): Trainer's checkpoint written into a staging folder, fsynced
-        and renamed when whole (parts/saving.py), and only of finite weights (nonfinite.py)."""
+        and renamed when whole (parts/saving.py), and only of finite weights (step_guards.py)."""
         checkpoint = StagedCheckpoint(self)
         checkpoint.save(model, trial, self.nonfinite.finite_weights_saved(super()._save_checkpoint))
 
@@ -292,7 +291,7 @@ class LeantuneTrainer(MethodHooks, TrainerAttributes, Trainer):
                 self.run_bounds = RunBounds(self.load_extra_state, resume)
                 self.add_callback(self.run_bounds)
         self.run_metrics.restart()
-        with self.collective_timeouts(), self.nonfinite.training_run():  # distributed.py, nonfinite.py
+        with self.collective_timeouts(), self.nonfinite.training_run():  # distributed.py, step_guards.py
             output = super().train(*args, **kwargs)
         return report_run_end(self, output)
 

@@ -6,8 +6,12 @@ import logging
 from dataclasses import dataclass, field
 
 from ..generation.backend import TRANSFORMERS
-from ..losses.advantages import normalise_scale_rewards
-from ..losses.policy_gradient import GRPO_LOSS_TYPES, IMPORTANCE_SAMPLING_LEVELS, VLLM_IMPORTANCE_SAMPLING_MODES
+from ..losses.policy_gradient import (
+    GRPO_LOSS_TYPES,
+    IMPORTANCE_SAMPLING_LEVELS,
+    VLLM_IMPORTANCE_SAMPLING_MODES,
+    normalise_scale_rewards,
+)
 from .online_config import OnlineConfig
 from .settings import generation_engine
 

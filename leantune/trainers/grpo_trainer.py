@@ -7,7 +7,7 @@ token's loss; token losses are averaged as `loss_type` says (losses/policy_gradi
 options that reshape the token loss: `delta`, `top_entropy_quantile`, `off_policy_mask_threshold`, vLLM's
 importance-sampling correction, `use_bias_correction_kl`). `entropy_coef` subtracts an entropy bonus, fixed or
 adapted to a target (losses/entropy_bonus.py); `multi_objective_aggregation="normalize_then_sum"` normalises each
-reward function within its group before the weighted sum (losses/advantages.py).
+reward function within its group before the weighted sum (losses/policy_gradient.py).
 
 With `use_vllm` and `vllm_importance_sampling_correction` (TRL's default), the generation-time policy log-probs are
 always computed, and each token's policy loss is weighted by pi_old / pi_vLLM of its sampled token, from the
@@ -25,14 +25,15 @@ import logging
 
 import torch
 
-from ..losses.advantages import group_relative_advantages, normalize_then_sum_advantages
 from ..losses.entropy_bonus import EntropyBonus
 from ..losses.policy_gradient import (
     GRPOObjective,
+    group_relative_advantages,
     grpo_loss_items,
     grpo_loss_sum,
     grpo_token_loss,
     high_entropy_mask,
+    normalize_then_sum_advantages,
     off_policy_sequence_mask,
     sampling_correction_weights,
 )
@@ -92,7 +93,7 @@ class GRPOTrainer(OnlineTrainer):
         return environments.pool if environments is not None else None
 
     def attach_loss_inputs(self, batches: list[dict], scored: dict, group: int) -> None:
-        """Each completion's advantage: its reward against its group's (losses/advantages.py)."""
+        """Each completion's advantage: its reward against its group's (losses/policy_gradient.py)."""
         if self.args.multi_objective_aggregation == "normalize_then_sum":
             advantages = normalize_then_sum_advantages(scored["per_function"], self.rewards.weights, group)
         else:

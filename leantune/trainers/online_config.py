@@ -7,6 +7,7 @@ fields (MemoryOptions), `padding_free` scoring and the older `max_prompt_length`
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,9 +24,11 @@ from .config_utils import (
     validate_shared_options,
 )
 from .memory_options import MemoryOptions
-from .online.shared_prompt import resolve_shared_prompt
+from .online.shared_prompt import BY_DEFAULT, nothing_to_share
 from .settings import generation_engine
 from .trl_options import CausalLMOptions, ReferenceSyncOptions
+
+logger = logging.getLogger("leantune.trainer")
 
 VLLM_MODES = ("colocate", "server")
 # Options read only by one vLLM mode (generation/vllm_colocate.py, generation/vllm_client.py).
@@ -257,6 +260,24 @@ def validate_online_config(args: OnlineConfig) -> None:
     if args.num_completions_to_print is not None and not args.log_completions:
         raise ValueError("`num_completions_to_print` has no effect without `log_completions=True`; set "
                          "`log_completions=True` or leave `num_completions_to_print` unset.")
+
+
+def resolve_shared_prompt(args) -> None:
+    """`shared_prompt`'s default (None), resolved once when the config is built: on where a micro-batch holds several
+    completions of one prompt, else off with one log line. An explicit False or True is kept; an explicit True
+    without groups (PPO: one completion per prompt) is refused."""
+    requested = args.shared_prompt
+    if requested is not None:
+        if requested and getattr(args, "min_num_generations", 2) < 2:
+            raise ValueError("`shared_prompt=True` is for methods that sample groups of completions per prompt "
+                             "(GRPO, RLOO, Online DPO); set `shared_prompt=False`.")
+        setattr(args, BY_DEFAULT, False)
+        return
+    reason = nothing_to_share(args)
+    args.shared_prompt = reason is None
+    setattr(args, BY_DEFAULT, args.shared_prompt)
+    if reason is not None:
+        logger.info("shared_prompt: off for this run (%s).", reason)
 
 
 def validate_vllm_options(args: OnlineConfig) -> None:

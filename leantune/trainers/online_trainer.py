@@ -3,7 +3,7 @@
 - `GenerationSession` (generation_session.py): the backend, weight sync, sleep mode, each round's seeds;
 - `RoundBuilder` (round_builder.py): prompt rows -> completions -> rewards -> scored micro-batches with the
   method's loss inputs; `RoundMetrics` (metrics/run_metrics.py): what a round reports;
-- `round_loader` (prompt_rounds.py): each round's prompts, once per micro-batch trained on it;
+- `round_loader` (round_builder.py): each round's prompts, once per micro-batch trained on it;
 - `evaluate_rounds` (evaluation.py): held-out prompts' rewards and loss.
 
 A training step takes its micro-batches from a buffer of scored completions, refilled by a new round when empty;
@@ -34,13 +34,17 @@ from ..rollouts import AgentRollouts
 from .base import LeantuneTrainer
 from .online.evaluation import evaluate_rounds
 from .online.generation_session import GenerationSession
-from .online.prompt_rounds import RoundLoader, RoundSampler, StreamRounds, as_rows, round_loader
 from .online.round_builder import (
     LABELLED_TARGETS,
     SHARED_PROMPT_TARGETS,
     MethodHooks,
     RoundBuilder,
+    RoundLoader,
+    RoundSampler,
     RoundScoring,
+    StreamRounds,
+    as_rows,
+    round_loader,
 )
 from .parts.batches import deepspeed_float_dtype, on_device
 from .parts.context_parallel import ORDINAL_KEY, data_parallel_place
@@ -126,7 +130,7 @@ def round_builder(trainer, args, tokenizer) -> RoundBuilder:
     the scoring (a ring and the ring's placement only under context parallelism, the reference only when the method
     reads it), how targets are read (the shared-prompt rows' only with `shared_prompt`), the gathering over
     processes."""
-    settings = round_settings_of(args, trainer.steps_per_generation)
+    settings = round_settings_of(args, trainer.steps_per_generation, trainer.layout)
     trainer.target_reading = SHARED_PROMPT_TARGETS if settings.shared_prompt else LABELLED_TARGETS
     hooks = MethodHooks(trainer.attach_loss_inputs, trainer.loss_items, trainer.scored_prompts,
                         trainer.attach_policy_scores, trainer.scores_policy_on_policy)
@@ -176,16 +180,17 @@ class OnlineTrainer(OnlineMethod, ReferenceModelMixin, LeantuneTrainer):
         self.rewards.to(self.accelerator.device).prepare_models(
             lambda reward_model: prepare_frozen_model(self.accelerator, reward_model, args, in_ring=False))
         # the round's prompts over the data-parallel processes (a context-parallel group's share one micro-batch)
-        self.streams_prompts = is_stream(self.train_dataset)  # the train rounds read a stream (prompt_rounds.py)
+        self.streams_prompts = is_stream(self.train_dataset)  # the train rounds read a stream (round_builder.py)
         self.round_size, self.steps_per_generation = args.generation_plan(data_parallel_place(self.accelerator)[1])
         if self.round_size % args.num_generations:
             raise ValueError(f"Completions per generation round ({self.round_size} = per_device_train_batch_size x "
                              f"processes x steps_per_generation) must be a multiple of num_generations "
                              f"({args.num_generations}).")
         sampling = SamplingSettings.from_config(args, tokenizer, self.model)
-        self.generation = GenerationSession(generation_of(args), sampling, backend_factory(generation_engine(args), args, tokenizer,
-                                                                                           self.accelerator),
-                                            self.accelerator,
+        generation = generation_of(args)
+        self.generation = GenerationSession(generation, sampling,
+                                            backend_factory(generation.engine, args, tokenizer, self.accelerator,
+                                                            generation.cache_implementation), self.accelerator,
                                             policy=lambda: self.model_wrapped, step=lambda: self.state.global_step,
                                             method=self.method)
         if self.agent is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import TrainerCallback
@@ -37,6 +37,7 @@ class PolicyAndReference:
     tokenizer: object
     uses_adapter_as_reference: bool
     precomputes: bool = False  # `precompute_ref_log_probs`: its log-probs are computed once before training
+    shared_prompt: bool = False  # the policy scores shared-prompt rows (as the layout asked and the model allows)
 
     def description(self) -> str:
         precompute = self.precomputes
@@ -53,9 +54,11 @@ class PolicyAndReference:
 
 def load_policy_and_reference(model, ref_model, processing_class, peft_config, args,
                               needs_reference: bool = True, quantization_config=None, *,
-                              padding_free: bool, precompute: bool = False) -> PolicyAndReference:
+                              padding_free: bool, shared_prompt: bool = False,
+                              precompute: bool = False) -> PolicyAndReference:
     """Load the policy (and tokenizer), apply PEFT, and choose the reference by the rules above (none at all when
-    the objective does not use one, e.g. GRPO with beta=0). `padding_free`: the trainer's layout; `precompute`: the
+    the objective does not use one, e.g. GRPO with beta=0). `padding_free`, `shared_prompt`: the trainer's layout (the
+    model's check may turn a default-on shared prompt off: `PolicyAndReference.shared_prompt`); `precompute`: the
     reference's log-probs are computed once before training (ReferenceSettings)."""
     if ref_model is not None and ref_model is model and not isinstance(model, str):
         raise ValueError("`ref_model` is the policy `model` itself, so the reference would train with it: pass a "
@@ -67,10 +70,9 @@ def load_policy_and_reference(model, ref_model, processing_class, peft_config, a
     tokenizer = load_tokenizer(model_source, processing_class, trust_remote_code=args.trust_remote_code)
     ensure_pad_token(tokenizer, getattr(args, "pad_token", None))  # DPOConfig has TRL's pad_token
     model.config.use_cache = False
-    shared_prompt = getattr(args, "shared_prompt", False)  # online methods: prompt-sharing rows need it too
-    if (padding_free or shared_prompt) and use_segment_attention(model):
+    if (padding_free or shared_prompt) and use_segment_attention(model):  # online: prompt-sharing rows need it too
         logger.info("Padding-free batches: attention runs per sequence (%s).", SEGMENT_SDPA)
-    shared_prompt = shared_prompt_for(model, args)  # refused, or (the default) off for a model that cannot
+    shared_prompt = shared_prompt_for(model, args, shared_prompt)  # refused, or (the default) off for a model that cannot
     model = apply_peft(model, peft_config, checkpointing_of(args).enabled)
     adapter_reference = needs_reference and ref_model is None and hasattr(model, "disable_adapter")
     if not needs_reference:
@@ -85,13 +87,13 @@ def load_policy_and_reference(model, ref_model, processing_class, peft_config, a
         if padding_free or shared_prompt:
             use_segment_attention(ref_model)
         if shared_prompt:
-            shared_prompt_for(ref_model, args)
+            shared_prompt_for(ref_model, args, shared_prompt)
         ref_model.requires_grad_(False).eval()
     if args.disable_dropout:
         for module in (model, ref_model):
             if module is not None:
                 disable_dropout(module)
-    return PolicyAndReference(model, ref_model, tokenizer, adapter_reference, precompute)
+    return PolicyAndReference(model, ref_model, tokenizer, adapter_reference, precompute, shared_prompt)
 
 
 def initial_policy_copy(model, model_source, args):
@@ -258,7 +260,10 @@ class ReferenceModelMixin:
                                            needs_reference=self.reference_wanted(args),
                                            quantization_config=quantization_config,
                                            padding_free=self.layout.padding_free,
+                                           shared_prompt=self.layout.shared_prompt,
                                            precompute=reference_of(args).precompute)
+        # the layout as the loaded model allows (a default-on shared prompt is off for a model that cannot)
+        self.layout = replace(self.layout, shared_prompt=loaded.shared_prompt)
         logger.info("%s", self.reference_note(loaded, args))
         return loaded
 

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..losses.advantages import leave_one_out_advantages
-from ..losses.policy_gradient import clipped_surrogate
+from ..losses.policy_gradient import clipped_surrogate, leave_one_out_advantages
 from ..losses.token_logprobs import TargetScores, per_sequence_sum
 from .online_trainer import OnlineTrainer, sequence_sums
 

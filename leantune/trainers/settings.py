@@ -40,12 +40,15 @@ def checkpointing_of(args) -> Checkpointing:
 @dataclass(frozen=True)
 class Layout:
     """How rows are laid out (data/collators.py, data/packing.py): padding-free rows, packed training (and eval)
-    splits, the length a batch pads to a multiple of. Known before the models load: loading reads it."""
+    splits, the length a batch pads to a multiple of, an online run's shared-prompt rows (a group's prompt once: as
+    the config resolved it, then as the loaded model allows, reference.py). Known before the models load: loading
+    reads it."""
 
     padding_free: bool
     packing: bool = False
     eval_packing: bool | None = None  # None: as training
     pad_to_multiple_of: int | None = None
+    shared_prompt: bool = False
 
     def packs(self, split: str) -> bool:
         """Whether a split ("train", "eval", "eval_<name>") is packed."""
@@ -53,14 +56,14 @@ class Layout:
 
 
 def layout_of(args) -> Layout:
-    """The config's layout (packing is SFT's and GKD's only)."""
+    """The config's layout (packing is SFT's and GKD's only, shared-prompt rows the online methods')."""
     return Layout(args.padding_free, bool(getattr(args, "packing", False)), getattr(args, "eval_packing", None),
-                  args.pad_to_multiple_of)
+                  args.pad_to_multiple_of, bool(getattr(args, "shared_prompt", False)))
 
 
 @dataclass(frozen=True)
 class NonFiniteSettings:
-    """What the NaN/inf guard (nonfinite.py) decides by: stop or skip, where a stop's report goes, the processes."""
+    """What the NaN/inf guard (step_guards.py) decides by: stop or skip, where a stop's report goes, the processes."""
 
     policy: str  # "stop" | "skip"
     output_dir: str | None
@@ -106,7 +109,7 @@ class HeadSettings:
 
 @dataclass(frozen=True)
 class BatchSettings:
-    """The out-of-memory retry's (parts/oom_retry.py): the micro-batch and accumulation a run starts with, its
+    """The out-of-memory retry's (parts/step_guards.py): the micro-batch and accumulation a run starts with, its
     processes, an online run's generation round and prompt groups (rows per group, examples per row)."""
 
     per_device_train_batch_size: int
@@ -238,16 +241,19 @@ def generation_engine(args) -> str:
 @dataclass(frozen=True)
 class GenerationSettings:
     """The generation session's (online/generation_session.py): the engine that samples (generation/backend.py's
-    names), the seed each round's seed is drawn from, vLLM's own context limit (None: the model's)."""
+    names), the seed each round's seed is drawn from, vLLM's own context limit (None: the model's), transformers'
+    KV cache as the config asks (`cache_implementation`, None: resolved by generation/transformers_backend.py)."""
 
     engine: str
     seed: int
     vllm_max_model_length: int | None = None
+    cache_implementation: str | None = None
 
 
 def generation_of(args) -> GenerationSettings:
     """An online config's generation settings (GKD's generate with transformers: `generation_engine` reads False)."""
-    return GenerationSettings(generation_engine(args), args.seed, getattr(args, "vllm_max_model_length", None))
+    return GenerationSettings(generation_engine(args), args.seed, getattr(args, "vllm_max_model_length", None),
+                              getattr(args, "cache_implementation", None))
 
 
 @dataclass(frozen=True)
@@ -266,13 +272,12 @@ class RoundSettings:
     pad_to_multiple_of: int | None
 
 
-def round_settings_of(args, steps_per_generation: int) -> RoundSettings:
+def round_settings_of(args, steps_per_generation: int, layout: Layout) -> RoundSettings:
     """A round is scored with the generation-time policy when it trains after the policy moved: over more optimizer
-    steps than one, or more than once."""
+    steps than one, or more than once. `layout`: the trainer's, after its models loaded."""
     off_policy = steps_per_generation > args.gradient_accumulation_steps or args.num_iterations > 1
     return RoundSettings(args.num_generations, args.num_iterations, off_policy, args.mask_truncated_completions,
-                         args.log_completions, bool(getattr(args, "shared_prompt", False)), args.padding_free,
-                         args.pad_to_multiple_of)
+                         args.log_completions, layout.shared_prompt, layout.padding_free, layout.pad_to_multiple_of)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from leantune import GRPOConfig
 from leantune.generation.backend import backend_factory
 from leantune.generation.sampling import SamplingSettings
 from leantune.generation.transformers_backend import CACHE_BUCKET, TransformersBackend, resolve_cache_implementation
+from leantune.trainers.settings import generation_of
 
 from ..fixtures.models import tiny_model
 
@@ -39,7 +40,9 @@ def test_the_cache_is_static_on_cuda_for_a_plain_module_else_the_models_own():
                for requested in (None, "static")}  # before the Accelerator: a TrainingArguments resets its state
     accelerator = Accelerator(cpu=True)
     for requested, expected in ((None, None), ("static", "static")):
-        backend = backend_factory("transformers", configs[requested], None, accelerator)(tiny_model())
+        generation = generation_of(configs[requested])  # the resolver reads the field (trainers/settings.py)
+        backend = backend_factory(generation.engine, configs[requested], None, accelerator,
+                                  generation.cache_implementation)(tiny_model())
         assert backend.cache_implementation == expected
 
 

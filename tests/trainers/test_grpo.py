@@ -13,12 +13,15 @@ import torch
 from datasets import Dataset
 
 from leantune import GRPOTrainer, RLOOConfig, RLOOTrainer
-from leantune.losses.advantages import (
+from leantune.losses.policy_gradient import (
+    clipped_surrogate,
     group_relative_advantages,
+    grpo_loss_items,
+    grpo_loss_sum,
+    k3_kl,
     leave_one_out_advantages,
     normalize_then_sum_advantages,
 )
-from leantune.losses.policy_gradient import clipped_surrogate, grpo_loss_items, grpo_loss_sum, k3_kl
 from leantune.losses.token_logprobs import count_targets
 from leantune.models.checkpointing import checkpointing_setting, enable_model_checkpointing
 from leantune.rewards import RewardFunctionError

@@ -1,4 +1,4 @@
-"""NaN/inf in training (trainers/parts/nonfinite.py): a non-finite loss stops the run naming the step, the train rows and
+"""NaN/inf in training (trainers/parts/step_guards.py): a non-finite loss stops the run naming the step, the train rows and
 the last good checkpoint, or (nonfinite_policy="skip") the step is skipped, counted and logged as NaN; weights that
 became non-finite are never saved as a checkpoint.
 
@@ -15,7 +15,7 @@ import torch
 from transformers import TrainerCallback
 
 from leantune import SFTConfig, SFTTrainer
-from leantune.trainers.parts.nonfinite import NonFiniteStepError
+from leantune.trainers.parts.step_guards import NonFiniteStepError
 
 from ..fixtures.data import gsm8k_prompt_completion
 from ..fixtures.models import tiny_model

@@ -1,4 +1,4 @@
-"""An out-of-memory error at runtime, retried at the step boundary (trainers/parts/oom_retry.py), under a real cap:
+"""An out-of-memory error at runtime, retried at the step boundary (trainers/parts/step_guards.py), under a real cap:
 the process's address space limited (RLIMIT_AS, soft limit only, restored after) below what the configured
 micro-batch needs, so the CPU allocator itself refuses; the run then trains as a run configured with the micro-batch
 it settled on does. Offline (SFT) and online (GRPO: its update step, in parts of whole prompt groups)."""

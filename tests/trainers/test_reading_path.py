@@ -1,8 +1,11 @@
 """A structural guard: following GRPO (its defaults, shared prompts on) through one training step, from `train()` to
 the end of the first optimizer step, reads only leantune functions that the step needs (devkit/reading_path.py
-measures it). Issue 36's target is at most 1,200 lines in at most 15 files; at 2026-11-29 the path is 1,374 lines in
-21 files (1,330 before the Liger head choice and warm generation added theirs), so this test holds what is reached
-(no file may come back, lines within 16 of it) and names the target it has not met."""
+measures it). Issue 36's target is at most 1,200 lines in at most 15 files. On 2026-11-29 the path went from 1,374
+lines in 21 files to 1,328 lines in 18: one job per file (the round's prompt sampler in round_builder.py, the
+advantages in policy_gradient.py, the NaN/inf guard and the out-of-memory retry in step_guards.py), and what every
+round shares made once when the trainer is built (the transformers backend and its GenerationConfig, the reward
+functions' logging callbacks). This test holds what is reached (no file may come back, lines within 12 of it) and
+names the target it has not met."""
 
 from __future__ import annotations
 
@@ -28,4 +31,4 @@ def test_grpo_step_reads_only_what_it_needs():
     entered = {path.split("leantune/", 1)[1] for path in spans}
     assert not entered & set(FEATURE_OFF_FILES), sorted(entered & set(FEATURE_OFF_FILES))
     # Reached so far, held (issue 36's target, 1,200 lines in 15 files, is not met yet: see the module docstring).
-    assert counts["function_lines"] <= 1390 and counts["files"] <= 21, counts
+    assert counts["function_lines"] <= 1340 and counts["files"] <= 18, counts

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from leantune import GRPOTrainer
-from leantune.losses.advantages import (
+from leantune.losses.policy_gradient import (
     ADVANTAGE_BOUND,
     group_relative_advantages,
     leave_one_out_advantages,

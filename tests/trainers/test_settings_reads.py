@@ -30,7 +30,7 @@ PART_FIELDS = (
     "nonfinite_policy", "average_tokens_across_devices", "router_aux_loss_coef", "precompute_ref_log_probs",
     "precompute_ref_batch_size", "sync_ref_model", "ref_model_sync_steps", "ref_model_mixup_alpha",
     "steps_per_generation", "liger_head", "checkpoint_offload_layers", "tiled_mlp", "tiled_mlp_tile_size",
-    "optimizer_in_backward",
+    "optimizer_in_backward", "cache_implementation", "shared_prompt",
 )
 
 # To do: fields still read outside the resolver (none left: the dict stays for the test's exact check).

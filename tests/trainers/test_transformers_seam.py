@@ -24,7 +24,7 @@ from transformers import Trainer
 
 import leantune
 from leantune import SFTConfig, SFTTrainer
-from leantune.trainers.parts import nonfinite
+from leantune.trainers.parts import step_guards
 
 from ..fixtures.data import gsm8k_prompt_completion
 from ..fixtures.models import tiny_model
@@ -180,10 +180,10 @@ def test_the_scan_finds_an_override_a_call_and_a_read(tmp_path, monkeypatch):
 
 
 def test_the_step_check_sees_the_norm_transformers_computed(gsm8k_rows, tokenizer, tmp_path, monkeypatch):
-    """nonfinite.py (GradientCheck): transformers computes each step's gradient norm through accelerate's public
+    """step_guards.py (GradientCheck): transformers computes each step's gradient norm through accelerate's public
     `clip_grad_norm_`, which the check keeps; the check's own computation is never needed."""
     computed = []
-    monkeypatch.setattr(nonfinite, "gradient_norm", lambda model: computed.append(1) or torch.tensor(0.0))
+    monkeypatch.setattr(step_guards, "gradient_norm", lambda model: computed.append(1) or torch.tensor(0.0))
     checked = []
     for max_grad_norm in (1.0, 0.0):  # clipping, or the norm for the log only
         args = SFTConfig(output_dir=str(tmp_path), max_length=64, report_to=[], save_strategy="no", use_cpu=True,

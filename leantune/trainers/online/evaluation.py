@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..parts.batches import placed
-from .prompt_rounds import row_batches
+from .round_builder import row_batches
 
 
 def evaluate_rounds(trainer, dataset, metric_key_prefix: str) -> dict:

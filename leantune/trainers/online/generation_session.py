@@ -31,9 +31,14 @@ class GenerationSession:
         # each round's seed: the run's, the round's count and this data-parallel process's rank (fixed for the run)
         self.own_seed = settings.seed + 65_537 * data_parallel_place(accelerator)[0]
         self.in_group = cp_size_of(accelerator) > 1  # context parallelism: a group generates one round together
-        self.backend = None  # made at the first round: the Trainer wraps the model first
+        self.backend = None  # a vLLM engine: made at the first round (the Trainer wraps the model first)
         self.synced_step = -1
         self.rounds_generated = 0
+        if not self.samples_with_vllm:
+            # transformers generates from the training model itself (synced to its wrapped form at each step's
+            # first round): made now with the run's GenerationConfig, so a generation setting transformers refuses
+            # fails when the trainer is built, and no round builds what every round shares
+            self.open_backend().prepare(sampling)
 
     @property
     def samples_with_vllm(self) -> bool:

@@ -1,5 +1,5 @@
 """An online round's micro-batch trained in parts of whole prompt groups: the out-of-memory retry's split
-(oom_retry.py) for GRPO, RLOO and Online DPO.
+(step_guards.py) for GRPO, RLOO and Online DPO.
 
 A part is collated from its completions' examples as the round collates a micro-batch, so it is the micro-batch a run
 configured with the smaller micro-batch trains on. It takes its share of what the round attached: per completion

@@ -1,5 +1,6 @@
 """Whether a run scores shared-prompt rows (`shared_prompt`, on by default where a micro-batch holds several
-completions of one prompt): resolved once when the config is built, and checked against the model when it is loaded.
+completions of one prompt): resolved once when the config is built (online_config.py's `resolve_shared_prompt`, from
+`nothing_to_share`), and checked against the model when it is loaded (`shared_prompt_for`).
 The row's layout: data/collators.py's `SharedPromptCollator`; its attention: models/segment_attention.py.
 """
 
@@ -25,24 +26,6 @@ def shared_prompt_problem(model) -> str | None:
             f"attn_implementation='sdpa' or set `shared_prompt=False`.")
 
 
-def resolve_shared_prompt(args) -> None:
-    """`shared_prompt`'s default (None), resolved once when the config is built: on where a micro-batch holds several
-    completions of one prompt, else off with one log line. An explicit False or True is kept; an explicit True
-    without groups (PPO: one completion per prompt) is refused."""
-    requested = args.shared_prompt
-    if requested is not None:
-        if requested and getattr(args, "min_num_generations", 2) < 2:
-            raise ValueError("`shared_prompt=True` is for methods that sample groups of completions per prompt "
-                             "(GRPO, RLOO, Online DPO); set `shared_prompt=False`.")
-        setattr(args, BY_DEFAULT, False)
-        return
-    reason = nothing_to_share(args)
-    args.shared_prompt = reason is None
-    setattr(args, BY_DEFAULT, args.shared_prompt)
-    if reason is not None:
-        logger.info("shared_prompt: off for this run (%s).", reason)
-
-
 def nothing_to_share(args) -> str | None:
     """Why a run's micro-batches hold no prompt to share (a shared row there is a prompt and one completion, whose
     blocks cost more attention than the unshared row: bench/shared_prompt.py --attention, docs/benchmarks.md)."""
@@ -54,10 +37,11 @@ def nothing_to_share(args) -> str | None:
     return None
 
 
-def shared_prompt_for(model, args) -> bool:
-    """Whether `model` scores shared-prompt rows in this run: needs leantune's segment attention; where the default
-    turned them on, a model without it turns them off for the run (logged), where the user asked, it is refused."""
-    if not getattr(args, "shared_prompt", False):
+def shared_prompt_for(model, args, wanted: bool) -> bool:
+    """Whether `model` scores shared-prompt rows in this run (`wanted`: the layout's, trainers/settings.py): needs
+    leantune's segment attention; where the default turned them on, a model without it turns them off for the run
+    (logged, and written back to the trainer's copy of the config), where the user asked, it is refused."""
+    if not wanted:
         return False
     problem = shared_prompt_problem(model)
     if problem is None:

@@ -2,5 +2,5 @@
 preparer (split_preparer.py), the log-prob engine (logprob_engine.py), the step's loss normaliser (step_loss.py), the
 run metrics (metrics/run_metrics.py), saving (saving.py, checkpoint_files.py), GKD's teacher (teacher.py), context
 parallelism (context_parallel.py, ring_order.py, shared_prompt_ring.py), frozen models' placement (frozen_models.py),
-the non-finite guard and its step check (nonfinite.py), the launch (distributed.py, cpu_loader.py) and the out-of-memory retry
-(oom_retry.py). Imported by the trainers and trainers/online, never the other way round."""
+the step's failure guards (step_guards.py: the non-finite guard and its step check, the out-of-memory retry) and the
+launch (distributed.py, cpu_loader.py). Imported by the trainers and trainers/online, never the other way round."""

@@ -10,12 +10,12 @@ import torch
 
 from ...data.collators import IGNORE_INDEX, sequence_starts
 from ...losses.token_logprobs import Targets, select_targets, target_sequences
-from .nonfinite import ROW_INDEX
+from .step_guards import ROW_INDEX
 
 
 def kept_columns(trainer) -> list[str]:
     """The dataset columns Trainer keeps for the collator (`remove_unused_columns`): the trainer's own, and each
-    train row's index (nonfinite.py), in place of the model's forward arguments transformers would keep."""
+    train row's index (step_guards.py), in place of the model's forward arguments transformers would keep."""
     return [*trainer.dataset_columns, ROW_INDEX]
 
 

@@ -11,7 +11,7 @@ work is done), the learning-rate scheduler still steps (the per-parameter optimi
 and the `grad_norm` it logs is the norm of the step's gradient, summed in the hooks from each complete gradient
 before its update. Checkpoints hold every parameter's optimizer state, in the model's parameter order.
 
-A NaN gradient is applied before the step's norm is seen (nonfinite.py then stops the run, naming the last good
+A NaN gradient is applied before the step's norm is seen (step_guards.py then stops the run, naming the last good
 checkpoint; "skip" is refused), and an out-of-memory error is not retried in parts (the retry could not undo the
 parameters already stepped, and each part's backward would step them again).
 """
@@ -160,7 +160,7 @@ class OptimizerInBackward:
         self.stepped = set()
 
     def mark(self):
-        """For the out-of-memory retry (oom_retry.py): a callable that refuses the retry when this part is on."""
+        """For the out-of-memory retry (step_guards.py): a callable that refuses the retry when this part is on."""
         if not self.settings.enabled:
             return lambda: None
         stepped = len(self.stepped)

@@ -16,7 +16,7 @@ from ...data.streaming import is_stream, require_max_steps, use_own_stream_reads
 from .cpu_loader import no_pinning_without_accelerator
 from .distributed import check_world_size
 from .logprob_engine import LIGER_FLAGS, LogProbPath, choose_logprob_path
-from .nonfinite import validate_nonfinite_policy
+from .step_guards import validate_nonfinite_policy
 
 logger = logging.getLogger("leantune.trainer")
 
