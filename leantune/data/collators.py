@@ -250,11 +250,13 @@ def prefix_blocks(lengths: list[int], prompt_of: list[int], block: int | None = 
     keys = np.where(in_prefix, prefix_key, np.where(is_own, start[:, None] + own, 0))
     real = query < own_length[:, None]
     queries = np.where(real, start[:, None] + query, 0)
-    mask = in_prefix[:, None, :] | (is_own[:, None, :] & (own <= query[:, None]))  # a padding query: all its own
+    mask = np.empty((len(segment), 1, block, prefix + block), dtype=bool)  # written in two parts, each once
+    mask[:, 0, :, :prefix] = in_prefix[:, None, :prefix]
+    mask[:, 0, :, prefix:] = real[:, None, :] & (query <= query[:, None])  # a padding query: all its own
     output = np.empty(int(lengths.sum()), dtype=np.int64)
     output[queries[real]] = (np.arange(len(segment))[:, None] * block + query)[real]
     return {"queries": torch.from_numpy(queries.reshape(-1)), "keys": torch.from_numpy(keys.reshape(-1)),
-            "mask": torch.from_numpy(mask[:, None]), "output": torch.from_numpy(output)}
+            "mask": torch.from_numpy(mask), "output": torch.from_numpy(output)}
 
 
 def layout_like(batch: dict, values: list[list[int]], fill: int = 0) -> torch.Tensor:
