@@ -233,13 +233,14 @@ def attention_paths(prompt_length: int, completion_length: int, group: int, repe
     import torch
     import torch.nn.functional as F
 
+    from leantune.data.collators import prefix_blocks
     from leantune.models.gathered_attention import recomputed
-    from leantune.models.segment_attention import build_prefix_blocks, prefix_block_attention, recomputed_but_attention
+    from leantune.models.segment_attention import prefix_block_attention, recomputed_but_attention
 
     lengths, prompt_of = [prompt_length] + [completion_length] * group, [-1] + [0] * group
     row = sum(lengths)
     query, key, value = (torch.randn(heads, row, dim, requires_grad=True) for _ in range(3))
-    blocks = build_prefix_blocks(lengths, prompt_of)
+    blocks = prefix_blocks(lengths, prompt_of)
     positions = torch.arange(row)
     segment = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     dense = (positions[:, None] >= positions[None, :]) & ((segment[:, None] == segment[None, :]) | (segment[None, :] == 0))
@@ -258,7 +259,8 @@ def attention_paths(prompt_length: int, completion_length: int, group: int, repe
     unshared = torch.randn(group, heads, prompt_length + completion_length, dim, requires_grad=True)
     forms = {
         "one call, prefix blocks": lambda: recomputed_but_attention(
-            prefix_block_attention, query, key, value, blocks.queries, blocks.keys, blocks.mask, blocks.output),
+            prefix_block_attention, query, key, value, blocks["queries"], blocks["keys"], blocks["mask"],
+            blocks["output"]),
         "G calls": g_calls,
         "one call, dense [L, L] mask": lambda: F.scaled_dot_product_attention(query, key, value, attn_mask=dense),
         "unshared causal rows": lambda: F.scaled_dot_product_attention(unshared, unshared, unshared, is_causal=True),
@@ -271,7 +273,7 @@ def attention_paths(prompt_length: int, completion_length: int, group: int, repe
             form().sum().backward()
             times.append(time.process_time() - start)
         seconds[name] = min(times[1:])
-    return {"dense_mask_mib": dense.numel() / MIB, "block_mask_mib": blocks.mask.numel() / MIB, **seconds}
+    return {"dense_mask_mib": dense.numel() / MIB, "block_mask_mib": blocks["mask"].numel() / MIB, **seconds}
 
 
 def main() -> None:

@@ -16,9 +16,10 @@ import torch
 IGNORE_INDEX = -100
 # The collated entries a causal LM's forward takes (padded or segmented layouts).
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
-                "max_length_k", "shared_prompt_of", "shared_prompt_ring")  # the last two: shared-prompt rows
-# (`SharedPromptCollator`; split over a context-parallel group: trainers/parts/shared_prompt_ring.py)
-SHARED_PROMPT_OF = "shared_prompt_of"  # the model input segment attention reads (per segment: its prompt, or -1)
+                "max_length_k", "shared_prompt_of", "prefix_blocks", "shared_prompt_ring")  # the last three: shared-
+# prompt rows (`SharedPromptCollator`; split over a context-parallel group: trainers/parts/shared_prompt_ring.py)
+SHARED_PROMPT_OF = "shared_prompt_of"  # per segment of a shared-prompt row: the segment holding its prompt, or -1
+PREFIX_BLOCKS = "prefix_blocks"  # a shared-prompt row's attention layout (`prefix_blocks`), read by segment attention
 
 
 def round_up(n: int, multiple: int | None) -> int:
@@ -188,11 +189,74 @@ class SharedPromptCollator:
             "max_length_q": max(segments),
             "max_length_k": max(segments),
             SHARED_PROMPT_OF: torch.tensor(prompt_of, dtype=torch.long),
+            PREFIX_BLOCKS: prefix_blocks(segments, prompt_of),
             "target_index": torch.tensor(target_index, dtype=torch.long),
             "target_tokens": torch.tensor(target_tokens, dtype=torch.long),
             "target_sequence": torch.tensor(target_sequence, dtype=torch.long),
             "num_real_tokens": torch.tensor(real),
         }
+
+
+# What a gathered key and value cost against the scores of one query row (their copies forward and backward):
+# about 16 scores, fitted to the timings of `bench/shared_prompt.py --attention` at 64:256 x 2 and x 16, 1024:256 x 2
+# and x 16, 256:64 x 8 (the fastest block length of 256, 128, 64, 32 chosen in each)
+GATHER_COST = 16
+
+
+def block_length(lengths: list[int], prompt_of: list[int], smallest: int = 16) -> int:
+    """The block length with the least attention work, E x (P + Lq) x (Lq + GATHER_COST) (masked scores included):
+    the longest completion, or a half, a quarter... of it where that pads less than it repeats prefixes (a short
+    prompt before few long completions: its one block is mostly padding at the completions' length)."""
+    branches = [length for length, prompt in zip(lengths, prompt_of) if prompt >= 0]
+    longest = max(branches) if branches else max(lengths, default=0)
+    candidates = [max(longest, 1)]
+    while candidates[-1] // 2 >= smallest:
+        candidates.append(-(-candidates[-1] // 2))
+
+    def work(block: int) -> int:  # a segment's last block has the longest prefix: its prompt and its earlier blocks
+        counts = [-(-length // block) for length in lengths]
+        prefix = max(((lengths[prompt] if prompt >= 0 else 0) + (count - 1) * block
+                      for count, prompt in zip(counts, prompt_of) if count), default=0)
+        return sum(counts) * (prefix + block) * (block + GATHER_COST)
+
+    return min(candidates, key=lambda block: (work(block), -block))
+
+
+def prefix_blocks(lengths: list[int], prompt_of: list[int], block: int | None = None) -> dict[str, torch.Tensor]:
+    """A shared-prompt row's attention layout (models/segment_attention.py says why this one): each segment
+    (`lengths`, with its prompt's segment `prompt_of`, or -1) cut into E query blocks of length Lq (`block`, default
+    `block_length`'s), a block's prefix its prompt's keys (a completion's) and its segment's earlier blocks, P the
+    longest prefix. As row positions: `queries` [E x Lq] (past a block's end: 0, a padding query), `keys` [E x (P +
+    Lq)] (its prefix's, then its own from P on; 0 where none); `mask` [E, 1, Lq, P + Lq] (every key of its prefix,
+    its own causally, a padding query all its own so that no row is all masked); `output` [row length]: each row
+    position's place among the E x Lq queries. Computed on the host in one pass over the blocks (numpy), each tensor
+    made once, when the batch is collated, so the model's forward builds nothing and reads nothing back."""
+    block = block or block_length(lengths, prompt_of)
+    lengths, prompt_of = np.asarray(lengths, dtype=np.int64), np.asarray(prompt_of, dtype=np.int64)
+    starts = np.cumsum(lengths) - lengths
+    counts = -(-lengths // block)
+    segment = np.repeat(np.arange(len(lengths)), counts)  # per block: its segment, its offset in it, where it starts
+    offset = (np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)) * block
+    start, own_length = starts[segment] + offset, np.minimum(block, lengths[segment] - offset)
+    prompt = prompt_of[segment]
+    prompt_length = np.where(prompt >= 0, lengths[prompt], 0)
+    seen = prompt_length + offset  # the prefix: the prompt's keys, then the segment's up to the block
+    prefix = int(seen.max(initial=0))
+    query, key = np.arange(block), np.arange(prefix + block)
+    own = key - prefix  # a key's place among the block's own keys (from P on)
+    in_prefix, is_own = key < seen[:, None], (own >= 0) & (own < own_length[:, None])
+    prefix_key = np.where(key < prompt_length[:, None], starts[prompt][:, None] + key,
+                          starts[segment][:, None] + key - prompt_length[:, None])
+    keys = np.where(in_prefix, prefix_key, np.where(is_own, start[:, None] + own, 0))
+    real = query < own_length[:, None]
+    queries = np.where(real, start[:, None] + query, 0)
+    mask = np.empty((len(segment), 1, block, prefix + block), dtype=bool)  # written in two parts, each once
+    mask[:, 0, :, :prefix] = in_prefix[:, None, :prefix]
+    mask[:, 0, :, prefix:] = real[:, None, :] & (query <= query[:, None])  # a padding query: all its own
+    output = np.empty(int(lengths.sum()), dtype=np.int64)
+    output[queries[real]] = (np.arange(len(segment))[:, None] * block + query)[real]
+    return {"queries": torch.from_numpy(queries.reshape(-1)), "keys": torch.from_numpy(keys.reshape(-1)),
+            "mask": torch.from_numpy(mask), "output": torch.from_numpy(output)}
 
 
 def layout_like(batch: dict, values: list[list[int]], fill: int = 0) -> torch.Tensor:

@@ -6,17 +6,17 @@ for the whole row and attends over row_length^2 positions, most of them masked. 
 causal SDPA call, so the work is sum(length^2) and no mask is read. The segment boundaries arrive as the
 `cu_seq_lens_q` offsets that FlashAttention's varlen kernels take, so one batch layout serves both backends.
 
-Shared-prompt rows (data/collators.py's `SharedPromptCollator`) add `shared_prompt_of`: for each segment, the
-segment whose keys and values it reads before its own (its group's prompt), or -1. Such a row runs as one SDPA call
-per layer over equal query blocks, each with its prefix's keys and its own (`PrefixBlocks`, below), its gathered keys
-and values not kept for the backward (`recomputed_but_attention`). Under context parallelism a shared row takes the
-all-gather form instead (models/gathered_attention.py).
+Shared-prompt rows (data/collators.py's `SharedPromptCollator`) add `prefix_blocks`: the row cut into equal query
+blocks, each with its prefix's keys and its own (built with the batch: data/collators.py's `prefix_blocks`). Such a
+row runs as one SDPA call per layer over those blocks, its gathered keys and values not kept for the backward
+(`recomputed_but_attention`). Under context parallelism a shared row takes the all-gather form instead
+(models/gathered_attention.py).
 
 The prefix blocks. A shared-prompt row is [prompt, completion_1, ..., completion_G] per group, and
-`shared_prompt_of` names, for each segment, the prompt its queries see before their own keys (-1: none). Here every
+`shared_prompt_of` names, for each segment, the prompt its queries see before their own keys (-1: none). Every
 segment is cut into query blocks of one length Lq (the longest completion's, or a half, a quarter... of it where that
-is less work: `block_length`); a block's prefix is its group's prompt (for a completion's blocks) and its segment's
-earlier blocks. The blocks are the batch of one SDPA call: queries [E, heads, Lq], keys and values [E, heads, P + Lq]
+is less work: data/collators.py's `block_length`); a block's prefix is its group's prompt (for a completion's blocks)
+and its segment's earlier blocks. The blocks are the batch of one SDPA call: queries [E, heads, Lq], keys and values [E, heads, P + Lq]
 gathered from the row (the longest prefix P, then the block's own keys), and one boolean mask [E, 1, Lq, P + Lq]
 (every key of its prefix; its own keys causally). `index_select`'s backward sums a prompt key's gradient over every
 block that read it. The work is E x Lq x (P + Lq): per completion about its unshared row's, masked scores included.
@@ -41,7 +41,7 @@ completion runs unshared by default: trainers/online/shared_prompt.py's `nothing
 mask would skip the masked blocks, but it has no backward on CPU in torch 2.13; these blocks run through SDPA on
 every device (on CUDA a masked call takes the memory-efficient kernel; leantune had no mask-free varlen path for
 shared rows to keep). No [L, L] mask is made: the mask is E x Lq x (P + Lq) booleans (6.25 MiB at 1,024:256 x 16),
-built once per batch (`BlockCache`, on the first layer) and read by every layer.
+made on the host when the batch is collated (no device read, no tensor op per block) and read by every layer.
 
 The gathered keys and values repeat the prompt's once per block (E x (P + Lq) against the row's L: 5x at
 1,024:256 x 16), so they are not kept for the backward but gathered again, and the SDPA kernel's results are kept
@@ -50,8 +50,6 @@ The gathered keys and values repeat the prompt's once per block (E x (P + Lq) ag
 
 from __future__ import annotations
 
-import weakref
-from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -68,28 +66,39 @@ _registered = False
 
 
 def segment_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """Drop-in for transformers' sdpa attention; uses per-sequence calls when cu_seq_lens_q is given."""
-    cu_seq_lens = kwargs.get("cu_seq_lens_q")
-    if kwargs.get(RING_SEGMENTS) is not None:  # a shared-prompt row split over a context-parallel group
-        return gathered_segment_attention(module, query, key, value, kwargs[RING_SEGMENTS], dropout, scaling)
-    if cu_seq_lens is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    batch, heads, length, dim = query.shape
-
-    def rows(states):  # [heads, batch x length, dim]: the rows end to end (segments never cross rows)
-        return states.transpose(0, 1).reshape(states.shape[1], batch * length, dim)
-
+    """Drop-in for transformers' sdpa attention, by the batch's layout: a shared-prompt row (its prefix blocks; split
+    over a context-parallel group: gathered), packed or padding-free rows (`cu_seq_lens_q`), else sdpa's own."""
     dropout_p = dropout if module.training else 0.0
-    prompt_of = kwargs.get("shared_prompt_of")
-    if prompt_of is not None:  # a shared-prompt row: one call over its prefix blocks (below)
-        blocks = _blocks.blocks_of(prompt_of, cu_seq_lens, query.device)
-        output = recomputed_but_attention(prefix_block_attention, rows(query), rows(key), rows(value), blocks.queries,
-                                          blocks.keys, blocks.mask, blocks.output, dropout_p, scaling)
-        return output.unflatten(1, (batch, length)).permute(1, 2, 0, 3).contiguous(), None
+    if kwargs.get(RING_SEGMENTS) is not None:
+        return gathered_segment_attention(module, query, key, value, kwargs[RING_SEGMENTS], dropout, scaling)
+    if kwargs.get("prefix_blocks") is not None:
+        return shared_row_attention(query, key, value, kwargs["prefix_blocks"], dropout_p, scaling)
+    if kwargs.get("cu_seq_lens_q") is not None:
+        return varlen_attention(query, key, value, kwargs["cu_seq_lens_q"], dropout_p, scaling)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def end_to_end(states: torch.Tensor) -> torch.Tensor:
+    """[batch, heads, length, dim] -> [heads, batch x length, dim]: the rows end to end (segments never cross rows)."""
+    return states.transpose(0, 1).flatten(1, 2)
+
+
+def shared_row_attention(query, key, value, blocks: dict, dropout_p: float, scaling):
+    """A shared-prompt row: one SDPA call over its prefix blocks (below), the gathered keys and values recomputed."""
+    batch, length = query.shape[0], query.shape[2]
+    output = recomputed_but_attention(prefix_block_attention, end_to_end(query), end_to_end(key), end_to_end(value),
+                                      blocks["queries"], blocks["keys"], blocks["mask"], blocks["output"], dropout_p,
+                                      scaling)
+    return output.unflatten(1, (batch, length)).permute(1, 2, 0, 3).contiguous(), None
+
+
+def varlen_attention(query, key, value, cu_seq_lens: torch.Tensor, dropout_p: float, scaling):
+    """Packed or padding-free rows: each sequence its own causal SDPA call."""
+    batch, heads, length, dim = query.shape
     # Cut once with split(): one view per sequence, and a backward that writes each piece's gradient into the
     # shared buffer.
     lengths = torch.diff(cu_seq_lens).tolist()
-    queries, keys, values = (rows(states).unsqueeze(0).split(lengths, dim=2) for states in (query, key, value))
+    queries, keys, values = (end_to_end(states).unsqueeze(0).split(lengths, dim=2) for states in (query, key, value))
     gqa = key.shape[1] != heads
     pieces = [
         F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, scale=scaling, enable_gqa=gqa)
@@ -121,92 +130,11 @@ def _attention_kernels() -> set:
     return {getattr(torch.ops.aten, name).default for name in names if hasattr(torch.ops.aten, name)}
 
 
-# --- a shared-prompt row's prefix blocks ----------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class PrefixBlocks:
-    """A shared row cut into query blocks: `queries` [E x Lq] row positions (padding: 0, masked), `keys` [E x Kb]
-    row positions of each block's prefix then own keys, `mask` [E, 1, Lq, Kb], `output` [row length] the flat block
-    position each row position's output comes from."""
-
-    queries: torch.Tensor
-    keys: torch.Tensor
-    mask: torch.Tensor
-    output: torch.Tensor
-    block_length: int
-
-    @property
-    def count(self) -> int:
-        return self.mask.shape[0]
-
-
-def prefix_block_spans(lengths: list[int], prompt_of: list[int], block: int) -> list[tuple[int, int, list]]:
-    """(query start, query length, prefix ranges [(start, length), ...]) of every block of length `block`: a segment
-    cut into blocks, each block's prefix its group's prompt (a completion's) and the segment's earlier blocks."""
-    starts = [0]
-    for length in lengths[:-1]:
-        starts.append(starts[-1] + length)
-    spans = []
-    for start, length, prompt in zip(starts, lengths, prompt_of):
-        shared = [(starts[prompt], lengths[prompt])] if prompt >= 0 else []
-        for offset in range(0, length, block):
-            spans.append((start + offset, min(block, length - offset), shared + [(start, offset)]))
-    return spans
-
-
-# What a gathered key and value cost against the scores of one query row (their copies forward and backward):
-# about 16 scores, fitted to the timings of `bench/shared_prompt.py --attention` at 64:256 x 2 and x 16, 1024:256 x 2
-# and x 16, 256:64 x 8 (the fastest block length of 256, 128, 64, 32 chosen in each)
-GATHER_COST = 16
-
-
-def block_length(lengths: list[int], prompt_of: list[int], smallest: int = 16) -> int:
-    """The block length with the least attention work, E x (P + Lq) x (Lq + GATHER_COST) (masked scores included):
-    the longest completion, or a half, a quarter... of it where that pads less than it repeats prefixes (a short
-    prompt before few long completions: its one block is mostly padding at the completions' length)."""
-    branches = [length for length, prompt in zip(lengths, prompt_of) if prompt >= 0]
-    longest = max(branches) if branches else max(lengths)
-    candidates = [longest]
-    while candidates[-1] // 2 >= smallest:
-        candidates.append(-(-candidates[-1] // 2))
-
-    def work(block: int) -> int:
-        spans = prefix_block_spans(lengths, prompt_of, block)
-        return len(spans) * (max(sum(n for _, n in span[2]) for span in spans) + block) * (block + GATHER_COST)
-
-    return min(candidates, key=lambda block: (work(block), -block))
-
-
-def build_prefix_blocks(lengths: list[int], prompt_of: list[int], device=None, block: int | None = None) -> PrefixBlocks:
-    """The blocks of a row of segments (`lengths`) whose prompts `prompt_of` names (per segment, or -1); `block`:
-    their length (default: `block_length`'s)."""
-    block = block or block_length(lengths, prompt_of)
-    spans = prefix_block_spans(lengths, prompt_of, block)
-    prefix = max(sum(n for _, n in span[2]) for span in spans)
-    width = prefix + block
-    queries = torch.zeros(len(spans), block, dtype=torch.long)
-    keys = torch.zeros(len(spans), width, dtype=torch.long)
-    mask = torch.zeros(len(spans), 1, block, width, dtype=torch.bool)
-    output = torch.empty(sum(lengths), dtype=torch.long)
-    own = torch.arange(block)
-    causal = own[:, None] >= own[None, :]
-    for n, (start, length, ranges) in enumerate(spans):
-        queries[n, :length] = own[:length] + start
-        seen = torch.cat([torch.arange(first, first + count) for first, count in ranges])
-        keys[n, :len(seen)] = seen
-        keys[n, prefix:prefix + length] = own[:length] + start
-        mask[n, 0, :, :len(seen)] = True
-        # its own keys up to itself; a padding query (past `length`) sees the block's keys, so no row is all masked
-        mask[n, 0, :, prefix:prefix + length] = causal[:, :length]
-        mask[n, 0, length:, prefix:prefix + length] = True
-        output[start:start + length] = own[:length] + n * block
-    return PrefixBlocks(queries.flatten().to(device), keys.flatten().to(device), mask.to(device), output.to(device),
-                        block)
-
+# --- a shared-prompt row's prefix blocks ---------------------------------------------------------------------------
 
 def prefix_block_attention(query, key, value, queries, keys, mask, output, dropout_p: float = 0.0, scaling=None):
     """Row queries [heads, L, dim] and keys/values [kv heads, L, dim] -> the row's attention output [heads, L, dim],
-    in one SDPA call over the blocks (`queries`, `keys`, `mask`, `output`: PrefixBlocks' tensors)."""
+    in one SDPA call over the blocks (`queries`, `keys`, `mask`, `output`: data/collators.py's `prefix_blocks`)."""
     count, block, width = mask.shape[0], mask.shape[2], mask.shape[3]
 
     def blocks(states, index, length):
@@ -217,34 +145,6 @@ def prefix_block_attention(query, key, value, queries, keys, mask, output, dropo
         blocks(query, queries, block), blocks(key, keys, width), blocks(value, keys, width), attn_mask=mask,
         dropout_p=dropout_p, scale=scaling, enable_gqa=key.shape[0] != query.shape[0])
     return attended.transpose(0, 1).flatten(1, 2).index_select(1, output)
-
-
-class BlockCache:
-    """The blocks of the batch being scored, built on its first layer and read by the others: kept while the batch's
-    `shared_prompt_of` and offsets are the very tensors every layer of its forward gets (weak references, so a new
-    batch never meets an old batch's blocks), on the device they ran on. The blocks go with the batch: once its
-    `shared_prompt_of` is freed, so are they (a run that ended holds no mask of its last batch)."""
-
-    def __init__(self):
-        self.sources, self.device, self.blocks, self.batch = (), None, None, None
-
-    def blocks_of(self, prompt_of: torch.Tensor, cu_seq_lens: torch.Tensor, device) -> PrefixBlocks:
-        current = len(self.sources) == 2 and self.sources[0]() is prompt_of and self.sources[1]() is cu_seq_lens
-        if not current or self.device != device:
-            lengths = torch.diff(cu_seq_lens).tolist()
-            self.blocks = build_prefix_blocks(lengths, prompt_of.tolist(), device)
-            self.sources, self.device = (weakref.ref(prompt_of), weakref.ref(cu_seq_lens)), device
-            self.batch = batch = object()
-            weakref.finalize(prompt_of, self.forget, batch)
-        return self.blocks
-
-    def forget(self, batch: object) -> None:
-        """The batch `batch` is gone: its blocks too (unless a newer batch's are kept)."""
-        if self.batch is batch:
-            self.sources, self.device, self.blocks, self.batch = (), None, None, None
-
-
-_blocks = BlockCache()  # the shared row being scored: its blocks, built on the first layer
 
 
 def register_segment_attention() -> str:

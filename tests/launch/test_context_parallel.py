@@ -245,7 +245,7 @@ def test_a_shared_prompt_row_split_over_the_group_attends_as_one_process():
     key, value = (torch.randn(1, kv_heads, length, dim, generator=generator) for _ in range(2))
     module = torch.nn.Module().eval()
     expected, _ = segment_sdpa_attention(module, query, key, value, None, cu_seq_lens_q=batch["cu_seq_lens_q"],
-                                         shared_prompt_of=batch["shared_prompt_of"])  # [1, length, heads, dim]
+                                         prefix_blocks=batch["prefix_blocks"])  # [1, length, heads, dim]
     # fp32 averages of values of magnitude ~4 over at most 13 keys: a few ulps of that, summed in another order
     tolerance = 13 * 2.0 ** -23 * float(value.abs().max())
     for cp in (2, 3):

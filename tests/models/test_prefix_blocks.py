@@ -1,5 +1,7 @@
 """A shared-prompt row's attention (models/segment_attention.py's prefix blocks): one SDPA call per layer,
-whose outputs and gradients equal each completion's unshared causal attention over cat(prompt, completion)."""
+whose outputs and gradients equal each completion's unshared causal attention over cat(prompt, completion); the
+blocks' layout (data/collators.py's `prefix_blocks`, one vectorised pass) equals the block-by-block build it
+replaced."""
 
 from __future__ import annotations
 
@@ -8,13 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from leantune.data.collators import SharedPromptCollator
-from leantune.models.segment_attention import (
-    BlockCache,
-    build_prefix_blocks,
-    prefix_block_attention,
-    use_segment_attention,
-)
+from leantune.data.collators import PREFIX_BLOCKS, SharedPromptCollator, block_length, prefix_blocks
+from leantune.models.segment_attention import prefix_block_attention, use_segment_attention
 
 from ..fixtures.models import tiny_model
 
@@ -61,13 +58,14 @@ def test_prefix_blocks_equal_unshared_attention_and_its_gradients(block):
     length = sum(LENGTHS)
     query, key, value = (torch.randn(heads, length, 16, generator=generator, requires_grad=True)
                          for heads in (4, 2, 2))
-    blocks = build_prefix_blocks(LENGTHS, PROMPT_OF, block=block)
+    blocks = prefix_blocks(LENGTHS, PROMPT_OF, block=block)
+    count, _, block_length_, _ = blocks["mask"].shape
     if block is None:  # Lq = the longest completion (9): the 12-token prompt is 2 blocks, the second after the first
-        assert blocks.block_length == 9 and blocks.count == 1 + 3 + 2 + 2 + 1
+        assert block_length_ == 9 and count == 1 + 3 + 2 + 2 + 1
     else:
-        assert blocks.count == sum(-(-n // 4) for n in LENGTHS)
+        assert count == sum(-(-n // 4) for n in LENGTHS)
     weights = torch.randn(4, length, 16, generator=generator)
-    got = prefix_block_attention(query, key, value, blocks.queries, blocks.keys, blocks.mask, blocks.output)
+    got = prefix_block_attention(query, key, value, blocks["queries"], blocks["keys"], blocks["mask"], blocks["output"])
     got_grads = torch.autograd.grad((got * weights).sum(), (query, key, value))
     expected = unshared_attention(query, key, value)
     expected_grads = torch.autograd.grad((expected * weights).sum(), (query, key, value))
@@ -93,23 +91,84 @@ def test_a_shared_row_is_one_attention_call_per_layer():
                              "prompt_length": prompt_length})
     batch = SharedPromptCollator(pad_token_id=0, pad_to_multiple_of=8)(examples)
     inputs = {k: batch[k] for k in ("input_ids", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
-                                    "max_length_k", "shared_prompt_of")}
+                                    "max_length_k", "shared_prompt_of", PREFIX_BLOCKS)}
     with AttentionKernelCalls() as counted:
         model(**inputs).logits.sum().backward()
     assert counted.calls == model.config.num_hidden_layers
 
 
-def test_the_blocks_go_with_their_batch():
-    """The cache keeps a batch's blocks (its block mask) only while that batch lives: a run that ended holds nothing
-    of its last shared row (the suite's live-tensor check of a later run once found its mask)."""
-    cache = BlockCache()
-    prompt_of, cu_seq_lens = torch.tensor([-1, 0, 0]), torch.tensor([0, 4, 7, 10])
-    blocks = cache.blocks_of(prompt_of, cu_seq_lens, torch.device("cpu"))
-    assert cache.blocks_of(prompt_of, cu_seq_lens, torch.device("cpu")) is blocks  # the batch's layers share them
-    newer_prompt_of = torch.tensor([-1, 0, 0])
-    newer = cache.blocks_of(newer_prompt_of, cu_seq_lens, torch.device("cpu"))
-    del prompt_of  # the older batch's end must not drop the newer batch's blocks
-    assert cache.blocks is newer
-    del newer_prompt_of
-    assert cache.blocks is None and cache.sources == ()
+def loop_built_blocks(lengths: list[int], prompt_of: list[int], block: int) -> dict[str, torch.Tensor]:
+    """The layout as leantune built it before (at 9e52970, in the model's first layer): block by block, with small
+    tensor ops (about 700 aten ops a GRPO step in bench/grpo_step.py); kept here as the reference of the
+    vectorised build."""
+    starts = [sum(lengths[:n]) for n in range(len(lengths))]
+    spans = []  # (query start, query length, prefix ranges [(start, length), ...])
+    for start, length, prompt in zip(starts, lengths, prompt_of):
+        shared = [(starts[prompt], lengths[prompt])] if prompt >= 0 else []
+        for offset in range(0, length, block):
+            spans.append((start + offset, min(block, length - offset), shared + [(start, offset)]))
+    prefix = max(sum(n for _, n in span[2]) for span in spans)
+    width = prefix + block
+    queries = torch.zeros(len(spans), block, dtype=torch.long)
+    keys = torch.zeros(len(spans), width, dtype=torch.long)
+    mask = torch.zeros(len(spans), 1, block, width, dtype=torch.bool)
+    output = torch.empty(sum(lengths), dtype=torch.long)
+    own = torch.arange(block)
+    causal = own[:, None] >= own[None, :]
+    for n, (start, length, ranges) in enumerate(spans):
+        queries[n, :length] = own[:length] + start
+        seen = torch.cat([torch.arange(first, first + count) for first, count in ranges])
+        keys[n, :len(seen)] = seen
+        keys[n, prefix:prefix + length] = own[:length] + start
+        mask[n, 0, :, :len(seen)] = True
+        mask[n, 0, :, prefix:prefix + length] = causal[:, :length]
+        mask[n, 0, length:, prefix:prefix + length] = True
+        output[start:start + length] = own[:length] + n * block
+    return {"queries": queries.flatten(), "keys": keys.flatten(), "mask": mask, "output": output}
 
+
+def loop_block_length(lengths: list[int], prompt_of: list[int], smallest: int = 16) -> int:
+    """The block length as chosen before: the least E x (P + Lq) x (Lq + 16) over the candidates, from every span."""
+    branches = [length for length, prompt in zip(lengths, prompt_of) if prompt >= 0]
+    candidates = [max(branches) if branches else max(lengths)]
+    while candidates[-1] // 2 >= smallest:
+        candidates.append(-(-candidates[-1] // 2))
+
+    def work(block):
+        spans = [(prompt, offset) for length, prompt in zip(lengths, prompt_of) for offset in range(0, length, block)]
+        prefix = max((lengths[prompt] if prompt >= 0 else 0) + offset for prompt, offset in spans)
+        return len(spans) * (prefix + block) * (block + 16)
+
+    return min(candidates, key=lambda block: (work(block), -block))
+
+
+@pytest.mark.parametrize("lengths, prompt_of", [
+    (LENGTHS, PROMPT_OF),  # two groups, a completion shorter than a block (padding queries), a padding segment
+    ([0, 5, 3, 6], [-1, 0, 0, -1]),  # an empty prompt, then a segment without one (a lone sequence)
+    ([40, 100, 7, 30, 64, 64, 2, 90, 33, 16], [-1, 0, 0, -1, 3, 3, -1, 6, 6, -1]),  # three groups, long completions
+    ([9, 3], [-1, -1]),  # no prompt at all
+])
+@pytest.mark.parametrize("block", [None, 4, 16])
+def test_prefix_blocks_equal_the_loop_built_ones(lengths, prompt_of, block):
+    """Every tensor equal, element for element (integers and booleans: exact), and the same block length chosen;
+    a collated row's blocks are those of its own segments."""
+    chosen = block or loop_block_length(lengths, prompt_of)
+    assert block_length(lengths, prompt_of) == loop_block_length(lengths, prompt_of)
+    got, expected = prefix_blocks(lengths, prompt_of, block), loop_built_blocks(lengths, prompt_of, chosen)
+    assert got.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), name
+
+
+def test_a_collated_row_carries_its_own_blocks():
+    """Two groups (a 3-token prompt with completions of 2 and 4, an empty completion; a 5-token prompt with 1), padded
+    to a multiple of 8: the batch's blocks are those of its segments and their prompts."""
+    examples = [{"input_ids": [5, 6, 7] + completion, "completion_mask": [0, 0, 0] + [1] * len(completion),
+                 "prompt_length": 3} for completion in ([8, 9], [10, 11, 12, 13], [])]
+    examples.append({"input_ids": [20, 21, 22, 23, 24, 25], "completion_mask": [0] * 5 + [1], "prompt_length": 5})
+    batch = SharedPromptCollator(pad_token_id=0, pad_to_multiple_of=8)(examples)
+    lengths, prompt_of = torch.diff(batch["cu_seq_lens_q"]).tolist(), batch["shared_prompt_of"].tolist()
+    assert lengths == [3, 2, 4, 5, 1, 1] and prompt_of == [-1, 0, 0, -1, 3, -1]
+    expected = loop_built_blocks(lengths, prompt_of, loop_block_length(lengths, prompt_of))
+    for name, tensor in expected.items():
+        assert torch.equal(batch[PREFIX_BLOCKS][name], tensor), name

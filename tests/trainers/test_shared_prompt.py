@@ -14,9 +14,8 @@ from datasets import Dataset
 
 from devkit.liger_cpu import FusedKernelCalls, liger_kernels_interpreted
 from leantune import GRPOConfig, GRPOTrainer, OnlineDPOConfig, OnlineDPOTrainer, RLOOConfig, RLOOTrainer
-from leantune.models import segment_attention
+from leantune.data.collators import PREFIX_BLOCKS
 from leantune.models.checkpointing import checkpointing_setting, enable_model_checkpointing
-from leantune.models.segment_attention import build_prefix_blocks
 from leantune.trainers import grpo_trainer
 from leantune.trainers.online.round_builder import shared_row_targets
 
@@ -120,7 +119,7 @@ def assert_scored_alike(shared_side, unshared_side, loss_atol: float) -> None:
         torch.testing.assert_close(grads[name], reference, rtol=1e-5, atol=5e-5 * float(scale[name].abs().max()))
 
 
-def test_shared_prompt_scores_equal_unshared_and_a_wrong_mask_does_not(tokenizer, monkeypatch):
+def test_shared_prompt_scores_equal_unshared_and_a_wrong_mask_does_not(tokenizer):
     unshared_side = unshared_trainer, unshared, _, _ = scored_round(tokenizer, shared=False)
     shared_side = trainer, shared, _, _ = scored_round(tokenizer, shared=True)
     # the same completions, each group's prompt once: 3 prompts + 12 completions, 96 targets in both layouts
@@ -132,17 +131,12 @@ def test_shared_prompt_scores_equal_unshared_and_a_wrong_mask_does_not(tokenizer
     assert_scored_alike(shared_side, unshared_side, loss_atol=1e-5 * float(shared["advantages"].abs().mean()))
 
     # Negative control: completions that miss the prompt's first key give other log-probs, and the comparison fails.
-    def missing_first_prompt_key(lengths, prompt_of, device=None):
-        blocks = build_prefix_blocks(lengths, prompt_of, device)
-        with_prefix = blocks.mask[:, 0, 0, 0].clone()  # key 0 is a prefix key: seen by a block with a prefix
-        blocks.mask[with_prefix, :, :, 0] = False
-        return blocks
-
-    monkeypatch.setattr(segment_attention, "build_prefix_blocks", missing_first_prompt_key)
     model = trainer.model.eval()
     inputs = {k: v for k, v in shared.items() if k in ("input_ids", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k",
-                                                       "max_length_q", "max_length_k")}
-    inputs["shared_prompt_of"] = shared["shared_prompt_of"].clone()  # a new batch: its blocks built anew
+                                                       "max_length_q", "max_length_k", "shared_prompt_of")}
+    mask = shared[PREFIX_BLOCKS]["mask"].clone()
+    mask[mask[:, 0, 0, 0], :, :, 0] = False  # key 0 is a prefix key: seen by a block with a prefix
+    inputs[PREFIX_BLOCKS] = {**shared[PREFIX_BLOCKS], "mask": mask}
     with torch.no_grad():
         wrong = trainer.logprobs.target_logprobs(model, inputs, shared_row_targets(shared), trainer.args.temperature).logps
         expected = unshared_trainer.logprobs.target_logprobs(
