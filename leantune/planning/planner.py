@@ -166,6 +166,7 @@ PLANNING_FIELDS = dict(max_steps=2, save_strategy="no", report_to=[], disable_tq
 def _planning_trainer_class(trainer_class, mode: WeightlessMode):
     class Planned(trainer_class):
         forced_batches: list | None = None
+        traced_by_planner = True  # the plan holds the host to its own `host_memory` (checkpoint_offload_plan.py)
 
         def load_models(self, *args, **kwargs):  # the model, its adapters and references: all fake
             with mode.building(), warnings.catch_warnings():
@@ -296,6 +297,7 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
         logging.getLogger("leantune").setLevel(logging_level)
         engine_context.close()
     num_parameters, trainable, second, traced, round_shape = result
+    host = 0
     if zero is not None:
         second, traced, host = zero_plan.per_rank(config, trainer_class, peft_config, zero, trainable, second,
                                                   traced, rank, device)
@@ -311,7 +313,8 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
                       bound[0] if bound else None, device_terms(device, fields, num_processes, engine),
                       per_rank_notes(engine, num_processes) + notes,
                       {k: v for k, v in fields.items()}, 0.0)
-    with_offload(plan, fields, config, offload_extrapolated, device, host_memory)  # checkpoint_offload_plan.py
+    # checkpoint_offload_plan.py: the offload's layers, and the host held to it beside ZeRO-Offload's bytes
+    with_offload(plan, fields, config, offload_extrapolated, device, host_memory, host)
     if round_shape is not None:  # an online method: its generation round beside the update step
         plan.generation = generation_round(config, round_shape, dtype, held_between_steps(worst.parts),
                                            num_parameters)

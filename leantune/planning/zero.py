@@ -400,7 +400,8 @@ def per_rank(config, trainer_class, peft_config, settings: ZeroSettings, trainab
                                          on_gloo, step.backward_beside_gradients)
         # the traced peak may hold less than the sum of its parts' peaks only if the parts were read at other
         # moments; MemTracker reads them at the peak, so their sum is the peak
-        return TracedStep(peak, parts, f"{step.batch}; peak at {moment}", step.step, step.micro_batch, step.any_order)
+        return TracedStep(peak, parts, f"{step.batch}; peak at {moment}", step.step, step.micro_batch, step.any_order,
+                          host_bytes=step.host_bytes)  # checkpoint offload's inputs: the trace's, as any engine's
 
     first = second or traced[0]
     host = host_bytes(shapes, settings, states_per_element(first.parts, trainable, settings.compute_dtype))
