@@ -14,6 +14,7 @@ above it otherwise (a full fine-tune's gradients may peak later, when those inpu
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 
 import torch
@@ -22,6 +23,7 @@ from ..memory.checkpoint_offload import AUTO, auto_layers, check_host_memory, ho
 from ..methods import PREFERENCE_DATA
 from ..metrics.devices import GPUS, parse_budget
 from .planned_run import dtype_of, method_of, model_config_of
+from .zero import run_host_bytes as zero_host_bytes
 
 FIELD = "checkpoint_offload_layers"
 TRACED_ALL_BUT_LAST = -1  # the traces' own value for an extrapolated model: every layer but the last offloaded
@@ -179,14 +181,25 @@ def run_host_bytes(config, args, rows_per_example: int, dtype_bytes: int, pinned
     return layers * (pinned_bytes(input_bytes) if pinned else input_bytes), layers
 
 
-def refuse_run_before_loading(trainer_class, model, args) -> None:
-    """A run whose fixed `checkpoint_offload_layers` the host cannot hold at its longest micro-batch: refused before
-    its weights load, in one line naming both numbers (trainers/base.py calls this)."""
-    if requested({FIELD: getattr(args, FIELD, None)}) is None or getattr(trainer_class, "traced_by_planner", False):
-        return  # a plan's fake step: the plan holds its offload to the host it is planned for (`with_offload`)
+def refuse_run_before_loading(trainer_class, model, args, peft_config=None) -> None:
+    """A run whose fixed `checkpoint_offload_layers` (at its longest micro-batch) and ZeRO-Offload's states (every
+    process of this host's) the host cannot hold together: refused before its weights load, in one line naming both
+    numbers (trainers/base.py calls this)."""
+    if getattr(trainer_class, "traced_by_planner", False):
+        return  # a plan's fake step: the plan holds its host to the host it is planned for (`with_offload`)
+    offloads = requested({FIELD: getattr(args, FIELD, None)}) is not None
+    if not offloads and not getattr(args, "deepspeed", None):
+        return
+    dtype = dtype_of({"model_init_kwargs": getattr(args, "model_init_kwargs", None)}, model)
+    zero = 0
+    if getattr(args, "deepspeed", None):
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # the processes whose states this host holds
+        zero = local * zero_host_bytes(trainer_class, model_config_of(model), {
+            "deepspeed": args.deepspeed, "bf16": args.bf16, "fp16": args.fp16}, peft_config,
+            int(os.environ.get("WORLD_SIZE", 1)), dtype)
+    if not offloads and not zero:
+        return
     rows = 2 if method_of(trainer_class).data == PREFERENCE_DATA else 1  # chosen and rejected run together
-    fields = {"model_init_kwargs": getattr(args, "model_init_kwargs", None)}
     pinned = not args.use_cpu and torch.cuda.is_available()
-    needed = run_host_bytes(model_config_of(model), args, rows, dtype_of(fields, model).itemsize, pinned)
-    if needed is not None:
-        check_host_memory(needed[0], host_available_bytes())
+    needed = run_host_bytes(model_config_of(model), args, rows, dtype.itemsize, pinned)
+    check_run_host(needed[0] if needed is not None else 0, zero, host_available_bytes())

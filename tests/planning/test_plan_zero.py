@@ -145,3 +145,29 @@ def test_zero_offloads_host_bytes_are_held_to_the_host_beside_checkpoint_offload
     with pytest.raises(ValueError, match=HOST_NEEDS) as caught:
         plan(f"{int(host * 2**30) + inputs // 2}B", checkpoint_offload_layers=1, gradient_checkpointing=True)
     assert "for `checkpoint_offload_layers`' inputs" in str(caught.value)
+
+
+def test_a_run_whose_zero_offload_the_host_cannot_hold_is_refused_before_loading():
+    """The run's own check, before any weight loads (trainers/base.py): a 70B full fine-tune's fp32 master weights and
+    Adam states under ZeRO-Offload (~1 TiB) against this machine's memory, refused in one line naming both numbers;
+    the same run training LoRA adapters keeps a few MiB on the host, and passes."""
+    from types import SimpleNamespace
+
+    from peft import LoraConfig
+
+    from leantune import SFTTrainer
+    from leantune.planning.checkpoint_offload_plan import refuse_run_before_loading
+
+    from ..fixtures.planning import LLAMA_3_70B
+
+    offload = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}}
+    model = LlamaConfig(**LLAMA_3_70B)
+    args = SimpleNamespace(deepspeed=offload, bf16=True, fp16=False, use_cpu=True, model_init_kwargs=None,
+                           checkpoint_offload_layers=None, per_device_train_batch_size=1, max_length=64)
+    with pytest.raises(ValueError, match=HOST_NEEDS) as caught:
+        refuse_run_before_loading(SFTTrainer, model, args)
+    needed, zero, available = map(float, HOST_NEEDS.search(str(caught.value)).groups())
+    assert needed == zero > 1000 > available and "\n" not in str(caught.value)
+    lora = LoraConfig(r=16, target_modules="all-linear", task_type="CAUSAL_LM")
+    refuse_run_before_loading(SFTTrainer, model, args, lora)  # adapters: nothing to refuse
+    refuse_run_before_loading(SFTTrainer, model, SimpleNamespace(**{**vars(args), "deepspeed": None}))
