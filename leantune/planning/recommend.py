@@ -10,8 +10,8 @@ candidate whose plan is known already (the run's own configuration) costs nothin
 ones are planned. The search plans at most `limit` candidates and says so when it stops there; with `least`, the most
 frugal candidate is planned too when nothing else fitted, so that "none fits" names the least the run can need.
 
-A run asked for far over its budget (more than `FAR_OVER` budgets: a long row, where the fast candidates miss by
-hundreds of GiB and would use up the limit) is searched from the frugal end instead (`_backed_off`): the most frugal
+A run asked for far over its budget (more than `FAR_OVER` times it: a long row, where the fast candidates, which turn
+checkpointing off, miss by hundreds of GiB and would use up the limit) is searched from the frugal end instead (`_backed_off`): the most frugal
 candidate first, every technique that applies on together (if it does not fit, nothing does: one plan answers),
 then each technique turned off again, the one that costs the most time first, where the step still fits. The
 answer is the last that fitted, its tiled MLP's tile then grown as far as it still fits.
@@ -40,7 +40,7 @@ CHECKPOINT_OFFLOAD_COST = 1.04  # layer inputs copied out and back on side strea
 # so ~1/6 more of a checkpointed step's work, less as attention grows with the length), and a launch per tile
 TILED_MLP_COST = 1.15
 IN_BACKWARD_COST = 1.03  # the same arithmetic; one optimizer per parameter loses the foreach kernels' batching
-FAR_OVER = 2.0  # the run as asked needs more than this many budgets: searched from the frugal end (`_backed_off`)
+FAR_OVER = 1.25  # the run as asked needs over a quarter more than its budget: searched from the frugal end (`_backed_off`)
 
 
 @dataclass
@@ -264,7 +264,8 @@ def recommend(plan, budget: int, model, train_dataset, trainer_class, peft_confi
     """Plan candidates fastest first until one fits (at most `limit` planned). `group`: see `candidates`; `keep`: a
     test a candidate must pass to be planned (a run sizing itself keeps its own packing, planning/self_sizing.py);
     `known`: candidate -> its plan when already made (the run's own configuration), else None; `least`: when none
-    planned fits, plan the most frugal too (it is the answer if it fits; if it is known and over, nothing is planned)."""
+    planned fits, plan the most frugal too (it is the answer if it fits; if it is known and over, nothing is planned).
+    A run whose own plan (`plan`) needs more than `FAR_OVER` times the budget is searched from the frugal end."""
     result = Recommendation(budget)
     vocab_size = getattr(model_config_of(model).get_text_config(), "vocab_size", None)
     facts = RunFacts(trainer_class, model_config_of(model), fields, plan.num_processes, plan.engine,

@@ -152,7 +152,7 @@ def test_without_a_budget_the_plan_traces_and_names_the_runs_own_tile_rule(token
 
 
 def test_a_run_far_over_its_budget_is_searched_from_the_frugal_end(tokenizer):
-    """The run as asked needs over twice its budget: the search plans the most frugal candidate first (every technique
+    """The run as asked needs over 1.25x its budget (here over twice): the search plans the most frugal candidate first (every technique
     that applies on, the tiled MLP at the launch floor) and turns techniques off again while the step fits, instead of
     spending its limit on fast candidates that miss by far. The answer fits, to the byte of its own plan."""
     config, dataset = LlamaConfig(**LLAMA), long_rows()
