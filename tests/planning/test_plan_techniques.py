@@ -178,3 +178,29 @@ def test_a_run_far_over_its_budget_is_searched_from_the_frugal_end(tokenizer):
     assert plan(**chosen.fields).device_total_bytes == chosen.total_bytes
     lines = "\n".join(found.lines())
     assert "so the search starts from the most frugal candidate" in lines and "on: tiled_mlp=True: " in lines
+
+
+@pytest.mark.quick
+def test_a_search_from_the_frugal_end_that_fits_plans_no_shorter_length():
+    """The shorter `max_length` is searched when the same-result search gave speed up; from the frugal end every answer
+    did (the first planned is the slowest), so it is searched there only when nothing fits (each search is several
+    plans: the 8B row at 131,072 tokens spent minutes on it after its answer fitted)."""
+    from leantune import SFTConfig
+    from leantune.planning.length_suggestion import suggest_for_budget
+    from leantune.planning.recommend import Candidate, Recommendation
+
+    frugal, answer = Candidate({"max_length": 2048}, 1.6, 10, 10), Candidate({"max_length": 2048}, 1.2, 20, 20)
+    searched = []
+
+    def search(fields):
+        searched.append(fields)
+        return Recommendation(30)
+
+    lengths = [2048] + [100] * 200
+    fitted = Recommendation(30, [frugal, answer], answer, from_frugal_end=100)
+    assert suggest_for_budget(fitted, lengths, SFTConfig, {"max_length": 2048}, 0.9, search).search is None
+    assert not searched
+    none_fits = Recommendation(30, [frugal], None, from_frugal_end=100)
+    assert suggest_for_budget(none_fits, lengths, SFTConfig, {"max_length": 2048}, 0.9, search).search is not None
+    fastest_first = Recommendation(30, [frugal, answer], answer)  # gave speed up: searched, as before
+    assert suggest_for_budget(fastest_first, lengths, SFTConfig, {"max_length": 2048}, 0.9, search).search is not None
