@@ -158,8 +158,9 @@ class PlanArguments:
         default=None, metadata={"help": "24GiB or a GPU name: also plan the candidates that learn the same thing and "
                                 "name the fastest that fits."})
     host_memory: str | None = field(
-        default=None, metadata={"help": "The run's host memory (e.g. 128GiB) that checkpoint_offload_layers is held "
-                                "to, when planning for another machine (default: this machine's available memory)."})
+        default=None, metadata={"help": "The run's host memory (e.g. 128GiB) that checkpoint_offload_layers and "
+                                "ZeRO-Offload (offload_optimizer.device: cpu) are held to together, when planning "
+                                "for another machine (default: this machine's available memory)."})
     tokenizer: str | None = field(
         default=None, metadata={"help": "Tokenizer id or folder, when --model_name_or_path holds only config.json."})
     plan_json: str | None = field(default=None, metadata={"help": "Also write the plan as JSON to this file."})

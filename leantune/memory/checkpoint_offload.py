@@ -93,11 +93,14 @@ class HostLedger:
 class _Offloaded:
     """One offloaded layer input: its host copy (None for a fake tensor) and where it goes back."""
 
-    __slots__ = ("copied_out", "device", "dtype", "host", "host_size", "layer", "prefetched", "shape", "stride")
+    __slots__ = ("copied_out", "device", "dtype", "host", "host_size", "layer", "like", "prefetched", "shape", "stride")
 
     def __init__(self, tensor: torch.Tensor, layer: int):
         self.layer, self.device, self.dtype = layer, tensor.device, tensor.dtype
         self.shape, self.stride = tensor.shape, tensor.stride()
+        # a fake tensor's input comes back as a fake of its shape, made from an empty fake of its own (a factory
+        # without a fake input would run for real in the planner's mode: gigabytes of host memory at long rows)
+        self.like = tensor.new_empty((0,)) if isinstance(tensor, FakeTensor) else None
         self.host = self.copied_out = self.prefetched = None
         self.host_size = 0
 
@@ -228,7 +231,7 @@ class CheckpointOffloader:
     def _copy_in(self, saved: _Offloaded, prefetch: bool) -> tuple[torch.Tensor, object]:
         """(the input back on its device, the event its copy ends at: None when synchronous)."""
         if saved.host is None:  # fake: an input of its shape on its device (the memory a real copy back takes)
-            return torch.empty_strided(saved.shape, saved.stride, dtype=saved.dtype, device=saved.device), None
+            return saved.like.new_empty_strided(saved.shape, saved.stride), None
         if saved.copied_out is None:
             return saved.host.to(saved.device, copy=True), None
         stream = self._stream_pair(saved.device)[1] if prefetch else torch.cuda.current_stream(saved.device)

@@ -14,6 +14,7 @@ above it otherwise (a full fine-tune's gradients may peak later, when those inpu
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 
 import torch
@@ -22,6 +23,7 @@ from ..memory.checkpoint_offload import AUTO, auto_layers, check_host_memory, ho
 from ..methods import PREFERENCE_DATA
 from ..metrics.devices import GPUS, parse_budget
 from .planned_run import dtype_of, method_of, model_config_of
+from .zero import run_host_bytes as zero_host_bytes
 
 FIELD = "checkpoint_offload_layers"
 TRACED_ALL_BUT_LAST = -1  # the traces' own value for an extrapolated model: every layer but the last offloaded
@@ -71,16 +73,18 @@ def host_limit_of(host_memory) -> int:
 
 
 def plan_offload(fields: dict, total_layers: int, traced_layers: int, traced_host_bytes: int,
-                 device_total: int, budget: int | None, pinned: bool, host_available: int) -> OffloadPlan | None:
+                 device_total: int, budget: int | None, pinned: bool, host_available: int,
+                 host_taken: int = 0) -> OffloadPlan | None:
     """The offload of a traced plan, or None when off. `traced_layers`: how many layers the trace offloaded of the
     model as planned (`total_layers - 1` when it ran with `TRACED_ALL_BUT_LAST`); `traced_host_bytes`: its ledger's
-    peak, as extrapolated; `device_total`: the traced device total; `budget`: the device's memory, for "auto"."""
+    peak, as extrapolated; `device_total`: the traced device total; `budget`: the device's memory, for "auto";
+    `host_taken`: the host memory something else of the run holds (ZeRO-Offload's states), which "auto" leaves."""
     value = requested(fields)
     if value is None or traced_layers <= 0:
         return None
     input_bytes = traced_host_bytes // traced_layers
     if value == AUTO:
-        most = auto_layers(total_layers, input_bytes, host_available, pinned)
+        most = auto_layers(total_layers, input_bytes, max(host_available - host_taken, 0), pinned)
         layers, why = most, "auto: as many as the host holds"
         if budget is not None and input_bytes:  # the fewest that fit: each layer kept adds one input to the device
             spare = budget - device_total
@@ -95,13 +99,15 @@ def plan_offload(fields: dict, total_layers: int, traced_layers: int, traced_hos
     return OffloadPlan(layers, total_layers, input_bytes, host, host_available, kept * input_bytes, why)
 
 
-def with_offload(plan, fields: dict, config, extrapolated: bool, device, host_memory) -> None:
+def with_offload(plan, fields: dict, config, extrapolated: bool, device, host_memory, zero_host: int = 0) -> None:
     """The plan (planner.py's MemoryPlan) given its offload: the layers chosen, the kept layers' inputs added to its
-    steps, the host's bytes; refused in one line when the host cannot hold them. `device`: the plan's GPU or size
-    (a GPU plan: pinned host blocks; "auto" fits it), "cpu" or None for this machine (without CUDA its memory is the
-    host's too: the inputs count on the device as before, and the plan equals what the CPU allocator measures)."""
+    steps, the host's bytes; refused in one line when the host cannot hold them beside `zero_host` (ZeRO-Offload's
+    master weights and states, per process), or cannot hold those alone. `device`: the plan's GPU or size (a GPU
+    plan: pinned host blocks; "auto" fits it), "cpu" or None for this machine (without CUDA its memory is the host's
+    too: the inputs count on the device as before, and the plan equals what the CPU allocator measures)."""
     value = requested(fields)
     if value is None:
+        check_run_host(0, zero_host, host_limit_of(host_memory) if zero_host else 0)
         return
     steps = [plan.worst, plan.measured_step, plan.any_order]
     traced_host = max(step.host_bytes for step in steps if step is not None)
@@ -113,7 +119,7 @@ def with_offload(plan, fields: dict, config, extrapolated: bool, device, host_me
     budget = parse_budget(device) if sized else None
     same_memory = not sized and (str(device).lower() == "cpu" or not torch.cuda.is_available())
     offload = plan_offload(fields, layers, traced_layers, traced_host, plan.device_total_bytes, budget,
-                           not same_memory, host_limit_of(host_memory))
+                           not same_memory, host_limit_of(host_memory), zero_host)
     if offload is None:
         return
     if same_memory:  # a run on this CPU: the host is its device, nothing saved
@@ -124,7 +130,7 @@ def with_offload(plan, fields: dict, config, extrapolated: bool, device, host_me
     plan.any_order = with_kept_inputs(plan.any_order, offload.kept_added_bytes)
     plan.offload = offload
     plan.config = {**plan.config, FIELD: offload.layers}
-    refuse_host_overflow(offload)
+    check_run_host(offload.host_bytes, zero_host, offload.host_available)
 
 
 def host_peak(trainer) -> int:
@@ -137,10 +143,19 @@ def host_peak(trainer) -> int:
     return peak
 
 
-def refuse_host_overflow(offload: OffloadPlan | None) -> None:
-    """A plan whose offload the host cannot hold: refused in one line naming both numbers."""
-    if offload is not None:
-        check_host_memory(offload.host_bytes, offload.host_available)
+def check_run_host(offload_bytes: int, zero_bytes: int, available: int) -> None:
+    """A run whose host memory, the offloaded layer inputs and ZeRO-Offload's (`offload_optimizer.device: cpu`)
+    fp32 master weights, optimizer states and gradient partition together, exceeds the host: refused in one line
+    naming both numbers."""
+    if not zero_bytes:
+        check_host_memory(offload_bytes, available)
+        return
+    if offload_bytes + zero_bytes > available:
+        inputs = f" and {offload_bytes / 2**30:.2f} GiB for `checkpoint_offload_layers`' inputs" if offload_bytes else ""
+        raise ValueError(f"the run needs {(offload_bytes + zero_bytes) / 2**30:.2f} GiB of host memory ("
+                         f"{zero_bytes / 2**30:.2f} GiB for ZeRO-Offload's fp32 master weights, optimizer states and "
+                         f"gradient partition{inputs}), and the host has {available / 2**30:.2f} GiB available; "
+                         f"offload fewer layers, keep the optimizer on the device, or free host memory.")
 
 
 def with_kept_inputs(step, added: int):
@@ -166,14 +181,25 @@ def run_host_bytes(config, args, rows_per_example: int, dtype_bytes: int, pinned
     return layers * (pinned_bytes(input_bytes) if pinned else input_bytes), layers
 
 
-def refuse_run_before_loading(trainer_class, model, args) -> None:
-    """A run whose fixed `checkpoint_offload_layers` the host cannot hold at its longest micro-batch: refused before
-    its weights load, in one line naming both numbers (trainers/base.py calls this)."""
-    if requested({FIELD: getattr(args, FIELD, None)}) is None:
+def refuse_run_before_loading(trainer_class, model, args, peft_config=None) -> None:
+    """A run whose fixed `checkpoint_offload_layers` (at its longest micro-batch) and ZeRO-Offload's states (every
+    process of this host's) the host cannot hold together: refused before its weights load, in one line naming both
+    numbers (trainers/base.py calls this)."""
+    if getattr(trainer_class, "traced_by_planner", False):
+        return  # a plan's fake step: the plan holds its host to the host it is planned for (`with_offload`)
+    offloads = requested({FIELD: getattr(args, FIELD, None)}) is not None
+    if not offloads and not getattr(args, "deepspeed", None):
+        return
+    dtype = dtype_of({"model_init_kwargs": getattr(args, "model_init_kwargs", None)}, model)
+    zero = 0
+    if getattr(args, "deepspeed", None):
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # the processes whose states this host holds
+        zero = local * zero_host_bytes(trainer_class, model_config_of(model), {
+            "deepspeed": args.deepspeed, "bf16": args.bf16, "fp16": args.fp16}, peft_config,
+            int(os.environ.get("WORLD_SIZE", 1)), dtype)
+    if not offloads and not zero:
         return
     rows = 2 if method_of(trainer_class).data == PREFERENCE_DATA else 1  # chosen and rejected run together
-    fields = {"model_init_kwargs": getattr(args, "model_init_kwargs", None)}
     pinned = not args.use_cpu and torch.cuda.is_available()
-    needed = run_host_bytes(model_config_of(model), args, rows, dtype_of(fields, model).itemsize, pinned)
-    if needed is not None:
-        check_host_memory(needed[0], host_available_bytes())
+    needed = run_host_bytes(model_config_of(model), args, rows, dtype.itemsize, pinned)
+    check_run_host(needed[0] if needed is not None else 0, zero, host_available_bytes())

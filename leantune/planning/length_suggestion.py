@@ -72,13 +72,17 @@ def current_max_length(config_class, fields: dict) -> int | None:
 
 def suggest_for_budget(recommendation, lengths, config_class, fields: dict, keep_threshold: float, search):
     """The suggestion, with its own budget search (`search(fields)` -> Recommendation) when the same-result search
-    gave something up (it did not choose its fastest candidate, or nothing fitted)."""
+    gave something up (it did not choose its fastest candidate, or nothing fitted; searched from the frugal end, only
+    when nothing fitted: there every answer gave speed up, and each search costs several plans)."""
     if "max_length" not in getattr(config_class, "__dataclass_fields__", {}):
         return None  # the method truncates by other fields (GRPO's prompt and completion lengths)
     suggestion = suggest_max_length(lengths, current_max_length(config_class, fields), keep_threshold)
     if suggestion is None:
         return None
     considered = recommendation.considered
-    if recommendation.chosen is None or (considered and recommendation.chosen is not considered[0]):
+    gave_up = considered and recommendation.chosen is not considered[0]
+    if recommendation.from_frugal_end is not None:  # searched from the frugal end: the first planned is the slowest
+        gave_up = False
+    if recommendation.chosen is None or gave_up:
         suggestion.search = search({**fields, "max_length": suggestion.max_length})
     return suggestion

@@ -166,6 +166,7 @@ PLANNING_FIELDS = dict(max_steps=2, save_strategy="no", report_to=[], disable_tq
 def _planning_trainer_class(trainer_class, mode: WeightlessMode):
     class Planned(trainer_class):
         forced_batches: list | None = None
+        traced_by_planner = True  # the plan holds the host to its own `host_memory` (checkpoint_offload_plan.py)
 
         def load_models(self, *args, **kwargs):  # the model, its adapters and references: all fake
             with mode.building(), warnings.catch_warnings():
@@ -277,7 +278,8 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
         if layers is not None and layers > LAYERS_TRACED[-1]:
             runs = [_trace(_with_layers(config, count), trainer_class, config_class, train_dataset,
                            traced_fields(fields, True), trainer_kwargs, measured_step, max_batches, shard, dtype, **quantized) for count in LAYERS_TRACED]
-            extrapolated = _extrapolate(runs, layers)
+            regrouped = []
+            extrapolated = _extrapolate(runs, layers, regrouped)
             offload_extrapolated = extrapolated is not None
             if extrapolated is None:
                 notes.append(f"per-layer growth not exactly linear over {LAYERS_TRACED} layers: all {layers} traced")
@@ -286,7 +288,11 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
             else:
                 result = extrapolated
                 notes.append(f"traced with {', '.join(map(str, LAYERS_TRACED))} of the {layers} layers; every part "
-                             "grew by the same bytes per layer (exact), extrapolated to all layers")
+                             "grew by the same bytes per layer (exact), extrapolated to all layers" if not regrouped
+                             else f"traced with {', '.join(map(str, LAYERS_TRACED))} of the {layers} layers; the peak "
+                             f"grew by the same bytes per layer (exact), extrapolated to all layers; its parts from "
+                             f"{LAYERS_TRACED[-2]} layers on (a tensor of the same bytes changed part between "
+                             f"{LAYERS_TRACED[0]} and {LAYERS_TRACED[1]}: {', '.join(sorted(set(regrouped)))})")
         else:
             offload_extrapolated = False
             result = _trace(config, trainer_class, config_class, train_dataset, traced_fields(fields, False),
@@ -296,6 +302,7 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
         logging.getLogger("leantune").setLevel(logging_level)
         engine_context.close()
     num_parameters, trainable, second, traced, round_shape = result
+    host = 0
     if zero is not None:
         second, traced, host = zero_plan.per_rank(config, trainer_class, peft_config, zero, trainable, second,
                                                   traced, rank, device)
@@ -311,7 +318,8 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
                       bound[0] if bound else None, device_terms(device, fields, num_processes, engine),
                       per_rank_notes(engine, num_processes) + notes,
                       {k: v for k, v in fields.items()}, 0.0)
-    with_offload(plan, fields, config, offload_extrapolated, device, host_memory)  # checkpoint_offload_plan.py
+    # checkpoint_offload_plan.py: the offload's layers, and the host held to it beside ZeRO-Offload's bytes
+    with_offload(plan, fields, config, offload_extrapolated, device, host_memory, host)
     if round_shape is not None:  # an online method: its generation round beside the update step
         plan.generation = generation_round(config, round_shape, dtype, held_between_steps(worst.parts),
                                            num_parameters)
@@ -391,13 +399,22 @@ def _with_layers(config, count: int):
     return smaller
 
 
-def _extrapolate(runs, layers: int):
-    """The traces of LAYERS_TRACED layers to `layers`, if every number grew by the same amount per layer; else None."""
+def _extrapolate(runs, layers: int, regrouped: list | None = None):
+    """The traces of LAYERS_TRACED layers to `layers`, if every number grew by the same amount per layer; else None.
+
+    One exception, named in `regrouped`: a step whose peak grew linearly while some of its parts did not, because a
+    tensor of the same bytes is counted in another part with the fewest layers (an activation there, a temporary
+    from the next count on: checkpoint offload at long rows), takes its parts from the last two traces, where they
+    grew linearly and still add up to its peak."""
     def line(values):
         first, second, third = values
         if second - first != third - second:
             return None
         return first + (layers - LAYERS_TRACED[0]) * (second - first)
+
+    def from_last_two(values):
+        second, third = values[1:]
+        return third + (layers - LAYERS_TRACED[-1]) * (third - second)
 
     counts = [line([run[0] for run in runs]), line([run[1] for run in runs])]
     steps = []
@@ -409,6 +426,12 @@ def _extrapolate(runs, layers: int):
         peak = line([step.peak_bytes for step in group])
         names = set().union(*(step.parts for step in group))
         parts = {name: line([step.parts.get(name, 0) for step in group]) for name in names}
+        if peak is not None and regrouped is not None and any(value is None for value in parts.values()):
+            moved = [name for name, value in parts.items() if value is None]
+            parts = {name: from_last_two([step.parts.get(name, 0) for step in group]) for name in names}
+            if sum(group[-1].parts.values()) != group[-1].peak_bytes or sum(parts.values()) != peak:
+                return None
+            regrouped += moved
         if peak is None or any(value is None for value in parts.values()):
             return None
         first = group[0]

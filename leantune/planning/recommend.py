@@ -9,6 +9,12 @@ that order; the first whose device total fits is the answer. Every candidate pla
 candidate whose plan is known already (the run's own configuration) costs nothing, and when it fits only the faster
 ones are planned. The search plans at most `limit` candidates and says so when it stops there; with `least`, the most
 frugal candidate is planned too when nothing else fitted, so that "none fits" names the least the run can need.
+
+A run asked for far over its budget (more than `FAR_OVER` times it: a long row, where the fast candidates, which turn
+checkpointing off, miss by hundreds of GiB and would use up the limit) is searched from the frugal end instead (`_backed_off`): the most frugal
+candidate first, every technique that applies on together (if it does not fit, nothing does: one plan answers),
+then each technique turned off again, the one that costs the most time first, where the step still fits. The
+answer is the last that fitted, its tiled MLP's tile then grown as far as it still fits.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from ..metrics.devices import GIB, MIB
 from ..models.checkpointing import checkpointing_setting
 from .planned_run import model_config_of
 from .planner import plan_memory
-from .run_facts import RunFacts, in_backward_applies, tiling_applies
+from .run_facts import RunFacts, in_backward_supported, tiling_supported
 from .tile_size import launch_floor, solve_tile, token_bound
 
 CHECKPOINTING_COST = 1.33  # one more forward pass of the layers: forward ~1/3 of forward + backward
@@ -34,6 +40,7 @@ CHECKPOINT_OFFLOAD_COST = 1.04  # layer inputs copied out and back on side strea
 # so ~1/6 more of a checkpointed step's work, less as attention grows with the length), and a launch per tile
 TILED_MLP_COST = 1.15
 IN_BACKWARD_COST = 1.03  # the same arithmetic; one optimizer per parameter loses the foreach kernels' batching
+FAR_OVER = 1.25  # the run as asked needs over a quarter more than its budget: searched from the frugal end (`_backed_off`)
 
 
 @dataclass
@@ -71,8 +78,8 @@ class Technique:
     cost: float
     why: str
     off: object = False
-    requires: object = None  # settings -> bool: whether it can be on beside the others' settings (None: always)
-    applies: object = None  # RunFacts -> whether it can run for this model and run at all (None: always)
+    compatible: object = None  # the others' settings -> whether it can be on beside them (None: always)
+    supported: object = None  # RunFacts -> whether this model and run can use it at all (None: always)
 
 
 def why_turned_on(name: str) -> str | None:
@@ -93,6 +100,8 @@ class Recommendation:
     chosen: Candidate | None = None
     limit: int | None = None  # the search's limit on plans, where it stopped there
     unplanned: int = 0  # candidates faster than the answer (or, with none, any) left unplanned at the limit
+    from_frugal_end: int | None = None  # the run's own need, where it was far over and searched from the frugal end
+    steps: list[str] = field(default_factory=list)  # that search's steps: each technique turned off, and whether it fit
 
     def least(self) -> Candidate | None:
         """The planned candidate that needs the least on the device."""
@@ -100,8 +109,15 @@ class Recommendation:
                    default=None)
 
     def lines(self) -> list[str]:
-        out = [f"memory budget {size_words(self.budget)}: candidates that learn the same thing, fastest first"]
+        if self.from_frugal_end is None:
+            out = [f"memory budget {size_words(self.budget)}: candidates that learn the same thing, fastest first"]
+        else:
+            out = [f"memory budget {size_words(self.budget)}: the run as asked needs "
+                   f"{size_words(self.from_frugal_end)}, over {FAR_OVER:g}x the budget, so the search starts from the "
+                   f"most frugal candidate (every technique that applies on) and turns techniques off again, the "
+                   f"costliest first, while the step fits"]
         out += [candidate.line() for candidate in self.considered]
+        out += self.steps
         if self.limit is not None:
             out.append(f"the search stopped at its limit of {self.limit} plans: {self.unplanned} candidate(s) "
                        f"{'faster than the one recommended ' if self.chosen else ''}were not planned")
@@ -113,6 +129,8 @@ class Recommendation:
             out.append("recommended (fits, expected fastest):")
             out += [f"  --{k} {v}" for k, v in sorted(self.chosen.fields.items())
                     if k in VARIED or (k == PIECES and v is not None)]
+            out += [f"on: {name}={value}: {why_turned_on(name)}" for name, value in sorted(self.chosen.fields.items())
+                    if self.from_frugal_end is not None and why_turned_on(name) and value not in (None, False, 0)]
         return out
 
 
@@ -181,11 +199,11 @@ def candidates(method: str, fields: dict, vocab_size: int | None = None, group: 
 
 def _technique_settings(fields: dict, vocab_size: int | None, facts: RunFacts | None = None) -> list[list[tuple]]:
     """Every combination of the techniques' settings, [(field, value, cost)] each: a technique off (its `off` value;
-    none where it keeps the field as given) or on (when it applies to this run)."""
+    none where it keeps the field as given) or on (where `supported` says the run can use it)."""
     combinations = [[]]
     for technique in TECHNIQUES:
         on = technique.value(fields, vocab_size) if callable(technique.value) else technique.value
-        if technique.applies is not None and (facts is None or not technique.applies(facts)):
+        if technique.supported is not None and (facts is None or not technique.supported(facts)):
             on = None
         settings = [[] if technique.off is KEEP else [(technique.field, technique.off, 1.0)]]
         if on is not None:
@@ -195,9 +213,9 @@ def _technique_settings(fields: dict, vocab_size: int | None, facts: RunFacts | 
 
 
 def _possible(settings: list[tuple]) -> bool:
-    """Whether every technique on in `settings` can be on beside the others (its `requires`)."""
+    """Whether every technique on in `settings` can be on beside the others (its `compatible`)."""
     values = {name: value for name, value, _ in settings}
-    return all(t.requires is None or values.get(t.field, t.off) in (t.off, None) or t.requires(values)
+    return all(t.compatible is None or values.get(t.field, t.off) in (t.off, None) or t.compatible(values)
                for t in TECHNIQUES)
 
 
@@ -230,13 +248,13 @@ TECHNIQUES = (
     # "auto": the plan picks how many (planning/checkpoint_offload_plan.py), recorded as that number
     Technique("checkpoint_offload_layers", "auto", CHECKPOINT_OFFLOAD_COST,
               "the first layers' checkpointed inputs wait in pinned host memory, as many as the plan needs to fit",
-              KEEP, lambda on: on.get("gradient_checkpointing") and not on.get("activation_offloading")),
+              KEEP, compatible=lambda on: on.get("gradient_checkpointing") and not on.get("activation_offloading")),
     Technique("tiled_mlp", _not_yet("tiled_mlp"), TILED_MLP_COST,
               "each decoder MLP runs over tiles of the tokens, never holding [tokens, intermediate]; the tile is the "
-              "largest whose plan fits (fewest added launches)", KEEP, applies=tiling_applies),
+              "largest whose plan fits (fewest added launches)", KEEP, supported=tiling_supported),
     Technique("optimizer_in_backward", _not_yet("optimizer_in_backward"), IN_BACKWARD_COST,
               "each parameter is stepped and its gradient freed as soon as it is complete, never holding every "
-              "gradient at once", KEEP, applies=in_backward_applies),
+              "gradient at once", KEEP, supported=in_backward_supported),
 )
 
 
@@ -246,14 +264,30 @@ def recommend(plan, budget: int, model, train_dataset, trainer_class, peft_confi
     """Plan candidates fastest first until one fits (at most `limit` planned). `group`: see `candidates`; `keep`: a
     test a candidate must pass to be planned (a run sizing itself keeps its own packing, planning/self_sizing.py);
     `known`: candidate -> its plan when already made (the run's own configuration), else None; `least`: when none
-    planned fits, plan the most frugal too (it is the answer if it fits; if it is known and over, nothing is planned)."""
+    planned fits, plan the most frugal too (it is the answer if it fits; if it is known and over, nothing is planned).
+    A run whose own plan (`plan`) needs more than `FAR_OVER` times the budget is searched from the frugal end."""
     result = Recommendation(budget)
     vocab_size = getattr(model_config_of(model).get_text_config(), "vocab_size", None)
     facts = RunFacts(trainer_class, model_config_of(model), fields, plan.num_processes, plan.engine,
                      peft_config is not None)
     ranked = [c for c in candidates(plan.method, fields, vocab_size, group, facts) if keep is None or keep(c)]
     plans = {id(c): known(c) for c in ranked} if known is not None else {}
-    frugal = most_frugal(ranked) if least else None
+    frugal = most_frugal(ranked) if least or plan.device_total_bytes > FAR_OVER * budget else None
+    if frugal is not None and plan.device_total_bytes > FAR_OVER * budget and plans.get(id(frugal)) is None:
+        def plan_one(candidate):
+            return _plan(candidate, model, train_dataset, trainer_class, peft_config, processing_class, plan_args,
+                         budget)
+
+        def grow_tile(grown: dict, at_tile):
+            tile = grown["tiled_mlp_tile_size"]
+            larger, found, _ = solve_tile(lambda size: plan_one(Candidate({**grown, "tiled_mlp_tile_size": size}, 1.0)),
+                                          budget, tile, token_bound(grown), at_tile)
+            return larger, found
+
+        result.from_frugal_end = plan.device_total_bytes
+        return _backed_off(result, ranked, frugal, fields, plan_one, launch_floor(plan_args.device or
+                                                                                  plan_args.memory_budget),
+                           grow_tile, limit)
     if frugal is not None and plans.get(id(frugal)) is not None and plans[id(frugal)].device_total_bytes > budget:
         _record(frugal, plans[id(frugal)])  # the run already saves all a candidate can: nothing fits
         result.considered.append(frugal)
@@ -296,13 +330,99 @@ def recommend(plan, budget: int, model, train_dataset, trainer_class, peft_confi
 
 
 def most_frugal(ranked: list[Candidate]) -> Candidate | None:
-    """The candidate that saves the most (checkpointing, offloading, the smallest micro-batch and loss chunk, no
-    padding): if it does not fit, nothing does, and its peak is the least this run can need."""
+    """The candidate that saves the most (checkpointing, the layer inputs offloaded, the tiled MLP, the smallest
+    micro-batch and loss chunk, no padding): if it does not fit, nothing does, and its peak is the least this run can
+    need. Of the two offloads, which cannot be on together, checkpoint offload: the same layer inputs leave the
+    device, and its host memory is planned and held to the host (activation offloading's is not)."""
     return min(ranked, default=None, key=lambda c: (
-        not c.fields["gradient_checkpointing"], not c.fields["activation_offloading"], not c.fields.get("tiled_mlp"),
-        not c.fields.get("optimizer_in_backward"),
+        not c.fields["gradient_checkpointing"],
+        not (c.fields["activation_offloading"] or c.fields.get("checkpoint_offload_layers")),
+        not c.fields.get("tiled_mlp"), not c.fields.get("optimizer_in_backward"),
         c.fields["per_device_train_batch_size"], c.fields.get("loss_chunk_size") or 1 << 40,
-        not (c.fields.get("packing") or c.fields.get("padding_free"))))
+        not (c.fields.get("packing") or c.fields.get("padding_free")), not c.fields.get("checkpoint_offload_layers")))
+
+
+def _key(fields: dict) -> tuple:
+    """What tells candidates apart: the fields the search varies (the tile is the plan's, not a candidate's)."""
+    return tuple((name, fields.get(name)) for name in VARIED if name != "tiled_mlp_tile_size")
+
+
+def _turned_off(fields: dict, technique: Technique, given: dict) -> dict:
+    """`fields` with `technique` off again (as the run gives it), and any technique that needs it on off too."""
+    def off(other: Technique):
+        return given.get(other.field) if other.off is KEEP else other.off
+
+    changed = {**fields, technique.field: off(technique)}
+    for other in TECHNIQUES:
+        if other.compatible is not None and changed.get(other.field) not in (other.off, None) and not (
+                other.compatible(changed)):
+            changed[other.field] = off(other)
+    return changed
+
+
+def _back_off_moves(state: dict, given: dict, tried: set) -> list[tuple[str, dict]]:
+    """(what a move does, the fields after it) for each technique on in `state` that the search turned on (one the run
+    turned on itself stays), and the micro-batch doubled for the same global batch; none already `tried`."""
+    moves = [(f"{t.field} off again", _turned_off(state, t, given)) for t in TECHNIQUES
+             if state.get(t.field) not in (None, False) and not (t.off is KEEP and state.get(t.field) == given.get(
+                 t.field))]
+    batch, accumulation = state["per_device_train_batch_size"], state["gradient_accumulation_steps"]
+    doubled = {**state, "per_device_train_batch_size": batch * 2, "gradient_accumulation_steps": accumulation // 2}
+    if state.get("steps_per_generation") is not None:
+        doubled["steps_per_generation"] = state["steps_per_generation"] // 2
+    if accumulation % 2 == 0:
+        moves.append(("micro-batch doubled", doubled))
+    return [(name, fields) for name, fields in moves if name not in tried]
+
+
+def _backed_off(result: Recommendation, ranked: list[Candidate], frugal: Candidate, given: dict, plan_at, floor: int,
+                grow_tile, limit: int) -> Recommendation:
+    """The search from the frugal end (module docstring): `frugal` planned first, its tiled MLP at the launch `floor`;
+    then, the costliest first, each technique on in the answer so far is turned off (and the micro-batch doubled)
+    where the step still fits, a tiled MLP kept on keeping the answer's tile; the answer's tile is grown at the end
+    (`grow_tile(fields, plan)` -> (tile, plan)). `plan_at(candidate)`: its plan. At most `limit` plans before the
+    tile's."""
+    key_of = {id(c): _key(c.fields) for c in ranked}  # before a plan records "auto" offload as its layers
+    by_key = {key: c for c in ranked for key in [key_of[id(c)]]}
+    plans = {}
+
+    def fits(candidate: Candidate, tile: int | None) -> bool:
+        if candidate.fields.get("tiled_mlp") and candidate.fields.get("tiled_mlp_tile_size") is None:
+            candidate.fields["tiled_mlp_tile_size"] = tile
+        try:
+            plans[id(candidate)] = plan_at(candidate)
+            _record(candidate, plans[id(candidate)])
+        except ValueError as error:
+            candidate.error = str(error).splitlines()[0][:120]
+        result.considered.append(candidate)
+        return candidate.total_bytes is not None and candidate.total_bytes <= result.budget
+
+    if not fits(frugal, floor):
+        return result
+    answer, tried = frugal, set()
+    while True:
+        moves = [(name, by_key.get(tuple(fields.items()))) for name, fields in
+                 _back_off_moves(dict(key_of[id(answer)]), given, tried)]
+        moves = sorted(((name, c) for name, c in moves if c is not None and c.total_bytes is None),
+                       key=lambda move: move[1].relative_time)
+        if not moves:
+            break
+        if len(result.considered) >= limit:
+            result.limit, result.unplanned = limit, len(moves)
+            break
+        name, candidate = moves[0]
+        tried.add(name)
+        tile = answer.fields.get("tiled_mlp_tile_size")
+        went = fits(candidate, tile)
+        result.steps.append(f"  {name}: {'fits' if went else 'over the budget, so kept'}")
+        answer = candidate if went else answer
+    if answer.fields.get("tiled_mlp"):  # "auto" offload again: a larger tile may need more layers offloaded
+        as_searched = {name: value for name, value in key_of[id(answer)] if name in answer.fields}
+        tile, planned = grow_tile({**answer.fields, **as_searched}, plans[id(answer)])
+        answer.fields["tiled_mlp_tile_size"] = tile
+        _record(answer, planned)
+    result.chosen = answer
+    return result
 
 
 def _plan(candidate, model, train_dataset, trainer_class, peft_config, processing_class, plan_args, budget=None):

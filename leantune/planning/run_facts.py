@@ -32,12 +32,12 @@ class RunFacts:
     adapters: bool = False
 
 
-def tiling_applies(facts: RunFacts) -> bool:
+def tiling_supported(facts: RunFacts) -> bool:
     """`tiled_mlp` for a model whose decoder MLPs are all per-token ones the tiled MLP tiles."""
     return tiles_model(facts.model_config, facts.trainer_class)
 
 
-def in_backward_applies(facts: RunFacts) -> bool:
+def in_backward_supported(facts: RunFacts) -> bool:
     """`optimizer_in_backward` for a one-process full fine-tune whose config accepts it."""
     if facts.adapters or facts.num_processes > 1 or facts.engine != "ddp":
         return False

@@ -190,6 +190,22 @@ def host_bytes(shapes: ParameterShapes, settings: ZeroSettings, states_per_eleme
     return round(partition * MASTER_BYTES * (2 + states_per_element))
 
 
+ADAM_STATES = 2.0  # ZeRO-Offload steps with DeepSpeed's CPU Adam (its default): exp_avg and exp_avg_sq
+
+
+def run_host_bytes(trainer_class, model_config, fields: dict, peft_config, num_processes: int, model_dtype) -> int:
+    """What a run's ZeRO-Offload (`offload_optimizer.device: cpu` in its `deepspeed` config) keeps in host memory
+    per process, from the model's config before any weight loads (`host_bytes`, DeepSpeed's CPU Adam); 0 without."""
+    config, _ = deepspeed_config_of(fields)
+    zero = config.get("zero_optimization", {}) or {}
+    if str((zero.get("offload_optimizer") or {}).get("device", "none")).lower() != "cpu":
+        return 0
+    engine = "zero3" if str(zero.get("stage")) == "3" else "zero2"
+    settings = zero_settings(engine, fields, num_processes, model_config, model_dtype)
+    return host_bytes(model_shapes(model_config, trainer_class, peft_config, settings.compute_dtype), settings,
+                      ADAM_STATES)
+
+
 def _aligned(count: int, alignment: int) -> int:
     return -(-count // alignment) * alignment
 
@@ -400,7 +416,8 @@ def per_rank(config, trainer_class, peft_config, settings: ZeroSettings, trainab
                                          on_gloo, step.backward_beside_gradients)
         # the traced peak may hold less than the sum of its parts' peaks only if the parts were read at other
         # moments; MemTracker reads them at the peak, so their sum is the peak
-        return TracedStep(peak, parts, f"{step.batch}; peak at {moment}", step.step, step.micro_batch, step.any_order)
+        return TracedStep(peak, parts, f"{step.batch}; peak at {moment}", step.step, step.micro_batch, step.any_order,
+                          host_bytes=step.host_bytes)  # checkpoint offload's inputs: the trace's, as any engine's
 
     first = second or traced[0]
     host = host_bytes(shapes, settings, states_per_element(first.parts, trainable, settings.compute_dtype))

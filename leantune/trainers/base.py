@@ -80,7 +80,7 @@ class LeantuneTrainer(MethodHooks, TrainerAttributes, Trainer):
         args, logprob_path = resolve_config(type(self).__name__, args, train_dataset, eval_dataset,
                                             self.scores_vocabulary)
         self.layout = layout_of(args)  # before the models load: loading reads it (trainers/settings.py)
-        refuse_run_before_loading(type(self), model, args)  # a checkpoint offload the host cannot hold
+        refuse_run_before_loading(type(self), model, args, peft_config)  # offloads the host cannot hold
         loaded = self.load_models(model, ref_model, processing_class, peft_config, args, quantization_config)
         self.splits = SplitPreparer(self.prepare_split, self.prepared_columns, self.stream_order,
                                     self.skips_preparation(args))

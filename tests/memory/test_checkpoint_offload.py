@@ -332,3 +332,33 @@ def test_auto_is_the_fewest_layers_that_fit_the_budget(tokenizer, gsm8k_rows):
     chosen = plan("auto", device)
     assert chosen.offload.layers == LAYERS - 2 and chosen.config["checkpoint_offload_layers"] == LAYERS - 2
     assert chosen.device_total_bytes <= budget < plan(LAYERS - 3, device).device_total_bytes
+
+
+@pytest.mark.quick
+def test_in_the_planners_fake_step_an_input_comes_back_fake():
+    """The plan's fake step: an offloaded input comes back as a fake tensor of its shape (the device memory a copy back
+    takes, counted by the trace), never as a real tensor; at 500,000 tokens of an 8B model a real one is 3.8 GiB of
+    this machine's memory per layer (the plan was killed for memory)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from leantune.memory.checkpoint_offload import CheckpointOffloader, _Offloaded
+    from leantune.planning.planned_run import planning_session
+
+    with planning_session() as mode:
+        with mode.building():
+            hidden = torch.empty(2, 16, HIDDEN).as_strided((2, 16, HIDDEN), (16 * HIDDEN, HIDDEN, 1))
+        back, event = CheckpointOffloader(1)._copy_in(_Offloaded(hidden, 0), prefetch=False)
+    assert isinstance(back, FakeTensor) and event is None
+    assert back.shape == hidden.shape and back.stride() == hidden.stride() and back.dtype == hidden.dtype
+
+
+def test_the_plans_fake_step_is_held_to_the_host_planned_for_not_this_machine(tokenizer, gsm8k_rows):
+    """The run's own refusal before loading reads this machine's memory at `max_length`; the plan's fake step builds
+    the trainer too, and must leave the host to the plan (`host_memory`): a row of a billion tokens allowed is
+    planned at the data's rows for a host that holds it, never refused for this machine's few GiB."""
+    from leantune.planning import plan_memory
+
+    planned = plan_memory(small_model().config, gsm8k_prompt_completion(gsm8k_rows, 2), "sft",
+                          processing_class=tokenizer, per_device_train_batch_size=1, max_length=10**9,
+                          checkpoint_offload_layers=2, host_memory="1TiB", measured_step=False)
+    assert planned.offload.layers == 2 and 0 < planned.offload.host_bytes < 2**20

@@ -104,3 +104,29 @@ def test_plan_trains_the_weights_in_the_dtype_the_trainer_would(tmp_path, tokeni
         plan = plan_memory(source, dataset, "sft", processing_class=tokenizer, model_init_kwargs=init_kwargs,
                            **fields)
         assert plan.worst.parts["parameters"] == size * plan.num_parameters, (source, init_kwargs)
+
+
+@pytest.mark.quick
+def test_a_peak_linear_in_the_layers_is_extrapolated_when_a_tensor_changes_part():
+    """The 8B QLoRA plan at 500,000 tokens with checkpoint offload: traced with 2, 3 and 4 layers, its peak grew by the
+    same bytes per layer, but a [500,000, 4,096] tensor counted as an activation with 2 layers is a temporary from 3
+    on. The parts then come from the last two traces (they add up to the peak); before, the plan traced all 32 layers
+    (429 s instead of ~25). A peak that is not linear still traces the whole model (None)."""
+    from leantune.planning.planned_run import TracedStep
+    from leantune.planning.planner import _extrapolate
+
+    moved = 4_096_000_000
+
+    def run(layers: int, peak_growth: int = 100):
+        parts = {"parameters": 1000 + 10 * layers, "activations": 90 * layers + (moved if layers == 2 else 0),
+                 "temporaries": (0 if layers == 2 else moved)}
+        step = TracedStep(sum(parts.values()) + (peak_growth - 100) * (layers == 4), parts, "rows", 1)
+        return 7 * layers, 1, None, [step], None
+
+    regrouped = []
+    _, _, _, (step,), _ = _extrapolate([run(2), run(3), run(4)], 32, regrouped)
+    assert sorted(regrouped) == ["activations", "temporaries"]
+    assert step.parts == {"parameters": 1320, "activations": 90 * 32, "temporaries": moved}
+    assert step.peak_bytes == sum(step.parts.values()) == run(2)[3][0].peak_bytes + 30 * 100
+    assert _extrapolate([run(2), run(3), run(4)], 32) is None  # the caller that does not take regrouped parts
+    assert _extrapolate([run(2), run(3), run(4, peak_growth=101)], 32, []) is None  # the peak itself not linear

@@ -149,3 +149,58 @@ def test_without_a_budget_the_plan_traces_and_names_the_runs_own_tile_rule(token
     assert plan.config["tiled_mlp_tile_size"] == tile > 1024
     assert any(line.startswith(f"note: tiled MLP: {tile:,} tokens per tile, the run's rule against h100's memory")
                for line in plan.lines())
+
+
+def test_a_run_far_over_its_budget_is_searched_from_the_frugal_end(tokenizer):
+    """The run as asked needs over 1.25x its budget (here over twice): the search plans the most frugal candidate first (every technique
+    that applies on, the tiled MLP at the launch floor) and turns techniques off again while the step fits, instead of
+    spending its limit on fast candidates that miss by far. The answer fits, to the byte of its own plan."""
+    config, dataset = LlamaConfig(**LLAMA), long_rows()
+    fields = {**FIELDS, "loss_chunk_size": None, "gradient_checkpointing": False}
+
+    def plan(**extra):
+        return plan_memory(config, dataset, "sft", processing_class=tokenizer, measured_step=False,
+                           **{**fields, **extra})
+
+    configured = plan()
+    frugal = plan(gradient_checkpointing=True, tiled_mlp=True, tiled_mlp_tile_size=256, loss_chunk_size=131)
+    budget = (configured.peak_bytes // 2 + frugal.peak_bytes) // 2  # the frugal end fits; the run asked, over twice
+    assert configured.device_total_bytes > 2 * budget and frugal.device_total_bytes < budget
+    plan_args = type("PlanArgs", (), dict(device="cpu", memory_budget=str(budget), num_processes=1, engine="ddp"))
+    found = recommend(configured, budget, config, dataset, "sft", None, plan_args, fields, tokenizer, limit=4)
+    first, chosen = found.considered[0], found.chosen
+    assert found.from_frugal_end == configured.device_total_bytes
+    assert first.fields["gradient_checkpointing"] and first.fields["tiled_mlp"] and first.fields["loss_chunk_size"] == 131
+    assert first.fields["tiled_mlp_tile_size"] == 256 and first.total_bytes <= budget  # the CPU's launch floor
+    assert chosen is not None and chosen.fields["tiled_mlp"] and chosen.total_bytes <= budget
+    assert chosen.relative_time < first.relative_time  # something was turned off again for speed
+    assert len(found.considered) <= 4 and len(found.steps) == len(found.considered) - 1
+    assert plan(**chosen.fields).device_total_bytes == chosen.total_bytes
+    lines = "\n".join(found.lines())
+    assert "so the search starts from the most frugal candidate" in lines and "on: tiled_mlp=True: " in lines
+
+
+@pytest.mark.quick
+def test_a_search_from_the_frugal_end_that_fits_plans_no_shorter_length():
+    """The shorter `max_length` is searched when the same-result search gave speed up; from the frugal end every answer
+    did (the first planned is the slowest), so it is searched there only when nothing fits (each search is several
+    plans: the 8B row at 131,072 tokens spent minutes on it after its answer fitted)."""
+    from leantune import SFTConfig
+    from leantune.planning.length_suggestion import suggest_for_budget
+    from leantune.planning.recommend import Candidate, Recommendation
+
+    frugal, answer = Candidate({"max_length": 2048}, 1.6, 10, 10), Candidate({"max_length": 2048}, 1.2, 20, 20)
+    searched = []
+
+    def search(fields):
+        searched.append(fields)
+        return Recommendation(30)
+
+    lengths = [2048] + [100] * 200
+    fitted = Recommendation(30, [frugal, answer], answer, from_frugal_end=100)
+    assert suggest_for_budget(fitted, lengths, SFTConfig, {"max_length": 2048}, 0.9, search).search is None
+    assert not searched
+    none_fits = Recommendation(30, [frugal], None, from_frugal_end=100)
+    assert suggest_for_budget(none_fits, lengths, SFTConfig, {"max_length": 2048}, 0.9, search).search is not None
+    fastest_first = Recommendation(30, [frugal, answer], answer)  # gave speed up: searched, as before
+    assert suggest_for_budget(fastest_first, lengths, SFTConfig, {"max_length": 2048}, 0.9, search).search is not None

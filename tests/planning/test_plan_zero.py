@@ -5,6 +5,7 @@ there anyway; here, the config's reading and the mistakes a user can make, with 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -110,3 +111,63 @@ def test_zero_offload_keeps_the_master_weights_states_and_fp32_gradients_on_the_
     # the end of backward: the fp32 gradient partition the update reads is on the host too
     assert reduce_moment(on_device, shapes, kept, 0, False).get("temporaries") == 10 * 4
     assert not reduce_moment(offloaded, shapes, offload, 0, False).get("temporaries")
+
+
+HOST_NEEDS = re.compile(r"needs ([0-9.]+) GiB of host memory \(([0-9.]+) GiB for ZeRO-Offload's .*\), and the host has "
+                        r"([0-9.]+) GiB available")
+
+
+def test_zero_offloads_host_bytes_are_held_to_the_host_beside_checkpoint_offloads(tokenizer, gsm8k_rows):
+    """ZeRO-Offload's host bytes (the plan's note) feed the host check as checkpoint offload's do: a host that cannot
+    hold them is refused in one line naming both numbers, alone or beside the offloaded layer inputs."""
+    from leantune.planning import plan_memory
+
+    from ..fixtures.data import gsm8k_prompt_completion
+
+    offload = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}}
+
+    def plan(host_memory, **fields):
+        return plan_memory(CONFIG, gsm8k_prompt_completion(gsm8k_rows, 2), "sft", processing_class=tokenizer,
+                           engine="zero2", deepspeed=offload, max_length=64, per_device_train_batch_size=2,
+                           measured_step=False, host_memory=host_memory, **fields)
+
+    roomy = plan("128GiB")
+    note = next(n for n in roomy.notes if n.startswith("host memory (ZeRO-Offload"))
+    host = float(re.search(r"([0-9.]+) GiB", note).group(1))
+    assert host > 0
+    with pytest.raises(ValueError, match=HOST_NEEDS) as caught:
+        plan(f"{int(host * 2**30) // 2}B")  # half of what the states need
+    needed, zero, available = map(float, HOST_NEEDS.search(str(caught.value)).groups())
+    assert needed == zero == pytest.approx(host, abs=0.01) and available < needed and "\n" not in str(caught.value)
+    # beside the offloaded inputs: the host holds the states, not both
+    with_inputs = plan("128GiB", checkpoint_offload_layers=1, gradient_checkpointing=True)
+    inputs = with_inputs.offload.host_bytes
+    with pytest.raises(ValueError, match=HOST_NEEDS) as caught:
+        plan(f"{int(host * 2**30) + inputs // 2}B", checkpoint_offload_layers=1, gradient_checkpointing=True)
+    assert "for `checkpoint_offload_layers`' inputs" in str(caught.value)
+
+
+def test_a_run_whose_zero_offload_the_host_cannot_hold_is_refused_before_loading():
+    """The run's own check, before any weight loads (trainers/base.py): a 70B full fine-tune's fp32 master weights and
+    Adam states under ZeRO-Offload (~1 TiB) against this machine's memory, refused in one line naming both numbers;
+    the same run training LoRA adapters keeps a few MiB on the host, and passes."""
+    from types import SimpleNamespace
+
+    from peft import LoraConfig
+
+    from leantune import SFTTrainer
+    from leantune.planning.checkpoint_offload_plan import refuse_run_before_loading
+
+    from ..fixtures.planning import LLAMA_3_70B
+
+    offload = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}}
+    model = LlamaConfig(**LLAMA_3_70B)
+    args = SimpleNamespace(deepspeed=offload, bf16=True, fp16=False, use_cpu=True, model_init_kwargs=None,
+                           checkpoint_offload_layers=None, per_device_train_batch_size=1, max_length=64)
+    with pytest.raises(ValueError, match=HOST_NEEDS) as caught:
+        refuse_run_before_loading(SFTTrainer, model, args)
+    needed, zero, available = map(float, HOST_NEEDS.search(str(caught.value)).groups())
+    assert needed == zero > 1000 > available and "\n" not in str(caught.value)
+    lora = LoraConfig(r=16, target_modules="all-linear", task_type="CAUSAL_LM")
+    refuse_run_before_loading(SFTTrainer, model, args, lora)  # adapters: nothing to refuse
+    refuse_run_before_loading(SFTTrainer, model, SimpleNamespace(**{**vars(args), "deepspeed": None}))
