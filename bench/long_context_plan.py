@@ -15,8 +15,9 @@ The model is Qwen2.5-1.5B's configuration (bench/gpu/shapes.py: 28 layers, hidde
 8960, vocabulary 151,936, tied) in bf16 with `bf16=True`, as the GPU kit trains it; one row of `--length` token ids a
 step (batch 1), AdamW, gradient checkpointing (non-reentrant), gradient clipping off on both sides (`max_grad_norm=0`:
 leantune's optimizer step inside the backward needs it, and the two then learn the same thing), lr 1e-5 constant.
-- leantune: its chunked head (default), the tiled MLP with the tile the planner's rule sets for the device,
-  checkpoint offload (`checkpoint_offload_layers`: every layer at `--length`; "auto", the fewest that fit the
+- leantune: its chunked head (default), the tiled MLP with `--tile` tokens a tile (default the CUDA launch floor,
+  1,024: its least memory; the planner's own rule sizes a tile as 1/16 of the device's whole memory, 298,272 tokens
+  for 80 GiB, which leaves a 131,072-token step untiled), checkpoint offload (`checkpoint_offload_layers`: every layer at `--length`; "auto", the fewest that fit the
   device within the host, in the longest-length search), and the optimizer step inside the backward.
   (leantune's `activation_offloading` is not used: under checkpointing it offloads the same layer inputs, and a fake
   tensor is one it keeps on the device, so the planner cannot count it; checkpoint offload is planned.)
@@ -63,6 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import MIB, library_versions, machine_description, markdown_table, quiet, source_state  # noqa: E402
 from bench.real_shapes import load_tokenizer, rows_dataset  # noqa: E402
 from devkit.longest_fitting import longest_fitting  # noqa: E402
+from leantune.memory.tiled_mlp import MIN_TILE_TOKENS  # noqa: E402
 
 GIB = 1024 * MIB
 LIBRARIES = ("leantune", "trl")
@@ -90,9 +92,9 @@ def shared_fields(length: int) -> dict:
                 max_grad_norm=0.0, packing=False)
 
 
-def leantune_fields(length: int, offload_layers) -> dict:
+def leantune_fields(length: int, offload_layers, tile: int) -> dict:
     return {**shared_fields(length), "model_init_kwargs": {"dtype": "bfloat16"}, "tiled_mlp": True,
-            "checkpoint_offload_layers": offload_layers, "optimizer_in_backward": True}
+            "tiled_mlp_tile_size": tile, "checkpoint_offload_layers": offload_layers, "optimizer_in_backward": True}
 
 
 def trl_fields(length: int) -> dict:
@@ -126,7 +128,7 @@ def plan_leantune(config, length: int, opts, tokenizer, offload_layers) -> dict:
     started = time.perf_counter()
     plan = plan_memory(config, rows_dataset(length, opts.vocab, 0, 1), "sft", processing_class=tokenizer,
                        device=opts.device, host_memory=opts.host_memory, measured_step=False, max_batches=1,
-                       **leantune_fields(length, offload_layers))
+                       **leantune_fields(length, offload_layers, opts.tile))
     step = plan.worst
     offload = plan.offload
     return side(step.peak_bytes, dict(step.parts), plan.device_total_bytes - plan.peak_bytes,
@@ -419,6 +421,8 @@ def parse_args(argv=None):
                         "GPUS or a size; default h100: the issue's 80 GiB GPU)")
     parser.add_argument("--budget", default=None, help="the device memory to fit (default: --device's size)")
     parser.add_argument("--host-memory", default="128GiB", help="host memory (default 128GiB: the GPU kit's machine)")
+    parser.add_argument("--tile", type=int, default=MIN_TILE_TOKENS["cuda"],
+                        help="leantune's tiled-MLP tile in tokens (default: the CUDA launch floor, its least memory)")
     parser.add_argument("--no-longest", action="store_true", help="skip the longest-length search")
     parser.add_argument("--longest-step", type=int, default=4096, help="the search's resolution in tokens")
     parser.add_argument("--longest-limit", type=int, default=1 << 22, help="the longest length searched")
