@@ -41,8 +41,10 @@ gradient at a time: the issue's "state memory" technique; the activation ratio c
 
 The longest length: `devkit/longest_fitting.py` over each library's prediction (the device total, the traced peak
 plus the device's CUDA context and allocator rounding, within the device's memory; TRL's host bytes within
-`--host-memory` too, since its hooks offload without a check). Time: leantune's plan does not grow with the length;
-TRL's trace runs every chunk of its head (32,768 tokens each), so it grows with the length (printed per probe).
+`--host-memory` too, since its hooks offload without a check), up to `--longest-limit` (default 1,048,576: a
+leantune plan at 1,032,192 tokens took 430 s and 19 GB of this machine's memory; one that reaches the limit is
+reported as "at least"). Time and memory grow with the length on both sides (TRL's trace runs every tile of its head;
+leantune's plan here, 35 s at 131,072 tokens to 430 s at 1,032,192), printed per probe.
 """
 
 from __future__ import annotations
@@ -402,7 +404,8 @@ def render(report: dict) -> str:
         found = report.get("longest", {}).get(library)
         if found:
             lines.append(f"- longest length in {report['budget_gib']:.2f} GiB ({report['options']['device']}), "
-                         f"{library} (predicted): {found['length']:,} tokens (device total "
+                         f"{library} (predicted): {'at least ' if found.get('at_limit') else ''}{found['length']:,} "
+                         f"tokens (device total "
                          f"{gib(found['device_total_bytes'])} GiB, host {gib(found['host_bytes'])} GiB; "
                          f"{found['probes']} probes, {found['seconds']:.0f} s)")
     if summary.get("longest_ratio") is not None:
@@ -425,7 +428,7 @@ def parse_args(argv=None):
                         help="leantune's tiled-MLP tile in tokens (default: the CUDA launch floor, its least memory)")
     parser.add_argument("--no-longest", action="store_true", help="skip the longest-length search")
     parser.add_argument("--longest-step", type=int, default=4096, help="the search's resolution in tokens")
-    parser.add_argument("--longest-limit", type=int, default=1 << 22, help="the longest length searched")
+    parser.add_argument("--longest-limit", type=int, default=1 << 20, help="the longest length searched")
     parser.add_argument("--libraries", default=",".join(LIBRARIES))
     parser.add_argument("--tokenizer", default=None, help="a tokenizer folder (default: the shared Mistral one)")
     parser.add_argument("--out", default=None, help="write the JSON report here")
@@ -445,6 +448,7 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' renamed gradient_checkpointing fields
     if opts.render:
         report = json.loads(Path(opts.render).read_text())
+        report["summary"] = summarise(report)
         print(render(report))
         return 0
     from leantune.metrics.devices import parse_budget
@@ -508,7 +512,8 @@ def longest_of(library: str, predict, opts, budget: int, host: int) -> dict:
 
     length, _ = longest_fitting(probe, budget, opts.length, step=opts.longest_step, limit=opts.longest_limit)
     found = probes.get(length) or {}
-    return {"length": length, "device_total_bytes": found.get("device_total_bytes"),
+    return {"length": length, "at_limit": length >= opts.longest_limit,
+            "device_total_bytes": found.get("device_total_bytes"),
             "host_bytes": found.get("host_bytes"), "probes": len(probes),
             "seconds": round(time.perf_counter() - started, 1), "predicted": True}
 
