@@ -409,7 +409,9 @@ def render(report: dict) -> str:
                          f"{gib(found['device_total_bytes'])} GiB, host {gib(found['host_bytes'])} GiB; "
                          f"{found['probes']} probes, {found['seconds']:.0f} s)")
     if summary.get("longest_ratio") is not None:
-        lines.append(f"- longest length, leantune / TRL: {summary['longest_ratio']:.2f}x (target >= {LENGTH_TARGET:g}x; "
+        bound = "at least " if report["longest"]["leantune"].get("at_limit") else ""
+        lines.append(f"- longest length, leantune / TRL: {bound}{summary['longest_ratio']:.2f}x (target >= "
+                     f"{LENGTH_TARGET:g}x; "
                      f"{'met' if summary['longest_target_met'] else 'NOT met'}, predicted)")
     return "\n".join(lines)
 
