@@ -347,7 +347,7 @@ def _trace(config, trainer_class, config_class, train_dataset, fields, trainer_k
         accumulation = run_args.gradient_accumulation_steps
         trainer = _planning_trainer_class(trainer_class, mode)(model=fake, args=run_args,
                                                                train_dataset=train_dataset, **trainer_kwargs)
-        trainer.nonfinite.checks_steps = False  # fake values decide nothing (trainers/parts/nonfinite.py)
+        trainer.nonfinite.checks_steps = False  # fake values decide nothing (trainers/parts/step_guards.py)
         _quiet(trainer)
         _real_reward_weights(trainer)
 
