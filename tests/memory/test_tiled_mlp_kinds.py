@@ -7,11 +7,18 @@ too) and 4-bit QLoRA; what is refused; the planner's view; a trainer's real step
 Tolerance (EXACT, 1e-6, as tests/memory/test_tiled_mlp.py): the tiled path computes the same fp32 products; a
 parameter's gradient is the same sum over tokens taken tile by tile, an expert's over the tile's tokens routed to
 it, so the two differ only by fp32 rounding of sums in another order, ~sqrt(terms) x 1.2e-7 of the terms' scale,
-compared as a norm ratio per tensor (measured <= 7e-7 at these shapes, LoRA on the experts the largest). A dropped
-tile or token moves a gradient by its share of the sum (>= 1e-2 here: the negative control below).
+compared as a norm ratio per tensor (measured <= 5e-7 at these shapes). One exception, derived per tensor: the
+adapters PEFT puts on the experts' parameters (`target_parameters`; `all-linear` on Mixtral) get their gradient as
+each tile's [experts, in, out] weight gradient contracted with the other factor, then summed over the tiles; those
+per-tile products cancel, so the sum's norm is smaller than its terms' and the same rounding is a larger share of it
+(measured up to 1.2e-6 at 2 threads). Their bound is twice the untiled fp32 gradient's own distance from the fp64
+one (at least EXACT): the tiled path may not be further from the untiled than the untiled is from the exact sum.
+A dropped tile or token moves a gradient by its share of the sum (>= 1e-2 here: the negative control below).
 """
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -68,7 +75,9 @@ def losses_and_grads(model, input_ids, **inputs):
     model.zero_grad()
     embeddings = model.get_input_embeddings()(input_ids).detach().requires_grad_(True)
     out = model(inputs_embeds=embeddings, **inputs)
-    losses = F.cross_entropy(out.logits[:, :-1].flatten(0, 1).float(), input_ids[:, 1:].flatten(), reduction="none")
+    logits = out.logits[:, :-1].flatten(0, 1)
+    logits = logits if logits.dtype == torch.float64 else logits.float()
+    losses = F.cross_entropy(logits, input_ids[:, 1:].flatten(), reduction="none")
     aux = getattr(out, "aux_loss", None)
     (losses.sum() + (aux if aux is not None else 0)).backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
@@ -85,7 +94,17 @@ def tiled_and_untiled(model, input_ids, tile=TILE, **inputs):
     return tiled, untiled, parts
 
 
-def assert_exact(tiled, untiled) -> None:
+def experts_adapter_bounds(model, untiled_grads, input_ids, **inputs) -> dict[str, float]:
+    """For each adapter on the experts' parameters: twice the untiled fp32 gradient's distance from the fp64 one
+    (at least EXACT; the module docstring says why)."""
+    double = copy.deepcopy(model).double()
+    double.get_base_model().set_experts_implementation("eager")  # grouped matmuls take no fp64
+    exact = losses_and_grads(double, input_ids, **inputs)[3]
+    return {name: max(EXACT, 2 * rel_diff(untiled_grads[name].double(), exact[name]))
+            for name in untiled_grads if ".experts." in name and "lora_" in name}
+
+
+def assert_exact(tiled, untiled, bounds: dict[str, float] | None = None) -> None:
     (losses, aux, routers, grads), (ref_losses, ref_aux, ref_routers, ref_grads) = tiled, untiled
     # per token, against the largest loss (a loss is a log-sum-exp of logits of that scale)
     torch.testing.assert_close(losses, ref_losses, rtol=0, atol=EXACT * float(ref_losses.abs().max()))
@@ -93,7 +112,9 @@ def assert_exact(tiled, untiled) -> None:
     if aux is not None:  # the router runs untiled: its logits differ only through the layers below (fp32 rounding)
         assert len(routers) == 2 and abs(float(aux - ref_aux)) <= EXACT * abs(float(ref_aux))
         assert max(rel_diff(got, ref) for got, ref in zip(routers, ref_routers)) <= EXACT
-    assert max_rel_diff(grads, ref_grads) <= EXACT
+    bounds = bounds or {}
+    assert grads.keys() == ref_grads.keys() and all(ref.abs().max() > 0 for ref in ref_grads.values())
+    assert max(rel_diff(grads[name], ref) / bounds.get(name, EXACT) for name, ref in ref_grads.items()) <= 1
 
 
 def token_ids(rows: int, length: int, seed: int) -> torch.Tensor:
@@ -140,8 +161,9 @@ def test_moe_experts_tile_with_the_untiled_router_logits_and_aux_loss(kind):
 def test_packed_rows_tile_across_their_sequences(kind):
     """Three sequences packed in one row, positions restarting (padding-free): tiles cut across the sequences."""
     model = lora_model(kind_model(kind))
-    position_ids = torch.cat([torch.arange(n) for n in (37, 21, 32)])[None]
-    assert_exact(*tiled_and_untiled(model, token_ids(1, 90, 3), position_ids=position_ids)[:2])
+    input_ids, position_ids = token_ids(1, 90, 3), torch.cat([torch.arange(n) for n in (37, 21, 32)])[None]
+    tiled, untiled, _ = tiled_and_untiled(model, input_ids, position_ids=position_ids)
+    assert_exact(tiled, untiled, experts_adapter_bounds(model, untiled[3], input_ids, position_ids=position_ids))
 
 
 def test_lora_on_the_experts_parameters_tiles_through_peft_wrappers():
@@ -153,9 +175,11 @@ def test_lora_on_the_experts_parameters_tiles_through_peft_wrappers():
     model = get_peft_model(kind_model("mixtral"), LoraConfig(
         r=4, target_modules="all-linear", target_parameters=["experts.gate_up_proj", "experts.down_proj"],
         init_lora_weights=False))
-    tiled, untiled, parts = tiled_and_untiled(model, token_ids(2, 40, 4))
-    assert parts == 2 and sum("experts" in name and "lora_" in name for name in untiled[3]) == 8
-    assert_exact(tiled, untiled)
+    input_ids = token_ids(2, 40, 4)
+    tiled, untiled, parts = tiled_and_untiled(model, input_ids)
+    bounds = experts_adapter_bounds(model, untiled[3], input_ids)
+    assert parts == 2 and len(bounds) == 8  # gate-up and down, A and B, 2 layers
+    assert_exact(tiled, untiled, bounds)
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "gpt2"])
@@ -215,8 +239,8 @@ def test_no_op_holds_more_than_a_tile_of_intermediates(kind, tiled):
 @pytest.mark.parametrize("kind", ["gpt_neox", "mixtral"])
 def test_4bit_qlora_adapters_get_the_untiled_gradients(kind, tmp_path):
     """QLoRA: GPT-NeoX's MLP projections in 4 bits, LoRA on them; Mixtral's attention in 4 bits (its experts are
-    parameters, not linear layers: kept), LoRA on the attention."""
-    from peft import prepare_model_for_kbit_training
+    parameters, not linear layers: kept in fp32), LoRA on the attention (the experts' adapters: the test above)."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     kind_model(kind).save_pretrained(tmp_path)
@@ -224,7 +248,10 @@ def test_4bit_qlora_adapters_get_the_untiled_gradients(kind, tmp_path):
         str(tmp_path), dtype=torch.float32, device_map={"": "cpu"},
         quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                                bnb_4bit_compute_dtype=torch.float32))
-    model = lora_model(prepare_model_for_kbit_training(quantised, use_gradient_checkpointing=False))
+    torch.manual_seed(1)
+    targets = "all-linear" if kind == "gpt_neox" else ["q_proj", "k_proj", "v_proj", "o_proj"]
+    model = get_peft_model(prepare_model_for_kbit_training(quantised, use_gradient_checkpointing=False),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
     model.train()
     tiled, untiled, parts = tiled_and_untiled(model, token_ids(2, 40, 7))
     assert parts == 2 and any("lora_" in name for name in untiled[3])
