@@ -13,6 +13,10 @@ whatever the other ranks hold), all tile alike. It wraps whatever the layer's `m
 layers (their adapters' gradients come back through the same sum), bitsandbytes' 4-bit layers (frozen weights,
 nothing to accumulate), Liger's SwiGLU forward bound onto the module. With gradient checkpointing the layer's
 recompute calls the tiled MLP again, which again keeps one tile at a time.
+
+Which modules it wraps (memory/mlp_kinds.py): dense MLPs, gated (Llama) or not (GPT-2, GPT-NeoX, Phi, Falcon), and
+in an MoE layer the experts (with each token's expert indices and routing weights, cut at the same rows; the router
+runs untiled, so the router logits and the load-balancing loss are the untiled ones) and the shared experts.
 """
 
 from __future__ import annotations
@@ -25,6 +29,13 @@ import torch
 from torch import nn
 
 from ..losses.chunk_order import chunk_starts
+from .mlp_kinds import (
+    expert_intermediate_size,
+    layer_mlps,
+    output_projection_input,
+    tiled_parts,
+    untileable_kinds,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -82,79 +93,103 @@ class RngState:
 
 
 class TiledMLPFunction(torch.autograd.Function):
-    """The MLP over tiles of its input's tokens: forward under no_grad, keeping only the input; backward one tile at a
-    time, recomputed with grad (under the forward's autocast and generator state), its input gradient written into
+    """The MLP over tiles of its inputs' tokens: forward under no_grad, keeping only the inputs; backward one tile at a
+    time, recomputed with grad (under the forward's autocast and generator state), its inputs' gradients written into
     place and its parameters' gradients summed in fp32 and returned as this function's input gradients, so that
     autograd accumulates them (DDP's and FSDP's hooks see them as any other gradient).
+
+    The inputs are the tokens and any per-token tensors called with them (an MoE's experts: each token's expert
+    indices and routing weights; Bloom's MLP: the residual), all cut at the same rows.
 
     Holding the fp32 sums costs one copy of the MLP's trainable parameters per layer during its backward: a LoRA
     adapter's few MiB; for a full fine-tune the layer's MLP weights, against [tokens, intermediate] saved."""
 
     @staticmethod
-    def forward(ctx, run_tile, tile: int, hidden: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
-        ctx.run_tile, ctx.tile = run_tile, tile
-        ctx.rng = RngState(hidden.device)
-        device_type = hidden.device.type
+    def forward(ctx, run_tile, tile: int, count: int, *tensors: torch.Tensor) -> torch.Tensor:
+        ctx.run_tile, ctx.tile, ctx.count = run_tile, tile, count
+        ctx.rng = RngState(tensors[0].device)
+        device_type = tensors[0].device.type
         ctx.autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
-        ctx.save_for_backward(hidden, *params)
+        ctx.save_for_backward(*tensors)
         with torch.no_grad():  # detached: a view of an input that requires grad would too, without a grad_fn
-            return tiled_forward(run_tile, hidden.detach(), tile)
+            return tiled_forward(run_tile, [tensor.detach() for tensor in tensors[:count]], tile)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        hidden, *params = ctx.saved_tensors
-        wants_input = ctx.needs_input_grad[2]
-        wanted = [i for i, needs in enumerate(ctx.needs_input_grad[3:]) if needs]
-        flat = hidden.reshape(-1, hidden.shape[-1])
-        grad_flat = grad_out.reshape(-1, grad_out.shape[-1])
-        grad_hidden = torch.empty_like(flat) if wants_input else None
+        saved = ctx.saved_tensors  # read once: checkpointing's saved-tensor hooks unpack each only once
+        inputs, params = saved[:ctx.count], saved[ctx.count:]
+        wants_input = list(ctx.needs_input_grad[3:3 + ctx.count])
+        wanted = [i for i, needs in enumerate(ctx.needs_input_grad[3 + ctx.count:]) if needs]
+        flats = token_rows(inputs)
+        grad_flat = grad_out.reshape(flats[0].shape[0], *grad_out.shape[inputs[0].dim() - 1:])
+        grad_inputs = [torch.zeros_like(flat) if wants else None for flat, wants in zip(flats, wants_input)]
         sums: list[torch.Tensor | None] = [None] * len(params)
         device_type, autocast_on, autocast_dtype = ctx.autocast
         with ctx.rng.replayed(), torch.enable_grad(), \
                 torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_on):
-            for start in chunk_starts(flat, ctx.tile):  # every tile (a plan's fake step: first, second, last)
-                piece = flat[start:start + ctx.tile].detach().requires_grad_(wants_input)
-                grad_piece = grad_flat[start:start + ctx.tile]
-                targets = ([piece] if wants_input else []) + [params[i] for i in wanted]
-                grads = list(torch.autograd.grad(ctx.run_tile(piece), targets, grad_piece, allow_unused=True))
-                if wants_input:
-                    grad_hidden[start:start + piece.shape[0]] = grads.pop(0)
+            for start in chunk_starts(flats[0], ctx.tile):  # every tile (a plan's fake step: first, second, last)
+                pieces = [flat[start:start + ctx.tile].detach().requires_grad_(wants)
+                          for flat, wants in zip(flats, wants_input)]
+                targets = [piece for piece, wants in zip(pieces, wants_input) if wants] + [params[i] for i in wanted]
+                grads = list(torch.autograd.grad(ctx.run_tile(*pieces), targets, grad_flat[start:start + ctx.tile],
+                                                 allow_unused=True))
+                for grad_input in grad_inputs:
+                    grad = grads.pop(0) if grad_input is not None else None
+                    if grad is not None:  # None: an input this tile's output does not depend on (zeros, as made)
+                        grad_input[start:start + grad.shape[0]] = grad
                 for i, grad in zip(wanted, grads):
                     if grad is not None:  # fp32 sums: a bf16 parameter's tiles add without bf16 rounding each time
                         sums[i] = grad.float() if sums[i] is None else sums[i].add_(grad)
+        input_grads = [None if grad is None else grad.reshape(tensor.shape) for grad, tensor in zip(grad_inputs, inputs)]
         param_grads = [None if total is None else total.to(param.dtype) for total, param in zip(sums, params)]
-        return (None, None, None if grad_hidden is None else grad_hidden.reshape(hidden.shape), *param_grads)
+        return (None, None, None, *input_grads, *param_grads)
 
 
-def tiled_forward(run_tile, hidden: torch.Tensor, tile: int) -> torch.Tensor:
-    """The MLP's output from its tokens `tile` at a time (any leading shape: [batch, seq, hidden] or [tokens,
-    hidden]), each tile's output written into one [tokens, out] tensor as it comes."""
-    flat = hidden.reshape(-1, hidden.shape[-1])
-    out = None
-    for start in chunk_starts(flat, tile):  # every tile; in a plan's fake step the repeats are skipped (chunk_order)
-        piece = run_tile(flat[start:start + tile])
-        if out is None:
-            out = piece.new_empty(flat.shape[0], piece.shape[-1])
-        out[start:start + piece.shape[0]] = piece
-    return out.reshape(*hidden.shape[:-1], out.shape[-1])
+def token_rows(inputs) -> list[torch.Tensor]:
+    """Each input as [tokens, ...]: the tokens are the first input's leading dimensions ([batch, seq] or [tokens]),
+    which every input shares."""
+    lead = inputs[0].dim() - 1
+    tokens = inputs[0].numel() // inputs[0].shape[-1]
+    return [tensor.reshape(tokens, *tensor.shape[lead:]) for tensor in inputs]
 
 
-def is_gated_mlp(module: nn.Module) -> bool:
-    """A Llama/Qwen2/Mistral-style per-token MLP (gate and up projections, or Phi-3's fused one, then down)."""
-    return hasattr(module, "down_proj") and (hasattr(module, "up_proj") or hasattr(module, "gate_up_proj"))
+def tiled_forward(run_tile, inputs, tile: int) -> torch.Tensor:
+    """The MLP's output from its inputs' tokens `tile` at a time (any leading shape: [batch, seq, hidden] or [tokens,
+    hidden]; `inputs`: a tensor, or the tokens and the per-token tensors called with them), each tile's output written
+    into one [tokens, out] tensor as it comes."""
+    inputs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+    flats = token_rows(inputs)
+    out = rows = None
+    for start in chunk_starts(flats[0], tile):  # every tile; in a plan's fake step the repeats are skipped (chunk_order)
+        piece = run_tile(*[flat[start:start + tile] for flat in flats])
+        if out is None:  # made in its final shape, not a view of one: the caller may add to it in place (Falcon)
+            out = piece.new_empty(*inputs[0].shape[:-1], *piece.shape[1:])
+            rows = out.view(flats[0].shape[0], *piece.shape[1:])
+        rows[start:start + piece.shape[0]] = piece
+    return out
+
+
+def per_token_inputs(hidden, args: tuple) -> list[torch.Tensor] | None:
+    """[hidden, *args] where the call is one this knows to be per-token: the tokens ([..., hidden], two or more
+    dimensions) and any positional tensors with the same leading dimensions; None for any other call."""
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() < 2:
+        return None
+    lead = hidden.shape[:-1]
+    if not all(isinstance(arg, torch.Tensor) and arg.shape[:len(lead)] == lead for arg in args):
+        return None
+    return [hidden, *args]
 
 
 def decoder_mlps(model: nn.Module) -> list[nn.Module]:
-    """Each decoder layer's `mlp` (a layer: a module with `self_attn` and `mlp`), through any PEFT wrapper."""
-    return [module.mlp for module in model.modules()
-            if isinstance(getattr(module, "mlp", None), nn.Module) and hasattr(module, "self_attn")]
+    """The modules the tiled MLP wraps in `model`: each decoder layer's dense MLP, an MoE layer's experts and shared
+    experts (memory/mlp_kinds.py), through any PEFT wrapper."""
+    return [part for mlp in layer_mlps(model) for part in tiled_parts(mlp) or []]
 
 
 def can_tile(model: nn.Module) -> bool:
     """Whether every decoder layer's MLP of `model` is one this tiles (the planner asks before it offers
     `tiled_mlp`; `install_tiled_mlp` refuses the others)."""
-    mlps = decoder_mlps(model)
-    return bool(mlps) and all(is_gated_mlp(mlp) for mlp in mlps)
+    return not untileable_kinds(model)
 
 
 class TiledMLP:
@@ -169,33 +204,40 @@ class TiledMLP:
 
     def __call__(self, hidden, *args, **kwargs):
         run_whole = super().__call__
-        if args or kwargs or not isinstance(hidden, torch.Tensor) or hidden.dim() < 2:
-            return run_whole(hidden, *args, **kwargs)  # not the one-tensor call this knows to be per-token
+        inputs = None if kwargs else per_token_inputs(hidden, args)
+        if inputs is None:
+            return run_whole(hidden, *args, **kwargs)  # not a call this knows to be per-token
         tokens = hidden.numel() // hidden.shape[-1]
-        tile = self.tile_for(tokens, hidden)
+        tile = self.tile_for(tokens, inputs)
         if tokens <= tile:
-            return run_whole(hidden)
+            return run_whole(*inputs)
         params = [param for param in self.parameters() if param.requires_grad]
-        if not torch.is_grad_enabled() or not (hidden.requires_grad or params):
-            return tiled_forward(run_whole, hidden.detach() if not torch.is_grad_enabled() else hidden, tile)
-        return TiledMLPFunction.apply(run_whole, tile, hidden, *params)
+        if not torch.is_grad_enabled() or not (any(tensor.requires_grad for tensor in inputs) or params):
+            return tiled_forward(run_whole, [tensor.detach() for tensor in inputs], tile)
+        return TiledMLPFunction.apply(run_whole, tile, len(inputs), *inputs, *params)
 
-    def tile_for(self, tokens: int, hidden: torch.Tensor) -> int:
+    def tile_for(self, tokens: int, inputs: list[torch.Tensor]) -> int:
         if self.tiled_mlp_tile_size is not None:
             return self.tiled_mlp_tile_size
+        hidden = inputs[0]
         if self.tiled_mlp_budget is None:  # measured once: the same tokens then always get the same tiles
             self.tiled_mlp_budget = free_device_bytes(hidden.device)
         device_type = hidden.device.type
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
-        return tile_tokens(tokens, mlp_intermediate_size(self), dtype.itemsize, self.tiled_mlp_budget, device_type)
+        return tile_tokens(tokens, mlp_intermediate_size(self, inputs), dtype.itemsize, self.tiled_mlp_budget,
+                           device_type)
 
 
-def mlp_intermediate_size(mlp: nn.Module) -> int:
-    """The width of the MLP's [tokens, intermediate] tensors: its down projection's input (a LoRA or 4-bit layer
-    keeps `in_features`)."""
-    down = mlp.down_proj
-    size = getattr(down, "in_features", None)
-    return int(size if size is not None else down.weight.shape[-1])
+def mlp_intermediate_size(mlp: nn.Module, inputs: list[torch.Tensor]) -> int:
+    """The width per token of the MLP's [tokens, intermediate] tensors: a dense MLP's down projection's input (a LoRA
+    or 4-bit layer keeps its features); experts': one expert's intermediate size times the experts each token is
+    routed to (the expert indices' last dimension)."""
+    hidden_size = inputs[0].shape[-1]
+    width = output_projection_input(mlp, hidden_size)
+    if width is not None:
+        return width
+    top_k = next((tensor.shape[-1] for tensor in inputs[1:] if not tensor.is_floating_point()), 1)
+    return expert_intermediate_size(mlp, hidden_size) * top_k
 
 
 _TILED_CLASSES: dict[type, type] = {}
@@ -210,23 +252,23 @@ def tiled_class(cls: type) -> type:
 
 def install_tiled_mlp(model: nn.Module, tile_size: int | None = None) -> int:
     """Tile every decoder layer's MLP of `model` (again: the tile updated); `tile_size`: tokens per tile, None = from
-    `tile_tokens` against the device's free memory at the first call. Returns how many MLPs were tiled; a model
-    without a decoder MLP this recognises is a ValueError, in one line."""
+    `tile_tokens` against the device's free memory at the first call. Returns how many modules were tiled (an MoE
+    layer's experts and shared experts each count); a model with a decoder MLP this does not recognise is a
+    ValueError, in one line."""
     if tile_size is not None and tile_size <= 0:
         raise ValueError(f"`tiled_mlp_tile_size` must be a positive number of tokens, got {tile_size}.")
-    mlps = decoder_mlps(model)
-    if not can_tile(model):
-        kinds = sorted({type(mlp).__name__ for mlp in mlps}) or ["no decoder layer with an `mlp`"]
-        raise ValueError(f"`tiled_mlp=True` tiles a Llama/Qwen2/Mistral-style per-token MLP (`layer.mlp` with "
-                         f"gate/up/down projections); {type(model).__name__} has {', '.join(kinds)}: set "
-                         f"`tiled_mlp=False`.")
-    for mlp in mlps:
-        if not isinstance(mlp, TiledMLP):
-            mlp.__class__ = tiled_class(type(mlp))
-        mlp.tiled_mlp_tile_size, mlp.tiled_mlp_budget = tile_size, None
-    logger.info("Tiled MLP: %d decoder MLPs run over tiles of %s tokens.", len(mlps),
+    if kinds := untileable_kinds(model):
+        raise ValueError(f"`tiled_mlp=True` tiles per-token decoder MLPs (dense ones of projections and activations, "
+                         f"or an MoE block's `experts(tokens, indices, weights)`); {type(model).__name__} has "
+                         f"{', '.join(kinds)}: set `tiled_mlp=False`.")
+    parts = decoder_mlps(model)
+    for part in parts:
+        if not isinstance(part, TiledMLP):
+            part.__class__ = tiled_class(type(part))
+        part.tiled_mlp_tile_size, part.tiled_mlp_budget = tile_size, None
+    logger.info("Tiled MLP: %d decoder MLPs (or MoE experts) run over tiles of %s tokens.", len(parts),
                 tile_size if tile_size is not None else "planned (free memory)")
-    return len(mlps)
+    return len(parts)
 
 
 def tile_mlps(model: nn.Module, settings) -> None:
@@ -238,8 +280,8 @@ def tile_mlps(model: nn.Module, settings) -> None:
 
 def remove_tiled_mlp(model: nn.Module) -> None:
     """Every tiled MLP back to its own class."""
-    for mlp in decoder_mlps(model):
-        if isinstance(mlp, TiledMLP):
-            mlp.__class__ = type(mlp).__mro__[2]
+    for module in model.modules():
+        if isinstance(module, TiledMLP):
+            module.__class__ = type(module).__mro__[2]
             for name in ("tiled_mlp_tile_size", "tiled_mlp_budget"):
-                mlp.__dict__.pop(name, None)
+                module.__dict__.pop(name, None)

@@ -11,7 +11,7 @@ ceil(tokens / t) - 1 launches of each MLP matmul: the larger the tile, the fewer
   it names.
 
 The planner offers `tiled_mlp` only where every decoder layer's MLP is one the tiled MLP can tile (`can_tile`: a
-per-token gated MLP), judged on the model built with fake weights.
+per-token dense MLP or an MoE block's experts, memory/mlp_kinds.py), judged on the model built with fake weights.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from collections.abc import Callable
 import psutil
 import torch
 
+from ..memory.mlp_kinds import config_intermediate_width
 from ..memory.tiled_mlp import MIN_TILE_TOKENS, can_tile, tile_tokens
 from ..metrics.devices import parse_budget
 from .fake_step import fake_model_from_config
@@ -46,9 +47,8 @@ def launch_floor(device) -> int:
 def rule_tile(config, dtype: torch.dtype, fields: dict, device) -> tuple[int | None, str]:
     """(the run's rule's tile for the device planned for, the plan's note saying so); (None, why) where the config
     names no `intermediate_size` (the run then sizes its tile at its first MLP call)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    intermediate = getattr(text, "intermediate_size", None)
-    if not isinstance(intermediate, int):
+    intermediate = config_intermediate_width(config)  # GPT-2's n_inner, an MoE's top-k experts' together...
+    if intermediate is None:
         return None, "tiled MLP: the config names no intermediate_size; the run sizes its tile at its first MLP call"
     on_cpu = device is None or str(device).lower() == "cpu"
     memory = psutil.virtual_memory().available if on_cpu else parse_budget(device)

@@ -244,10 +244,12 @@ def test_tile_rule_is_a_share_of_the_budget_above_the_launch_floor():
 
 
 def test_a_model_without_a_recognised_mlp_is_refused_in_one_line():
-    from transformers import GPT2Config, GPT2LMHeadModel
+    """OPT keeps its MLP's projections on the layer itself (no MLP module to wrap); test_tiled_mlp_kinds.py: more."""
+    from transformers import OPTConfig, OPTForCausalLM
 
-    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100))
-    with pytest.raises(ValueError, match=r"^`tiled_mlp=True` tiles .*GPT2LMHeadModel .*`tiled_mlp=False`\.$"):
+    model = OPTForCausalLM(OPTConfig(hidden_size=32, ffn_dim=64, num_hidden_layers=1, num_attention_heads=2,
+                                     vocab_size=100, word_embed_proj_dim=32))
+    with pytest.raises(ValueError, match=r"^`tiled_mlp=True` tiles .*OPTForCausalLM .*`tiled_mlp=False`\.$"):
         install_tiled_mlp(model, TILE)
 
 

@@ -11,7 +11,7 @@ import logging
 
 import pytest
 from datasets import Dataset
-from transformers import GPT2Config, LlamaConfig, Qwen2MoeConfig
+from transformers import GPT2Config, LlamaConfig, OPTConfig, Qwen2MoeConfig
 
 from leantune.memory.tiled_mlp import TiledMLP
 from leantune.planning import plan_memory
@@ -39,11 +39,14 @@ def tiled_candidates(config, fields, **facts) -> list:
 def test_tiled_mlp_is_offered_only_for_models_whose_mlps_it_tiles():
     llama = LlamaConfig(**LLAMA)
     assert tiled_candidates(llama, FIELDS)  # gate/up/down per token
-    # negative controls: GPT-2's MLP (no decoder layer with `self_attn`) and a mixture of experts (router + experts)
+    # GPT-2's non-gated MLP and a mixture of experts' experts tile too (memory/mlp_kinds.py); negative control: OPT's
+    # MLP projections live on the layer itself, no MLP module to wrap
     gpt2 = GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=1000)
     moe = Qwen2MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, num_experts=4, vocab_size=1000)
-    assert tiled_candidates(gpt2, FIELDS) == [] and tiled_candidates(moe, FIELDS) == []
+    opt = OPTConfig(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=1000,
+                    word_embed_proj_dim=64)
+    assert tiled_candidates(gpt2, FIELDS) and tiled_candidates(moe, FIELDS) and tiled_candidates(opt, FIELDS) == []
     # a run that has it on already keeps it (KEEP: the search never turns a technique the run set off)
     assert tiled_candidates(llama, {**FIELDS, "tiled_mlp": True}) and all(
         c.fields["tiled_mlp"] for c in candidates("sft", {**FIELDS, "tiled_mlp": True}, None, 1,
