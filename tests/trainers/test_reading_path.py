@@ -4,8 +4,9 @@ measures it). Issue 36's target is at most 1,200 lines in at most 15 files. On 2
 lines in 21 files to 1,328 lines in 18: one job per file (the round's prompt sampler in round_builder.py, the
 advantages in policy_gradient.py, the NaN/inf guard and the out-of-memory retry in step_guards.py), and what every
 round shares made once when the trainer is built (the transformers backend and its GenerationConfig, the reward
-functions' logging callbacks). This test holds what is reached (no file may come back, lines within 12 of it) and
-names the target it has not met."""
+functions' logging callbacks); then 1,311 with the shared-prompt block layout built with the batch (data/collators.py)
+instead of in the first layer's attention. This test holds what is reached (no file may come back, lines within 12
+of it) and names the target it has not met."""
 
 from __future__ import annotations
 
@@ -31,4 +32,4 @@ def test_grpo_step_reads_only_what_it_needs():
     entered = {path.split("leantune/", 1)[1] for path in spans}
     assert not entered & set(FEATURE_OFF_FILES), sorted(entered & set(FEATURE_OFF_FILES))
     # Reached so far, held (issue 36's target, 1,200 lines in 15 files, is not met yet: see the module docstring).
-    assert counts["function_lines"] <= 1340 and counts["files"] <= 18, counts
+    assert counts["function_lines"] <= 1323 and counts["files"] <= 18, counts
