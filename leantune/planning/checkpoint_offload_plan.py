@@ -112,7 +112,7 @@ def with_offload(plan, fields: dict, config, extrapolated: bool, device, host_me
     if value is None:  # activation offloading's host (a CUDA run's: its trace moved them, planner.py), if on
         plan.activation_host_bytes = traced_host if fields.get("activation_offloading") else 0
         available = host_limit_of(host_memory) if zero_host or plan.activation_host_bytes else 0
-        check_run_host(plan.activation_host_bytes, zero_host, available, "`activation_offloading`'s activations")
+        check_run_host(plan.activation_host_bytes, zero_host, available, "offloaded activations")
         return
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     layers = int(getattr(text, "num_hidden_layers", 0) or 0)  # the model's (a multimodal one's text decoder)
@@ -171,6 +171,10 @@ def check_run_host(offload_bytes: int, zero_bytes: int, available: int, offloade
         return
     if offload_bytes + zero_bytes <= available:
         return
+    if not zero_bytes:  # the numbers first: a candidate's line keeps the first 120 characters (recommend.py)
+        raise ValueError(f"`activation_offloading` needs {offload_bytes / 2**30:.2f} GiB of host memory for "
+                         f"{offloaded}, and the host has {available / 2**30:.2f} GiB available; turn "
+                         f"`activation_offloading` off or free host memory.")
     held = [f"{zero_bytes / 2**30:.2f} GiB for ZeRO-Offload's fp32 master weights, optimizer states and gradient "
             f"partition"] if zero_bytes else []
     held += [f"{offload_bytes / 2**30:.2f} GiB for {offloaded}"] if offload_bytes else []

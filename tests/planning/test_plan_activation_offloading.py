@@ -106,8 +106,9 @@ def test_a_gpu_plan_moves_what_the_offloader_moves_to_the_host(checkpointing, to
 def test_a_host_that_cannot_hold_the_offloaded_activations_is_refused_naming_both_numbers(tokenizer, gsm8k_rows):
     from leantune.planning import plan_memory
 
-    with pytest.raises(ValueError, match=r"needs ([0-9.]+) GiB of host memory .*`activation_offloading`.* has "
-                                         r"([0-9.]+) GiB available; turn `activation_offloading` off"):
+    with pytest.raises(ValueError, match=r"^`activation_offloading` needs ([0-9.]+) GiB of host memory for "
+                                         r"offloaded activations, and the host has ([0-9.]+) GiB available; turn "
+                                         r"`activation_offloading` off"):
         plan_memory(small_config(), cut_rows(gsm8k_rows, ROWS), "sft", processing_class=tokenizer,
                     device="24GiB", measured_step=False, host_memory=1000, **run_fields(True, True))
 
