@@ -102,6 +102,26 @@ def test_a_gpu_plan_moves_what_the_offloader_moves_to_the_host(checkpointing, to
     assert any("activation offloading: " in line for line in on.lines())
 
 
+def test_an_extrapolated_plan_equals_the_whole_trace(tokenizer, gsm8k_rows, monkeypatch):
+    """A 6-layer model is traced with 2, 3 and 4 layers and extrapolated: each layer adds the same moved bytes to the
+    host and takes the same off the device, so the plan equals the trace of all 6 layers, to the byte."""
+    from leantune.planning import planner
+
+    config = small_config()
+    config.num_hidden_layers = 6
+
+    def plan():
+        return planner.plan_memory(config, cut_rows(gsm8k_rows, ROWS), "sft", processing_class=tokenizer,
+                                   device="24GiB", measured_step=False, **run_fields(True, True))
+
+    extrapolated = plan()
+    assert any("extrapolated" in note for note in extrapolated.notes)
+    monkeypatch.setattr(planner, "_layer_count", lambda config: None)  # all 6 layers traced
+    whole = plan()
+    assert extrapolated.peak_bytes == whole.peak_bytes
+    assert extrapolated.activation_host_bytes == whole.activation_host_bytes > 0
+
+
 @pytest.mark.quick
 def test_a_host_that_cannot_hold_the_offloaded_activations_is_refused_naming_both_numbers(tokenizer, gsm8k_rows):
     from leantune.planning import plan_memory
