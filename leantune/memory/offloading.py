@@ -45,6 +45,12 @@ during the forward. Trainers run only the backbone (decoder stack) inside this c
 outside it, so no tensor a fused loss touches is ever offloaded; trainers log `OFFLOADING_SCOPE_MESSAGE` once
 (`log_offloading_scope`). Gradient checkpointing (non-reentrant) saves each checkpointed layer's inputs through these
 hooks, so those inputs are offloaded; the recomputation in backward happens outside the context.
+
+The planner's fake step (planning/). A plan of a CUDA run traces fake tensors on the CPU; while `planned_host` holds
+a ledger (planning/planned_run.py's session of a GPU plan), a fake tensor stands for the CUDA activation the run would
+save, and the same rules offload it: it leaves the traced device, its host copy is its pinned block in the ledger
+(`pinned_bytes`, as the run's pinned allocator takes it), and it comes back, and is prefetched, as an empty fake of
+its shape. Without a ledger (a plan of a CPU run, where nothing is offloaded) fake tensors are kept, as any subclass.
 """
 
 from __future__ import annotations
@@ -58,6 +64,9 @@ from collections import deque
 from typing import Self
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
+
+from .checkpoint_offload import HostLedger, pinned_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +77,14 @@ OFFLOADING_SCOPE_MESSAGE = (
 _scope_logged: set[str] = set()
 
 _DENSE, _GAPPED, _OVERLAPPING = "dense", "gapped", "overlapping"
+
+# The host of a plan's CUDA run (the module docstring): set by the planner while it traces one, else None.
+planned_host: HostLedger | None = None
+
+
+def _stands_for_cuda(tensor: torch.Tensor) -> bool:
+    """A fake tensor of a plan's CUDA run: offloaded by the rules a CUDA activation is."""
+    return planned_host is not None and isinstance(tensor, FakeTensor)
 
 
 def log_offloading_scope(log: logging.Logger | None = None) -> str:
@@ -111,8 +128,8 @@ def _new_stats() -> dict:
 class _Saved:
     """What autograd stores for one saved tensor: the tensor on device, or its copy until backward needs it."""
 
-    __slots__ = ("__weakref__", "base_ref", "d2h_event", "device", "host", "index", "offloaded", "prefetched",
-                 "session", "size", "stride", "tensor", "version")
+    __slots__ = ("__weakref__", "base_ref", "d2h_event", "device", "host", "host_size", "index", "like", "offloaded",
+                 "prefetched", "session", "size", "stride", "tensor", "version")
 
     def __init__(self, index: int, session: _Session, tensor: torch.Tensor):
         self.index, self.session = index, session
@@ -121,6 +138,7 @@ class _Saved:
         self.version = tensor._version
         self.offloaded = False
         self.base_ref = self.host = self.d2h_event = self.prefetched = None
+        self.like, self.host_size = None, 0  # a plan's fake tensor: an empty fake to come back from, its host block
         self.device, self.size, self.stride = tensor.device, tensor.shape, tensor.stride()
 
 
@@ -225,7 +243,10 @@ class ActivationOffloader:
 
     def _keep_reason(self, tensor: torch.Tensor, session: _Session) -> str | None:
         """Why this saved tensor stays on device, or None to offload it."""
-        if type(tensor) is not torch.Tensor:
+        planned = _stands_for_cuda(tensor)  # a plan's fake activation: judged as the plain tensor it stands for
+        if planned and isinstance(tensor, torch.nn.Parameter):
+            return "parameter"
+        if type(tensor) is not torch.Tensor and not planned:
             return "parameter" if isinstance(tensor, torch.nn.Parameter) else "subclass"
         if tensor.layout != torch.strided or tensor.is_nested or tensor.is_quantized or tensor.is_meta:
             return "layout"
@@ -243,13 +264,27 @@ class ActivationOffloader:
         """Where the copy goes: the explicit device, else the CPU for CUDA activations (nothing gained otherwise)."""
         if self.offload_device is not None:
             return self.offload_device
-        return torch.device("cpu") if tensor.is_cuda else None
+        return torch.device("cpu") if tensor.is_cuda or _stands_for_cuda(tensor) else None
 
     def _offload(self, handle: _Saved, session: _Session) -> None:
         source = handle.tensor
         if source._version != handle.version:  # modified in place since saved: let _unpack report it
             session.keep("modified")
             return
+        if _stands_for_cuda(source):  # a plan's trace: no values to copy, the host holds its pinned block
+            handle.like = source.new_empty((0,))
+            handle.host_size = pinned_bytes(source.numel() * source.element_size())
+            planned_host.add(handle.host_size)
+        else:
+            handle.host = self._copy_out(handle, source, session)
+        handle.tensor, handle.offloaded = None, True
+        session.offloaded.append(weakref.ref(handle))
+        session.offloaded_indices.append(handle.index)
+        session.stats["tensors_offloaded"] += 1
+        session.stats["bytes_offloaded"] += source.numel() * source.element_size()
+
+    def _copy_out(self, handle: _Saved, source: torch.Tensor, session: _Session) -> torch.Tensor:
+        """The host copy of `source` (asynchronous on a side stream with streams on CUDA)."""
         target = self._target(source)
         pin = source.is_cuda and target.type == "cpu"
         if _layout(source) == _DENSE:
@@ -268,11 +303,7 @@ class ActivationOffloader:
             session.in_flight = [item for item in session.in_flight if not item[1].query()]
         else:
             host.copy_(source)
-        handle.host, handle.tensor, handle.offloaded = host, None, True
-        session.offloaded.append(weakref.ref(handle))
-        session.offloaded_indices.append(handle.index)
-        session.stats["tensors_offloaded"] += 1
-        session.stats["bytes_offloaded"] += source.numel() * source.element_size()
+        return host
 
     def _stream_pair(self, device: torch.device) -> tuple:
         if device not in self._streams:
@@ -298,9 +329,12 @@ class ActivationOffloader:
         if handle.prefetched is not None:
             tensor, event = handle.prefetched
             handle.prefetched = None
-            compute = torch.cuda.current_stream(handle.device)
-            compute.wait_event(event)
-            tensor.record_stream(compute)  # allocated on the prefetch stream, used on this one
+            if event is not None:
+                compute = torch.cuda.current_stream(handle.device)
+                compute.wait_event(event)
+                tensor.record_stream(compute)  # allocated on the prefetch stream, used on this one
+        elif handle.like is not None:  # a plan's fake: the device memory a copy back takes
+            tensor = handle.like.new_empty_strided(handle.size, handle.stride)
         else:
             tensor = torch.empty_strided(handle.size, handle.stride, dtype=handle.host.dtype, device=handle.device)
             if handle.d2h_event is not None:
@@ -312,13 +346,21 @@ class ActivationOffloader:
         stats["tensors_reloaded"] += 1
         stats["bytes_reloaded"] += tensor.numel() * tensor.element_size()
         handle.host = None  # pinned blocks used by async copies are recorded by PyTorch's host allocator
-        if handle.d2h_event is not None:  # streams: start bringing back what backward needs next
+        if handle.host_size and planned_host is not None:
+            planned_host.remove(handle.host_size)
+            handle.host_size = 0
+        # streams (a plan's CUDA run has them as the run would): start bringing back what backward needs next
+        if handle.d2h_event is not None or (handle.like is not None and self.use_streams):
             for other in _prefetch_candidates(handle.session, handle.index, self.prefetch):
                 if other.prefetched is None:
                     self._start_prefetch(other)
         return tensor
 
     def _start_prefetch(self, handle: _Saved) -> None:
+        if handle.like is not None:  # a plan's fake: allocated now, as the run's copy in would be
+            handle.prefetched = (handle.like.new_empty_strided(handle.size, handle.stride), None)
+            handle.session.stats["tensors_prefetched"] += 1
+            return
         stream = self._stream_pair(handle.device)[1]
         stream.wait_event(handle.d2h_event)
         with torch.cuda.stream(stream):

@@ -19,6 +19,7 @@ import re
 
 import torch
 
+from ..memory import offloading
 from ..memory.checkpoint_offload import AUTO, auto_layers, check_host_memory, host_available_bytes, pinned_bytes
 from ..methods import PREFERENCE_DATA
 from ..metrics.devices import GPUS, parse_budget
@@ -106,18 +107,20 @@ def with_offload(plan, fields: dict, config, extrapolated: bool, device, host_me
     plan: pinned host blocks; "auto" fits it), "cpu" or None for this machine (without CUDA its memory is the host's
     too: the inputs count on the device as before, and the plan equals what the CPU allocator measures)."""
     value = requested(fields)
-    if value is None:
-        check_run_host(0, zero_host, host_limit_of(host_memory) if zero_host else 0)
-        return
     steps = [plan.worst, plan.measured_step, plan.any_order]
     traced_host = max(step.host_bytes for step in steps if step is not None)
+    if value is None:  # activation offloading's host (a CUDA run's: its trace moved them, planner.py), if on
+        plan.activation_host_bytes = traced_host if fields.get("activation_offloading") else 0
+        available = host_limit_of(host_memory) if zero_host or plan.activation_host_bytes else 0
+        check_run_host(plan.activation_host_bytes, zero_host, available, "offloaded activations")
+        return
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     layers = int(getattr(text, "num_hidden_layers", 0) or 0)  # the model's (a multimodal one's text decoder)
     traced_layers = layers - 1 if (extrapolated or value == AUTO) else (
         int(value) if int(value) >= 0 else layers + int(value))
-    sized = device is not None and (str(device).lower() in GPUS or re.match(r"[0-9]", str(device)) is not None)
+    sized = _sized(device)
     budget = parse_budget(device) if sized else None
-    same_memory = not sized and (str(device).lower() == "cpu" or not torch.cuda.is_available())
+    same_memory = not plans_cuda_run(device)
     offload = plan_offload(fields, layers, traced_layers, traced_host, plan.device_total_bytes, budget,
                            not same_memory, host_limit_of(host_memory), zero_host)
     if offload is None:
@@ -133,29 +136,52 @@ def with_offload(plan, fields: dict, config, extrapolated: bool, device, host_me
     check_run_host(offload.host_bytes, zero_host, offload.host_available)
 
 
+def _sized(device) -> bool:
+    """A plan for a GPU named or sized (`--device h100`, "24GiB"), not for this machine."""
+    return device is not None and (str(device).lower() in GPUS or re.match(r"[0-9]", str(device)) is not None)
+
+
+def plans_cuda_run(device) -> bool:
+    """Whether the plan is of a run on CUDA (a GPU named or sized, or this machine's GPU): its offloads copy to a host
+    apart, in pinned blocks; else the run is on this CPU, whose memory is the host too."""
+    return _sized(device) or (str(device).lower() != "cpu" and torch.cuda.is_available())
+
+
 def host_peak(trainer) -> int:
-    """The traced model's offload ledger at its peak since the last call (then restarted); 0 without an offload."""
+    """The trace's offload ledger at its peak since the last call (then restarted): the traced model's checkpoint
+    offload, or a CUDA plan's activation offloading (memory/offloading.py's `planned_host`); 0 without an offload."""
+    peak = 0
     offloader = getattr(trainer.model, "checkpoint_offloader", None)
-    if offloader is None:
-        return 0
-    peak = offloader.ledger.peak_bytes
-    offloader.ledger.reset()
+    for ledger in (offloader.ledger if offloader is not None else None, offloading.planned_host):
+        if ledger is not None:
+            peak += ledger.peak_bytes
+            ledger.reset()
     return peak
 
 
-def check_run_host(offload_bytes: int, zero_bytes: int, available: int) -> None:
-    """A run whose host memory, the offloaded layer inputs and ZeRO-Offload's (`offload_optimizer.device: cpu`)
-    fp32 master weights, optimizer states and gradient partition together, exceeds the host: refused in one line
-    naming both numbers."""
-    if not zero_bytes:
+LAYER_INPUTS = "`checkpoint_offload_layers`' inputs"
+
+
+def check_run_host(offload_bytes: int, zero_bytes: int, available: int, offloaded: str = LAYER_INPUTS) -> None:
+    """A run whose host memory, the offloaded bytes (`offloaded`: whose, the layer inputs or the activations) and
+    ZeRO-Offload's (`offload_optimizer.device: cpu`) fp32 master weights, optimizer states and gradient partition
+    together, exceeds the host: refused in one line naming both numbers."""
+    if not zero_bytes and offloaded == LAYER_INPUTS:
         check_host_memory(offload_bytes, available)
         return
-    if offload_bytes + zero_bytes > available:
-        inputs = f" and {offload_bytes / 2**30:.2f} GiB for `checkpoint_offload_layers`' inputs" if offload_bytes else ""
-        raise ValueError(f"the run needs {(offload_bytes + zero_bytes) / 2**30:.2f} GiB of host memory ("
-                         f"{zero_bytes / 2**30:.2f} GiB for ZeRO-Offload's fp32 master weights, optimizer states and "
-                         f"gradient partition{inputs}), and the host has {available / 2**30:.2f} GiB available; "
-                         f"offload fewer layers, keep the optimizer on the device, or free host memory.")
+    if offload_bytes + zero_bytes <= available:
+        return
+    if not zero_bytes:  # the numbers first: a candidate's line keeps the first 120 characters (recommend.py)
+        raise ValueError(f"`activation_offloading` needs {offload_bytes / 2**30:.2f} GiB of host memory for "
+                         f"{offloaded}, and the host has {available / 2**30:.2f} GiB available; turn "
+                         f"`activation_offloading` off or free host memory.")
+    held = [f"{zero_bytes / 2**30:.2f} GiB for ZeRO-Offload's fp32 master weights, optimizer states and gradient "
+            f"partition"] if zero_bytes else []
+    held += [f"{offload_bytes / 2**30:.2f} GiB for {offloaded}"] if offload_bytes else []
+    fewer = "offload fewer layers" if offloaded == LAYER_INPUTS else "turn `activation_offloading` off"
+    raise ValueError(f"the run needs {(offload_bytes + zero_bytes) / 2**30:.2f} GiB of host memory ({' and '.join(held)}"
+                     f"), and the host has {available / 2**30:.2f} GiB available; {fewer}"
+                     f"{', keep the optimizer on the device,' if zero_bytes else ''} or free host memory.")
 
 
 def with_kept_inputs(step, added: int):

@@ -17,6 +17,7 @@ from .. import methods
 from ..generation import transformers_backend
 from ..losses.chunk_order import repeated_chunks_skipped
 from ..memory import offloading
+from ..memory.checkpoint_offload import HostLedger
 from ..metrics.memory_breakdown import MemoryBreakdown
 from ..models.loading import parse_kwargs
 from .fake_step import (
@@ -38,7 +39,7 @@ class TracedStep:
     micro_batch: int | None = None  # its micro-batch within that step (0-based), with gradient accumulation
     any_order: bool = False  # the longest rows together (planning/any_order.py): no step, a bound of every order
     backward_beside_gradients: dict[str, int] | None = None  # MemoryBreakdown's: ZeRO-2's backward (zero.py)
-    host_bytes: int = 0  # checkpoint offload's host ledger at its peak (checkpoint_offload_plan.py)
+    host_bytes: int = 0  # the offload's host ledger at its peak: checkpoint offload's or activation offloading's
 
     @classmethod
     def of(cls, breakdown: MemoryBreakdown, batch: str, step=None, micro_batch=None, host_bytes: int = 0) -> TracedStep:
@@ -103,11 +104,14 @@ SKIP_REPEATED_CHUNKS = True
 
 
 @contextlib.contextmanager
-def planning_session():
+def planning_session(cuda_host: bool = False):
     """The dispatch mode of fake weights, the module conversion it needs, generation that runs to its length limit
-    with nothing to decode from fake tokens, and chunked losses without their repeated chunks."""
+    with nothing to decode from fake tokens, and chunked losses without their repeated chunks. `cuda_host`: the plan
+    is of a CUDA run, whose activation offloading moves fake activations to a host ledger (memory/offloading.py's
+    `planned_host`), as the run moves its activations to pinned host memory."""
     mode = WeightlessMode()
     storage_ptr = offloading._storage_ptr
+    offloading.planned_host = HostLedger() if cuda_host else None
     # a fake storage has no address (reading one is undefined behaviour): offloading keeps such tensors as it does
     # any subclass without a plain storage
     offloading._storage_ptr = lambda tensor: None if is_fake_tensor(tensor) else storage_ptr(tensor)
@@ -117,6 +121,7 @@ def planning_session():
             yield mode
     finally:
         offloading._storage_ptr = storage_ptr
+        offloading.planned_host = None
 
 
 @contextlib.contextmanager

@@ -32,7 +32,7 @@ from ..metrics.devices import device_terms
 from ..metrics.memory_breakdown import MIB, PARTS
 from . import zero as zero_plan
 from .any_order import longest_rows_batches
-from .checkpoint_offload_plan import OffloadPlan, host_peak, traced_fields, with_offload
+from .checkpoint_offload_plan import OffloadPlan, host_peak, plans_cuda_run, traced_fields, with_offload
 from .engines import check_engine, per_rank_notes
 from .fake_step import (
     WeightlessMode,
@@ -86,6 +86,7 @@ class MemoryPlan:
     seconds: float = 0.0
     generation: GenerationRound | None = None  # an online method's round (planning/generation_round.py)
     offload: OffloadPlan | None = None  # checkpoint offload's layers and host bytes (checkpoint_offload_plan.py)
+    activation_host_bytes: int = 0  # activation offloading's pinned host blocks at their peak (a CUDA run's)
 
     @property
     def peak_bytes(self) -> int:
@@ -115,6 +116,7 @@ class MemoryPlan:
             "device_total_bytes": self.device_total_bytes, "config": self.config, "seconds": self.seconds,
             "generation": dataclasses.asdict(self.generation) if self.generation else None,
             "offload": dataclasses.asdict(self.offload) if self.offload else None,
+            "activation_host_bytes": self.activation_host_bytes,
         }
 
     def lines(self, timing: bool = True) -> list[str]:
@@ -139,6 +141,9 @@ class MemoryPlan:
             out += self.generation.lines()
         if self.offload is not None:
             out += self.offload.lines()
+        if self.activation_host_bytes:
+            out.append(f"activation offloading: the saved activations it moves wait in pinned host memory, "
+                       f"{_mib(self.activation_host_bytes)} at most (not on the device above)")
         if self.terms:
             out.append("on the device, beyond the traced tensors (docs/plan.md):")
             out += [f"  {term.name:<30} {_mib(term.bytes)}  ({term.source})" for term in self.terms]
@@ -272,19 +277,21 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
     if zero is not None:
         engine_context.enter_context(zero_plan.deepspeed_init_off())
     launch = contextlib.ExitStack()  # a rank of a traced launch (planning/sharded.py), for the traces only
+    cuda_host = plans_cuda_run(device)  # activation offloading moves activations to the host only from CUDA
     try:
         launch.enter_context(traced_launch(engine, num_processes, rank, device))
         layers = _layer_count(config)
         if layers is not None and layers > LAYERS_TRACED[-1]:
             runs = [_trace(_with_layers(config, count), trainer_class, config_class, train_dataset,
-                           traced_fields(fields, True), trainer_kwargs, measured_step, max_batches, shard, dtype, **quantized) for count in LAYERS_TRACED]
+                           traced_fields(fields, True), trainer_kwargs, measured_step, max_batches, shard, dtype,
+                           cuda_host=cuda_host, **quantized) for count in LAYERS_TRACED]
             regrouped = []
             extrapolated = _extrapolate(runs, layers, regrouped)
             offload_extrapolated = extrapolated is not None
             if extrapolated is None:
                 notes.append(f"per-layer growth not exactly linear over {LAYERS_TRACED} layers: all {layers} traced")
                 result = _trace(config, trainer_class, config_class, train_dataset, traced_fields(fields, False),
-                                trainer_kwargs, measured_step, max_batches, shard, dtype, **quantized)
+                                trainer_kwargs, measured_step, max_batches, shard, dtype, cuda_host=cuda_host, **quantized)
             else:
                 result = extrapolated
                 notes.append(f"traced with {', '.join(map(str, LAYERS_TRACED))} of the {layers} layers; every part "
@@ -296,7 +303,7 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
         else:
             offload_extrapolated = False
             result = _trace(config, trainer_class, config_class, train_dataset, traced_fields(fields, False),
-                            trainer_kwargs, measured_step, max_batches, shard, dtype, **quantized)
+                            trainer_kwargs, measured_step, max_batches, shard, dtype, cuda_host=cuda_host, **quantized)
     finally:
         launch.close()
         logging.getLogger("leantune").setLevel(logging_level)
@@ -331,12 +338,12 @@ LAYERS_TRACED = (2, 3, 4)  # a 1-layer model peaks elsewhere in the step (measur
 
 
 def _trace(config, trainer_class, config_class, train_dataset, fields, trainer_kwargs, measured_step, max_batches,
-           shard=None, dtype=torch.float32, quantization=None):
+           shard=None, dtype=torch.float32, quantization=None, cuda_host=False):
     """(parameters, trainable parameters, the trainer's own second step or None, [traced worst candidates], an online
-    method's round shape or None)."""
+    method's round shape or None). `cuda_host`: a CUDA run's plan (its activation offloading moves to the host)."""
     # PEFT resolves "all-linear" in the config it is given to this model's module names: each trace gets a copy
     trainer_kwargs = {**trainer_kwargs, "peft_config": copy.deepcopy(trainer_kwargs.get("peft_config"))}
-    with planning_session() as mode:
+    with planning_session(cuda_host) as mode:
         fake = fake_model_from_config(config, mode, model_class_of(trainer_class), dtype)
         if quantization is not None:
             fake = quantize_fake_model(fake, quantization, mode)
