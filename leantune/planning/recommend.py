@@ -331,23 +331,15 @@ def recommend(plan, budget: int, model, train_dataset, trainer_class, peft_confi
 
 def most_frugal(ranked: list[Candidate]) -> Candidate | None:
     """The candidate that saves the most (checkpointing, the layer inputs offloaded, the tiled MLP, the smallest
-    micro-batch and loss chunk, no padding): its peak is the least this run can need. Of the two offloads, which
-    cannot be on together, checkpoint offload: its "auto" moves as many layer inputs as the budget needs and the host
-    holds, at less cost. Activation offloading moves every one, the last layer's too, but only if the host holds them
-    all at once: the search from the frugal end tries it where this does not fit (`_activation_offloading_twin`)."""
+    micro-batch and loss chunk, no padding): if it does not fit, nothing does, and its peak is the least this run can
+    need. Of the two offloads, which cannot be on together, checkpoint offload: the same layer inputs leave the
+    device, and its host memory is planned and held to the host (activation offloading's is not)."""
     return min(ranked, default=None, key=lambda c: (
         not c.fields["gradient_checkpointing"],
         not (c.fields["activation_offloading"] or c.fields.get("checkpoint_offload_layers")),
         not c.fields.get("tiled_mlp"), not c.fields.get("optimizer_in_backward"),
         c.fields["per_device_train_batch_size"], c.fields.get("loss_chunk_size") or 1 << 40,
         not (c.fields.get("packing") or c.fields.get("padding_free")), not c.fields.get("checkpoint_offload_layers")))
-
-
-def _activation_offloading_twin(key: tuple, given: dict) -> tuple:
-    """The key of a candidate with activation offloading on in place of its checkpoint offload (`most_frugal`)."""
-    fields = dict(key)
-    fields.update(activation_offloading=True, checkpoint_offload_layers=given.get("checkpoint_offload_layers"))
-    return tuple(fields.items())
 
 
 def _key(fields: dict) -> tuple:
@@ -406,10 +398,7 @@ def _backed_off(result: Recommendation, ranked: list[Candidate], frugal: Candida
         return candidate.total_bytes is not None and candidate.total_bytes <= result.budget
 
     if not fits(frugal, floor):
-        twin = by_key.get(_activation_offloading_twin(key_of[id(frugal)], given))
-        if twin is None or twin is frugal or not fits(twin, floor):
-            return result
-        frugal = twin
+        return result
     answer, tried = frugal, set()
     while True:
         moves = [(name, by_key.get(tuple(fields.items()))) for name, fields in

@@ -156,32 +156,3 @@ def test_a_cpu_plan_moves_nothing_and_equals_the_measured_step(tokenizer, gsm8k_
     measured = measured_breakdown(SFTTrainer, SFTConfig, LlamaForCausalLM(small_config()).float(), dataset, tokenizer,
                                   fields)
     assert abs(on.measured_step.peak_bytes - measured.peak_bytes) <= 0.02 * measured.peak_bytes
-
-
-@pytest.mark.quick
-def test_the_frugal_end_tries_activation_offloading_where_checkpoint_offload_does_not_fit():
-    """The search from the frugal end starts with checkpoint offload ("auto": as many layer inputs as needed, never the
-    last layer's); where that does not fit, activation offloading, which also moves the last layer's input, may: it is
-    tried before "none fits". The plans are stood in for by their totals (the search's `plan_at` seam): here only
-    checkpointing with activation offloading fits."""
-    from types import SimpleNamespace
-
-    from leantune.planning.recommend import Recommendation, _backed_off, candidates, most_frugal
-    from leantune.planning.run_facts import RunFacts
-
-    fields = dict(per_device_train_batch_size=1, max_length=2048, padding_free=True)
-    ranked = candidates("sft", fields, None, 1, RunFacts("sft", small_config(), fields))
-    frugal = most_frugal(ranked)
-    assert frugal.fields["checkpoint_offload_layers"] == "auto" and not frugal.fields["activation_offloading"]
-
-    def plan_at(candidate):
-        moved = candidate.fields["activation_offloading"] and candidate.fields["gradient_checkpointing"]
-        return SimpleNamespace(peak_bytes=90 if moved else 150, device_total_bytes=90 if moved else 150, offload=None)
-
-    found = _backed_off(Recommendation(100), ranked, frugal, fields, plan_at, 256,
-                        lambda grown, planned: (grown["tiled_mlp_tile_size"], planned), limit=8)
-    first, twin = found.considered[:2]
-    assert first is frugal and first.total_bytes == 150
-    assert twin.fields["activation_offloading"] and not twin.fields.get("checkpoint_offload_layers")
-    assert found.chosen is not None and found.chosen.total_bytes == 90
-    assert found.chosen.fields["activation_offloading"] and found.chosen.fields["gradient_checkpointing"]
