@@ -196,7 +196,8 @@ def test_a_dropped_tile_is_seen(kind, monkeypatch):
     monkeypatch.setattr(tiled_mlp_module, "chunk_starts", dropping_second)
     install_tiled_mlp(model, TILE)
     tiled = losses_and_grads(model, token_ids(2, 40, 5))
-    assert max_rel_diff(tiled[3], untiled[3]) > 1e-2
+    # not `> 1e-2`: the dropped tile's rows are never written, so they may hold NaN (uninitialised memory)
+    assert not max_rel_diff(tiled[3], untiled[3]) <= 1e-2
     with pytest.raises(AssertionError):
         assert_exact(tiled, untiled)
 
