@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
+from leantune.memory.checkpoint_offload import unsupported_by_transformers
 from leantune.planning.zero import ParameterShapes, rank_terms, zero_settings
 
 pytestmark = pytest.mark.quick  # the quick tier (tests/quick_tier.py): this file's tests take seconds
@@ -117,33 +118,47 @@ HOST_NEEDS = re.compile(r"needs ([0-9.]+) GiB of host memory \(([0-9.]+) GiB for
                         r"([0-9.]+) GiB available")
 
 
-def test_zero_offloads_host_bytes_are_held_to_the_host_beside_checkpoint_offloads(tokenizer, gsm8k_rows):
-    """ZeRO-Offload's host bytes (the plan's note) feed the host check as checkpoint offload's do: a host that cannot
-    hold them is refused in one line naming both numbers, alone or beside the offloaded layer inputs."""
+def zero_offload_plan(tokenizer, gsm8k_rows, host_memory, **fields):
+    """The plan of a ZeRO-2 run with its optimizer states offloaded to the CPU (ZeRO-Offload), the host `host_memory`."""
     from leantune.planning import plan_memory
 
     from ..fixtures.data import gsm8k_prompt_completion
 
     offload = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}}
+    return plan_memory(CONFIG, gsm8k_prompt_completion(gsm8k_rows, 2), "sft", processing_class=tokenizer,
+                       engine="zero2", deepspeed=offload, max_length=64, per_device_train_batch_size=2,
+                       measured_step=False, host_memory=host_memory, **fields)
 
-    def plan(host_memory, **fields):
-        return plan_memory(CONFIG, gsm8k_prompt_completion(gsm8k_rows, 2), "sft", processing_class=tokenizer,
-                           engine="zero2", deepspeed=offload, max_length=64, per_device_train_batch_size=2,
-                           measured_step=False, host_memory=host_memory, **fields)
 
-    roomy = plan("128GiB")
-    note = next(n for n in roomy.notes if n.startswith("host memory (ZeRO-Offload"))
-    host = float(re.search(r"([0-9.]+) GiB", note).group(1))
+def zero_host_gib(tokenizer, gsm8k_rows) -> float:
+    """What the plan's note says ZeRO-Offload's states hold on the host, in GiB."""
+    note = next(n for n in zero_offload_plan(tokenizer, gsm8k_rows, "128GiB").notes
+                if n.startswith("host memory (ZeRO-Offload"))
+    return float(re.search(r"([0-9.]+) GiB", note).group(1))
+
+
+def test_zero_offloads_host_bytes_are_held_to_the_host(tokenizer, gsm8k_rows):
+    """ZeRO-Offload's host bytes (the plan's note) feed the host check as checkpoint offload's do: a host that cannot
+    hold them is refused in one line naming both numbers."""
+    host = zero_host_gib(tokenizer, gsm8k_rows)
     assert host > 0
     with pytest.raises(ValueError, match=HOST_NEEDS) as caught:
-        plan(f"{int(host * 2**30) // 2}B")  # half of what the states need
+        zero_offload_plan(tokenizer, gsm8k_rows, f"{int(host * 2**30) // 2}B")  # half of what the states need
     needed, zero, available = map(float, HOST_NEEDS.search(str(caught.value)).groups())
     assert needed == zero == pytest.approx(host, abs=0.01) and available < needed and "\n" not in str(caught.value)
-    # beside the offloaded inputs: the host holds the states, not both
-    with_inputs = plan("128GiB", checkpoint_offload_layers=1, gradient_checkpointing=True)
-    inputs = with_inputs.offload.host_bytes
+
+
+@pytest.mark.skipif(unsupported_by_transformers() is not None,
+                    reason="checkpoint offload is refused on this transformers (memory/checkpoint_offload.py)")
+def test_zero_offloads_host_bytes_are_held_to_the_host_beside_checkpoint_offloads(tokenizer, gsm8k_rows):
+    """Beside the offloaded layer inputs, the host must hold both: one that holds the states and half the inputs is
+    refused, naming the inputs."""
+    host = zero_host_gib(tokenizer, gsm8k_rows)
+    fields = {"checkpoint_offload_layers": 1, "gradient_checkpointing": True}
+    inputs = zero_offload_plan(tokenizer, gsm8k_rows, "128GiB", **fields).offload.host_bytes
+    assert inputs > 0
     with pytest.raises(ValueError, match=HOST_NEEDS) as caught:
-        plan(f"{int(host * 2**30) + inputs // 2}B", checkpoint_offload_layers=1, gradient_checkpointing=True)
+        zero_offload_plan(tokenizer, gsm8k_rows, f"{int(host * 2**30) + inputs // 2}B", **fields)
     assert "for `checkpoint_offload_layers`' inputs" in str(caught.value)
 
 
