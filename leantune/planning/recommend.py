@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..losses.token_logprobs import chunk_tokens_for
+from ..memory.checkpoint_offload import unsupported_by_transformers
 from ..methods import find
 from ..metrics.devices import GIB, MIB
 from ..models.checkpointing import checkpointing_setting
@@ -233,6 +234,13 @@ def _quarter_chunk(fields: dict, vocab_size: int | None):
     return max(16, chunk_tokens_for(vocab_size) // 4)
 
 
+def _checkpoint_offload(fields: dict, vocab_size: int | None):
+    """"auto" (the plan picks how many layers, planning/checkpoint_offload_plan.py, recorded as that number), where
+    the installed transformers lets the offload take each layer's input (a release that checkpoints a layer's whole
+    call refuses it: memory/checkpoint_offload.py)."""
+    return "auto" if unsupported_by_transformers() is None else None
+
+
 def _not_yet(name: str):
     """A switch the search turns on where the run has it off (one the run turned on stays on: KEEP)."""
     return lambda fields, vocab_size: None if fields.get(name) else True
@@ -245,8 +253,7 @@ TECHNIQUES = (
               "the activations saved for the backward wait in host memory"),
     Technique("loss_chunk_size", _quarter_chunk, SMALLER_CHUNK_COST,
               "the loss's fp32 logits are formed a quarter as many tokens at a time", KEEP),
-    # "auto": the plan picks how many (planning/checkpoint_offload_plan.py), recorded as that number
-    Technique("checkpoint_offload_layers", "auto", CHECKPOINT_OFFLOAD_COST,
+    Technique("checkpoint_offload_layers", _checkpoint_offload, CHECKPOINT_OFFLOAD_COST,
               "the first layers' checkpointed inputs wait in pinned host memory, as many as the plan needs to fit",
               KEEP, compatible=lambda on: on.get("gradient_checkpointing") and not on.get("activation_offloading")),
     Technique("tiled_mlp", _not_yet("tiled_mlp"), TILED_MLP_COST,

@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from leantune.memory.checkpoint_offload import unsupported_by_transformers
+
 from ..fixtures.paths import REPO
 
 SCRIPT = REPO / "bench" / "long_context_plan.py"
@@ -43,6 +45,8 @@ def test_activation_memory_and_ratios_are_the_quotients_of_the_reported_bytes():
     assert not summary["activation_target_met"] and not summary["longest_target_met"]
 
 
+@pytest.mark.skipif(unsupported_by_transformers() is not None,
+                    reason="the bench's leantune side offloads checkpointed inputs, refused on this transformers")
 def test_long_context_plan_cpu_path_tiny(tokenizer_dir, tmp_path):
     out = tmp_path / "long_context_plan.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
