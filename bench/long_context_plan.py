@@ -63,7 +63,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import MIB, library_versions, machine_description, markdown_table, quiet, source_state  # noqa: E402
+from bench.common import (  # noqa: E402
+    MIB,
+    library_versions,
+    machine_description,
+    markdown_table,
+    print_saved_report,
+    quiet,
+    source_state,
+)
 from bench.real_shapes import load_tokenizer, rows_dataset  # noqa: E402
 from devkit.longest_fitting import longest_fitting  # noqa: E402
 from leantune.memory.tiled_mlp import MIN_TILE_TOKENS  # noqa: E402
@@ -449,10 +457,7 @@ def main(argv=None) -> int:
     opts = parse_args(argv)
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' renamed gradient_checkpointing fields
     if opts.render:
-        report = json.loads(Path(opts.render).read_text())
-        report["summary"] = summarise(report)
-        print(render(report))
-        return 0
+        return print_saved_report(opts.render, summarise, render)
     from leantune.metrics.devices import parse_budget
 
     quiet()

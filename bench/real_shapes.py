@@ -55,6 +55,7 @@ from bench.common import (  # noqa: E402
     machine_description,
     markdown_table,
     peak_rss_bytes,
+    print_saved_report,
     quiet,
     release_memory,
     rss_bytes,
@@ -453,10 +454,7 @@ def main(argv=None) -> int:
     opts = parse_args(argv)
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' renamed gradient_checkpointing fields
     if opts.render:
-        report = json.loads(Path(opts.render).read_text())
-        report["summary"] = summarise(report)
-        print(render(report))
-        return 0
+        return print_saved_report(opts.render, summarise, render)
     if opts.child:
         result = measure(opts.child, opts.child_length, opts)
         Path(opts.child_out).write_text(json.dumps(result))
