@@ -1,6 +1,6 @@
 """The online methods (GRPO, RLOO, Online DPO, PPO) as one trainer made of parts (trainers/online/):
 
-- `GenerationSession` (generation_session.py): the backend, weight sync, sleep mode, each round's seeds;
+- `GenerationSession` (generation/sampling.py): the backend, weight sync, sleep mode, each round's seeds;
 - `RoundBuilder` (round_builder.py): prompt rows -> completions -> rewards -> scored micro-batches with the
   method's loss inputs; `RoundMetrics` (metrics/run_metrics.py): what a round reports;
 - `round_loader` (round_builder.py): each round's prompts, once per micro-batch trained on it;
@@ -25,7 +25,7 @@ from .. import methods
 from ..data.collators import MODEL_INPUTS
 from ..data.prompt_preparation import PROMPT_IDS, context_limit_of, prepare_prompt_dataset
 from ..data.streaming import is_stream
-from ..generation import SamplingSettings
+from ..generation import GenerationSession, SamplingSettings
 from ..generation.backend import TRANSFORMERS, backend_factory, check_backend_requirements
 from ..losses.token_logprobs import TargetScores, per_sequence_sum
 from ..metrics.run_metrics import RoundMetrics
@@ -33,7 +33,6 @@ from ..rewards import RewardFunctions
 from ..rollouts import AgentRollouts
 from .base import LeantuneTrainer
 from .online.evaluation import evaluate_rounds
-from .online.generation_session import GenerationSession
 from .online.round_builder import (
     LABELLED_TARGETS,
     SHARED_PROMPT_TARGETS,
@@ -47,7 +46,7 @@ from .online.round_builder import (
     round_loader,
 )
 from .parts.batches import deepspeed_float_dtype, on_device
-from .parts.context_parallel import ORDINAL_KEY, data_parallel_place
+from .parts.context_parallel import ORDINAL_KEY, data_parallel_place, generation_group
 from .parts.frozen_models import prepare_frozen_model
 from .reference import ReferenceModelMixin
 from .settings import generation_engine, generation_of, round_settings_of
@@ -192,7 +191,8 @@ class OnlineTrainer(OnlineMethod, ReferenceModelMixin, LeantuneTrainer):
                                             backend_factory(generation.engine, args, tokenizer, self.accelerator,
                                                             generation.cache_implementation), self.accelerator,
                                             policy=lambda: self.model_wrapped, step=lambda: self.state.global_step,
-                                            method=self.method)
+                                            method=self.method, rank=data_parallel_place(self.accelerator)[0],
+                                            in_group=generation_group(self.accelerator))
         if self.agent is not None:
             self.agent.bind(tokenizer, args, self.generation.sampling.eos_token_ids,
                             self.generation.context_limit(self._context_limit))

@@ -77,6 +77,12 @@ def from_group_first(accelerator, value):
     return box[0]
 
 
+def generation_group(accelerator):
+    """How a context-parallel group generates one round together (`generate_in_group`, as the generation session's
+    `in_group`); None without context parallelism."""
+    return functools.partial(generate_in_group, accelerator) if cp_size_of(accelerator) > 1 else None
+
+
 def generate_in_group(accelerator, model, generate):
     """`generate()` as a context-parallel group runs it: outside the ring (its hooks suspended), the group's first
     process's completions kept by all (see `ring_hooks_suspended`, `from_group_first`)."""
