@@ -116,8 +116,11 @@ class LeantuneTrainer(MethodHooks, TrainerAttributes, Trainer):
         self.context_parallel.check(type(self).__name__, self.context_parallel_loss is not None, self.model,
                                     self.compute_loss_func, self.layout.pad_to_multiple_of,
                                     self.context_parallel_problem(args))
-        self.step_loss = StepLoss(self.settings.step_loss, self.accelerator, self.context_parallel, self.model, self.items_in,
-                                  self.run_metrics.record)
+        # `accumulation`: the micro-batches a step's loss is spread over (read where an MoE router loss is added):
+        # gradient accumulation's, each in parts after an out-of-memory retry
+        self.step_loss = StepLoss(self.settings.step_loss, self.accelerator, self.context_parallel, self.model,
+                                  self.items_in, self.run_metrics.record, accumulation=lambda: getattr(
+                                      self, "current_gradient_accumulation_steps", 1) * self.oom_retry.parts)
         # the temperature the trainer's log-probs are of: the sampling one (GRPO, RLOO, PPO), else 1
         self.scoring_temperature = args.temperature if self.scores_at_temperature else 1.0
         self.logprobs = LogProbEngine(
@@ -203,14 +206,6 @@ class LeantuneTrainer(MethodHooks, TrainerAttributes, Trainer):
             return [], None
         batches = self.trained_batches(list(itertools.islice(epoch_iterator, num_batches)))
         return batches, self.step_loss.count(batches, device)
-
-    def normalise(self, loss_sum: torch.Tensor, local_count, num_items_in_batch,
-                  whole_sequences: bool = False) -> torch.Tensor:
-        """The micro-batch's loss: its summed loss over the step's item count, plus the router loss (parts/step_loss;
-        `whole_sequences`: a loss over sequence sums made whole across the context-parallel group)."""
-        accumulation = getattr(self, "current_gradient_accumulation_steps", 1) * self.oom_retry.parts
-        return self.step_loss.normalise(self.model, loss_sum, local_count, num_items_in_batch, accumulation,
-                                        whole_sequences)
 
     @property
     def generates_rounds(self) -> bool:

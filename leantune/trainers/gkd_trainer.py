@@ -194,7 +194,7 @@ class GKDTrainer(SFTTrainer):
                 loss_sum = chunked_jsd_sum(hidden, head, teacher_hidden, teacher_head, targets, beta,
                                            self.settings.head.loss_chunk_size)
         local_count = (labels != IGNORE_INDEX).sum() if shifted is not None else count_targets(labels)
-        loss = self.normalise(loss_sum, local_count, num_items_in_batch)
+        loss = self.step_loss.normalise(self.model, loss_sum, local_count, num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
 
     def context_parallel_problem(self, args) -> str | None:

@@ -291,8 +291,8 @@ class OnlineTrainer(OnlineMethod, ReferenceModelMixin, LeantuneTrainer):
         loss_sum, metrics = self.policy_loss(scores, sequence, batch)
         entropy = scores.entropy if scores.entropy is not None else torch.full_like(scores.logps, float("nan"))
         metrics["entropy"] = entropy.detach().mean()  # NaN without entropies or targets (left out of the logged mean)
-        loss = self.normalise(loss_sum, batch["loss_items"], num_items_in_batch,
-                              whole_sequences=split and self.context_parallel_loss == methods.SEQUENCE_SUMS)
+        loss = self.step_loss.normalise(self.model, loss_sum, batch["loss_items"], num_items_in_batch,
+                                        whole_sequences=split and self.context_parallel_loss == methods.SEQUENCE_SUMS)
         loss, added = self.regularised(loss, scores, batch, model)
         metrics.update(added)
         if split:  # each process's means over its part of the sequences -> the whole sequences' (one process's)

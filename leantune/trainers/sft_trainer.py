@@ -156,5 +156,5 @@ class SFTTrainer(LeantuneTrainer):
             metrics = self.context_parallel.whole_means(metrics, int(local_count))
         if metrics:
             self.run_metrics.record(model, **{name: value.reshape(1) for name, value in metrics.items()})
-        loss = self.normalise(loss_sum, local_count, num_items_in_batch)
+        loss = self.step_loss.normalise(self.model, loss_sum, local_count, num_items_in_batch)
         return (loss, outputs) if return_outputs else loss

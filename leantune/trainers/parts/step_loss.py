@@ -16,15 +16,17 @@ from ...models.output_head import unwrap_model
 
 class StepLoss:
     """Counts the step's items and divides each micro-batch's summed loss by them. `items_in(batch)` is the method's
-    count of one collated batch; `record` keeps a per-example metric (the logged `aux_loss`)."""
+    count of one collated batch; `record` keeps a per-example metric (the logged `aux_loss`); `accumulation()`: the
+    micro-batches the optimizer step's loss is spread over now."""
 
     def __init__(self, settings, accelerator, context_parallel, model, items_in: Callable[[dict], torch.Tensor],
-                 record: Callable[..., None]):
+                 record: Callable[..., None], accumulation: Callable[[], int] = lambda: 1):
         self.settings = settings  # StepLossSettings (trainers/settings.py)
         self.accelerator = accelerator
         self.context_parallel = context_parallel
         self.items_in = items_in
         self.record = record
+        self.accumulation = accumulation
         # TRL's attributes (kept on the trainer too): whether the router loss is added, and its weight
         self.router_loss_enabled, self.router_loss_coef = router_loss_settings(model, settings.router_aux_loss_coef)
         self._router_loss = None
@@ -51,10 +53,11 @@ class StepLoss:
             self._router_loss = aux if self._router_loss is None else self._router_loss + aux
 
     def normalise(self, model, loss_sum: torch.Tensor, local_count, num_items_in_batch,
-                  accumulation_steps: int = 1, whole_sequences: bool = False) -> torch.Tensor:
+                  whole_sequences: bool = False) -> torch.Tensor:
         """Divide a summed loss by the optimizer step's item count (the batch's own count outside training), and add
         the router loss of this micro-batch's policy forwards (every trainer's loss ends here). Under context
-        parallelism: `_normalised_in_ring`."""
+        parallelism: `_normalised_in_ring` (`whole_sequences`: a loss over sequence sums made whole across the
+        context-parallel group)."""
         if self.context_parallel.size > 1:
             loss = self._normalised_in_ring(model, loss_sum, local_count, num_items_in_batch, whole_sequences)
         elif num_items_in_batch is None or not model.training:
@@ -65,7 +68,7 @@ class StepLoss:
                 loss = loss * self.settings.world_size  # DDP averages gradients over processes
         if self._router_loss is None:  # no MoE router loss noted (always so for a dense model)
             return loss
-        return self._plus_router_loss(model, loss, accumulation_steps)
+        return self._plus_router_loss(model, loss)
 
     def _normalised_in_ring(self, model, loss_sum: torch.Tensor, local_count, num_items_in_batch,
                             whole_sequences: bool) -> torch.Tensor:
@@ -95,11 +98,11 @@ class StepLoss:
             loss = loss * self.settings.world_size  # DDP averages gradients over processes
         return loss
 
-    def _plus_router_loss(self, model, loss: torch.Tensor, accumulation_steps: int) -> torch.Tensor:
+    def _plus_router_loss(self, model, loss: torch.Tensor) -> torch.Tensor:
         """router_aux_loss_coef x the noted router loss (divided by the accumulation steps in training, where each
         micro-batch's loss is its share of the step), logged as aux_loss."""
         aux, self._router_loss = self._router_loss, None
-        steps = accumulation_steps if model.training else 1
+        steps = self.accumulation() if model.training else 1
         self.record(model, aux_loss=aux.detach().float().reshape(1))
         return loss + self.router_loss_coef * aux.to(loss.dtype) / steps
 
