@@ -278,15 +278,15 @@ class OnlineTrainer(OnlineMethod, ReferenceModelMixin, LeantuneTrainer):
         batch = dict(inputs)
         self.run_metrics.count_tokens(model, batch)
         model_inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
-        needs, temperature = self.scoring_needs, self.scoring_temperature
-        # Entropies for the metric come with the chunked head at no extra pass; Liger's kernel computes none
-        with_entropy = needs.entropies or not self.logprobs.liger_head_runs(model, temperature)
+        needs = self.scoring_needs
         split = ORDINAL_KEY in batch  # context parallelism: this process's part of every sequence
         if split:
             self.context_parallel.check_layout(model_inputs)
-        scores = self.logprobs.target_logprobs(model, model_inputs, self.target_reading.targets(batch), temperature,
-                                               with_entropy=with_entropy, entropy_grad=needs.entropy_grad,
-                                               with_hidden=needs.hidden_states)
+        # the entropy metric where the path gives it at no extra pass (not Liger's kernel, which computes none)
+        scores = self.logprobs.target_logprobs(model, model_inputs, self.target_reading.targets(batch),
+                                               self.scoring_temperature, with_entropy=needs.entropies,
+                                               entropy_grad=needs.entropy_grad, with_hidden=needs.hidden_states,
+                                               entropy_where_free=True)
         sequence = (self.own_part_of_batch if split else self.target_reading.sequences)(batch, scores.targets)
         loss_sum, metrics = self.policy_loss(scores, sequence, batch)
         entropy = scores.entropy if scores.entropy is not None else torch.full_like(scores.logps, float("nan"))
