@@ -73,7 +73,7 @@ class NonFiniteSettings:
 
 @dataclass(frozen=True)
 class StepLossSettings:
-    """How a step's loss is divided (parts/step_loss.py): by the items of all processes when they average together;
+    """How a step's loss is divided (base.py's StepLoss): by the items of all processes when they average together;
     `router_aux_loss_coef`: the MoE router loss's weight set in the config (None: the model config's own)."""
 
     average_tokens_across_devices: bool
