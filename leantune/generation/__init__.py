@@ -2,6 +2,6 @@
 the training process, a vLLM server), and the weight movement each needs (sync, sleep, ZeRO-3 gathering)."""
 
 from .backend import GenerationBackend, make_backend
-from .sampling import Completions, SamplingSettings
+from .sampling import Completions, GenerationSession, SamplingSettings
 
-__all__ = ["Completions", "GenerationBackend", "SamplingSettings", "make_backend"]
+__all__ = ["Completions", "GenerationBackend", "GenerationSession", "SamplingSettings", "make_backend"]

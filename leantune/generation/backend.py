@@ -21,7 +21,7 @@ from typing import Protocol
 
 from accelerate.utils import DistributedType
 
-from .sampling import Completions, SamplingSettings
+from .sampling import TRANSFORMERS, VLLM_COLOCATE, Completions, SamplingSettings
 from .transformers_backend import TransformersBackend, resolve_cache_implementation
 from .vllm_client import VLLMServerBackend
 from .vllm_colocate import VLLMColocateBackend, require_colocated_vllm
@@ -42,12 +42,10 @@ class GenerationBackend(Protocol):
     def close(self) -> None: ...
 
 
-TRANSFORMERS, VLLM_COLOCATE, VLLM_SERVER = "transformers", "vllm_colocate", "vllm_server"
-
 
 def check_backend_requirements(engine: str, sleep_mode: bool) -> None:
     """Fail when the trainer is built, not at the first generation round, if the chosen backend (`engine`, one of
-    the names above: trainers/settings.py's `generation_engine`) cannot run here."""
+    sampling.py's engine names: trainers/settings.py's `generation_engine`) cannot run here."""
     if engine == VLLM_COLOCATE:
         require_colocated_vllm(sleep_mode=sleep_mode)
 
@@ -57,8 +55,9 @@ def backend_factory(engine: str, args, tokenizer, accelerator, cache_implementat
     is built (the backend itself is made at the first round: the Trainer wraps the model first). transformers
     `generate` by default, its weights gathered once per call under ZeRO-3 (`ds3_gather_for_generation`, zero3.py;
     elsewhere no gathering scope at all); vLLM in this process (`vllm_mode="colocate"`) or a `leantune vllm-serve`
-    server (`vllm_mode="server"`) with `use_vllm=True`: `engine`, one of the names above. `cache_implementation`: TRL's
-    setting of transformers' KV cache, from the generation settings (trainers/settings.py), resolved here once."""
+    server (`vllm_mode="server"`) with `use_vllm=True`: `engine`, one of sampling.py's engine names.
+    `cache_implementation`: TRL's setting of transformers' KV cache, from the generation settings
+    (trainers/settings.py), resolved here once."""
     if engine == TRANSFORMERS:
         gathers = args.ds3_gather_for_generation and is_zero3(accelerator)
         scope = functools.partial(gathered_for_generation, accelerator=accelerator) if gathers \

@@ -20,8 +20,7 @@ import math
 import torch
 
 from ..models.output_head import OutputHead
-from .chunk_order import chunk_starts
-from .token_logprobs import HeadGradients, Targets, chunk_tokens_for
+from .token_logprobs import HeadGradients, Targets, chunk_starts, chunk_tokens_for
 
 
 def generalized_jsd(student_logps: torch.Tensor, teacher_logps: torch.Tensor, beta: float) -> torch.Tensor:

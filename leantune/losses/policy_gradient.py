@@ -319,7 +319,15 @@ def sapo_token_loss(units: RatioUnits, logps: torch.Tensor, objective: GRPOObjec
 
 
 UNIT_LOSSES = {**dict.fromkeys(CLIPPED_LOSS_TYPES, clipped_token_loss), "cispo": cispo_token_loss,
-               "sapo": sapo_token_loss}  # vespo weighs whole completions: `grpo_token_loss`
+               "sapo": sapo_token_loss}  # vespo weighs whole completions: `vespo_token_loss`
+
+
+def vespo_token_loss(log_ratio: torch.Tensor, logps: torch.Tensor, advantages: torch.Tensor, sequence: torch.Tensor,
+                     num_sequences: int, objective: GRPOObjective, sampling_weights: torch.Tensor | None):
+    """vespo: each completion's Gamma weight phi (`vespo_weights`, the sampling weights folded in) x A x logp."""
+    phi = vespo_weights(log_ratio, advantages, sequence, num_sequences, objective, sampling_weights)
+    has_tokens = tokens_per_sequence(logps, sequence, num_sequences) > 0
+    return -(phi * advantages).index_select(0, sequence) * logps, {"vespo/phi_seq_mean": phi[has_tokens].mean()}
 
 
 def grpo_token_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, sequence: torch.Tensor,
@@ -335,11 +343,9 @@ def grpo_token_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: to
     log_ratio = logps - old_logps
     units = ratio_units(log_ratio, advantages, sequence, num_sequences, objective.importance_sampling_level)
     if objective.loss_type == "vespo":
-        phi = vespo_weights(log_ratio, advantages, sequence, num_sequences, objective, sampling_weights)
-        token_loss = -(phi * advantages).index_select(0, sequence) * logps
+        token_loss, metrics = vespo_token_loss(log_ratio, logps, advantages, sequence, num_sequences, objective,
+                                               sampling_weights)
         sampling_weights = None  # folded into phi
-        has_tokens = tokens_per_sequence(logps, sequence, num_sequences) > 0
-        metrics = {"vespo/phi_seq_mean": phi[has_tokens].mean()}
     elif objective.loss_type in UNIT_LOSSES:
         token_loss, metrics = UNIT_LOSSES[objective.loss_type](units, logps, objective)
     else:

@@ -12,14 +12,15 @@ tokens x vocabulary).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ..data.collators import IGNORE_INDEX  # the label of a position that is not learned, set by the collators
 from ..models.output_head import OutputHead
-from .chunk_order import chunk_starts
 
 # One chunk of fp32 logits is at most this large (x3 while its gradient is formed); vocabulary-independent. The
 # CPU's chunk (and every device's when its free memory is unknown); `chunk_rows_for` sizes a GPU's.
@@ -155,6 +156,39 @@ def chunk_rows_for(vocab_size: int, device_type: str = "cpu", free_bytes: int | 
         return rows
     fits = int(free_bytes * GPU_CHUNK_MEMORY_SHARE) // (3 * 4 * max(1, vocab_size))
     return max(rows, min(GPU_CHUNK_ROWS, fits))
+
+
+# --- which chunks run ---------------------------------------------------------------------------------------
+# Which chunks a chunked loss runs (the chunked head below, losses/distillation.py), and which tiles the tiled MLP
+# runs (memory/tiled_mlp.py: each full tile allocates and frees the same as the one before it, too).
+#
+# A real step runs every chunk. The planner's fake step (planning/planned_run.py) runs only the chunks whose memory
+# can differ, so that its time does not grow with the length: the first (it creates the running sums of the head's
+# gradients that later chunks add to in place), the second (the first in that steady state) and the last (it may be
+# shorter). Every full chunk between them allocates and frees exactly what the second did, over the same live tensors,
+# so the step's peak and its parts are the same to the byte, and a fake chunk computes no number that anything reads.
+
+_repeats_skipped = False
+
+
+def chunk_starts(rows, chunk_size: int):
+    """The start of each chunk of `rows` (a tensor's first dimension) that runs: all of them, except on a fake tensor
+    inside `repeated_chunks_skipped`."""
+    starts = range(0, rows.shape[0], chunk_size)
+    if not (_repeats_skipped and isinstance(rows, FakeTensor)) or len(starts) <= 3:
+        return starts
+    return [starts[0], starts[1], starts[-1]]
+
+
+@contextlib.contextmanager
+def repeated_chunks_skipped(skipped: bool = True):
+    """Within it, a chunked loss over fake tensors runs its first two chunks and its last only (`skipped=False`: all)."""
+    global _repeats_skipped
+    before, _repeats_skipped = _repeats_skipped, skipped
+    try:
+        yield
+    finally:
+        _repeats_skipped = before
 
 
 def chunked_logprobs(hidden: torch.Tensor, head: OutputHead, targets: Targets, chunk_size: int | None = None,

@@ -28,7 +28,7 @@ import psutil
 import torch
 from torch import nn
 
-from ..losses.chunk_order import chunk_starts
+from ..losses.token_logprobs import chunk_starts
 from .mlp_kinds import (
     expert_intermediate_size,
     layer_mlps,
@@ -160,7 +160,7 @@ def tiled_forward(run_tile, inputs, tile: int) -> torch.Tensor:
     inputs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
     flats = token_rows(inputs)
     out = rows = None
-    for start in chunk_starts(flats[0], tile):  # every tile; in a plan's fake step the repeats are skipped (chunk_order)
+    for start in chunk_starts(flats[0], tile):  # every tile; in a plan's fake step the repeats are skipped
         piece = run_tile(*[flat[start:start + tile] for flat in flats])
         if out is None:  # made in its final shape, not a view of one: the caller may add to it in place (Falcon)
             out = piece.new_empty(*inputs[0].shape[:-1], *piece.shape[1:])

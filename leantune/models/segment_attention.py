@@ -119,15 +119,18 @@ def recomputed_but_attention(attention, *inputs):
                       context_fn=partial(create_selective_checkpoint_contexts, _keep_attention_kernels))
 
 
+# SDPA's fused kernels, by the names this torch build has (the math fallback's ops are recomputed): found once, not
+# for every op the selective checkpoint's policy is asked about
+ATTENTION_KERNELS = frozenset(getattr(torch.ops.aten, name).default
+                              for name in ("_scaled_dot_product_flash_attention_for_cpu",
+                                           "_scaled_dot_product_flash_attention",
+                                           "_scaled_dot_product_efficient_attention",
+                                           "_scaled_dot_product_cudnn_attention")
+                              if hasattr(torch.ops.aten, name))
+
+
 def _keep_attention_kernels(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op in _attention_kernels() else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _attention_kernels() -> set:
-    """SDPA's fused kernels, by the names this torch build has (the math fallback's ops are recomputed)."""
-    names = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
-             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
-    return {getattr(torch.ops.aten, name).default for name in names if hasattr(torch.ops.aten, name)}
+    return CheckpointPolicy.MUST_SAVE if op in ATTENTION_KERNELS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 # --- a shared-prompt row's prefix blocks ---------------------------------------------------------------------------

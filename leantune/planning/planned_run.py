@@ -15,7 +15,7 @@ from transformers.generation.utils import GenerationMixin
 
 from .. import methods
 from ..generation import transformers_backend
-from ..losses.chunk_order import repeated_chunks_skipped
+from ..losses.token_logprobs import repeated_chunks_skipped
 from ..memory import offloading
 from ..memory.checkpoint_offload import HostLedger
 from ..metrics.memory_breakdown import MemoryBreakdown
@@ -98,8 +98,8 @@ def dtype_of(fields: dict, model=None):
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
-# A chunked loss runs the chunks whose memory can differ, not every repeat of them (losses/chunk_order.py): the trace's
-# time does not grow with the number of targets, its peak is the same to the byte (tests/planning/test_plan_length.py)
+# A chunked loss runs the chunks whose memory can differ, not every repeat of them (losses/token_logprobs.py): the
+# trace's time does not grow with the number of targets, its peak is the same to the byte (tests/planning/test_plan_length.py)
 SKIP_REPEATED_CHUNKS = True
 
 

@@ -1,8 +1,9 @@
 """What every leantune trainer shares on top of transformers' Trainer: one construction sequence, and the parts it
-holds (trainers/parts/): the resolved config, the split preparer, the log-prob engine, the step's loss normaliser,
-the run metrics (metrics/run_metrics.py) and the staged checkpoints, plus context parallelism, the reference (trainers/reference.py: none
-held but for DPO, KTO and the online methods) and the non-finite guard (trainers/parts/step_guards.py), which Trainer's step
-hooks below call in one line each.
+holds (trainers/parts/): the resolved config, the split preparer, the log-prob engine, the run metrics
+(metrics/run_metrics.py) and the staged checkpoints, plus context parallelism, the reference (trainers/reference.py:
+none held but for DPO, KTO and the online methods) and the non-finite guard (trainers/parts/step_guards.py), which
+Trainer's step hooks below call in one line each. The step's loss normaliser (`StepLoss`, at the end) is here, beside
+the trainer that counts the step's items and whose every loss ends in it.
 
 A method's trainer says what is its own (its models, its recipe for a split, its collator, its loss) and reads as
 config -> parts -> loss.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+from collections.abc import Callable
 
 import torch
 from torch.utils.data import DataLoader
@@ -26,6 +28,7 @@ from ..memory.checkpoint_offload import offload_checkpoints
 from ..memory.tiled_mlp import tile_mlps
 from ..metrics.memory_breakdown import MemoryBreakdownCallback
 from ..metrics.run_metrics import RunMetrics
+from ..models.output_head import unwrap_model
 from ..planning.checkpoint_offload_plan import refuse_run_before_loading
 from ..planning.plan_check import check_before_training
 from ..planning.self_sizing import fit_to_budget
@@ -47,7 +50,6 @@ from .parts.saving import (
 )
 from .parts.split_preparer import SplitPreparer
 from .parts.step_guards import GradientCheck, NonFiniteGuard, OutOfMemoryRetry
-from .parts.step_loss import StepLoss
 from .reference import Reference
 from .run_bounds import RunBounds, report_run_end
 from .settings import checkpoint_offload_of, layout_of, optimizer_in_backward_of, resolve_settings, tiled_mlp_of
@@ -116,8 +118,11 @@ class LeantuneTrainer(MethodHooks, TrainerAttributes, Trainer):
         self.context_parallel.check(type(self).__name__, self.context_parallel_loss is not None, self.model,
                                     self.compute_loss_func, self.layout.pad_to_multiple_of,
                                     self.context_parallel_problem(args))
-        self.step_loss = StepLoss(self.settings.step_loss, self.accelerator, self.context_parallel, self.model, self.items_in,
-                                  self.run_metrics.record)
+        # `accumulation`: the micro-batches a step's loss is spread over (read where an MoE router loss is added):
+        # gradient accumulation's, each in parts after an out-of-memory retry
+        self.step_loss = StepLoss(self.settings.step_loss, self.accelerator, self.context_parallel, self.model,
+                                  self.items_in, self.run_metrics.record, accumulation=lambda: getattr(
+                                      self, "current_gradient_accumulation_steps", 1) * self.oom_retry.parts)
         # the temperature the trainer's log-probs are of: the sampling one (GRPO, RLOO, PPO), else 1
         self.scoring_temperature = args.temperature if self.scores_at_temperature else 1.0
         self.logprobs = LogProbEngine(
@@ -195,7 +200,7 @@ class LeantuneTrainer(MethodHooks, TrainerAttributes, Trainer):
     # --- the step: its items counted by the loss normaliser, batches laid out for context parallelism ------------
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device):
-        """The step's micro-batches as trained on and their item count over all processes (parts/step_loss); none
+        """The step's micro-batches as trained on and their item count over all processes (`StepLoss`); none
         once a resumed run's max_steps are done, which transformers checks only after a step (run_bounds.py)."""
         if self.run_bounds is not None and self.run_bounds.start_step is not None \
                 and self.state.global_step >= self.state.max_steps:
@@ -203,14 +208,6 @@ class LeantuneTrainer(MethodHooks, TrainerAttributes, Trainer):
             return [], None
         batches = self.trained_batches(list(itertools.islice(epoch_iterator, num_batches)))
         return batches, self.step_loss.count(batches, device)
-
-    def normalise(self, loss_sum: torch.Tensor, local_count, num_items_in_batch,
-                  whole_sequences: bool = False) -> torch.Tensor:
-        """The micro-batch's loss: its summed loss over the step's item count, plus the router loss (parts/step_loss;
-        `whole_sequences`: a loss over sequence sums made whole across the context-parallel group)."""
-        accumulation = getattr(self, "current_gradient_accumulation_steps", 1) * self.oom_retry.parts
-        return self.step_loss.normalise(self.model, loss_sum, local_count, num_items_in_batch, accumulation,
-                                        whole_sequences)
 
     @property
     def generates_rounds(self) -> bool:
@@ -311,3 +308,114 @@ class LeantuneTrainer(MethodHooks, TrainerAttributes, Trainer):
         if self.model is not None and self.model.training and "loss" in logs:
             self.run_metrics.add_step_values(logs)
         super().log(logs, start_time)
+
+
+class StepLoss:
+    """The loss of an optimizer step, every trainer's: the mean over the real items (target tokens, pairs, examples) of
+    that whole step. Every micro-batch of gradient accumulation and, with `average_tokens_across_devices`, every
+    process counts towards the step's divisor, so micro-batch size, accumulation, padding and packing do not change
+    the loss. A Mixture-of-Experts model whose config asks for router logits gets its load-balancing loss added here
+    (TRL's rule), once per micro-batch.
+
+    Counts the step's items and divides each micro-batch's summed loss by them. `items_in(batch)` is the method's
+    count of one collated batch; `record` keeps a per-example metric (the logged `aux_loss`); `accumulation()`: the
+    micro-batches the optimizer step's loss is spread over now."""
+
+    def __init__(self, settings, accelerator, context_parallel, model, items_in: Callable[[dict], torch.Tensor],
+                 record: Callable[..., None], accumulation: Callable[[], int] = lambda: 1):
+        self.settings = settings  # StepLossSettings (trainers/settings.py)
+        self.accelerator = accelerator
+        self.context_parallel = context_parallel
+        self.items_in = items_in
+        self.record = record
+        self.accumulation = accumulation
+        # TRL's attributes (kept on the trainer too): whether the router loss is added, and its weight
+        self.router_loss_enabled, self.router_loss_coef = router_loss_settings(model, settings.router_aux_loss_coef)
+        self._router_loss = None
+
+    def count(self, batch_samples: list, device) -> torch.Tensor:
+        """The step's item count: its micro-batches', summed over the processes when they average together."""
+        count = sum((self.items_in(b) for b in batch_samples if "labels" in b or "target_index" in b), torch.tensor(0))
+        count = torch.as_tensor(count).to(device)
+        if self.settings.average_tokens_across_devices and self.settings.world_size > 1:
+            count = self.accelerator.gather(count).sum()
+            # every process of a context-parallel group counted the same whole batch (before it is split)
+            count = count // self.context_parallel.size
+        return count
+
+    def drop_router_loss(self) -> None:
+        """A discarded attempt's router loss, noted by its forward and not added by its loss: none is pending
+        between micro-batches (each loss adds the one its forward noted)."""
+        self._router_loss = None
+
+    def note_router_loss(self, model, outputs) -> None:
+        """Keep the router loss of a forward pass of the trained policy (not the reference, not a no-grad pass)."""
+        aux = getattr(outputs, "aux_loss", None)
+        if self.router_loss_enabled and aux is not None and aux.requires_grad:
+            self._router_loss = aux if self._router_loss is None else self._router_loss + aux
+
+    def normalise(self, model, loss_sum: torch.Tensor, local_count, num_items_in_batch,
+                  whole_sequences: bool = False) -> torch.Tensor:
+        """Divide a summed loss by the optimizer step's item count (the batch's own count outside training), and add
+        the router loss of this micro-batch's policy forwards (every trainer's loss ends here). Under context
+        parallelism: `_normalised_in_ring` (`whole_sequences`: a loss over sequence sums made whole across the
+        context-parallel group)."""
+        if self.context_parallel.size > 1:
+            loss = self._normalised_in_ring(model, loss_sum, local_count, num_items_in_batch, whole_sequences)
+        elif num_items_in_batch is None or not model.training:
+            loss = loss_sum / torch.as_tensor(local_count, device=loss_sum.device).clamp(min=1)
+        else:
+            loss = loss_sum / torch.as_tensor(num_items_in_batch, device=loss_sum.device).clamp(min=1)
+            if self.settings.average_tokens_across_devices and self.settings.world_size > 1:
+                loss = loss * self.settings.world_size  # DDP averages gradients over processes
+        if self._router_loss is None:  # no MoE router loss noted (always so for a dense model)
+            return loss
+        return self._plus_router_loss(model, loss)
+
+    def _normalised_in_ring(self, model, loss_sum: torch.Tensor, local_count, num_items_in_batch,
+                            whole_sequences: bool) -> torch.Tensor:
+        """`normalise` under context parallelism, where this process holds part of the batch.
+
+        `whole_sequences`: a loss formed from per-sequence sums made whole over the context-parallel group
+        (ContextParallelism.total), so the same value on each of its processes, and `local_count` the whole batch's.
+        The sums' all-reduce sums the gradients of those cp_size copies in its backward, so in training each copy is
+        divided by cp_size (where the gradient all-reduce then averages over every process, data x context, as for
+        any loss); in evaluation the processes' equal losses average to it."""
+        cp = self.context_parallel.size
+        evaluating = num_items_in_batch is None or not model.training
+        if whole_sequences:
+            if evaluating:
+                return loss_sum / torch.as_tensor(local_count, device=loss_sum.device).clamp(min=1)
+            loss = loss_sum / torch.as_tensor(num_items_in_batch, device=loss_sum.device).clamp(min=1)
+            if self.settings.average_tokens_across_devices:  # the count is the step's over every data-parallel group
+                loss = loss * self.settings.world_size / cp
+            return loss
+        if evaluating:
+            # this process holds part of the batch: its share of the batch's mean, so that the mean over the
+            # context-parallel group (evaluation averages the processes' losses) is the batch's mean
+            whole = torch.as_tensor(self.context_parallel.batch_targets, device=loss_sum.device).clamp(min=1)
+            return loss_sum * cp / whole
+        loss = loss_sum / torch.as_tensor(num_items_in_batch, device=loss_sum.device).clamp(min=1)
+        if self.settings.average_tokens_across_devices and self.settings.world_size > 1:
+            loss = loss * self.settings.world_size  # DDP averages gradients over processes
+        return loss
+
+    def _plus_router_loss(self, model, loss: torch.Tensor) -> torch.Tensor:
+        """router_aux_loss_coef x the noted router loss (divided by the accumulation steps in training, where each
+        micro-batch's loss is its share of the step), logged as aux_loss."""
+        aux, self._router_loss = self._router_loss, None
+        steps = self.accumulation() if model.training else 1
+        self.record(model, aux_loss=aux.detach().float().reshape(1))
+        return loss + self.router_loss_coef * aux.to(loss.dtype) / steps
+
+
+def router_loss_settings(model, coef: float | None) -> tuple[bool, float]:
+    """(whether the MoE router loss is added, its weight): on when the model's config has output_router_logits=True
+    (TRL's rule); the weight is `router_aux_loss_coef`, else the config's own."""
+    config = getattr(unwrap_model(model), "config", None)
+    if config is None:
+        return False, 0.0
+    enabled = bool(getattr(config, "output_router_logits", False))
+    if coef is None:
+        coef = getattr(config, "router_aux_loss_coef", 0.0) or 0.0
+    return enabled, float(coef)

@@ -126,7 +126,8 @@ class DPOTrainer(ReferenceModelMixin, LeantuneTrainer):
         )
         if args.use_weighting:  # WPO: each pair's loss times its chosen and rejected weights
             losses = losses * (sequences.weights[:pairs] * sequences.weights[pairs:]).to(losses.dtype)
-        loss = self.normalise(losses.sum(), pairs, num_items_in_batch, whole_sequences="shift_labels" in batch)
+        loss = self.step_loss.normalise(self.model, losses.sum(), pairs, num_items_in_batch,
+                                        whole_sequences="shift_labels" in batch)
         self.run_metrics.record(model, **{
             "rewards/chosen": chosen_rewards, "rewards/rejected": rejected_rewards,
             "rewards/accuracies": (chosen_rewards > rejected_rewards).float(),

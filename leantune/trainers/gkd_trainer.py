@@ -18,7 +18,7 @@ import torch
 
 from ..data.collators import CausalLMCollator, prompt_completion_row, sequence_prompts
 from ..data.formats import last_message_as_completion
-from ..generation import SamplingSettings
+from ..generation import GenerationSession, SamplingSettings
 from ..generation.backend import TRANSFORMERS, backend_factory
 from ..losses.distillation import chunked_jsd_sum, jsd_from_logits
 from ..losses.liger import liger_jsd_problem, liger_jsd_sum
@@ -26,7 +26,7 @@ from ..losses.token_logprobs import IGNORE_INDEX, count_targets, select_targets
 from ..models.loading import parse_kwargs
 from ..models.output_head import OutputHead
 from .gkd_config import GKDConfig
-from .online.generation_session import GenerationSession
+from .parts.context_parallel import data_parallel_place, generation_group
 from .parts.teacher import Teacher
 from .reference import disable_dropout
 from .settings import generation_of
@@ -97,7 +97,9 @@ class GKDTrainer(SFTTrainer):
         return GenerationSession(generation_of(sampling),
                                  SamplingSettings.from_config(sampling, self.processing_class, model),
                                  backend_factory(TRANSFORMERS, sampling, self.processing_class, self.accelerator), self.accelerator,
-                                 policy, step=lambda: self.state.global_step, method=self.method)
+                                 policy, step=lambda: self.state.global_step, method=self.method,
+                                 rank=data_parallel_place(self.accelerator)[0],
+                                 in_group=generation_group(self.accelerator))
 
     def default_args(self, model, args):
         if args is not None and not isinstance(args, GKDConfig):
@@ -192,7 +194,7 @@ class GKDTrainer(SFTTrainer):
                 loss_sum = chunked_jsd_sum(hidden, head, teacher_hidden, teacher_head, targets, beta,
                                            self.settings.head.loss_chunk_size)
         local_count = (labels != IGNORE_INDEX).sum() if shifted is not None else count_targets(labels)
-        loss = self.normalise(loss_sum, local_count, num_items_in_batch)
+        loss = self.step_loss.normalise(self.model, loss_sum, local_count, num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
 
     def context_parallel_problem(self, args) -> str | None:

@@ -125,7 +125,8 @@ class KTOTrainer(ReferenceModelMixin, LeantuneTrainer):
         args = self.args
         losses, rewards = kto_loss(policy, ref_logps.to(policy.device), desirable, kl, args.beta,
                                    args.desirable_weight, args.undesirable_weight, args.loss_type)
-        loss = self.normalise(losses.sum(), count, num_items_in_batch, whole_sequences="shift_labels" in batch)
+        loss = self.step_loss.normalise(self.model, losses.sum(), count, num_items_in_batch,
+                                        whole_sequences="shift_labels" in batch)
         self._record(model, policy.detach(), rewards, desirable, kl)
         return (loss, {"logps": policy.detach()}) if return_outputs else loss
 

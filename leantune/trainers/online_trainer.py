@@ -1,6 +1,6 @@
 """The online methods (GRPO, RLOO, Online DPO, PPO) as one trainer made of parts (trainers/online/):
 
-- `GenerationSession` (generation_session.py): the backend, weight sync, sleep mode, each round's seeds;
+- `GenerationSession` (generation/sampling.py): the backend, weight sync, sleep mode, each round's seeds;
 - `RoundBuilder` (round_builder.py): prompt rows -> completions -> rewards -> scored micro-batches with the
   method's loss inputs; `RoundMetrics` (metrics/run_metrics.py): what a round reports;
 - `round_loader` (round_builder.py): each round's prompts, once per micro-batch trained on it;
@@ -25,7 +25,7 @@ from .. import methods
 from ..data.collators import MODEL_INPUTS
 from ..data.prompt_preparation import PROMPT_IDS, context_limit_of, prepare_prompt_dataset
 from ..data.streaming import is_stream
-from ..generation import SamplingSettings
+from ..generation import GenerationSession, SamplingSettings
 from ..generation.backend import TRANSFORMERS, backend_factory, check_backend_requirements
 from ..losses.token_logprobs import TargetScores, per_sequence_sum
 from ..metrics.run_metrics import RoundMetrics
@@ -33,7 +33,6 @@ from ..rewards import RewardFunctions
 from ..rollouts import AgentRollouts
 from .base import LeantuneTrainer
 from .online.evaluation import evaluate_rounds
-from .online.generation_session import GenerationSession
 from .online.round_builder import (
     LABELLED_TARGETS,
     SHARED_PROMPT_TARGETS,
@@ -47,7 +46,7 @@ from .online.round_builder import (
     round_loader,
 )
 from .parts.batches import deepspeed_float_dtype, on_device
-from .parts.context_parallel import ORDINAL_KEY, data_parallel_place
+from .parts.context_parallel import ORDINAL_KEY, data_parallel_place, generation_group
 from .parts.frozen_models import prepare_frozen_model
 from .reference import ReferenceModelMixin
 from .settings import generation_engine, generation_of, round_settings_of
@@ -192,7 +191,8 @@ class OnlineTrainer(OnlineMethod, ReferenceModelMixin, LeantuneTrainer):
                                             backend_factory(generation.engine, args, tokenizer, self.accelerator,
                                                             generation.cache_implementation), self.accelerator,
                                             policy=lambda: self.model_wrapped, step=lambda: self.state.global_step,
-                                            method=self.method)
+                                            method=self.method, rank=data_parallel_place(self.accelerator)[0],
+                                            in_group=generation_group(self.accelerator))
         if self.agent is not None:
             self.agent.bind(tokenizer, args, self.generation.sampling.eos_token_ids,
                             self.generation.context_limit(self._context_limit))
@@ -278,21 +278,21 @@ class OnlineTrainer(OnlineMethod, ReferenceModelMixin, LeantuneTrainer):
         batch = dict(inputs)
         self.run_metrics.count_tokens(model, batch)
         model_inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
-        needs, temperature = self.scoring_needs, self.scoring_temperature
-        # Entropies for the metric come with the chunked head at no extra pass; Liger's kernel computes none
-        with_entropy = needs.entropies or not self.logprobs.liger_head_runs(model, temperature)
+        needs = self.scoring_needs
         split = ORDINAL_KEY in batch  # context parallelism: this process's part of every sequence
         if split:
             self.context_parallel.check_layout(model_inputs)
-        scores = self.logprobs.target_logprobs(model, model_inputs, self.target_reading.targets(batch), temperature,
-                                               with_entropy=with_entropy, entropy_grad=needs.entropy_grad,
-                                               with_hidden=needs.hidden_states)
+        # the entropy metric where the path gives it at no extra pass (not Liger's kernel, which computes none)
+        scores = self.logprobs.target_logprobs(model, model_inputs, self.target_reading.targets(batch),
+                                               self.scoring_temperature, with_entropy=needs.entropies,
+                                               entropy_grad=needs.entropy_grad, with_hidden=needs.hidden_states,
+                                               entropy_where_free=True)
         sequence = (self.own_part_of_batch if split else self.target_reading.sequences)(batch, scores.targets)
         loss_sum, metrics = self.policy_loss(scores, sequence, batch)
         entropy = scores.entropy if scores.entropy is not None else torch.full_like(scores.logps, float("nan"))
         metrics["entropy"] = entropy.detach().mean()  # NaN without entropies or targets (left out of the logged mean)
-        loss = self.normalise(loss_sum, batch["loss_items"], num_items_in_batch,
-                              whole_sequences=split and self.context_parallel_loss == methods.SEQUENCE_SUMS)
+        loss = self.step_loss.normalise(self.model, loss_sum, batch["loss_items"], num_items_in_batch,
+                                        whole_sequences=split and self.context_parallel_loss == methods.SEQUENCE_SUMS)
         loss, added = self.regularised(loss, scores, batch, model)
         metrics.update(added)
         if split:  # each process's means over its part of the sequences -> the whole sequences' (one process's)

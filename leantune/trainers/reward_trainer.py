@@ -174,8 +174,8 @@ class RewardTrainer(LeantuneTrainer):
         rewards = self.sequence_rewards(model, batch)
         chosen, rejected = rewards[:pairs], rewards[pairs:]
         losses = bradley_terry_loss(chosen, rejected, batch.get("margin"), self.args.center_rewards_coefficient)
-        loss = self.normalise(losses.sum(), pairs, num_items_in_batch,
-                              whole_sequences=REWARD_SEQUENCE_KEY in batch)  # the same on every process of a group
+        loss = self.step_loss.normalise(self.model, losses.sum(), pairs, num_items_in_batch,
+                                        whole_sequences=REWARD_SEQUENCE_KEY in batch)  # the same on every process of a group
         self.run_metrics.record(model, **{"accuracy": (chosen > rejected).float(), "margin": chosen - rejected,
                                       "rewards/chosen": chosen, "rewards/rejected": rejected})
         if return_outputs:

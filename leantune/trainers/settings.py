@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..generation.backend import TRANSFORMERS, VLLM_COLOCATE, VLLM_SERVER
+from ..generation.sampling import TRANSFORMERS, VLLM_COLOCATE, VLLM_SERVER
 from ..losses.token_logprobs import chunk_rows_for
 from ..models.checkpointing import checkpointing_setting
 from ..planning.recommend import micro_batch_group
@@ -73,7 +73,7 @@ class NonFiniteSettings:
 
 @dataclass(frozen=True)
 class StepLossSettings:
-    """How a step's loss is divided (parts/step_loss.py): by the items of all processes when they average together;
+    """How a step's loss is divided (base.py's StepLoss): by the items of all processes when they average together;
     `router_aux_loss_coef`: the MoE router loss's weight set in the config (None: the model config's own)."""
 
     average_tokens_across_devices: bool
@@ -240,9 +240,9 @@ def generation_engine(args) -> str:
 
 @dataclass(frozen=True)
 class GenerationSettings:
-    """The generation session's (online/generation_session.py): the engine that samples (generation/backend.py's
-    names), the seed each round's seed is drawn from, vLLM's own context limit (None: the model's), transformers'
-    KV cache as the config asks (`cache_implementation`, None: resolved by generation/transformers_backend.py)."""
+    """The generation session's (generation/sampling.py): the engine that samples (its engine names), the seed each
+    round's seed is drawn from, vLLM's own context limit (None: the model's), transformers' KV cache as the config
+    asks (`cache_implementation`, None: resolved by generation/transformers_backend.py)."""
 
     engine: str
     seed: int

@@ -132,8 +132,6 @@ class SFTTrainer(LeantuneTrainer):
                 outputs = model(**inputs, use_cache=False)
             loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
             return (loss, outputs) if return_outputs else loss
-        # Liger's kernel gives no entropies: on its path the entropy metric is not logged (noted in __init__)
-        liger = self.logprobs.liger_head_runs(model)
         local_count = (labels != IGNORE_INDEX).sum() if shifted is not None else count_targets(labels)
         metrics = {}
         if self.args.loss_type == "nll" and self.logprobs.fused_nll_runs(model):  # Liger's summed NLL (CUDA)
@@ -142,8 +140,9 @@ class SFTTrainer(LeantuneTrainer):
             if accuracy is not None:
                 metrics["mean_token_accuracy"] = accuracy
         else:
-            scores = self.logprobs.target_logprobs(model, inputs, labels, with_entropy=not liger, stats=("top1",),
-                                                   shifted=shifted is not None)
+            # Liger's kernel gives no entropies: on its path the entropy metric is not logged (noted in __init__)
+            scores = self.logprobs.target_logprobs(model, inputs, labels, stats=("top1",), shifted=shifted is not None,
+                                                   entropy_where_free=True)
             logps, top1, outputs = scores.logps, scores.stats["top1"], scores.outputs
             if scores.entropy is not None:
                 metrics["entropy"] = scores.entropy.mean()
@@ -156,5 +155,5 @@ class SFTTrainer(LeantuneTrainer):
             metrics = self.context_parallel.whole_means(metrics, int(local_count))
         if metrics:
             self.run_metrics.record(model, **{name: value.reshape(1) for name, value in metrics.items()})
-        loss = self.normalise(loss_sum, local_count, num_items_in_batch)
+        loss = self.step_loss.normalise(self.model, loss_sum, local_count, num_items_in_batch)
         return (loss, outputs) if return_outputs else loss

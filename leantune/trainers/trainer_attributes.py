@@ -16,7 +16,7 @@ class TrainerAttributes:
 
     @property
     def aux_loss_enabled(self) -> bool:
-        """TRL's attribute: whether the MoE router loss is added (parts/step_loss.py)."""
+        """TRL's attribute: whether the MoE router loss is added (base.py's StepLoss)."""
         return self.step_loss.router_loss_enabled
 
     @property

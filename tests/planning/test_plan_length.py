@@ -1,5 +1,5 @@
 """Planning long rows: a chunked loss in the fake step runs only the chunks whose memory can differ
-(losses/chunk_order.py), so the planner's time does not grow with the length, and the plan is the same to the byte
+(losses/token_logprobs.py), so the planner's time does not grow with the length, and the plan is the same to the byte
 as the trace of every chunk; `--solve max_length` finds the longest that fits a budget (planning/max_length.py)."""
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers import LlamaConfig
 
-from leantune.losses.chunk_order import chunk_starts, repeated_chunks_skipped
-from leantune.losses.token_logprobs import chunk_tokens_for
+from leantune.losses.token_logprobs import chunk_starts, chunk_tokens_for, repeated_chunks_skipped
 from leantune.planning import plan_memory, planned_run
 
 # The tiny test models' shape with a longer context; its 32k vocabulary makes the chunked loss's chunk 524 tokens
@@ -61,7 +60,7 @@ def test_skipping_repeated_chunks_plans_the_same_bytes(method, tokenizer, monkey
 
 
 def test_skipping_repeated_tiles_plans_the_same_bytes(tokenizer, monkeypatch):
-    """The tiled MLP's tiles in the fake step: first, second and last only (losses/chunk_order.py), the plan the same
+    """The tiled MLP's tiles in the fake step: first, second and last only (losses/token_logprobs.py), the plan the same
     to the byte as every tile's (a 8B plan at 500,000 tokens ran 489 fake tiles a layer per trace before)."""
     config = LlamaConfig(**TINY_LONG)
     fields = dict(processing_class=tokenizer, lengths=_profile("sft", 4096), max_length=4096,

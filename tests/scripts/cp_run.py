@@ -171,9 +171,9 @@ for case in cases:
     if case.endswith("_masks_dropped"):  # negative control: generation under the ring's hooks (prompt masks dropped)
         import contextlib
 
-        from leantune.trainers.online import generation_session
+        from leantune.trainers.parts import context_parallel
 
-        generation_session.ring_hooks_suspended = lambda model: contextlib.nullcontext()
+        context_parallel.ring_hooks_suspended = lambda model: contextlib.nullcontext()
     if isinstance(args, (leantune.GRPOConfig, leantune.RLOOConfig, leantune.OnlineDPOConfig)):
         trainer_class = {leantune.GRPOConfig: leantune.GRPOTrainer, leantune.RLOOConfig: leantune.RLOOTrainer,
                          leantune.OnlineDPOConfig: leantune.OnlineDPOTrainer}[type(args)]

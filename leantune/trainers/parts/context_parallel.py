@@ -77,6 +77,12 @@ def from_group_first(accelerator, value):
     return box[0]
 
 
+def generation_group(accelerator):
+    """How a context-parallel group generates one round together (`generate_in_group`, as the generation session's
+    `in_group`); None without context parallelism."""
+    return functools.partial(generate_in_group, accelerator) if cp_size_of(accelerator) > 1 else None
+
+
 def generate_in_group(accelerator, model, generate):
     """`generate()` as a context-parallel group runs it: outside the ring (its hooks suspended), the group's first
     process's completions kept by all (see `ring_hooks_suspended`, `from_group_first`)."""
@@ -398,7 +404,7 @@ class ContextParallelism:
         """Per-sequence partial sums -> whole-sequence sums on every process of the context-parallel group; the
         sum's gradient flows back to every process's part (torch.distributed.nn's differentiable all-reduce). A loss
         formed from these sums is then the same on every process of the group, so the step's loss normaliser divides
-        it by cp_size (parts/step_loss.py: the all-reduce's backward sums the group's cp_size copies)."""
+        it by cp_size (base.py's StepLoss: the all-reduce's backward sums the group's cp_size copies)."""
         group = self.accelerator.torch_device_mesh["cp"].get_group()
         if partial.requires_grad:
             return all_reduce(partial, group=group)

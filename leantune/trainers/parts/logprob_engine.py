@@ -154,12 +154,6 @@ class LogProbEngine:
                 and liger_can_run(head, self.settings.device_type)
                 and not with_entropy and set(stats) <= {"top1"} and len(stats) <= 1)
 
-    def liger_head_runs(self, model, temperature: float = 1.0) -> bool:
-        """Whether this forward pass's target log-probs come from Liger's fused kernel (per target), which computes
-        no entropies: a trainer asks for the entropy metric only where it comes free (the chunked or full path)."""
-        return (self.path is LogProbPath.LIGER and not self.needs_full_logits(model)
-                and self.liger_scores(self.head_of(model, temperature)))
-
     def fused_nll_runs(self, model) -> bool:
         """Whether the summed NLL comes from Liger's summing kernel (its gradient formed in the forward pass, no
         per-token values). CUDA only: its backward scales the weight gradient one vocabulary row per Triton program,
@@ -236,16 +230,18 @@ class LogProbEngine:
 
     def target_logprobs(self, model, inputs: dict, labels: torch.Tensor, temperature: float = 1.0,
                         with_entropy: bool = False, entropy_grad: bool = False, stats: tuple[str, ...] = (),
-                        shifted: bool = False, with_hidden: bool = False) -> TargetScores:
+                        shifted: bool = False, with_hidden: bool = False,
+                        entropy_where_free: bool = False) -> TargetScores:
         """The targets' fp32 log-probs (with entropies and the named `stats` of losses/token_logprobs.py's
         TOKEN_STATS when asked for) by the chosen path. The entropies carry a gradient only with `entropy_grad` (an
-        entropy bonus in the loss). `shifted`: `labels` already hold each position's next token (context
+        entropy bonus in the loss). `entropy_where_free`: the entropies too where the path computes them in its own
+        pass (the chunked head, full logits: a metric), not where Liger's kernel runs (it computes none). `shifted`: `labels` already hold each position's next token (context
         parallelism's `shift_labels`). `with_hidden`: also the last hidden states at the target positions
         (`TargetScores.hidden`, what PPO's value head reads), on every path. `labels` may be the `Targets` themselves
         (shared-prompt rows, where one position predicts several tokens)."""
         targets = labels if isinstance(labels, Targets) else select_targets(labels, shifted)
-        scores = self._scores(model, inputs, targets, temperature, with_entropy,
-                              entropy_grad, stats, with_hidden)
+        scores = self._scores(model, inputs, targets, temperature, with_entropy, entropy_grad, stats, with_hidden,
+                              entropy_where_free)
         if with_hidden:
             scores.hidden = scores.hidden.reshape(-1, scores.hidden.shape[-1]).index_select(0, scores.targets.index)
         else:
@@ -253,8 +249,9 @@ class LogProbEngine:
         return scores
 
     def _scores(self, model, inputs, targets: Targets, temperature, with_entropy, entropy_grad, stats,
-                with_hidden) -> TargetScores:
+                with_hidden, entropy_where_free) -> TargetScores:
         if self.needs_full_logits(model):
+            with_entropy = with_entropy or entropy_where_free
             outputs, hidden = self.forward(model, inputs, keep_hidden=with_hidden)
             scores = TargetScores(logprobs_from_logits(outputs.logits, targets, temperature), targets, outputs,
                                   hidden=hidden)
@@ -273,6 +270,7 @@ class LogProbEngine:
             if stats:
                 return TargetScores(result[0], targets, outputs, stats={"top1": result[1]}, hidden=hidden)
             return TargetScores(result, targets, outputs, hidden=hidden)
+        with_entropy = with_entropy or entropy_where_free
         result = chunked_logprobs(hidden, head, targets, self.chunk_rows[head.vocab_size], with_entropy, entropy_grad,
                                   stats)
         if not (with_entropy or stats):
