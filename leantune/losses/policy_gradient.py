@@ -36,6 +36,7 @@ rewards near +-3.4e38) is refused in one line, never clamped or zeroed (`ADVANTA
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -190,35 +191,71 @@ def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
     return torch.exp(delta) - delta - 1
 
 
-def grpo_loss_sum(token_loss: torch.Tensor, sequence: torch.Tensor, num_sequences: int, loss_type: str,
-                  max_completion_length: int, total=None, num_tokens: int | None = None) -> torch.Tensor:
-    """The micro-batch's share of the GRPO loss (before division by the step's `loss_items`, see above).
-
-    Under context parallelism `token_loss` holds this process's part of every sequence's tokens and the result is
-    its part of the micro-batch's sum (the parts add up over the group): `total` makes each sequence's token count
-    whole, `num_tokens` is the micro-batch's (bnpo)."""
-    if loss_type in ("grpo", "sapo"):
-        tokens = per_sequence_sum(torch.ones_like(token_loss), sequence, num_sequences)
-        tokens = (tokens if total is None else total(tokens)).clamp(min=1)
-        return (per_sequence_sum(token_loss, sequence, num_sequences) / tokens).sum()
-    if loss_type in ("dapo", "dr_grpo", "cispo", "vespo", "luspo"):
-        return token_loss.sum()
-    if loss_type == "bnpo":
-        return token_loss.sum() / max(int(token_loss.numel()) if num_tokens is None else num_tokens, 1)
-    raise ValueError(f"Unknown GRPO loss_type {loss_type!r}; choose from {GRPO_LOSS_TYPES}.")
+# --- how a loss type turns a micro-batch's token losses into one number, and the step's divisor ------------------
+# (the module's docstring lists them). The trainer takes its type's `LossAggregation` once, when it is built.
 
 
-def grpo_loss_items(loss_type: str, num_sequences: int, num_tokens: int, max_completion_length: int) -> int:
-    """What one micro-batch adds to the step's divisor for this loss type."""
-    if loss_type in ("grpo", "sapo", "luspo"):
-        return num_sequences
-    if loss_type in ("dapo", "cispo", "vespo"):
-        return num_tokens
-    if loss_type == "dr_grpo":
-        return num_sequences * max_completion_length
-    if loss_type == "bnpo":
-        return 1
-    raise ValueError(f"Unknown GRPO loss_type {loss_type!r}; choose from {GRPO_LOSS_TYPES}.")
+def sequence_means(token_loss: torch.Tensor, sequence: torch.Tensor, num_sequences: int, total=None,
+                   num_tokens: int | None = None) -> torch.Tensor:
+    """grpo, sapo: each completion's mean token loss, summed. Under context parallelism `token_loss` holds this
+    process's part of every sequence's tokens and `total` makes each sequence's token count whole (the parts of the
+    sum add up over the group)."""
+    tokens = per_sequence_sum(torch.ones_like(token_loss), sequence, num_sequences)
+    tokens = (tokens if total is None else total(tokens)).clamp(min=1)
+    return (per_sequence_sum(token_loss, sequence, num_sequences) / tokens).sum()
+
+
+def token_sum(token_loss: torch.Tensor, sequence: torch.Tensor, num_sequences: int, total=None,
+              num_tokens: int | None = None) -> torch.Tensor:
+    """dapo, dr_grpo, cispo, vespo, luspo: the token losses summed."""
+    return token_loss.sum()
+
+
+def micro_batch_mean(token_loss: torch.Tensor, sequence: torch.Tensor, num_sequences: int, total=None,
+                     num_tokens: int | None = None) -> torch.Tensor:
+    """bnpo: the token losses over the micro-batch's own tokens (`num_tokens`: the whole micro-batch's under context
+    parallelism)."""
+    return token_loss.sum() / max(int(token_loss.numel()) if num_tokens is None else num_tokens, 1)
+
+
+def completions_of(num_sequences: int, num_tokens: int, max_completion_length: int) -> int:
+    return num_sequences
+
+
+def tokens_of(num_sequences: int, num_tokens: int, max_completion_length: int) -> int:
+    return num_tokens
+
+
+def padded_tokens_of(num_sequences: int, num_tokens: int, max_completion_length: int) -> int:
+    return num_sequences * max_completion_length
+
+
+def one_per_micro_batch(num_sequences: int, num_tokens: int, max_completion_length: int) -> int:
+    return 1
+
+
+@dataclass(frozen=True)
+class LossAggregation:
+    """A loss type's `total(token_loss, sequence, num_sequences, total=None, num_tokens=None)`: the micro-batch's
+    share of the loss (before division by the step's `loss_items`), and `items(num_sequences, num_tokens,
+    max_completion_length)`: what one micro-batch adds to that divisor."""
+
+    total: Callable[..., torch.Tensor]
+    items: Callable[[int, int, int], int]
+
+
+LOSS_AGGREGATIONS = {
+    "grpo": LossAggregation(sequence_means, completions_of), "sapo": LossAggregation(sequence_means, completions_of),
+    "dapo": LossAggregation(token_sum, tokens_of), "cispo": LossAggregation(token_sum, tokens_of),
+    "vespo": LossAggregation(token_sum, tokens_of), "dr_grpo": LossAggregation(token_sum, padded_tokens_of),
+    "luspo": LossAggregation(token_sum, completions_of), "bnpo": LossAggregation(micro_batch_mean, one_per_micro_batch),
+}
+
+
+def loss_aggregation(loss_type: str) -> LossAggregation:
+    if loss_type not in LOSS_AGGREGATIONS:
+        raise ValueError(f"Unknown GRPO loss_type {loss_type!r}; choose from {GRPO_LOSS_TYPES}.")
+    return LOSS_AGGREGATIONS[loss_type]
 
 
 # --- GRPO's per-token loss and the options that reshape it (TRL 1.16's meanings) --------------------------------

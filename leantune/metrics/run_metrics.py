@@ -28,38 +28,49 @@ MIB = 1024 * 1024
 logger = logging.getLogger("leantune.online")  # what an online round reports
 
 
-def _uses_cuda(device: torch.device | None) -> bool:
-    return torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda")
+class CudaPeak:
+    """Peak memory on a CUDA device: the allocator's maximum allocated since the last reset."""
 
+    kind = "cuda_max_allocated"
 
-def reset_peak_memory(device: torch.device | None = None) -> None:
-    if _uses_cuda(device):
+    def reset(self) -> None:
         torch.cuda.reset_peak_memory_stats()
-    elif sys.platform.startswith("linux"):
-        try:  # Linux resets VmHWM (peak RSS) when 5 is written here.
-            with open("/proc/self/clear_refs", "w") as handle:
-                handle.write("5")
-        except OSError:
-            pass
 
-
-def peak_memory_bytes(device: torch.device | None = None) -> int:
-    if _uses_cuda(device):
+    def bytes(self) -> int:
         return int(torch.cuda.max_memory_allocated())
-    if sys.platform.startswith("linux"):
-        try:
-            with open("/proc/self/status") as handle:
-                for line in handle:
-                    if line.startswith("VmHWM:"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
-            pass
-    scale = 1 if sys.platform == "darwin" else 1024
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * scale
 
 
-def memory_kind(device: torch.device | None = None) -> str:
-    return "cuda_max_allocated" if _uses_cuda(device) else "peak_rss"
+class HostPeak:
+    """Peak memory of a run on the host: the process's peak resident set size (Linux's VmHWM, which writing 5 to
+    /proc/self/clear_refs resets; elsewhere getrusage's maximum, never reset)."""
+
+    kind = "peak_rss"
+
+    def reset(self) -> None:
+        if sys.platform.startswith("linux"):
+            try:  # Linux resets VmHWM (peak RSS) when 5 is written here
+                with open("/proc/self/clear_refs", "w") as handle:
+                    handle.write("5")
+            except OSError:
+                pass
+
+    def bytes(self) -> int:
+        if sys.platform.startswith("linux"):
+            try:
+                with open("/proc/self/status") as handle:
+                    for line in handle:
+                        if line.startswith("VmHWM:"):
+                            return int(line.split()[1]) * 1024
+            except OSError:
+                pass
+        scale = 1 if sys.platform == "darwin" else 1024
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * scale
+
+
+def peak_memory_meter(device: torch.device | None = None) -> CudaPeak | HostPeak:
+    """The peak memory a run on `device` reports, chosen once: CUDA's allocator, else the host's."""
+    cuda = torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda")
+    return CudaPeak() if cuda else HostPeak()
 
 
 @dataclass
@@ -112,6 +123,7 @@ class RunMetrics:
         self.accelerator = accelerator
         self.cp_size = cp_size
         self.device = device
+        self.peak_memory = peak_memory_meter(device)  # CUDA's allocator or the host's resident set, chosen once
         self.summarise = summarise
         self.throughput = TokenThroughput()
         self.memory_breakdown: MemoryBreakdown | None = None
@@ -120,7 +132,7 @@ class RunMetrics:
 
     def restart(self) -> None:
         """A train() call's start: its token counts and peak memory from zero."""
-        reset_peak_memory(self.device)
+        self.peak_memory.reset()
         self.throughput.restart()
 
     def count_tokens(self, model, inputs: dict, prefix: str = "") -> None:
@@ -167,7 +179,7 @@ class RunMetrics:
         """A training step's log: tokens/s over the logging window, the padding fraction and peak memory."""
         logs["real_tokens_per_second"] = round(self.throughput.window_rate(), 2)
         logs["padding_fraction"] = round(self.throughput.padding_fraction, 4)
-        logs["peak_memory_mb"] = round(peak_memory_bytes(self.device) / MIB, 1)
+        logs["peak_memory_mb"] = round(self.peak_memory.bytes() / MIB, 1)
 
     def summary(self) -> dict:
         """The run's closing numbers (the trainer adds its own)."""
@@ -175,8 +187,8 @@ class RunMetrics:
             "real_tokens": self.throughput.real_tokens,
             "real_tokens_per_second": round(self.throughput.overall_rate(), 2),
             "padding_fraction": round(self.throughput.padding_fraction, 4),
-            "peak_memory_mb": round(peak_memory_bytes(self.device) / MIB, 1),
-            "peak_memory_kind": memory_kind(self.device),
+            "peak_memory_mb": round(self.peak_memory.bytes() / MIB, 1),
+            "peak_memory_kind": self.peak_memory.kind,
         }
         if self.memory_breakdown is not None:
             summary.update(self.memory_breakdown.as_metrics())

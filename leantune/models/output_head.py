@@ -7,6 +7,10 @@ last step for any slice of hidden states, in fp32, so the full [tokens, vocabula
 `OutputHead.capture_hidden_states()` runs the model's own forward (through DDP/FSDP/PEFT wrappers and every
 hook) with the head short-circuited: the head receives the final hidden states, keeps them, and returns an empty
 slice, so no logits are computed and the model's post-processing costs nothing.
+
+How the head is reached depends on the engine, chosen once when the trainer is built (`head_kind`): one process
+uses the head as it is (`OutputHead`), DDP also keeps it in the forward's graph (`DDPOutputHead`), and ZeRO-3 / FSDP
+run the chunks through the head module's hooks where its weights are sharded (`ShardedOutputHead`).
 """
 
 from __future__ import annotations
@@ -73,48 +77,19 @@ class OutputHead:
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         """The head's own forward (an instance-level forward set by accelerate hooks is honoured)."""
         own = self.module.__dict__.get("forward")
-        if own is not None and getattr(own, "_leantune_capture", False):
-            own = getattr(own, "_leantune_previous", None)
         if own is not None:
             return own(hidden)
         return type(self.module).forward(self.module, hidden)
 
     def weights_sharded(self) -> bool:
-        """Whether the head's weights are not all materialised here now (a ZeRO-3 partition, an FSDP2 shard)."""
-        for parameter in self.module.parameters():
-            if getattr(parameter, "ds_status", None) is not None and parameter.ds_status.name != "AVAILABLE":
-                return True
-            if _is_dtensor(parameter):
-                return True
+        """Whether the head's weights are not all materialised here now: never for this class (one process and DDP
+        hold the whole head in every process; `ShardedOutputHead` is the engines' that shard it)."""
         return False
 
     def call_as_head(self, function, *inputs):
-        """`function(*inputs)` run as the head module's forward, through the module's call and hooks.
-
-        Engines that keep parameters sharded hook each module: ZeRO-3 gathers a module's parameters before its
-        forward and again before its backward, FSDP2 (a head wrapped on its own) unshards it. Run this way, a
-        computation that reads the head's weight outside the model's forward (the chunked loss, and its recomputation
-        in backward) sees the full weight and gives the engine the weight's gradient as from the head itself.
-        Weights that are already whole (one process, DDP, an FSDP2 head unsharded with its root module for the
-        model's forward and backward) are used as they are, without a second pass through the hooks."""
-        module = self.module
-        if not self.weights_sharded():
-            return function(*inputs)
-        previous = module.__dict__.get("forward")
-
-        def as_forward(*args, **kwargs):
-            return function(*args, **kwargs)
-
-        as_forward._leantune_capture = True  # `project` looks through it to the forward it replaced
-        as_forward._leantune_previous = previous
-        module.forward = as_forward
-        try:
-            return module(*inputs)
-        finally:
-            if previous is None:
-                del module.forward
-            else:
-                module.forward = previous
+        """`function(*inputs)`, a computation that reads the head's weight outside the model's forward (the chunked
+        loss, and its recomputation in backward): the weights are whole here, used as they are."""
+        return function(*inputs)
 
     def transform(self, raw: torch.Tensor) -> torch.Tensor:
         """fp32 logits from the projection's output: the model's fixed transform, then the temperature.
@@ -136,53 +111,136 @@ class OutputHead:
 
     @contextlib.contextmanager
     def capture_hidden_states(self, head_follows: bool = False):
-        """Within the block, calling the model stores the head's input in `self.hidden` and computes no logits.
-
-        `head_follows`: the caller projects the captured states through this head afterwards (the chunked loss), so
-        the head's trainable parameters get a gradient this step, from outside the model's forward. Two engines
-        need to know which call of the head that gradient belongs to:
-
-        - DDP with `find_unused_parameters=True` (transformers' choice without gradient checkpointing) marks every
-          parameter its forward's outputs do not reach as unused, reduces it at once, and then fails when the
-          chunked loss's gradient arrives ("Expected to mark a variable ready only once"). The empty logits
-          returned here therefore depend on those parameters through a zero-element sum: DDP sees them used and
-          waits for their one gradient (exact: nothing flows back through an empty tensor). Callers that never
-          project (a value model's body) leave it off, so DDP keeps treating their head as unused.
-        - ZeRO-3 wraps the head's input in a hook that releases the head's weight after its backward. The captured
-          states are taken before that hook (a hook put first), so the loss's backward runs only the hooks of the
-          head call the loss makes itself (`call_as_head`): one gather and one release per step, in the same order
-          every step. Through the hooked input, the model's own head call released the weight a second time with
-          nothing gathered for it, which DeepSpeed's prefetcher, replaying step 1's order from step 2, stops on
-          ("active_backward_submodules is empty during backward pass")."""
-        module, captured = self.module, {}
-        engine_hooked = _is_zero3_partitioned(module)
-        tied = [] if (not head_follows or self.weights_sharded() or engine_hooked) else self.trainable_parameters
+        """Within the block, calling the model stores the head's input in `captured["hidden"]` and computes no
+        logits: the head returns an empty slice. `head_follows`: the caller projects the captured states through
+        this head afterwards (the chunked loss), which DDP and the sharding engines need to know (their classes)."""
+        captured, tied = {}, self.tied_parameters(head_follows)
 
         def keep_hidden(hidden, *args, **kwargs):
             captured.setdefault("hidden", hidden)
             empty = hidden[..., :0]
-            for parameter in tied:  # in the forward's graph (see above); zero elements, no cost
+            for parameter in tied:  # in the forward's graph (DDPOutputHead); zero elements, no cost
                 empty = empty + parameter.view(-1)[:0].sum().to(empty.dtype)
             return empty
 
-        def before_engine_hooks(_module, args):
-            if args:
-                captured["hidden"] = args[0]
-
-        keep_hidden._leantune_capture = True
-        previous = module.__dict__.get("forward")
-        module.forward = keep_hidden
-        first = module.register_forward_pre_hook(before_engine_hooks, prepend=True) if engine_hooked else None
-        try:
+        with _forward_replaced(self.module, keep_hidden):
             yield captured
-        finally:
-            if first is not None:
-                first.remove()
-            if previous is None:
-                del module.forward
-            else:
-                module.forward = previous
 
+    def tied_parameters(self, head_follows: bool) -> list[torch.nn.Parameter]:
+        """The parameters the empty logits depend on: none (one process: nothing waits for the head's gradient)."""
+        return []
+
+
+class DDPOutputHead(OutputHead):
+    """The head where every process holds it whole and an engine reduces its gradient (DDP, ZeRO-1/2).
+
+    DDP with `find_unused_parameters=True` (transformers' choice without gradient checkpointing) marks every
+    parameter its forward's outputs do not reach as unused, reduces it at once, and then fails when the chunked
+    loss's gradient arrives ("Expected to mark a variable ready only once"). The empty logits of
+    `capture_hidden_states(head_follows=True)` therefore depend on the head's trainable parameters through a
+    zero-element sum: DDP sees them used and waits for their one gradient (exact: nothing flows back through an empty
+    tensor). Callers that never project (a value model's body) leave it off, so DDP keeps treating their head as
+    unused."""
+
+    def tied_parameters(self, head_follows: bool) -> list[torch.nn.Parameter]:
+        return self.trainable_parameters if head_follows else []
+
+
+class ShardedOutputHead(DDPOutputHead):
+    """The head under an engine that may keep its weights sharded (ZeRO-3, FSDP): their state is read at each call,
+    since an FSDP2 head wrapped with its root module is whole during the model's forward and backward. Correct under
+    every engine, it is also the head of callers that are not told theirs (a value model's body, a teacher)."""
+
+    def weights_sharded(self) -> bool:
+        """Whether the head's weights are not all materialised here now (a ZeRO-3 partition, an FSDP2 shard)."""
+        for parameter in self.module.parameters():
+            if getattr(parameter, "ds_status", None) is not None and parameter.ds_status.name != "AVAILABLE":
+                return True
+            if _is_dtensor(parameter):
+                return True
+        return False
+
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`OutputHead.project`, also inside `call_as_head`, where the module's forward is the chunk's computation:
+        the forward it replaced is the head's own."""
+        own = self.module.__dict__.get("forward")
+        if own is not None and hasattr(own, "_leantune_previous"):
+            own = own._leantune_previous
+        if own is not None:
+            return own(hidden)
+        return type(self.module).forward(self.module, hidden)
+
+    def call_as_head(self, function, *inputs):
+        """`function(*inputs)` run as the head module's forward, through the module's call and hooks.
+
+        Engines that keep parameters sharded hook each module: ZeRO-3 gathers a module's parameters before its
+        forward and again before its backward, FSDP2 (a head wrapped on its own) unshards it. Run this way, a
+        computation that reads the head's weight outside the model's forward (the chunked loss, and its recomputation
+        in backward) sees the full weight and gives the engine the weight's gradient as from the head itself.
+        Weights that are already whole (an FSDP2 head unsharded with its root module for the model's forward and
+        backward) are used as they are, without a second pass through the hooks."""
+        if not self.weights_sharded():
+            return function(*inputs)
+
+        def as_forward(*args, **kwargs):
+            return function(*args, **kwargs)
+
+        with _forward_replaced(self.module, as_forward):
+            return self.module(*inputs)
+
+    def tied_parameters(self, head_follows: bool) -> list[torch.nn.Parameter]:
+        """As DDP's, for weights that are whole as the capture starts and not hooked by ZeRO-3."""
+        whole = not (self.weights_sharded() or _is_zero3_partitioned(self.module))
+        return super().tied_parameters(head_follows and whole)
+
+    @contextlib.contextmanager
+    def capture_hidden_states(self, head_follows: bool = False):
+        """`OutputHead.capture_hidden_states`; under ZeRO-3 the head's input is taken before the engine's hooks.
+
+        ZeRO-3 wraps the head's input in a hook that releases the head's weight after its backward. The captured
+        states are taken before that hook (a hook put first), so the loss's backward runs only the hooks of the head
+        call the loss makes itself (`call_as_head`): one gather and one release per step, in the same order every
+        step. Through the hooked input, the model's own head call released the weight a second time with nothing
+        gathered for it, which DeepSpeed's prefetcher, replaying step 1's order from step 2, stops on
+        ("active_backward_submodules is empty during backward pass")."""
+        engine_hooked = _is_zero3_partitioned(self.module)
+        with super().capture_hidden_states(head_follows) as captured:
+
+            def before_engine_hooks(_module, args):
+                if args:
+                    captured["hidden"] = args[0]
+
+            first = self.module.register_forward_pre_hook(before_engine_hooks, prepend=True) if engine_hooked else None
+            try:
+                yield captured
+            finally:
+                if first is not None:
+                    first.remove()
+
+
+def head_kind(sharded: bool, processes: int) -> type[OutputHead]:
+    """The head an engine needs, chosen once when the trainer is built from the configured engine (not from the
+    weights' state then: FSDP2 and ZeRO-3 wrap the model later, in `train()`): `sharded` (ZeRO-3, FSDP) ->
+    `ShardedOutputHead`, else several processes -> `DDPOutputHead`, else `OutputHead`."""
+    if sharded:
+        return ShardedOutputHead
+    return DDPOutputHead if processes > 1 else OutputHead
+
+
+@contextlib.contextmanager
+def _forward_replaced(module: torch.nn.Module, forward):
+    """Within the block the module's forward is `forward`, which keeps the forward it replaced (an instance-level one,
+    as accelerate hooks or `compute_head_in_fp32` set; None: the class's) for `ShardedOutputHead.project`."""
+    previous = module.__dict__.get("forward")
+    forward._leantune_previous = previous
+    module.forward = forward
+    try:
+        yield
+    finally:
+        if previous is None:
+            del module.forward
+        else:
+            module.forward = previous
 
 def output_width(module: torch.nn.Module) -> int:
     """How many tokens a head module scores."""

@@ -20,7 +20,7 @@ import os
 import torch
 from safetensors.torch import load_file, save_file
 
-from .output_head import OutputHead, text_config_of, unwrap_model
+from .output_head import ShardedOutputHead, text_config_of, unwrap_model
 
 VALUE_ATTRIBUTE = "ppo_value_function"
 VALUE_WEIGHTS_NAME = "value_function.safetensors"
@@ -76,7 +76,7 @@ def _scalar_head(model) -> torch.nn.Module | None:
 def _last_hidden_states(model, inputs: dict) -> torch.Tensor:
     base = unwrap_model(model)
     if hasattr(base, "get_output_embeddings") and base.get_output_embeddings() is not None:
-        head = OutputHead.of(model)  # a causal LM: its own forward, the head short-circuited (no logits)
+        head = ShardedOutputHead.of(model)  # a causal LM: its own forward, the head short-circuited (no logits), any engine
         with head.capture_hidden_states() as captured:
             model(**inputs, use_cache=False)
         return captured["hidden"]

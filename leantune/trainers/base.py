@@ -38,7 +38,7 @@ from .parts.batches import kept_columns
 from .parts.context_parallel import ContextParallelism
 from .parts.distributed import leave_process_group_at_exit, named_collective_timeouts
 from .parts.frozen_models import prepare_frozen_model
-from .parts.logprob_engine import LogProbEngine
+from .parts.logprob_engine import LogProbEngine, engine_head_kind
 from .parts.optimizer_in_backward import OptimizerInBackward
 from .parts.resolved_config import resolve_config
 from .parts.saving import (
@@ -125,9 +125,11 @@ class LeantuneTrainer(MethodHooks, TrainerAttributes, Trainer):
                                       self, "current_gradient_accumulation_steps", 1) * self.oom_retry.parts)
         # the temperature the trainer's log-probs are of: the sampling one (GRPO, RLOO, PPO), else 1
         self.scoring_temperature = args.temperature if self.scores_at_temperature else 1.0
+        # a model without an MoE router loss to add (a dense one) notes nothing after its forward passes
         self.logprobs = LogProbEngine(
             self.settings.head, logprob_path, lambda: self.compute_metrics is not None or self.preprocess_logits_for_metrics is not None,
-            self.step_loss.note_router_loss, self.scoring_temperature)
+            self.step_loss.note_router_loss if self.step_loss.router_loss_enabled else None, self.scoring_temperature,
+            engine_head_kind(self.accelerator))
         self.logprobs.announce(self.model, self.liger_notes(args))
         if args.memory_breakdown:
             self.add_callback(MemoryBreakdownCallback(args.device, self.run_metrics.keep_memory_breakdown,
@@ -338,10 +340,13 @@ class StepLoss:
         count = sum((self.items_in(b) for b in batch_samples if "labels" in b or "target_index" in b), torch.tensor(0))
         count = torch.as_tensor(count).to(device)
         if self.settings.average_tokens_across_devices and self.settings.world_size > 1:
-            count = self.accelerator.gather(count).sum()
-            # every process of a context-parallel group counted the same whole batch (before it is split)
-            count = count // self.context_parallel.size
+            return self._over_processes(count)
         return count
+
+    def _over_processes(self, count: torch.Tensor) -> torch.Tensor:
+        """Every process's count summed, where the processes average together; every process of a context-parallel
+        group counted the same whole batch (before it is split)."""
+        return self.accelerator.gather(count).sum() // self.context_parallel.size
 
     def drop_router_loss(self) -> None:
         """A discarded attempt's router loss, noted by its forward and not added by its loss: none is pending

@@ -24,7 +24,6 @@ from ..losses.distillation import chunked_jsd_sum, jsd_from_logits
 from ..losses.liger import liger_jsd_problem, liger_jsd_sum
 from ..losses.token_logprobs import IGNORE_INDEX, count_targets, select_targets
 from ..models.loading import parse_kwargs
-from ..models.output_head import OutputHead
 from .gkd_config import GKDConfig
 from .parts.context_parallel import data_parallel_place, generation_group
 from .parts.teacher import Teacher
@@ -128,7 +127,7 @@ class GKDTrainer(SFTTrainer):
         return [*super().frozen_models(), self.teacher.model]
 
     def liger_notes(self, args) -> list[tuple[int, str]]:
-        problem = liger_jsd_problem(OutputHead.of(self.model), self.teacher.head, args.device.type)
+        problem = liger_jsd_problem(self.logprobs.head_kind.of(self.model), self.teacher.head, args.device.type)
         if problem is None:
             return super().liger_notes(args)
         return [*super().liger_notes(args), (logging.WARNING, f"Liger was asked for, but {problem}; using leantune's "
@@ -185,7 +184,7 @@ class GKDTrainer(SFTTrainer):
             outputs, _ = self.logprobs.forward(model, inputs)
             loss_sum = jsd_from_logits(outputs.logits, self.teacher.logits(inputs), targets, beta).sum()
         else:
-            head, teacher_head = OutputHead.of(model), self.teacher.head
+            head, teacher_head = self.logprobs.head_kind.of(model), self.teacher.head
             hidden, outputs = self.logprobs.forward_hidden(model, inputs, head)
             teacher_hidden = self.teacher.hidden_states(inputs, teacher_head)
             if len(targets) and self.logprobs.liger_jsd_runs(head, teacher_head):

@@ -29,10 +29,9 @@ from ..losses.entropy_bonus import EntropyBonus
 from ..losses.policy_gradient import (
     GRPOObjective,
     group_relative_advantages,
-    grpo_loss_items,
-    grpo_loss_sum,
     grpo_token_loss,
     high_entropy_mask,
+    loss_aggregation,
     normalize_then_sum_advantages,
     off_policy_sequence_mask,
     sampling_correction_weights,
@@ -75,6 +74,7 @@ class GRPOTrainer(OnlineTrainer):
         self.tools = list(agent.tools) if agent is not None else []  # TRL's attribute: every tool the policy may call
         self.entropy_bonus = EntropyBonus.from_config(self.args)  # added to the normalised loss: `regularised`
         self.objective = GRPOObjective.from_config(self.args)  # what shapes the per-token loss (policy_gradient.py)
+        self.aggregation = loss_aggregation(self.args.loss_type)  # the loss type's sum and divisor, taken once
         if self.args.cast_lm_head_to_fp32:
             for model in (self.model, self.ref_model):
                 if model is not None:
@@ -114,8 +114,8 @@ class GRPOTrainer(OnlineTrainer):
         return result.reshape(rows, 1)
 
     def loss_items(self, batch: dict) -> int:
-        return grpo_loss_items(self.args.loss_type, int(batch["num_sequences"]), self.target_reading.count(batch),
-                               self.args.max_completion_length)
+        return self.aggregation.items(int(batch["num_sequences"]), self.target_reading.count(batch),
+                                      self.args.max_completion_length)
 
     def policy_loss(self, scores: TargetScores, sequence: torch.Tensor, batch: dict):
         args, logps = self.args, scores.logps
@@ -143,7 +143,7 @@ class GRPOTrainer(OnlineTrainer):
         metrics.update(loss_metrics)
         placed = batch.get(PLACED_TARGETS)  # context parallelism: this process's part of every sequence's tokens
         whole = () if placed is None else (placed.total, int(self.context_parallel.batch_targets))
-        return grpo_loss_sum(token_loss, sequence, count, args.loss_type, args.max_completion_length, *whole), metrics
+        return self.aggregation.total(token_loss, sequence, count, *whole), metrics
 
     def regularised(self, loss: torch.Tensor, scores: TargetScores, batch: dict, model):
         """The entropy bonus (losses/entropy_bonus.py) over the tokens the policy term acts on (top_entropy_quantile's

@@ -37,6 +37,8 @@ from .online.round_builder import (
     LABELLED_TARGETS,
     SHARED_PROMPT_TARGETS,
     MethodHooks,
+    OneProcess,
+    ProcessShare,
     RoundBuilder,
     RoundLoader,
     RoundSampler,
@@ -44,6 +46,7 @@ from .online.round_builder import (
     StreamRounds,
     as_rows,
     round_loader,
+    stream_round_loader,
 )
 from .parts.batches import deepspeed_float_dtype, on_device
 from .parts.context_parallel import ORDINAL_KEY, data_parallel_place, generation_group
@@ -127,8 +130,8 @@ class OnlineMethod:
 def round_builder(trainer, args, tokenizer) -> RoundBuilder:
     """An online trainer's round builder, given its settings and what it calls, chosen once: the method's hooks,
     the scoring (a ring and the ring's placement only under context parallelism, the reference only when the method
-    reads it), how targets are read (the shared-prompt rows' only with `shared_prompt`), the gathering over
-    processes."""
+    reads it), how targets are read (the shared-prompt rows' only with `shared_prompt`), this process's share of
+    each round and the gathering over processes (in one process: the whole round, nothing gathered)."""
     settings = round_settings_of(args, trainer.steps_per_generation, trainer.layout)
     trainer.target_reading = SHARED_PROMPT_TARGETS if settings.shared_prompt else LABELLED_TARGETS
     hooks = MethodHooks(trainer.attach_loss_inputs, trainer.loss_items, trainer.scored_prompts,
@@ -148,10 +151,10 @@ def round_builder(trainer, args, tokenizer) -> RoundBuilder:
     generation, agent = trainer.generation, trainer.agent
     rollout = None if agent is None else (
         lambda rows: agent.rollout(rows, generation.generate_turn, trainer, generation.step_together))
+    share = OneProcess() if accelerator.num_processes == 1 else ProcessShare(
+        ring.data_parallel_rank, ring.data_parallel_size, ring.gather_once_per_group, accelerator.device)
     return RoundBuilder(settings, generation, trainer.round_metrics, trainer.rewards, tokenizer, hooks, scoring,
-                        trainer.target_reading, (ring.data_parallel_rank, ring.data_parallel_size),
-                        ring.gather_once_per_group, accelerator.device,
-                        lambda: trainer.state, rollout=rollout, tools=agent is not None and bool(agent.tools),
+                        trainer.target_reading, share, lambda: trainer.state, rollout=rollout, tools=agent is not None and bool(agent.tools),
                         logs_examples=settings.log_completions and trainer.is_world_process_zero())
 
 
@@ -251,8 +254,9 @@ class OnlineTrainer(OnlineMethod, ReferenceModelMixin, LeantuneTrainer):
     # --- data: rounds of prompts -> micro-batches of scored completions ----------------------------------------------
 
     def get_train_dataloader(self):
-        return round_loader(self.train_dataset, self.round_size // self.args.num_generations,
-                            self.steps_per_generation * self.args.num_iterations, self.args, self.streams_prompts)
+        loader = stream_round_loader if self.streams_prompts else round_loader
+        return loader(self.train_dataset, self.round_size // self.args.num_generations,
+                      self.steps_per_generation * self.args.num_iterations, self.args)
 
     def trained_batches(self, prompt_rows: list) -> list:
         """One micro-batch of the round buffer per item of the loader (a round's prompts); a new round when empty."""

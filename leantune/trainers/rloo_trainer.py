@@ -33,7 +33,7 @@ class RLOOTrainer(OnlineTrainer):
             rewards = rewards.clamp(*args.reward_clip_range)
         if self.kl_in_reward:
             kl = torch.cat([self._sequence_kl(batch) for batch in batches])
-            kl = self.rounds.gather(kl)  # every process's, in round order (the round's own gather, chosen once)
+            kl = self.rounds.share.gather(kl)  # every process's, in round order (the round's share, chosen once)
             scored["store"]["kl"].append(kl.mean().item())
             rewards = rewards - args.beta * kl
         advantages, _ = leave_one_out_advantages(rewards, group, args.normalize_advantages)

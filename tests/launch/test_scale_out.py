@@ -188,6 +188,11 @@ ENGINES = {  # engine: (distributed type accelerate reports, share of each param
 }
 
 
+# the output head each engine reaches the chunked loss's weight through, chosen when the trainer is built
+# (models/output_head.py's `head_kind`): whole in every process (DDP, ZeRO-2), or gathered by the engine's hooks
+HEADS = {"ddp": "DDPOutputHead", "fsdp2": "ShardedOutputHead", "zero2": "DDPOutputHead", "zero3": "ShardedOutputHead"}
+
+
 @pytest.mark.parametrize("engine", list(ENGINES))
 def test_every_trainer_matches_one_process_under_each_engine(engine, assets, initial, one_process, ddp):
     cases = ENGINE_CASES[engine]
@@ -198,6 +203,7 @@ def test_every_trainer_matches_one_process_under_each_engine(engine, assets, ini
     for case in cases:
         first, second = ranks(out, case)
         assert first["world"] == second["world"] == 2 and first["engine"] == distributed_type, (case, first)
+        assert first["head"] == second["head"] == HEADS[engine], (case, first["head"])
         assert first["local_fraction"] == pytest.approx(held), (case, first["local_fraction"])
         assert first["losses"] == second["losses"]
         reference = ddp if case in ONLINE else one_process

@@ -17,7 +17,7 @@ from leantune.losses.token_logprobs import (
     token_stats_from_logits,
 )
 from leantune.metrics.memory_breakdown import StepMemoryMeter
-from leantune.models.output_head import OutputHead
+from leantune.models.output_head import DDPOutputHead, OutputHead
 
 from ..fixtures.comparisons import rel_diff
 from ..fixtures.models import tiny_model
@@ -249,14 +249,17 @@ def leaves_reached(tensor: torch.Tensor) -> set[int]:
 
 
 def test_trainers_forward_keeps_the_head_in_its_graph_exactly():
-    """`capture_hidden_states(head_follows=True)` (the trainers' forward): the empty logits reach the head's weight,
-    so DDP with find_unused_parameters=True (no gradient checkpointing) counts it used and waits for the chunked loss's
-    gradient instead of failing (the 2-process run: tests/launch/test_launch.py). Values and gradients stay the full path's,
-    and a micro-batch without targets gives the head a zero gradient, not none, which DDP would wait for forever."""
+    """`DDPOutputHead.capture_hidden_states(head_follows=True)` (the trainers' forward under DDP, `head_kind`): the
+    empty logits reach the head's weight, so DDP with find_unused_parameters=True (no gradient checkpointing) counts it
+    used and waits for the chunked loss's gradient instead of failing (the 2-process run: tests/launch/test_launch.py).
+    Values and gradients stay the full path's, and a micro-batch without targets gives the head a zero gradient, not
+    none, which DDP would wait for forever. One process (`OutputHead`) leaves the head out: nothing waits for it."""
     model = small_config_model("llama")
     input_ids, labels = batch()
     full = full_path(model, input_ids, labels)
-    head = OutputHead.of(model)
+    with OutputHead.of(model).capture_hidden_states(head_follows=True) as captured:  # one process: nothing waits
+        assert id(model.lm_head.weight) not in leaves_reached(model(input_ids=input_ids).logits)
+    head = DDPOutputHead.of(model)
     with head.capture_hidden_states() as captured:  # a caller that never projects (a value model): left out
         assert id(model.lm_head.weight) not in leaves_reached(model(input_ids=input_ids).logits)
     model.zero_grad()

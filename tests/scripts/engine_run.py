@@ -193,6 +193,7 @@ for case in cases:
         "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
         "world": state.num_processes,
         "engine": str(state.distributed_type).split(".")[-1],
+        "head": trainer.logprobs.head_kind.__name__,  # the output head's class the engine chose (output_head.py)
         "local_fraction": local_fraction,
         "completions": list(seen_completions),
         "gathered_during_generation": generation_fractions,

@@ -16,10 +16,9 @@ from leantune import GRPOTrainer, RLOOConfig, RLOOTrainer
 from leantune.losses.policy_gradient import (
     clipped_surrogate,
     group_relative_advantages,
-    grpo_loss_items,
-    grpo_loss_sum,
     k3_kl,
     leave_one_out_advantages,
+    loss_aggregation,
     normalize_then_sum_advantages,
 )
 from leantune.losses.token_logprobs import count_targets
@@ -104,14 +103,14 @@ def test_loss_types_by_hand():
     token_loss = torch.tensor([1.0, 2.0, 3.0, 4.0, 10.0])
     sequence = torch.tensor([0, 0, 0, 1, 2])  # three completions: 3 tokens, 1 token, 1 token
     # small integer-valued sums and means: exact in fp32 (default rel 1e-6)
-    assert grpo_loss_sum(token_loss, sequence, 3, "grpo", 8).item() == pytest.approx(2.0 + 4.0 + 10.0)
-    assert grpo_loss_items("grpo", 3, 5, 8) == 3
-    assert grpo_loss_sum(token_loss, sequence, 3, "dapo", 8).item() == pytest.approx(20.0)
-    assert grpo_loss_items("dapo", 3, 5, 8) == 5
-    assert grpo_loss_sum(token_loss, sequence, 3, "dr_grpo", 8).item() == pytest.approx(20.0)
-    assert grpo_loss_items("dr_grpo", 3, 5, 8) == 24
-    assert grpo_loss_sum(token_loss, sequence, 3, "bnpo", 8).item() == pytest.approx(4.0)
-    assert grpo_loss_items("bnpo", 3, 5, 8) == 1
+    assert loss_aggregation("grpo").total(token_loss, sequence, 3).item() == pytest.approx(2.0 + 4.0 + 10.0)
+    assert loss_aggregation("grpo").items(3, 5, 8) == 3
+    assert loss_aggregation("dapo").total(token_loss, sequence, 3).item() == pytest.approx(20.0)
+    assert loss_aggregation("dapo").items(3, 5, 8) == 5
+    assert loss_aggregation("dr_grpo").total(token_loss, sequence, 3).item() == pytest.approx(20.0)
+    assert loss_aggregation("dr_grpo").items(3, 5, 8) == 24
+    assert loss_aggregation("bnpo").total(token_loss, sequence, 3).item() == pytest.approx(4.0)
+    assert loss_aggregation("bnpo").items(3, 5, 8) == 1
 
 
 # --- the trainer -----------------------------------------------------------------------------------------------

@@ -21,10 +21,9 @@ from leantune.generation.vllm_colocate import completions_of
 from leantune.generation.vllm_server import TransformersEngine, make_server, serve
 from leantune.losses.policy_gradient import (
     GRPOObjective,
-    grpo_loss_items,
-    grpo_loss_sum,
     grpo_token_loss,
     high_entropy_mask,
+    loss_aggregation,
     off_policy_sequence_mask,
     sampling_correction_weights,
 )
@@ -109,7 +108,7 @@ def test_sequence_level_ratio_gspo_by_hand():
     token_loss, metrics = grpo_token_loss(logps, old, t([1.0, -1.0]), sequence, 2, objective)
     root2 = math.sqrt(2.0)
     torch.testing.assert_close(token_loss.detach(), t([-root2, -root2, 1.0]), **EXACT)  # each token: its completion's
-    loss = grpo_loss_sum(token_loss, sequence, 2, "grpo", 8)
+    loss = loss_aggregation("grpo").total(token_loss, sequence, 2)
     assert loss.item() == pytest.approx(1.0 - root2, rel=1e-12)
     loss.backward()
     # d(-A exp(mean log-ratio)) / dlogp_i = -A s / |completion|
@@ -180,14 +179,14 @@ def test_cispo_sapo_luspo_vespo_by_hand():
     gates = [1 / (1 + math.exp(-tau * (r - 1))) for tau, r in zip(taus, ratios)]
     torch.testing.assert_close(loss, t([-g * 4 / tau * a for g, tau, a in zip(gates, taus, a_tok)]), **EXACT)
     torch.testing.assert_close(grad, t([-4 * g * (1 - g) * r * a for g, r, a in zip(gates, ratios, a_tok)]), **EXACT)
-    assert grpo_loss_sum(loss, SEQUENCE, 3, "sapo", 8).item() == pytest.approx(
+    assert loss_aggregation("sapo").total(loss, SEQUENCE, 3).item() == pytest.approx(
         sum((loss[i] + loss[j]).item() / 2 for i, j in ((0, 1), (2, 3))) + loss[4].item(), rel=1e-12)  # per completion
     # luspo (sequence level): each completion's clipped loss on all its tokens, summed: a completion's loss x length
     loss, _, _ = run(GRPOObjective(epsilon_low=0.2, epsilon_high=0.2, importance_sampling_level="sequence",
                                    loss_type="luspo"))
     # sequence ratios exp(mean log r): 2, sqrt(0.5), 2 -> -min(2, 1.2) = -1.2; -min(-0.707, -0.8) = 0.8; 4
-    assert grpo_loss_sum(loss, SEQUENCE, 3, "luspo", 8).item() == pytest.approx(2 * -1.2 + 2 * 0.8 + 4.0, rel=1e-12)
-    assert grpo_loss_items("luspo", 3, 5, 8) == 3 and grpo_loss_items("cispo", 3, 5, 8) == 5
+    assert loss_aggregation("luspo").total(loss, SEQUENCE, 3).item() == pytest.approx(2 * -1.2 + 2 * 0.8 + 4.0, rel=1e-12)
+    assert loss_aggregation("luspo").items(3, 5, 8) == 3 and loss_aggregation("cispo").items(3, 5, 8) == 5
     # vespo: phi(w) = exp(lam + k log w - lam w), w = the completion's product of token ratios; loss -phi A logp
     loss, grad, metrics = run(GRPOObjective(loss_type="vespo"))
     w_seq, a_seq = [4.0, 0.5, 2.0], ADVANTAGES

@@ -88,39 +88,59 @@ class RoundScoring:
     ring: object | None = None
 
 
+class OneProcess:
+    """A round's completions in one process: all of them are its own, in round order (`ProcessShare`: several)."""
+
+    def own(self, values):
+        return values
+
+    def gather(self, values: torch.Tensor) -> torch.Tensor:
+        return values.cpu()
+
+
+@dataclass(frozen=True)
+class ProcessShare:
+    """A round's completions over several processes: data-parallel process `rank` of `size` keeps a contiguous slice
+    of them (the processes of a context-parallel group share one); `gather_all(values)`: every process's values in
+    round order (each context-parallel group's once), gathered from `device`."""
+
+    rank: int
+    size: int
+    gather_all: Callable
+    device: object
+
+    def own(self, values):
+        """This process's share of a round's values (in round order, all processes)."""
+        share = len(values) // self.size
+        return values[self.rank * share:(self.rank + 1) * share]
+
+    def gather(self, values: torch.Tensor) -> torch.Tensor:
+        """A round's per-completion values of every process, in round order, on CPU."""
+        return self.gather_all(values.to(self.device)).cpu()
+
+
 class RoundBuilder:
-    """`place`: (this process's data-parallel rank, the data-parallel size); `gather_all(values)`: every process's
-    values in round order (each context-parallel group's once); `trainer_state()`: what reward functions receive as
+    """`share`: this process's part of each round (`OneProcess` or `ProcessShare`, chosen once when the trainer is
+    built), and the gathering of every process's values; `trainer_state()`: what reward functions receive as
     `trainer_state`; `rollout(rows)`: GRPO's agent rollouts (None: one sampled turn), `tools`: they call tools;
     `logs_examples`: this process logs a few completions (`log_completions`, the main process)."""
 
     def __init__(self, settings, session, metrics, rewards, tokenizer, hooks: MethodHooks, scoring: RoundScoring,
-                 target_reading: TargetReading, place: tuple[int, int], gather_all, device, trainer_state,
+                 target_reading: TargetReading, share: OneProcess | ProcessShare, trainer_state,
                  rollout=None, tools: bool = False, logs_examples: bool = False):
         self.settings, self.session, self.metrics, self.rewards, self.tokenizer = settings, session, metrics, rewards, \
             tokenizer
         self.hooks, self.scoring, self.targets = hooks, scoring, target_reading
-        self.rank, self.size = place
-        self.gather_all, self.device, self.trainer_state = gather_all, device, trainer_state
+        self.share, self.trainer_state = share, trainer_state
         self.rollout, self.tools, self.logs_examples = rollout, tools, logs_examples
         self.collate = SharedPromptCollator(tokenizer.pad_token_id, settings.pad_to_multiple_of) \
             if settings.shared_prompt else CausalLMCollator(tokenizer.pad_token_id, ("completion_mask",),
                                                             settings.padding_free, settings.pad_to_multiple_of)
         self.environments = None  # the environment instance of each rollout of the last round (TRL's attribute)
 
-    def local_slice(self, total: int) -> slice:
-        """This process's share of a round's completions (in round order, all processes; the processes of a
-        context-parallel group share one)."""
-        share = total // self.size
-        return slice(self.rank * share, (self.rank + 1) * share)
-
-    def gather(self, values: torch.Tensor) -> torch.Tensor:
-        """A round's per-completion values of every process, in round order (each context-parallel group's once)."""
-        return self.gather_all(values.to(self.device)).cpu()
-
     def own_rows(self, prompt_rows: list[dict], group: int) -> list[dict]:
         """Each prompt repeated `group` times; this process keeps its slice."""
-        return [row for row in prompt_rows for _ in range(group)][self.local_slice(len(prompt_rows) * group)]
+        return self.share.own([row for row in prompt_rows for _ in range(group)])
 
     def training_round(self, prompt_rows: list[dict], steps_per_generation: int) -> list[dict]:
         """Generate, reward and prepare one round; its micro-batches, repeated num_iterations times."""
@@ -168,17 +188,17 @@ class RoundBuilder:
             self.metrics.count_reward_gaps(scores, rows, texts)
         eos = set(self.session.sampling.eos_token_ids)
         terminated = [bool(ids) and ids[-1] in eos for ids in completion_ids]
-        per_function = self.gather(scores.per_function).float()
+        per_function = self.share.gather(scores.per_function).float()
         own = [len(ids) for ids in completion_ids] if rollout is None or rollout.policy_mask is None \
             else [sum(mask) for mask in rollout.policy_mask]  # lengths count the policy's tokens, as in TRL
-        lengths = self.gather(torch.tensor(own))
+        lengths = self.share.gather(torch.tensor(own))
         if rollout is not None and self.tools:
             self.metrics.record_tools(rollout, len(rows), training)
-        ended = self.gather(torch.tensor(terminated))
+        ended = self.share.gather(torch.tensor(terminated))
         rewards = RewardScores(per_function, scores.names, scores.missing, scores.nan).combined(self.rewards.weights)
         self.metrics.record_round(self.rewards.names, per_function, rewards, lengths, ended, training)
         if self.logs_examples:
-            self.metrics.log_examples(rows, texts, rewards[self.local_slice(len(rewards))])
+            self.metrics.log_examples(rows, texts, self.share.own(rewards))
         return {"rewards": rewards, "terminated": terminated, "ended": ended, "per_function": per_function,
                 "store": self.metrics.store(training)}
 
@@ -218,7 +238,7 @@ class RoundBuilder:
 
     def spread(self, batches: list[dict], key: str, values: torch.Tensor) -> None:
         """Round-wide per-completion values (all processes) into each micro-batch's own completions, as `key`."""
-        local = values[self.local_slice(len(values))]
+        local = self.share.own(values)
         for i, batch in enumerate(batches):
             size = int(batch["num_sequences"])
             batch[key] = local[i * size:(i + 1) * size]
@@ -382,15 +402,9 @@ def row_batches(dataset, size: int):
         yield rows
 
 
-def round_loader(dataset, prompts_per_round: int, repeats: int, args, stream: bool) -> RoundLoader:
-    """The train loader of rounds: `prompts_per_round` prompts, each round yielded `repeats` times; `stream`: the
-    dataset is a stream (data/streaming.py's `is_stream`, decided when the trainer is built)."""
-    if stream:
-        if args.dataloader_num_workers:
-            logger.info("A streamed train set is read in rounds by the main process (worker processes would split "
-                        "its generation groups): dataloader_num_workers=%d is not used.", args.dataloader_num_workers)
-        rounds = StreamRounds(dataset, prompts_per_round, repeats, args.shuffle_dataset, args.seed)
-        return RoundLoader(rounds, batch_size=None, collate_fn=as_rows)
+def round_loader(dataset, prompts_per_round: int, repeats: int, args) -> RoundLoader:
+    """The train loader of rounds: `prompts_per_round` prompts, each round yielded `repeats` times (a stream's:
+    `stream_round_loader`, chosen when the trainer is built by data/streaming.py's `is_stream`)."""
     if len(dataset) < prompts_per_round:
         raise ValueError(f"The train dataset has {len(dataset)} prompts, fewer than one generation "
                          f"round needs ({prompts_per_round}).")
@@ -400,3 +414,12 @@ def round_loader(dataset, prompts_per_round: int, repeats: int, args, stream: bo
                     left_out, len(dataset))
     sampler = RoundSampler(len(dataset), prompts_per_round, repeats, args.shuffle_dataset, args.seed)
     return RoundLoader(dataset, batch_sampler=sampler, collate_fn=as_rows, num_workers=args.dataloader_num_workers)
+
+
+def stream_round_loader(stream, prompts_per_round: int, repeats: int, args) -> RoundLoader:
+    """`round_loader` for a stream of prompts (`StreamRounds`), read by the main process."""
+    if args.dataloader_num_workers:
+        logger.info("A streamed train set is read in rounds by the main process (worker processes would split "
+                    "its generation groups): dataloader_num_workers=%d is not used.", args.dataloader_num_workers)
+    rounds = StreamRounds(stream, prompts_per_round, repeats, args.shuffle_dataset, args.seed)
+    return RoundLoader(rounds, batch_size=None, collate_fn=as_rows)

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from enum import Enum
 
 import torch
+from accelerate.utils import DistributedType
 
 from ...losses.head_choice import LIGER, LigerHeadChoice, choose_liger_head
 from ...losses.liger import (
@@ -38,7 +39,7 @@ from ...losses.token_logprobs import (
 )
 from ...memory import offloading
 from ...memory.offloading import log_offloading_scope
-from ...models.output_head import OutputHead
+from ...models.output_head import OutputHead, head_kind
 from ...utils.imports import is_available
 
 logger = logging.getLogger("leantune.trainer")
@@ -96,14 +97,25 @@ def choose_logprob_path(fused_requested: bool, device_type: str, flag: str, chun
     return LogProbPath.CHUNKED
 
 
+def engine_head_kind(accelerator) -> type[OutputHead]:
+    """The heads' class the configured engine needs (models/output_head.py's `head_kind`), from accelerate's
+    distributed type, DeepSpeed's ZeRO stage and the processes, all known when the trainer is built."""
+    engine = accelerator.distributed_type
+    zero3 = engine == DistributedType.DEEPSPEED and accelerator.state.deepspeed_plugin.zero_stage == 3
+    return head_kind(engine == DistributedType.FSDP or zero3, accelerator.num_processes)
+
+
 class LogProbEngine:
     """Target log-probs (and entropies, top-1 and the other TOKEN_STATS) of a trained model's forward pass, by the
     chosen path. `metrics_need_logits()`: an evaluation whose metrics read the logits (compute_metrics); `on_forward`:
-    called with every forward pass's outputs of the trained model (the router loss)."""
+    called with every forward pass's outputs of the trained model (the router loss; None: nothing to note); `head_kind`: the heads' class
+    the engine needs (`engine_head_kind`)."""
 
     def __init__(self, settings, path: LogProbPath, metrics_need_logits: Callable[[], bool],
-                 on_forward: Callable[[torch.nn.Module, object], None], notice_temperature: float = 1.0):
+                 on_forward: Callable[[torch.nn.Module, object], None] | None, notice_temperature: float = 1.0,
+                 head_kind: type[OutputHead] = OutputHead):
         self.settings = settings  # HeadSettings (trainers/settings.py)
+        self.head_kind = head_kind
         self.path = path
         self.metrics_need_logits = metrics_need_logits
         self.on_forward = on_forward
@@ -124,7 +136,7 @@ class LogProbEngine:
         if self.path is not LogProbPath.LIGER:
             return
         try:
-            head = OutputHead.of(model, self.notice_temperature)
+            head = self.head_kind.of(model, self.notice_temperature)
         except ValueError:
             head = None
         problem = liger_head_problem(head, self.settings.device_type) if head is not None else None
@@ -182,7 +194,7 @@ class LogProbEngine:
         holds it, a reference), not in every forward pass: its module and fixed transform do not change."""
         heads = self._heads.setdefault(model, {})
         if temperature not in heads:
-            heads[temperature] = head = OutputHead.of(model, temperature)
+            heads[temperature] = head = self.head_kind.of(model, temperature)
             self.chunk_rows.setdefault(head.vocab_size, self.settings.chunk_rows(head.vocab_size))
         return heads[temperature]
 
@@ -215,7 +227,8 @@ class LogProbEngine:
         finally:
             if hook is not None:
                 hook.remove()
-        self.on_forward(model, outputs)
+        if self.on_forward is not None:
+            self.on_forward(model, outputs)
         return outputs, kept.get("hidden")
 
     def forward_hidden(self, model, inputs: dict, head: OutputHead):
@@ -223,7 +236,8 @@ class LogProbEngine:
         with self.offloading_scope(model), head.capture_hidden_states(head_follows=True) as captured:
             outputs = model(**inputs, use_cache=False)
         outputs.logits = None
-        self.on_forward(model, outputs)
+        if self.on_forward is not None:
+            self.on_forward(model, outputs)
         return captured["hidden"], outputs
 
     # --- target log-probs ---------------------------------------------------------------------------------------
@@ -250,26 +264,17 @@ class LogProbEngine:
 
     def _scores(self, model, inputs, targets: Targets, temperature, with_entropy, entropy_grad, stats,
                 with_hidden, entropy_where_free) -> TargetScores:
+        """By the path: the model's full logits where they are needed, else the loss runs the head itself: Liger's
+        kernel where it gives what is asked, else the chunked head."""
         if self.needs_full_logits(model):
-            with_entropy = with_entropy or entropy_where_free
-            outputs, hidden = self.forward(model, inputs, keep_hidden=with_hidden)
-            scores = TargetScores(logprobs_from_logits(outputs.logits, targets, temperature), targets, outputs,
-                                  hidden=hidden)
-            if with_entropy:
-                scores.entropy = entropy_from_logits(outputs.logits, targets, temperature, entropy_grad)
-            if stats:
-                flat = outputs.logits.reshape(-1, outputs.logits.shape[-1]).index_select(0, targets.index)
-                scores.stats = dict(zip(stats, token_stats_from_logits(flat / temperature, targets.tokens, stats)))
-            return scores
+            return self._full_logits_scores(model, inputs, targets, temperature, with_entropy or entropy_where_free,
+                                            entropy_grad, stats, with_hidden)
         head = self.head_of(model, temperature)
         hidden, outputs = self.forward_hidden(model, inputs, head)
-        liger = self.path is LogProbPath.LIGER and self.liger_scores(head, with_entropy, stats) and len(targets)
-        trains = torch.is_grad_enabled() and (hidden.requires_grad or bool(head.trainable_parameters))
-        if liger and (not trains or per_target_gradients_supported()):
-            result = liger_target_logprobs(hidden, head, targets, bool(stats), self.liger_chunk_rows(head))
-            if stats:
-                return TargetScores(result[0], targets, outputs, stats={"top1": result[1]}, hidden=hidden)
-            return TargetScores(result, targets, outputs, hidden=hidden)
+        if self.path is LogProbPath.LIGER and self.liger_scores(head, with_entropy, stats) and len(targets):
+            scores = self._liger_scores(hidden, head, targets, outputs, stats)
+            if scores is not None:
+                return scores
         with_entropy = with_entropy or entropy_where_free
         result = chunked_logprobs(hidden, head, targets, self.chunk_rows[head.vocab_size], with_entropy, entropy_grad,
                                   stats)
@@ -278,6 +283,30 @@ class LogProbEngine:
         logps, *extra = result
         entropy = extra.pop(0) if with_entropy else None
         return TargetScores(logps, targets, outputs, entropy, dict(zip(stats, extra)), hidden=hidden)
+
+    def _full_logits_scores(self, model, inputs, targets: Targets, temperature, with_entropy, entropy_grad, stats,
+                            with_hidden) -> TargetScores:
+        """From the model's full logits (`chunked_loss=False`, or an evaluation whose metrics read them)."""
+        outputs, hidden = self.forward(model, inputs, keep_hidden=with_hidden)
+        scores = TargetScores(logprobs_from_logits(outputs.logits, targets, temperature), targets, outputs,
+                              hidden=hidden)
+        if with_entropy:
+            scores.entropy = entropy_from_logits(outputs.logits, targets, temperature, entropy_grad)
+        if stats:
+            flat = outputs.logits.reshape(-1, outputs.logits.shape[-1]).index_select(0, targets.index)
+            scores.stats = dict(zip(stats, token_stats_from_logits(flat / temperature, targets.tokens, stats)))
+        return scores
+
+    def _liger_scores(self, hidden, head: OutputHead, targets: Targets, outputs, stats) -> TargetScores | None:
+        """Liger's per-target log-probs (with top-1 when `stats` asks), or None where its kernel cannot give this
+        step's gradient (a liger-kernel without per-target gradients): the chunked head then."""
+        trains = torch.is_grad_enabled() and (hidden.requires_grad or bool(head.trainable_parameters))
+        if trains and not per_target_gradients_supported():
+            return None
+        result = liger_target_logprobs(hidden, head, targets, bool(stats), self.liger_chunk_rows(head))
+        if stats:
+            return TargetScores(result[0], targets, outputs, stats={"top1": result[1]}, hidden=hidden)
+        return TargetScores(result, targets, outputs, hidden=hidden)
 
     def target_nll_sum(self, model, inputs: dict, labels: torch.Tensor, shifted: bool = False):
         """(summed next-token NLL of the targets, their top-1 accuracy or None, Targets, model outputs): Liger's

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ...models.loading import load_causal_lm
-from ...models.output_head import OutputHead, text_config_of
+from ...models.output_head import OutputHead, ShardedOutputHead, text_config_of
 from ...models.segment_attention import use_segment_attention
 from .frozen_models import prepare_frozen_model
 
@@ -29,7 +29,8 @@ class Teacher:
 
     @property
     def head(self) -> OutputHead:
-        return OutputHead.of(self.model)
+        """Its head as placed for any engine (ZeRO-3 partitions a frozen teacher too), its weights read at each call."""
+        return ShardedOutputHead.of(self.model)
 
     @torch.no_grad()
     def logits(self, inputs: dict) -> torch.Tensor:
