@@ -273,6 +273,8 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
         notes.append(note)
     elif fields.get("tiled_mlp"):
         notes.append(f"tiled MLP: {fields['tiled_mlp_tile_size']:,} tokens per tile")
+    if fields.get("tiled_mlp") and fields.get("tiled_attention_projections"):
+        notes.append("tiled attention projections: the layers' norms and q/k/v/o at the tiled MLP's tile")
     engine_context = contextlib.ExitStack()
     if zero is not None:
         engine_context.enter_context(zero_plan.deepspeed_init_off())
