@@ -17,8 +17,10 @@ step (batch 1), AdamW, gradient checkpointing (non-reentrant), gradient clipping
 leantune's optimizer step inside the backward needs it, and the two then learn the same thing), lr 1e-5 constant.
 - leantune: its chunked head (default), the tiled MLP with `--tile` tokens a tile (default the CUDA launch floor,
   1,024: its least memory; the planner's own rule sizes a tile as 1/16 of the device's whole memory, 298,272 tokens
-  for 80 GiB, which leaves a 131,072-token step untiled), checkpoint offload (`checkpoint_offload_layers`: every layer at `--length`; "auto", the fewest that fit the
-  device within the host, in the longest-length search), and the optimizer step inside the backward.
+  for 80 GiB, which leaves a 131,072-token step untiled), the layers' norms and attention projections at the same
+  tile (`tiled_attention_projections`; off with `--no-tiled-projections`), checkpoint offload
+  (`checkpoint_offload_layers`: every layer at `--length`; "auto", the fewest that fit the device within the host,
+  in the longest-length search), and the optimizer step inside the backward.
   (leantune's `activation_offloading` is not used: under checkpointing it offloads the same layer inputs, and a fake
   tensor is one it keeps on the device, so the planner cannot count it; checkpoint offload is planned.)
 - TRL: `activation_offloading=True` (its defaults: pinned memory, a side stream, tensors of 1 KiB and more, a stash
@@ -102,9 +104,10 @@ def shared_fields(length: int) -> dict:
                 max_grad_norm=0.0, packing=False)
 
 
-def leantune_fields(length: int, offload_layers, tile: int) -> dict:
+def leantune_fields(length: int, offload_layers, tile: int, projections: bool = True) -> dict:
     return {**shared_fields(length), "model_init_kwargs": {"dtype": "bfloat16"}, "tiled_mlp": True,
-            "tiled_mlp_tile_size": tile, "checkpoint_offload_layers": offload_layers, "optimizer_in_backward": True}
+            "tiled_mlp_tile_size": tile, "checkpoint_offload_layers": offload_layers, "optimizer_in_backward": True,
+            "tiled_attention_projections": projections}
 
 
 def trl_fields(length: int) -> dict:
@@ -138,7 +141,7 @@ def plan_leantune(config, length: int, opts, tokenizer, offload_layers) -> dict:
     started = time.perf_counter()
     plan = plan_memory(config, rows_dataset(length, opts.vocab, 0, 1), "sft", processing_class=tokenizer,
                        device=opts.device, host_memory=opts.host_memory, measured_step=False, max_batches=1,
-                       **leantune_fields(length, offload_layers, opts.tile))
+                       **leantune_fields(length, offload_layers, opts.tile, not opts.no_tiled_projections))
     step = plan.worst
     offload = plan.offload
     return side(step.peak_bytes, dict(step.parts), plan.device_total_bytes - plan.peak_bytes,
@@ -437,6 +440,8 @@ def parse_args(argv=None):
     parser.add_argument("--tile", type=int, default=MIN_TILE_TOKENS["cuda"],
                         help="leantune's tiled-MLP tile in tokens (default: the CUDA launch floor, its least memory)")
     parser.add_argument("--no-longest", action="store_true", help="skip the longest-length search")
+    parser.add_argument("--no-tiled-projections", action="store_true",
+                        help="leantune without `tiled_attention_projections` (the norms and q/k/v/o untiled)")
     parser.add_argument("--longest-step", type=int, default=4096, help="the search's resolution in tokens")
     parser.add_argument("--longest-limit", type=int, default=1 << 20, help="the longest length searched")
     parser.add_argument("--libraries", default=",".join(LIBRARIES))

@@ -273,6 +273,8 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
         notes.append(note)
     elif fields.get("tiled_mlp"):
         notes.append(f"tiled MLP: {fields['tiled_mlp_tile_size']:,} tokens per tile")
+    if fields.get("tiled_mlp") and fields.get("tiled_attention_projections"):
+        notes.append("tiled attention projections: the layers' norms and q/k/v/o at the tiled MLP's tile")
     engine_context = contextlib.ExitStack()
     if zero is not None:
         engine_context.enter_context(zero_plan.deepspeed_init_off())
@@ -286,7 +288,7 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
                            traced_fields(fields, True), trainer_kwargs, measured_step, max_batches, shard, dtype,
                            cuda_host=cuda_host, **quantized) for count in LAYERS_TRACED]
             regrouped = []
-            extrapolated = _extrapolate(runs, layers, regrouped)
+            extrapolated = _extrapolate(runs, layers, regrouped, beside_needed=zero is not None)
             offload_extrapolated = extrapolated is not None
             if extrapolated is None:
                 notes.append(f"per-layer growth not exactly linear over {LAYERS_TRACED} layers: all {layers} traced")
@@ -406,8 +408,11 @@ def _with_layers(config, count: int):
     return smaller
 
 
-def _extrapolate(runs, layers: int, regrouped: list | None = None):
+def _extrapolate(runs, layers: int, regrouped: list | None = None, beside_needed: bool = True):
     """The traces of LAYERS_TRACED layers to `layers`, if every number grew by the same amount per layer; else None.
+    `beside_needed`: the breakdown beside the gradients (read by ZeRO-2's plan only, zero.py) must grow so too;
+    without ZeRO one that does not is left out (None) rather than costing a trace of every layer (seen: the 8B QLoRA
+    row at 500,000 tokens with the attention block tiled, whose 2-layer trace holds its gradients at another moment).
 
     One exception, named in `regrouped`: a step whose peak grew linearly while some of its parts did not, because a
     tensor of the same bytes is counted in another part with the fewest layers (an activation there, a temporary
@@ -447,7 +452,9 @@ def _extrapolate(runs, layers: int, regrouped: list | None = None):
             names = set().union(*(step.backward_beside_gradients for step in group))
             beside = {name: line([step.backward_beside_gradients.get(name, 0) for step in group]) for name in names}
             if any(value is None for value in beside.values()):
-                return None
+                if beside_needed:
+                    return None
+                beside = None
         steps.append(TracedStep(peak, parts, first.batch, first.step, first.micro_batch, first.any_order, beside,
                                 line([step.host_bytes for step in group])))
     if None in counts:

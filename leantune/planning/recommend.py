@@ -40,6 +40,9 @@ CHECKPOINT_OFFLOAD_COST = 1.04  # layer inputs copied out and back on side strea
 # one more forward of each MLP (its tiles recomputed in the backward: ~2/3 of a layer's forward at moderate lengths,
 # so ~1/6 more of a checkpointed step's work, less as attention grows with the length), and a launch per tile
 TILED_MLP_COST = 1.15
+# one more forward of each layer's norms and q/k/v/o projections (their tiles recomputed in the backward): at Llama's
+# shapes the projections are ~1/4 of the MLP's work (4,096 x 10,240 against 3 x 4,096 x 14,336), and a launch per tile
+TILED_PROJECTIONS_COST = 1.05
 IN_BACKWARD_COST = 1.03  # the same arithmetic; one optimizer per parameter loses the foreach kernels' batching
 FAR_OVER = 1.25  # the run as asked needs over a quarter more than its budget: searched from the frugal end (`_backed_off`)
 
@@ -90,7 +93,8 @@ def why_turned_on(name: str) -> str | None:
 
 VARIED = ("gradient_checkpointing", "activation_offloading", "per_device_train_batch_size",
           "gradient_accumulation_steps", "steps_per_generation", "packing", "padding_free", "loss_chunk_size",
-          "checkpoint_offload_layers", "tiled_mlp", "tiled_mlp_tile_size", "optimizer_in_backward")
+          "checkpoint_offload_layers", "tiled_mlp", "tiled_mlp_tile_size", "optimizer_in_backward",
+          "tiled_attention_projections")
 PIECES = "max_completions_per_generate"  # set before the search when the generation round is over (generation_batch.py)
 
 
@@ -210,13 +214,14 @@ def _technique_settings(fields: dict, vocab_size: int | None, facts: RunFacts | 
         if on is not None:
             settings.append([(technique.field, on, technique.cost)])
         combinations = [done + setting for done in combinations for setting in settings]
-    return [done for done in combinations if _possible(done)]
+    return [done for done in combinations if _possible(done, fields)]
 
 
-def _possible(settings: list[tuple]) -> bool:
-    """Whether every technique on in `settings` can be on beside the others (its `compatible`)."""
+def _possible(settings: list[tuple], fields: dict) -> bool:
+    """Whether every technique on in `settings` can be on beside the others (its `compatible`, which sees the run's
+    `fields` with `settings` over them: a technique kept as the run has it is the run's value)."""
     values = {name: value for name, value, _ in settings}
-    return all(t.compatible is None or values.get(t.field, t.off) in (t.off, None) or t.compatible(values)
+    return all(t.compatible is None or values.get(t.field, t.off) in (t.off, None) or t.compatible({**fields, **values})
                for t in TECHNIQUES)
 
 
@@ -262,6 +267,10 @@ TECHNIQUES = (
     Technique("optimizer_in_backward", _not_yet("optimizer_in_backward"), IN_BACKWARD_COST,
               "each parameter is stepped and its gradient freed as soon as it is complete, never holding every "
               "gradient at once", KEEP, supported=in_backward_supported),
+    Technique("tiled_attention_projections", _not_yet("tiled_attention_projections"), TILED_PROJECTIONS_COST,
+              "each decoder layer's norms and attention projections (with their adapters) run over the tiled MLP's "
+              "tiles, their fp32 upcasts and dropout masks one tile at a time; the attention itself stays whole",
+              KEEP, compatible=lambda on: bool(on.get("tiled_mlp")), supported=tiling_supported),
 )
 
 
@@ -337,14 +346,15 @@ def recommend(plan, budget: int, model, train_dataset, trainer_class, peft_confi
 
 
 def most_frugal(ranked: list[Candidate]) -> Candidate | None:
-    """The candidate that saves the most (checkpointing, the layer inputs offloaded, the tiled MLP, the smallest
-    micro-batch and loss chunk, no padding): if it does not fit, nothing does, and its peak is the least this run can
-    need. Of the two offloads, which cannot be on together, checkpoint offload: the same layer inputs leave the
+    """The candidate that saves the most (checkpointing, the layer inputs offloaded, the tiled MLP and attention
+    projections, the smallest micro-batch and loss chunk, no padding): if it does not fit, nothing does, and its peak
+    is the least this run can need. Of the two offloads, which cannot be on together, checkpoint offload: the same layer inputs leave the
     device, and its host memory is planned and held to the host (activation offloading's is not)."""
     return min(ranked, default=None, key=lambda c: (
         not c.fields["gradient_checkpointing"],
         not (c.fields["activation_offloading"] or c.fields.get("checkpoint_offload_layers")),
-        not c.fields.get("tiled_mlp"), not c.fields.get("optimizer_in_backward"),
+        not c.fields.get("tiled_mlp"), not c.fields.get("tiled_attention_projections"),
+        not c.fields.get("optimizer_in_backward"),
         c.fields["per_device_train_batch_size"], c.fields.get("loss_chunk_size") or 1 << 40,
         not (c.fields.get("packing") or c.fields.get("padding_free")), not c.fields.get("checkpoint_offload_layers")))
 

@@ -105,6 +105,16 @@ class MemoryOptions:
                   "faster of Liger's fused linear cross-entropy and leantune's chunked head, timed once on the GPU "
                   "when the trainer is built, and logged), 'liger' or 'chunked'."},
     )
+    tiled_attention_projections: bool = field(
+        default=False,
+        metadata={"help": "With `tiled_mlp`, also run each decoder layer's norms and attention projections (q, k, v, o "
+                  "with their LoRA adapters) over tiles of the sequence, at the tiled MLP's tile, in the forward and "
+                  "the recompute: their fp32 upcasts and dropout masks exist for one tile at a time; the attention "
+                  "itself runs on the whole sequence (exact)."},
+    )
+    # Why beside `tiled_mlp` and not alone: one tile size (`tiled_mlp_tile_size`) serves both, so the plan sizes one
+    # tile; the MLP's [tokens, intermediate] is the larger of the two, so tiling the projections alone saves the
+    # smaller part only.
 
 
 def validate_memory_options(args) -> None:
@@ -119,6 +129,9 @@ def validate_memory_options(args) -> None:
     if args.tiled_mlp_tile_size is not None and (not args.tiled_mlp or args.tiled_mlp_tile_size <= 0):
         raise ValueError(f"`tiled_mlp_tile_size` needs `tiled_mlp=True` and a positive number of tokens, got "
                          f"tiled_mlp={args.tiled_mlp}, tiled_mlp_tile_size={args.tiled_mlp_tile_size!r}.")
+    if args.tiled_attention_projections and not args.tiled_mlp:
+        raise ValueError("`tiled_attention_projections=True` tiles the norms and attention projections at the tiled "
+                         "MLP's tile (`tiled_mlp_tile_size`); set `tiled_mlp=True` too, or leave it False.")
     if args.activation_offloading_min_bytes < 0:
         raise ValueError("`activation_offloading_min_bytes` must be >= 0.")
     # TRL spells the Liger request use_liger_kernel (SFT; a TrainingArguments field) or use_liger_loss.

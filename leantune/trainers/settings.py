@@ -209,10 +209,12 @@ class TiledMlpSettings:
 
     enabled: bool
     tile_size: int | None = None
+    attention_projections: bool = False  # the norms and attention projections too, at the same tile
 
 
 def tiled_mlp_of(args) -> TiledMlpSettings:
-    return TiledMlpSettings(bool(getattr(args, "tiled_mlp", False)), getattr(args, "tiled_mlp_tile_size", None))
+    return TiledMlpSettings(bool(getattr(args, "tiled_mlp", False)), getattr(args, "tiled_mlp_tile_size", None),
+                            bool(getattr(args, "tiled_attention_projections", False)))
 
 
 @dataclass(frozen=True)

@@ -17,13 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from leantune.memory.sequence_tiles import tiled_forward
 from leantune.memory.tiled_mlp import (
     MIN_TILE_TOKENS,
     TiledMLP,
     install_tiled_mlp,
     remove_tiled_mlp,
     tile_tokens,
-    tiled_forward,
 )
 from leantune.utils.imports import is_available
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import leantune.memory.tiled_mlp as tiled_mlp_module
+import leantune.memory.sequence_tiles as sequence_tiles_module
 from leantune.memory.mlp_kinds import config_intermediate_width
 from leantune.memory.tiled_mlp import TiledMLP, can_tile, install_tiled_mlp, remove_tiled_mlp
 from leantune.utils.imports import is_available
@@ -193,7 +193,7 @@ def test_a_dropped_tile_is_seen(kind, monkeypatch):
     def dropping_second(rows, size):
         return [start for i, start in enumerate(range(0, rows.shape[0], size)) if i != 1]
 
-    monkeypatch.setattr(tiled_mlp_module, "chunk_starts", dropping_second)
+    monkeypatch.setattr(sequence_tiles_module, "chunk_starts", dropping_second)
     install_tiled_mlp(model, TILE)
     tiled = losses_and_grads(model, token_ids(2, 40, 5))
     # not `> 1e-2`: the dropped tile's rows are never written, so they may hold NaN (uninitialised memory)

@@ -130,3 +130,26 @@ def test_a_peak_linear_in_the_layers_is_extrapolated_when_a_tensor_changes_part(
     assert step.peak_bytes == sum(step.parts.values()) == run(2)[3][0].peak_bytes + 30 * 100
     assert _extrapolate([run(2), run(3), run(4)], 32) is None  # the caller that does not take regrouped parts
     assert _extrapolate([run(2), run(3), run(4, peak_growth=101)], 32, []) is None  # the peak itself not linear
+
+
+@pytest.mark.quick
+def test_a_breakdown_beside_the_gradients_that_is_not_linear_is_dropped_unless_zero_reads_it():
+    """The 8B QLoRA plan at 500,000 tokens with the attention block tiled: the peak and its parts grew linearly with
+    2, 3 and 4 layers, the breakdown beside the gradients (read by ZeRO-2's plan only) did not (the 2-layer trace
+    holds its gradients at another moment). Without ZeRO it is left out (None) instead of tracing all 32 layers
+    (stopped after 7 minutes; 29 s extrapolated); a ZeRO plan, which reads it, still traces the whole model."""
+    from leantune.planning.planned_run import TracedStep
+    from leantune.planning.planner import _extrapolate
+
+    def run(layers: int):
+        parts = {"parameters": 1000 + 10 * layers, "activations": 90}
+        beside = {"gradients": 8 if layers > 2 else 3, "activations": 50}
+        return 7 * layers, 1, None, [TracedStep(sum(parts.values()), parts, "rows", 1, None, False, beside)], None
+
+    runs = [run(2), run(3), run(4)]
+    _, _, _, (step,), _ = _extrapolate(runs, 32, [], beside_needed=False)
+    assert step.peak_bytes == 1000 + 320 + 90 and step.backward_beside_gradients is None
+    assert _extrapolate(runs, 32, [], beside_needed=True) is None
+    linear = [(*r[:3], [TracedStep(**{**vars(r[3][0]), "backward_beside_gradients": {"gradients": n}})], None)
+              for n, r in zip((3, 4, 5), runs)]
+    assert _extrapolate(linear, 32, [], beside_needed=True)[3][0].backward_beside_gradients == {"gradients": 33}

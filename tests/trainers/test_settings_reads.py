@@ -29,7 +29,7 @@ PART_FIELDS = (
     "activation_offloading_min_bytes", "activation_offloading_use_streams", "use_liger_kernel", "use_liger_loss", "chunked_loss", "loss_chunk_size",
     "nonfinite_policy", "average_tokens_across_devices", "router_aux_loss_coef", "precompute_ref_log_probs",
     "precompute_ref_batch_size", "sync_ref_model", "ref_model_sync_steps", "ref_model_mixup_alpha",
-    "steps_per_generation", "liger_head", "checkpoint_offload_layers", "tiled_mlp", "tiled_mlp_tile_size",
+    "steps_per_generation", "liger_head", "checkpoint_offload_layers", "tiled_mlp", "tiled_mlp_tile_size", "tiled_attention_projections",
     "optimizer_in_backward", "cache_implementation", "shared_prompt",
 )
 
