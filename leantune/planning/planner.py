@@ -287,21 +287,33 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
             runs = [_trace(_with_layers(config, count), trainer_class, config_class, train_dataset,
                            traced_fields(fields, True), trainer_kwargs, measured_step, max_batches, shard, dtype,
                            cuda_host=cuda_host, **quantized) for count in LAYERS_TRACED]
-            regrouped = []
+            regrouped, counts = [], LAYERS_TRACED
             extrapolated = _extrapolate(runs, layers, regrouped, beside_needed=zero is not None)
+            if extrapolated is None and layers > LAYERS_RETRACED[-1]:
+                counts = LAYERS_RETRACED
+                regrouped.clear()
+                runs = runs[1:] + [_trace(_with_layers(config, LAYERS_RETRACED[-1]), trainer_class, config_class,
+                                          train_dataset, traced_fields(fields, True), trainer_kwargs, measured_step,
+                                          max_batches, shard, dtype, cuda_host=cuda_host, **quantized)]
+                extrapolated = _extrapolate(runs, layers, regrouped, beside_needed=zero is not None, counts=counts)
             offload_extrapolated = extrapolated is not None
             if extrapolated is None:
-                notes.append(f"per-layer growth not exactly linear over {LAYERS_TRACED} layers: all {layers} traced")
+                notes.append(f"per-layer growth not exactly linear over {LAYERS_TRACED} or {LAYERS_RETRACED} layers: "
+                             f"all {layers} traced")
                 result = _trace(config, trainer_class, config_class, train_dataset, traced_fields(fields, False),
                                 trainer_kwargs, measured_step, max_batches, shard, dtype, cuda_host=cuda_host, **quantized)
             else:
                 result = extrapolated
-                notes.append(f"traced with {', '.join(map(str, LAYERS_TRACED))} of the {layers} layers; every part "
+                notes.append(f"traced with {', '.join(map(str, counts))} of the {layers} layers; every part "
                              "grew by the same bytes per layer (exact), extrapolated to all layers" if not regrouped
-                             else f"traced with {', '.join(map(str, LAYERS_TRACED))} of the {layers} layers; the peak "
+                             else f"traced with {', '.join(map(str, counts))} of the {layers} layers; the peak "
                              f"grew by the same bytes per layer (exact), extrapolated to all layers; its parts from "
-                             f"{LAYERS_TRACED[-2]} layers on (a tensor of the same bytes changed part between "
-                             f"{LAYERS_TRACED[0]} and {LAYERS_TRACED[1]}: {', '.join(sorted(set(regrouped)))})")
+                             f"{counts[-2]} layers on (a tensor of the same bytes changed part between "
+                             f"{counts[0]} and {counts[1]}: {', '.join(sorted(set(regrouped)))})")
+                if counts == LAYERS_RETRACED:
+                    notes.append(f"the {LAYERS_TRACED[0]}-layer trace peaked elsewhere (a part that does not grow "
+                                 f"with the layers, such as the final norm's backward, was its peak): "
+                                 f"{', '.join(map(str, LAYERS_RETRACED))} layers used")
         else:
             offload_extrapolated = False
             result = _trace(config, trainer_class, config_class, train_dataset, traced_fields(fields, False),
@@ -337,6 +349,9 @@ def plan_memory(model, train_dataset=None, method="sft", *, args=None, processin
 
 
 LAYERS_TRACED = (2, 3, 4)  # a 1-layer model peaks elsewhere in the step (measured); from 2 layers on it is linear
+# where the 2-layer trace peaks at a moment the layers do not grow (the final norm's backward of a 500,000-token row
+# with the MLP and the attention block tiled), the step is linear from 3 layers on: one more trace, not all layers
+LAYERS_RETRACED = (3, 4, 5)
 
 
 def _trace(config, trainer_class, config_class, train_dataset, fields, trainer_kwargs, measured_step, max_batches,
@@ -408,8 +423,9 @@ def _with_layers(config, count: int):
     return smaller
 
 
-def _extrapolate(runs, layers: int, regrouped: list | None = None, beside_needed: bool = True):
-    """The traces of LAYERS_TRACED layers to `layers`, if every number grew by the same amount per layer; else None.
+def _extrapolate(runs, layers: int, regrouped: list | None = None, beside_needed: bool = True,
+                 counts: tuple[int, int, int] = LAYERS_TRACED):
+    """The traces of `counts` layers to `layers`, if every number grew by the same amount per layer; else None.
     `beside_needed`: the breakdown beside the gradients (read by ZeRO-2's plan only, zero.py) must grow so too;
     without ZeRO one that does not is left out (None) rather than costing a trace of every layer (seen: the 8B QLoRA
     row at 500,000 tokens with the attention block tiled, whose 2-layer trace holds its gradients at another moment).
@@ -422,13 +438,13 @@ def _extrapolate(runs, layers: int, regrouped: list | None = None, beside_needed
         first, second, third = values
         if second - first != third - second:
             return None
-        return first + (layers - LAYERS_TRACED[0]) * (second - first)
+        return first + (layers - counts[0]) * (second - first)
 
     def from_last_two(values):
         second, third = values[1:]
-        return third + (layers - LAYERS_TRACED[-1]) * (third - second)
+        return third + (layers - counts[-1]) * (third - second)
 
-    counts = [line([run[0] for run in runs]), line([run[1] for run in runs])]
+    parameters = [line([run[0] for run in runs]), line([run[1] for run in runs])]
     steps = []
     pairs = [[run[2] for run in runs]] if runs[0][2] is not None else []
     pairs += [[run[3][i] for run in runs] for i in range(len(runs[0][3]))]
@@ -457,10 +473,10 @@ def _extrapolate(runs, layers: int, regrouped: list | None = None, beside_needed
                 beside = None
         steps.append(TracedStep(peak, parts, first.batch, first.step, first.micro_batch, first.any_order, beside,
                                 line([step.host_bytes for step in group])))
-    if None in counts:
+    if None in parameters:
         return None
     second = steps.pop(0) if runs[0][2] is not None else None
-    return counts[0], counts[1], second, steps, runs[0][4]
+    return parameters[0], parameters[1], second, steps, runs[0][4]
 
 
 def _explicit_fields(args) -> set[str]:

@@ -126,3 +126,31 @@ def test_the_search_keeps_it_on_only_where_the_step_needs_it(tokenizer):
     assert offloaded.device_total_bytes < unchecked.device_total_bytes  # measured 115.5 against 116.2 MB
     loose = search((offloaded.device_total_bytes + unchecked.device_total_bytes) // 2)
     assert loose.chosen is not None and not loose.chosen.fields.get("tiled_attention_projections")
+
+
+@pytest.mark.skipif(unsupported_by_transformers() is not None, reason="checkpoint offload is refused by this "
+                    "transformers (it checkpoints a layer's whole call)")
+def test_a_two_layer_trace_that_peaks_elsewhere_is_retraced_from_three_layers(tokenizer, monkeypatch):
+    """The 8B QLoRA row at 500,000 tokens, small: with the MLP and the attention block tiled and the layer inputs on
+    the host, the 2-layer trace peaks in the final norm's backward (a moment the layers do not grow), so 2, 3 and 4
+    layers are not linear (with checkpoint offload's traces, every layer's input but the last on the host); 3, 4
+    and 5 are, and the plan from them equals the trace of all 6 layers to the byte.
+    Before, such a plan traced every layer (at 500,000 tokens minutes a plan, each candidate of the budget search)."""
+    from leantune.planning import planner
+
+    tokens = 8192  # long against the hidden size, as 500,000 is against 4,096: the final norm's fp32 rows show
+    config = LlamaConfig(**{**LLAMA, "num_hidden_layers": 6, "max_position_embeddings": 2 * tokens})
+    dataset = Dataset.from_dict({"prompt": ["count: "], "completion": [" ".join(str(i % 97) for i in range(tokens))]})
+
+    def plan():
+        return planner.plan_memory(config, dataset, "sft", processing_class=tokenizer, peft_config=lora(),
+                                   measured_step=False, device="h100", host_memory="128GiB",
+                                   checkpoint_offload_layers="auto", tiled_attention_projections=True,
+                                   **{**FIELDS, "max_length": tokens})
+
+    retraced = plan()
+    assert any(note.startswith("traced with 3, 4, 5 of the 6 layers") for note in retraced.notes), retraced.notes
+    monkeypatch.setattr(planner, "_layer_count", lambda config: None)  # all 6 layers traced
+    whole = plan()
+    assert retraced.peak_bytes == whole.peak_bytes
+    assert (retraced.offload.layers, retraced.offload.host_bytes) == (whole.offload.layers, whole.offload.host_bytes)
