@@ -57,6 +57,16 @@ def free_device_bytes(device: torch.device) -> int:
     return psutil.virtual_memory().available
 
 
+def rule_tile(module, budget_attribute: str, tokens: int, width: int, hidden: torch.Tensor) -> int:
+    """`tile_tokens` for a tiled module given no tile: against the device's free memory measured at its first call
+    and kept in `budget_attribute` (the same tokens then always get the same tiles), in the compute dtype."""
+    if getattr(module, budget_attribute) is None:
+        setattr(module, budget_attribute, free_device_bytes(hidden.device))
+    device_type = hidden.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
+    return tile_tokens(tokens, width, dtype.itemsize, getattr(module, budget_attribute), device_type)
+
+
 class RngState:
     """The generators' state when a tiled forward began: the backward replays it, so that dropout inside the module
     (PEFT's `lora_dropout`) draws in each tile's recompute the mask it drew in the forward."""

@@ -36,7 +36,15 @@ from .mlp_kinds import (
     tiled_parts,
     untileable_kinds,
 )
-from .sequence_tiles import MIN_TILE_TOKENS, SequenceTiled, free_device_bytes, tile_tokens, tiled_class, untile
+from .sequence_tiles import (
+    MIN_TILE_TOKENS,
+    SequenceTiled,
+    free_device_bytes,
+    rule_tile,
+    tile_tokens,
+    tiled_class,
+    untile,
+)
 from .tiled_projections import install_tiled_projections
 
 logger = logging.getLogger(__name__)
@@ -64,13 +72,7 @@ class TiledMLP(SequenceTiled):
     def tile_for(self, tokens: int, inputs: list[torch.Tensor]) -> int:
         if self.tiled_mlp_tile_size is not None:
             return self.tiled_mlp_tile_size
-        hidden = inputs[0]
-        if self.tiled_mlp_budget is None:  # measured once: the same tokens then always get the same tiles
-            self.tiled_mlp_budget = free_device_bytes(hidden.device)
-        device_type = hidden.device.type
-        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
-        return tile_tokens(tokens, mlp_intermediate_size(self, inputs), dtype.itemsize, self.tiled_mlp_budget,
-                           device_type)
+        return rule_tile(self, "tiled_mlp_budget", tokens, mlp_intermediate_size(self, inputs), inputs[0])
 
 
 def mlp_intermediate_size(mlp: nn.Module, inputs: list[torch.Tensor]) -> int:

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from .mlp_kinds import is_decoder_layer, projection_features
-from .sequence_tiles import SequenceTiled, free_device_bytes, tile_tokens, tiled_class, untile
+from .sequence_tiles import SequenceTiled, rule_tile, tiled_class, untile
 
 logger = logging.getLogger(__name__)
 
@@ -64,13 +64,8 @@ class TiledProjection(SequenceTiled):
     def tile_for(self, tokens: int, inputs: list[torch.Tensor]) -> int:
         if self.tiled_projection_tile_size is not None:
             return self.tiled_projection_tile_size
-        hidden = inputs[0]
-        if self.tiled_projection_budget is None:  # measured once: the same tokens then always get the same tiles
-            self.tiled_projection_budget = free_device_bytes(hidden.device)
-        device_type = hidden.device.type
-        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
-        width = self.tiled_projection_width or hidden.shape[-1]
-        return tile_tokens(tokens, width, dtype.itemsize, self.tiled_projection_budget, device_type)
+        width = self.tiled_projection_width or inputs[0].shape[-1]
+        return rule_tile(self, "tiled_projection_budget", tokens, width, inputs[0])
 
 
 def install_tiled_projections(model: nn.Module, tile_size: int | None = None, rule_width: int | None = None) -> int:

@@ -238,3 +238,30 @@ def test_sft_trains_the_same_with_the_block_tiled(layout, tokenizer, gsm8k_rows,
     assert sum(isinstance(module, TiledProjection) for module in tiled.model.modules()) == BLOCK_MODULES
     assert_runs_equal(trained(tiled), trained(sft(tokenizer, gsm8k_rows, tmp_path / "u", False, **layout)), 2)
 
+
+
+@pytest.mark.quick
+def test_without_a_tile_the_rule_sizes_it_once_against_the_free_memory(monkeypatch):
+    """No tile given: the tiled MLP's rule (`tile_tokens`) at the width given, against the free memory measured at a
+    module's first call and kept, so the same tokens always get the same tiles. A budget as small as the width's
+    one row makes the rule's floor (`MIN_TILE_TOKENS`, set to 16 tokens here) the tile, which the tiles then follow."""
+    model = lora_model(mlp_model("llama"))
+    untiled = token_losses_and_grads(model, ids(2, 50, 3))
+    measured = []
+
+    def tiny_budget(device):
+        measured.append(device)
+        return 1
+
+    monkeypatch.setattr(sequence_tiles_module, "free_device_bytes", tiny_budget)
+    tiles = []
+    monkeypatch.setattr(sequence_tiles_module, "chunk_starts",
+                        lambda rows, size: tiles.append(size) or list(range(0, rows.shape[0], size)))
+    monkeypatch.setitem(sequence_tiles_module.MIN_TILE_TOKENS, "cpu", 16)  # below the 100 tokens: several tiles
+    install_tiled_projections(model, None, rule_width=HIDDEN)
+    tiled = token_losses_and_grads(model, ids(2, 50, 3))
+    token_losses_and_grads(model, ids(2, 50, 3))
+    assert len(measured) == BLOCK_MODULES  # once per module, not once per call
+    assert set(tiles) == {16}  # the floor: a 1-byte budget holds no row
+    assert_exact(tiled, untiled)
+    remove_tiled_projections(model)
