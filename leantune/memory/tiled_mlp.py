@@ -103,8 +103,8 @@ def install_tiled_mlp(model: nn.Module, tile_size: int | None = None) -> int:
         if not isinstance(part, TiledMLP):
             part.__class__ = tiled_class(type(part), TiledMLP)
         part.tiled_mlp_tile_size, part.tiled_mlp_budget = tile_size, None
-    logger.info("Tiled MLP: %d decoder MLPs (or MoE experts) run over tiles of %s tokens.", len(parts),
-                tile_size if tile_size is not None else "planned (free memory)")
+    logger.info("Tiled MLP: %d decoder MLPs (or MoE experts) run over tiles of %s.", len(parts),
+                f"{tile_size} tokens" if tile_size is not None else "tokens sized at the first call by the free memory")
     return len(parts)
 
 

@@ -83,8 +83,8 @@ def install_tiled_projections(model: nn.Module, tile_size: int | None = None, ru
             module.__class__ = tiled_class(type(module), TiledProjection)
         module.tiled_projection_tile_size, module.tiled_projection_width = tile_size, rule_width
         module.tiled_projection_budget = None
-    logger.info("Tiled attention projections: %d norms and projections run over tiles of %s tokens.", len(modules),
-                tile_size if tile_size is not None else "planned (free memory)")
+    logger.info("Tiled attention projections: %d norms and projections run over tiles of %s.", len(modules),
+                f"{tile_size} tokens" if tile_size is not None else "tokens sized at the first call by the free memory")
     return len(modules)
 
 
