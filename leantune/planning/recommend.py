@@ -107,6 +107,7 @@ class Recommendation:
     unplanned: int = 0  # candidates faster than the answer (or, with none, any) left unplanned at the limit
     from_frugal_end: int | None = None  # the run's own need, where it was far over and searched from the frugal end
     steps: list[str] = field(default_factory=list)  # that search's steps: each technique turned off, and whether it fit
+    adapters: bool = False  # the run trains adapters already (LoRA / QLoRA): the "none fits" hint does not offer them
 
     def least(self) -> Candidate | None:
         """The planned candidate that needs the least on the device."""
@@ -129,7 +130,9 @@ class Recommendation:
         if self.chosen is None:
             least = self.least()
             need = "" if least is None else f" (the least planned need: {size_words(least.total_bytes)})"
-            out.append(f"none fits{need}: a smaller model, LoRA, or more processes with a sharding engine is needed")
+            instead = "a shorter max_length" if self.adapters else "LoRA"
+            out.append(f"none fits{need}: a smaller model, {instead}, or more processes with a sharding engine is "
+                       f"needed")
         else:
             out.append("recommended (fits, expected fastest):")
             out += [f"  --{k} {v}" for k, v in sorted(self.chosen.fields.items())
@@ -282,7 +285,7 @@ def recommend(plan, budget: int, model, train_dataset, trainer_class, peft_confi
     `known`: candidate -> its plan when already made (the run's own configuration), else None; `least`: when none
     planned fits, plan the most frugal too (it is the answer if it fits; if it is known and over, nothing is planned).
     A run whose own plan (`plan`) needs more than `FAR_OVER` times the budget is searched from the frugal end."""
-    result = Recommendation(budget)
+    result = Recommendation(budget, adapters=peft_config is not None)
     vocab_size = getattr(model_config_of(model).get_text_config(), "vocab_size", None)
     facts = RunFacts(trainer_class, model_config_of(model), fields, plan.num_processes, plan.engine,
                      peft_config is not None)

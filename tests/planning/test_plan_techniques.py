@@ -207,3 +207,16 @@ def test_a_search_from_the_frugal_end_that_fits_plans_no_shorter_length():
     assert suggest_for_budget(none_fits, lengths, SFTConfig, {"max_length": 2048}, 0.9, search).search is not None
     fastest_first = Recommendation(30, [frugal, answer], answer)  # gave speed up: searched, as before
     assert suggest_for_budget(fastest_first, lengths, SFTConfig, {"max_length": 2048}, 0.9, search).search is not None
+
+
+@pytest.mark.quick
+def test_none_fits_offers_lora_only_to_a_run_without_adapters():
+    """The 8B QLoRA row at 500,000 tokens said "a smaller model, LoRA, ..." to a run that was QLoRA already: a run
+    with adapters is offered a shorter max_length in LoRA's place."""
+    from leantune.planning.recommend import Candidate, Recommendation
+
+    frugal = Candidate({"max_length": 2048}, 1.6, 50, 50)
+    full = Recommendation(30, [frugal], None, from_frugal_end=100).lines()[-1]
+    adapters = Recommendation(30, [frugal], None, from_frugal_end=100, adapters=True).lines()[-1]
+    assert full.startswith("none fits") and "LoRA" in full and "max_length" not in full
+    assert adapters.startswith("none fits") and "LoRA" not in adapters and "a shorter max_length" in adapters
