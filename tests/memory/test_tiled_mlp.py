@@ -154,21 +154,32 @@ def test_lora_dropout_replays_the_forward_masks_in_the_backward():
     assert rel_diff(token_losses_and_grads(model, input_ids)[0], reference[0]) > 1e-3
 
 
-class LargestIntermediate(TorchDispatchMode):
-    """The most rows of any activation an op returns whose last dimension is the MLP's intermediate size (the
-    weights' [hidden, intermediate] views and gradients, HIDDEN rows, are not activations)."""
+class LargestRows(TorchDispatchMode):
+    """The most rows ([rows, width] as numel // width) of any tensor an op returns that `counted` accepts; a tensor
+    of `weight_rows` rows (a weight's view or gradient, not an activation) counts as none."""
 
-    def __init__(self):
+    def __init__(self, counted, weight_rows: int | None = None):
         super().__init__()
-        self.rows = 0
+        self.counted, self.weight_rows, self.rows = counted, weight_rows, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for tensor in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(tensor, torch.Tensor) and tensor.dim() >= 1 and tensor.shape[-1] == INTERMEDIATE:
-                rows = tensor.numel() // INTERMEDIATE
-                self.rows = max(self.rows, 0 if rows == HIDDEN else rows)
+            if isinstance(tensor, torch.Tensor) and tensor.dim() >= 1 and self.counted(tensor):
+                rows = tensor.numel() // tensor.shape[-1]
+                self.rows = max(self.rows, 0 if rows == self.weight_rows else rows)
         return out
+
+
+def largest_intermediate() -> LargestRows:
+    """Activations whose last dimension is the MLP's intermediate size (the weights' [hidden, intermediate] views and
+    gradients, HIDDEN rows, are not activations)."""
+    return LargestRows(lambda tensor: tensor.shape[-1] == INTERMEDIATE, weight_rows=HIDDEN)
+
+
+def dropping_second(rows, size):
+    """A tile loop's starts with its second tile left out (the negative controls' broken tiling)."""
+    return [start for i, start in enumerate(range(0, rows.shape[0], size)) if i != 1]
 
 
 @pytest.mark.parametrize("tiled", [True, False])
@@ -181,7 +192,7 @@ def test_no_tensor_holds_more_than_a_tile_of_intermediates(tiled):
     if tiled:
         install_tiled_mlp(model, TILE)
     input_ids = torch.randint(3, 32000, (2, 50), generator=torch.Generator().manual_seed(4))  # 100 tokens, not HIDDEN
-    with LargestIntermediate() as meter:
+    with largest_intermediate() as meter:
         model(input_ids=input_ids, labels=input_ids).loss.backward()
     assert meter.rows == (TILE if tiled else input_ids.numel())
 
@@ -226,7 +237,7 @@ def test_liger_swiglu_bound_after_tiling_is_tiled_too(monkeypatch):
     install_tiled_mlp(model, TILE)
     for mlp in mlps:  # again, as Trainer.train() does after the trainer was built
         _patch_swiglu_module(mlp, LigerSwiGLUMLP)
-    with LargestIntermediate() as meter:
+    with largest_intermediate() as meter:
         tiled = token_losses_and_grads(model, input_ids)
     assert meter.rows == TILE and all(mlp._get_name() == "LigerSwiGLUMLP" for mlp in mlps)
     assert_exact(tiled, untiled)

@@ -23,14 +23,13 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import leantune.memory.sequence_tiles as sequence_tiles_module
 from leantune.memory.mlp_kinds import config_intermediate_width
 from leantune.memory.tiled_mlp import TiledMLP, can_tile, install_tiled_mlp, remove_tiled_mlp
 from leantune.utils.imports import is_available
 
-from .test_tiled_mlp import EXACT, lora_model, max_rel_diff, rel_diff
+from .test_tiled_mlp import EXACT, LargestRows, dropping_second, lora_model, max_rel_diff, rel_diff
 
 HIDDEN, WIDE, EXPERT = 64, 256, 48  # dense MLPs 4x wide; an expert 48 wide (gated: 96 in its gate-up projection)
 TILE, VOCAB = 16, 1000
@@ -190,9 +189,6 @@ def test_a_dropped_tile_is_seen(kind, monkeypatch):
     model.train()
     untiled = losses_and_grads(model, token_ids(2, 40, 5))
 
-    def dropping_second(rows, size):
-        return [start for i, start in enumerate(range(0, rows.shape[0], size)) if i != 1]
-
     monkeypatch.setattr(sequence_tiles_module, "chunk_starts", dropping_second)
     install_tiled_mlp(model, TILE)
     tiled = losses_and_grads(model, token_ids(2, 40, 5))
@@ -200,22 +196,6 @@ def test_a_dropped_tile_is_seen(kind, monkeypatch):
     assert not max_rel_diff(tiled[3], untiled[3]) <= 1e-2
     with pytest.raises(AssertionError):
         assert_exact(tiled, untiled)
-
-
-class LargestRows(TorchDispatchMode):
-    """The most rows of any op's output whose last dimension is one of `widths` (activations only: a weight has
-    HIDDEN rows, or is 3-D [experts, ...])."""
-
-    def __init__(self, widths):
-        super().__init__()
-        self.widths, self.rows = set(widths), 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for tensor in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(tensor, torch.Tensor) and tensor.dim() == 2 and tensor.shape[-1] in self.widths:
-                self.rows = max(self.rows, 0 if tensor.shape[0] == HIDDEN else tensor.shape[0])
-        return out
 
 
 @pytest.mark.parametrize("tiled", [True, False])
@@ -230,7 +210,8 @@ def test_no_op_holds_more_than_a_tile_of_intermediates(kind, tiled):
     if tiled:
         install_tiled_mlp(model, TILE)
     input_ids = token_ids(2, 50, 6)
-    with LargestRows([WIDE] if kind == "gpt2" else [EXPERT, 2 * EXPERT]) as meter:
+    widths = {WIDE} if kind == "gpt2" else {EXPERT, 2 * EXPERT}  # 2-D: a 3-D [experts, ...] is a weight
+    with LargestRows(lambda tensor: tensor.dim() == 2 and tensor.shape[-1] in widths, weight_rows=HIDDEN) as meter:
         model(input_ids=input_ids, labels=input_ids).loss.backward()
     top_k = 1 if kind == "gpt2" else 2
     assert 0 < meter.rows <= TILE * top_k if tiled else meter.rows > TILE * top_k

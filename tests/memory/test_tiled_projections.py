@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import leantune.memory.sequence_tiles as sequence_tiles_module
 from leantune.memory.checkpoint_offload import unsupported_by_transformers
@@ -34,8 +33,10 @@ from ..fixtures.data import gsm8k_prompt_completion
 from .test_tiled_mlp import (
     HIDDEN,
     TILE,
+    LargestRows,
     assert_exact,
     assert_runs_equal,
+    dropping_second,
     lora_model,
     max_rel_diff,
     mlp_model,
@@ -150,9 +151,6 @@ def test_a_dropped_or_misplaced_tile_is_seen(monkeypatch):
     model = lora_model(mlp_model("llama"))
     untiled = token_losses_and_grads(model, ids(2, 40, 5))
 
-    def dropping_second(rows, size):
-        return [start for i, start in enumerate(range(0, rows.shape[0], size)) if i != 1]
-
     monkeypatch.setattr(sequence_tiles_module, "chunk_starts", dropping_second)
     install_tiled_projections(model, TILE)
     dropped = token_losses_and_grads(model, ids(2, 40, 5))
@@ -165,23 +163,6 @@ def test_a_dropped_or_misplaced_tile_is_seen(monkeypatch):
                                                                                                  size)])
     shifted = token_losses_and_grads(model, ids(2, 40, 5))
     assert not max_rel_diff(shifted[1], untiled[1]) <= 1e-2
-
-
-class LargestFp32Rows(TorchDispatchMode):
-    """The most rows of any fp32 tensor an op returns whose last dimension is the hidden size (the fp32 upcasts of
-    RMSNorm and of LoRA's inputs; an adapter's [r, hidden] weight and gradient have r rows)."""
-
-    def __init__(self):
-        super().__init__()
-        self.rows = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for tensor in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float32 and tensor.dim() >= 1 and \
-                    tensor.shape[-1] == HIDDEN:
-                self.rows = max(self.rows, tensor.numel() // HIDDEN)
-        return out
 
 
 @pytest.mark.parametrize("tiled", [True, False])
@@ -200,7 +181,9 @@ def test_no_fp32_tensor_of_the_layers_holds_more_than_a_tile(tiled):
         install_tiled_mlp(model, TILE)
         install_tiled_projections(model, TILE)
     input_ids = ids(2, 50, 4)  # 100 tokens, not HIDDEN
-    with LargestFp32Rows() as meter:
+    # fp32 [rows, hidden]: the upcasts of RMSNorm and of LoRA's inputs (an adapter's [r, hidden] has r rows)
+    fp32_rows = LargestRows(lambda tensor: tensor.dtype == torch.float32 and tensor.shape[-1] == HIDDEN)
+    with fp32_rows as meter:
         model(input_ids=input_ids).logits[:, :-1].float().logsumexp(-1).sum().backward()
     assert meter.rows == (TILE if tiled else input_ids.numel())
 
