@@ -335,3 +335,14 @@ def print_saved_report(path, summarise, render) -> int:
     report["summary"] = summarise(report)
     print(render(report))
     return 0
+
+
+def finish_report(report: dict, started: float, save, render) -> int:
+    """A bench's end: its seconds in the report, the report saved, its table and the seconds printed. Returns the
+    exit code."""
+    report["seconds"] = round(time.perf_counter() - started, 1)
+    save()
+    print()
+    print(render(report))
+    print(f"\n({report['seconds']:.0f} s in all)")
+    return 0

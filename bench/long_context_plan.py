@@ -67,6 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import (  # noqa: E402
     MIB,
+    finish_report,
     library_versions,
     machine_description,
     markdown_table,
@@ -496,12 +497,7 @@ def main(argv=None) -> int:
         for library in libraries:
             report["longest"][library] = longest_of(library, predictors[library], opts, budget, host)
             save()
-    report["seconds"] = round(time.perf_counter() - started, 1)
-    save()
-    print()
-    print(render(report))
-    print(f"\n({report['seconds']:.0f} s in all)")
-    return 0
+    return finish_report(report, started, save, render)
 
 
 def longest_of(library: str, predict, opts, budget: int, host: int) -> dict:

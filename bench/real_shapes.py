@@ -51,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import (  # noqa: E402
     MIB,
     TOKENIZER_DIR,
+    finish_report,
     library_versions,
     machine_description,
     markdown_table,
@@ -527,12 +528,7 @@ def main(argv=None) -> int:
     # the machine is shared: the peak is measured again at the end, and the better of the two is the one used
     report["matmul_gflops_start_end"] = [gflops, matmul_peak_gflops(opts.matmul_size, opts.matmul_repeats)]
     report["matmul_gflops"] = max(report["matmul_gflops_start_end"])
-    report["seconds"] = round(time.perf_counter() - started, 1)
-    save()
-    print()
-    print(render(report))
-    print(f"\n({report['seconds']:.0f} s in all)")
-    return 0
+    return finish_report(report, started, save, render)
 
 
 if __name__ == "__main__":
